@@ -1,0 +1,181 @@
+"""The ``ftlm`` command: one entry point whose subcommands delegate to the modules.
+
+Nothing here decides anything; it parses arguments, builds configs and calls the component that
+does the work. ``FtlmError`` is reported as one line (exit status 2) instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import uuid
+from pathlib import Path
+
+from ftlm.errors import FtlmError
+
+
+def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("config", nargs=None if required else "?", help="TOML run config, e.g. configs/tiny.toml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config field (repeatable), e.g. --set train.steps=100")
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from ftlm.data.tokenizer import train_tokenizer
+    tok = train_tokenizer([Path(p) for p in args.inputs], Path(args.out), vocab_size=args.vocab_size,
+                          text_field=args.field, column=args.column)
+    print(f"tokenizer with {tok.vocab_size} tokens written to {args.out}")
+    return 0
+
+
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from ftlm.data.prepare import prepare
+    manifest = prepare(Path(args.input), Path(args.out), Path(args.tokenizer), args.seq_len,
+                       text_field=args.field, column=args.column, workers=args.workers)
+    print(f"{manifest['num_samples']} samples of {manifest['seq_len']} tokens in "
+          f"{len(manifest['shards'])} shard(s) under {args.out}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from ftlm.config import load_config
+    from ftlm.train.trainer import Trainer
+    config = load_config(args.config, args.overrides)
+    coordinator = config.ft.coordinator or os.environ.get("FTLM_COORDINATOR", "")
+    if not coordinator:
+        summary = Trainer(config).train()
+        from ftlm.observe.report import format_summary, write_report
+        from ftlm.observe.events import read_events
+        write_report(config.run.path, summary, read_events(config.run.path / "events.jsonl"))
+        print(format_summary(summary))
+        return 0
+    from ftlm.ft.faults import fault_from_env
+    from ftlm.ft.manager import Manager
+    from ftlm.observe.events import EventLog
+    from ftlm.train.trainer import resolve_device
+    group = os.environ.get("FTLM_GROUP_ID", "g0")
+    incarnation = os.environ.get("FTLM_INCARNATION") or uuid.uuid4().hex
+    groups = int(os.environ.get("FTLM_GROUPS", "0")) or config.ft.groups
+    token = os.environ.get("FTLM_TOKEN", "") or config.ft.read_token()
+    events = EventLog(config.run.path / "events.jsonl", group=group)
+    manager = Manager(config.ft, group, incarnation, coordinator, token=token, events=events,
+                      device=resolve_device(config.train.device), fault=fault_from_env())
+    result = Trainer(config, ft=manager, group=group, groups=groups, standalone=False).train()
+    result["incarnation"] = incarnation
+    # The supervisor collects each group's final state hash from this line.
+    print("FTLM_RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from ftlm.config import load_config
+    from ftlm.ft.coordinator import Coordinator
+    config = load_config(args.config, args.overrides)
+    coordinator = Coordinator(config.ft.coordinator_config(host=args.host, port=args.port))
+    coordinator.serve_forever()
+    return 0
+
+
+def cmd_launch_local(args: argparse.Namespace) -> int:
+    from ftlm.config import load_config
+    from ftlm.launch.local import LocalLauncher
+    config = load_config(args.config, args.overrides)
+    summary = LocalLauncher(config, groups=args.groups, chaos_mtbf=args.chaos_mtbf,
+                            chaos_hang=args.chaos_hang, chaos_seed=args.chaos_seed,
+                            config_path=args.config, overrides=args.overrides).run()
+    return 0 if summary.get("replicas_identical") else 1
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from ftlm.observe.events import read_events
+    from ftlm.observe.report import format_summary, write_report
+    run_dir = Path(args.run_dir)
+    summary_path = run_dir / "summary.json"
+    if not summary_path.is_file():
+        raise FtlmError(f"{summary_path} not found: is {run_dir} a run directory of a finished run?")
+    summary = json.loads(summary_path.read_text())
+    path = write_report(run_dir, summary, read_events(run_dir / "events.jsonl"))
+    print(format_summary(summary))
+    print(f"report written to {path}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ftlm.demo import run_demo
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ftlm", description="Fault-tolerant LLM training (FT-HSDP).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("demo", help="fault-tolerant training of the tiny model with chaos on the demo corpus")
+    p.add_argument("--groups", type=int, default=3, help="replica groups (default 3)")
+    p.add_argument("--seconds", type=float, default=120.0, help="approximate training time (default 120)")
+    p.add_argument("--chaos-mtbf", type=float, default=25.0, help="mean seconds between injected failures")
+    p.add_argument("--run-dir", default="runs/demo", help="run directory (default runs/demo)")
+    p.add_argument("--data-dir", default="data/demo", help="demo data cache (default data/demo)")
+    p.set_defaults(fn=cmd_demo)
+
+    p = sub.add_parser("train", help="train one replica group (fault tolerant when FTLM_COORDINATOR is set)")
+    _add_config_args(p)
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("coordinator", help="run the coordinator (membership, per-step quorum, status page)")
+    _add_config_args(p, required=False)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=29510, help="port (default 29510; 0 = any free port)")
+    p.set_defaults(fn=cmd_coordinator)
+
+    p = sub.add_parser("launch", help="launch a fault-tolerant job")
+    lsub = p.add_subparsers(dest="target", required=True, metavar="TARGET")
+    lp = lsub.add_parser("local", help="coordinator + N replica groups as local processes, with chaos")
+    _add_config_args(lp)
+    lp.add_argument("--groups", type=int, default=2, help="number of replica groups (default 2)")
+    lp.add_argument("--chaos-mtbf", type=float, default=0.0,
+                    help="mean seconds between failures injected with SIGKILL (0: no chaos)")
+    lp.add_argument("--chaos-hang", action="store_true", help="use SIGSTOP (a hang) for some failures")
+    lp.add_argument("--chaos-seed", type=int, default=0, help="seed of the failure schedule")
+    lp.set_defaults(fn=cmd_launch_local)
+
+    p = sub.add_parser("data", help="data preparation")
+    dsub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    dp = dsub.add_parser("prepare", help="tokenise text into packed Parquet training samples")
+    dp.add_argument("input", help="folder of .txt, a .jsonl or a .parquet file")
+    dp.add_argument("--out", required=True, help="output directory")
+    dp.add_argument("--tokenizer", required=True, help="tokenizer.json (see `ftlm tokenizer train`)")
+    dp.add_argument("--seq-len", type=int, default=256, help="tokens per sample (default 256)")
+    dp.add_argument("--field", default="text", help="JSONL field holding the text (default text)")
+    dp.add_argument("--column", default="text", help="Parquet column holding the text (default text)")
+    dp.add_argument("--workers", type=int, default=0, help="tokeniser processes (0: automatic)")
+    dp.set_defaults(fn=cmd_data_prepare)
+
+    p = sub.add_parser("tokenizer", help="tokenizer training")
+    tsub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    tp = tsub.add_parser("train", help="train a byte-level BPE tokenizer")
+    tp.add_argument("inputs", nargs="+", help=".txt files or folders, .jsonl or .parquet files")
+    tp.add_argument("--out", required=True, help="path of the tokenizer.json to write")
+    tp.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size (default 4096)")
+    tp.add_argument("--field", default="text", help="JSONL field holding the text (default text)")
+    tp.add_argument("--column", default="text", help="Parquet column holding the text (default text)")
+    tp.set_defaults(fn=cmd_tokenizer_train)
+
+    p = sub.add_parser("report", help="(re)write report.md of a run directory and print its headline")
+    p.add_argument("run_dir", help="run directory, e.g. runs/demo")
+    p.set_defaults(fn=cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except FtlmError as e:
+        print(f"ftlm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""The root run configuration: one section per component, loaded from TOML plus ``--set`` overrides.
+
+Each component owns its ``Config`` dataclass (``ModelConfig`` in ``ftlm.model``, ``DataConfig`` in
+``ftlm.data``, ...); this module only composes them, coerces override strings to the field types,
+refuses unknown keys and writes the resolved config next to the run. It does not validate values:
+each section's ``__post_init__`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from ftlm.data.config import DataConfig
+from ftlm.errors import ConfigError
+from ftlm.ft.config import FTConfig
+from ftlm.model.config import ModelConfig
+from ftlm.observe.config import ObserveConfig
+from ftlm.train.config import CheckpointConfig, TrainConfig
+
+
+@dataclass
+class RunSection:
+    """Identity and location of a run."""
+
+    name: str = "run"
+    """Name of the run; the run directory defaults to ``runs/<name>``."""
+    dir: str = ""
+    """Run directory; empty means ``runs/<name>``."""
+    seed: int = 0
+    """Seed of the model initialisation and of the data order."""
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"run.name={self.name!r} must be a non-empty name without '/'")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"run.seed={self.seed!r} must be a non-negative integer")
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir) if self.dir else Path("runs") / self.name
+
+
+@dataclass
+class RunConfig:
+    """Everything a run needs, one section per component (DESIGN.md section 10)."""
+
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ft: FTConfig = field(default_factory=FTConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {f.name: _section_dict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+
+def _section_dict(section: Any) -> dict[str, Any]:
+    # TOML has no null: an unset optional field is simply left out.
+    return {k: v for k, v in dataclasses.asdict(section).items() if v is not None}
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(RunConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(RunConfig)}
+
+
+def _coerce(section: str, key: str, hint: Any, value: Any, from_string: bool) -> Any:
+    """Convert ``value`` to the field's type; strings from ``--set`` are parsed."""
+    where = f"{section}.{key}={value!r}"
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    allowed = [t for t in options if t is not type(None)]
+    if value is None or (from_string and value in ("none", "None") and type(None) in options):
+        if type(None) in options:
+            return None
+        raise ConfigError(f"{where}: a value is required")
+    for t in allowed:
+        if t is bool:
+            if isinstance(value, bool):
+                return value
+            if from_string and str(value).lower() in ("true", "false", "1", "0", "yes", "no"):
+                return str(value).lower() in ("true", "1", "yes")
+        elif t is int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            if from_string:
+                try:
+                    return int(value)
+                except ValueError:
+                    pass
+        elif t is float:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            if from_string:
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+        elif t is str:
+            if isinstance(value, str):
+                return value
+        elif typing.get_origin(t) is list:
+            if isinstance(value, list):
+                return value
+            if from_string:
+                return [v.strip() for v in str(value).split(",") if v.strip()]
+    names = " or ".join(getattr(t, "__name__", str(t)) for t in allowed)
+    raise ConfigError(f"{where}: expected {names}")
+
+
+def build_config(raw: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
+    """Compose a ``RunConfig`` from a parsed TOML dict and ``section.key=value`` overrides."""
+    sections = _section_types()
+    values: dict[str, dict[str, Any]] = {name: {} for name in sections}
+    for name, body in raw.items():
+        if name not in sections:
+            raise ConfigError(f"unknown config section [{name}]; valid: {', '.join(sections)}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"config section [{name}] must be a table, got {body!r}")
+        for key, value in body.items():
+            values[name][key] = (value, False)
+    for item in overrides or []:
+        dotted, sep, value = item.partition("=")
+        name, dot, key = dotted.strip().partition(".")
+        if not sep or not dot or not key:
+            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.steps=100")
+        if name not in sections:
+            raise ConfigError(f"--set {item!r}: unknown section {name!r}; valid: {', '.join(sections)}")
+        values[name][key] = (value.strip(), True)
+    built = {}
+    for name, cls in sections.items():
+        hints = typing.get_type_hints(cls)
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for key, (value, from_string) in values[name].items():
+            if key not in known:
+                raise ConfigError(f"unknown key {name}.{key}; valid keys of [{name}]: "
+                                  f"{', '.join(sorted(known))}")
+            kwargs[key] = _coerce(name, key, hints[key], value, from_string)
+        built[name] = cls(**kwargs)
+    return RunConfig(**built)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a TOML config file (or none) and apply ``--set`` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; see configs/ for examples")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    return build_config(raw, overrides)
+
+
+def save_config(config: RunConfig, path: Path) -> None:
+    """Write the resolved config (every field, defaults included) as TOML."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config.to_toml())

@@ -1,0 +1,27 @@
+"""Where the training data comes from and how it is read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ftlm.errors import ConfigError
+
+
+@dataclass
+class DataConfig:
+    """Prepared dataset used by the trainer."""
+
+    dir: str = "data/demo"
+    """Directory written by ``ftlm data prepare`` (``manifest.json`` plus Parquet shards)."""
+    tokenizer: str = ""
+    """Path of ``tokenizer.json``; empty means the copy inside ``dir``."""
+    seq_len: int = 256
+    """Tokens per training sample (input length); must equal the manifest's ``seq_len``."""
+    prefetch: int = 4
+    """Batches the background thread prepares ahead of the trainer (0 disables the thread)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.seq_len, int) or self.seq_len < 2:
+            raise ConfigError(f"data.seq_len={self.seq_len!r} must be an integer >= 2")
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ConfigError(f"data.prefetch={self.prefetch!r} must be an integer >= 0")

@@ -1,0 +1,260 @@
+"""Synchronous client of the coordinator, used by a group's leader, plus its heartbeat thread.
+
+Responsible for: speaking the coordinator's HTTP protocol (``ftlm.ft.coordinator``) with keep-alive
+connections, one per calling thread, and turning its answers into ``Quorum`` objects or typed
+errors the manager can act on.
+
+Not responsible for: retry policy or deadlines (the manager retries ``CoordinatorUnavailable`` and
+``QuorumTimeout`` until its own deadline, since the coordinator may be restarting), nor for sharing
+the answer with the other ranks of the group.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import threading
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+from ftlm.errors import ConfigError
+from ftlm.ft.quorum import Quorum, StaleIncarnation
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CoordinatorClient",
+    "CoordinatorError",
+    "CoordinatorUnavailable",
+    "Heartbeater",
+    "QuorumTimeout",
+    "StaleIncarnation",
+]
+
+
+class CoordinatorError(Exception):
+    """The coordinator answered with an unexpected error (a bug on one side; not worth retrying)."""
+
+
+class CoordinatorUnavailable(CoordinatorError):
+    """The coordinator could not be reached or did not answer in time; it may be restarting."""
+
+
+class QuorumTimeout(CoordinatorError):
+    """No quorum including this group was issued within the requested time (HTTP 504)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"no quorum yet: {reason}")
+        self.reason = reason
+
+
+# Errors that mean "no usable answer from the server" rather than "the server said no".
+# OSError covers refused and reset connections and socket timeouts.
+_NETWORK_ERRORS = (OSError, http.client.HTTPException)
+
+
+class CoordinatorClient:
+    """Talks to the coordinator for one incarnation of one replica group; safe to share across threads."""
+
+    def __init__(self, url: str, group: str, incarnation: str, token: str = "", timeout: float = 5.0) -> None:
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme != "http" or not parsed.hostname:
+            raise ConfigError(f"coordinator url {url!r} must look like http://HOST:PORT (FTLM_COORDINATOR)")
+        self.url = url.rstrip("/")
+        self._host = parsed.hostname
+        self._port = parsed.port or 80
+        self.group = group
+        self.incarnation = incarnation
+        self.timeout = timeout
+        self._headers = {"Content-Type": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._local = threading.local()  # one keep-alive connection per calling thread
+        self._all: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    @property
+    def replica_id(self) -> str:
+        return f"{self.group}:{self.incarnation}"
+
+    def heartbeat(self, step: int, quorum_id: int) -> dict[str, Any]:
+        """Report liveness; returns ``{"quorum_id", "alive": [replica ids], "dead": [replica ids]}``."""
+        body = {"group": self.group, "incarnation": self.incarnation, "step": step, "quorum_id": quorum_id}
+        _, answer = self._request("POST", "/v1/heartbeat", body, self.timeout)
+        return answer
+
+    def quorum(self, step: int, last_quorum_id: int, failed: bool, meta: dict[str, Any], timeout: float) -> Quorum:
+        """Ask for the quorum of the next step, waiting up to ``timeout`` seconds (server caps at 60 s).
+
+        Raises QuorumTimeout when none was issued in time, CoordinatorUnavailable when the server is
+        unreachable, StaleIncarnation when this incarnation was replaced by a newer one.
+        """
+        body = {
+            "group": self.group,
+            "incarnation": self.incarnation,
+            "step": step,
+            "last_quorum_id": last_quorum_id,
+            "failed": failed,
+            "meta": meta,
+            "timeout": timeout,
+        }
+        # The socket waits for the long-poll plus the ordinary timeout for the answer to travel.
+        _, answer = self._request("POST", "/v1/quorum", body, timeout + self.timeout)
+        try:
+            return Quorum.from_json(answer)
+        except ValueError as e:
+            raise CoordinatorError(f"coordinator at {self.url} sent a malformed quorum: {e}") from e
+
+    def status(self) -> dict[str, Any]:
+        """The coordinator's ``/status`` JSON."""
+        _, answer = self._request("GET", "/status", None, self.timeout)
+        return answer
+
+    def close(self) -> None:
+        """Close every connection this client opened (from any thread)."""
+        with self._lock:
+            conns, self._all = self._all, []
+        for conn in conns:
+            conn.close()
+        self._local = threading.local()
+
+    # ------------------------------------------------------------------------------ internals
+
+    def _connection(self, timeout: float) -> tuple[http.client.HTTPConnection, bool]:
+        conn = getattr(self._local, "conn", None)
+        reused = conn is not None
+        if conn is None:
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+            self._local.conn = conn
+            with self._lock:
+                self._all.append(conn)
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn, reused
+
+    def _drop_connection(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+            with self._lock:
+                if conn in self._all:
+                    self._all.remove(conn)
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        for attempt in range(2):
+            conn, reused = self._connection(timeout)
+            try:
+                conn.request(method, path, body=data, headers=self._headers)
+                resp = conn.getresponse()
+                raw = resp.read()
+                status = resp.status
+                break
+            except _NETWORK_ERRORS as e:
+                self._drop_connection()
+                # A kept-alive connection the server closed while idle fails on first use: retry once
+                # on a fresh one. Timeouts are not retried: the server may be hung.
+                if attempt == 0 and reused and not isinstance(e, TimeoutError):
+                    continue
+                raise CoordinatorUnavailable(f"coordinator at {self.url} unreachable: {e!r}") from e
+        try:
+            answer = json.loads(raw) if raw else {}
+        except ValueError:
+            answer = {"error": raw[:200].decode(errors="replace")}
+        if status == 200:
+            return status, answer
+        message = answer.get("error", "") if isinstance(answer, dict) else str(answer)
+        if status == 504:
+            raise QuorumTimeout(str(answer.get("reason", message)))
+        if status == 409:
+            raise StaleIncarnation(message)
+        if status == 401:
+            raise ConfigError(
+                f"coordinator at {self.url} refused the token ({message}); give every process the job's "
+                "token (FTLM_TOKEN)"
+            )
+        if status in (502, 503):
+            raise CoordinatorUnavailable(f"coordinator at {self.url} answered {status}: {message}")
+        raise CoordinatorError(f"coordinator at {self.url} answered {status} to {method} {path}: {message}")
+
+
+class Heartbeater:
+    """A daemon thread that heartbeats every ``interval`` seconds until stopped.
+
+    ``get_state()`` returns ``(step, quorum_id)`` to report; ``on_alive(alive)`` receives the replica
+    ids the coordinator sees alive (the manager aborts an all-reduce when a quorum member is gone).
+    An unreachable coordinator is retried quietly (one log line when it goes away and one when it
+    comes back). A replaced incarnation stops the thread and is kept in ``stale``.
+    """
+
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        interval: float,
+        get_state: Callable[[], tuple[int, int]],
+        on_alive: Callable[[set[str]], None] | None = None,
+    ) -> None:
+        if interval <= 0:
+            raise ConfigError(f"heartbeat interval={interval!r} must be a number of seconds > 0")
+        self.client = client
+        self.interval = interval
+        self.get_state = get_state
+        self.on_alive = on_alive
+        self.last_answer: dict[str, Any] | None = None
+        self.stale: StaleIncarnation | None = None
+        self.failures = 0  # consecutive heartbeats without an answer
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("Heartbeater.start() called twice")
+        self._thread = threading.Thread(target=self._run, name=f"ftlm-heartbeat-{self.client.group}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop and join the thread; waits at most ``timeout`` (default: one request's timeout + 1 s)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout if timeout is not None else self.client.timeout + 1.0)
+            if self._thread.is_alive():
+                log.warning("heartbeat thread of %s did not stop in time", self.client.replica_id)
+
+    def beat(self) -> None:
+        """Send one heartbeat now (the thread calls this; tests may too)."""
+        step, quorum_id = self.get_state()
+        answer = self.client.heartbeat(step, quorum_id)
+        self.last_answer = answer
+        if self.on_alive is not None:
+            self.on_alive(set(answer.get("alive", [])))
+
+    def _run(self) -> None:
+        try:
+            self._beat_until_stopped()
+        finally:
+            self.client._drop_connection()  # this thread's keep-alive connection dies with it
+
+    def _beat_until_stopped(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.beat()
+                if self.failures:
+                    log.info("coordinator reachable again after %d missed heartbeats", self.failures)
+                self.failures = 0
+            except CoordinatorUnavailable as e:
+                if self.failures == 0:
+                    log.warning("heartbeat of %s failed, will keep trying: %s", self.client.replica_id, e)
+                self.failures += 1
+            except StaleIncarnation as e:
+                log.error("%s", e)
+                self.stale = e
+                return
+            except Exception as e:  # noqa: BLE001 - keep beating: one bad answer must not stop liveness
+                if self.failures == 0:
+                    log.exception("heartbeat of %s failed: %s", self.client.replica_id, e)
+                self.failures += 1
+            self._stop.wait(self.interval)

@@ -1,0 +1,152 @@
+"""Settings of the fault-tolerant runtime: the coordinator's own section.
+
+Only the dataclasses and their validation live here; the coordinator, client and manager read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ftlm.errors import ConfigError
+
+_COORDINATOR = "coordinator"  # prefix of field names in error messages
+
+
+def _require_number(section: str, name: str, value: object, *, positive: bool) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok and (value > 0 if positive else value >= 0):
+        return
+    bound = "> 0" if positive else ">= 0"
+    raise ConfigError(f"{section}.{name}={value!r} must be a number of seconds {bound}")
+
+
+@dataclass
+class CoordinatorConfig:
+    """The coordinator server: where it listens, when it issues a quorum, what it accepts."""
+
+    host: str = "127.0.0.1"
+    """Address to bind; 127.0.0.1 keeps it on this machine, 0.0.0.0 exposes it (set a token then)."""
+    port: int = 0
+    """TCP port to listen on; 0 lets the operating system choose a free one."""
+    min_replicas: int = 1
+    """Fewest replica groups a quorum may have; fewer asking means the step waits."""
+    join_timeout: float = 2.0
+    """Seconds to wait for stragglers after a round's first request when membership changed."""
+    heartbeat_timeout: float = 1.0
+    """Seconds without a heartbeat after which a group is declared dead."""
+    token: str = ""
+    """Shared job token required as ``Authorization: Bearer <token>``; empty disables auth."""
+    max_request_bytes: int = 65536
+    """Largest request body accepted; bigger ones get 413."""
+    tick_interval: float = 0.05
+    """Seconds between re-evaluations without traffic (fires join and heartbeat timeouts)."""
+
+    def __post_init__(self) -> None:
+        s = _COORDINATOR
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError(f"{s}.host={self.host!r} must be a non-empty address such as 127.0.0.1")
+        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
+            raise ConfigError(f"{s}.port={self.port!r} must be an integer in [0, 65535] (0: any free port)")
+        if not isinstance(self.min_replicas, int) or isinstance(self.min_replicas, bool) or self.min_replicas < 1:
+            raise ConfigError(f"{s}.min_replicas={self.min_replicas!r} must be an integer >= 1")
+        _require_number(s, "join_timeout", self.join_timeout, positive=False)
+        _require_number(s, "heartbeat_timeout", self.heartbeat_timeout, positive=True)
+        _require_number(s, "tick_interval", self.tick_interval, positive=True)
+        if self.tick_interval >= self.heartbeat_timeout:
+            raise ConfigError(
+                f"{s}.tick_interval={self.tick_interval!r} must be below "
+                f"{s}.heartbeat_timeout={self.heartbeat_timeout!r}, or dead groups are noticed late"
+            )
+        if not isinstance(self.token, str):
+            raise ConfigError(f"{s}.token must be a string (empty disables auth), got {type(self.token).__name__}")
+        mrb = self.max_request_bytes
+        if not isinstance(mrb, int) or isinstance(mrb, bool) or mrb < 1024:
+            raise ConfigError(f"{s}.max_request_bytes={mrb!r} must be an integer >= 1024")
+
+
+LR_POLICIES = ("none", "linear", "sqrt")
+
+
+@dataclass
+class FTConfig:
+    """The ``[ft]`` section: fault tolerance across replica groups (off without a coordinator)."""
+
+    coordinator: str = ""
+    """Coordinator URL; empty means the ``FTLM_COORDINATOR`` environment variable, or no FT."""
+    token_file: str = ""
+    """File holding the job token when ``FTLM_TOKEN`` is not set; empty means no token."""
+    groups: int = 0
+    """Replica groups the job is meant to have (N of the degraded-mode LR); the launcher sets it."""
+    min_replicas: int = 1
+    """Fewest groups that may form a quorum."""
+    heartbeat_interval: float = 0.1
+    """Seconds between a group leader's heartbeats."""
+    heartbeat_timeout: float = 1.0
+    """Seconds without a heartbeat after which a group is declared dead."""
+    join_timeout: float = 2.0
+    """Seconds a changed quorum waits for stragglers before forming without them."""
+    allreduce_timeout: float = 10.0
+    """Seconds a cross-group collective (or joining its group) may take before the step fails."""
+    quorum_timeout: float = 60.0
+    """Seconds a group waits for a quorum before giving up (the supervisor then restarts it)."""
+    give_up_seconds: float = 300.0
+    """Seconds without any committed step after which the local launcher ends the job."""
+    max_consecutive_failures: int = 20
+    """Failed steps in a row after which a group exits with an error."""
+    lr_policy: str = "sqrt"
+    """LR scaling with P of N groups participating: none, linear (P/N) or sqrt (sqrt(P/N))."""
+    catchup_max_steps: int = 64
+    """Averaged updates a recovering group buffers before it asks for a fresher snapshot."""
+    bucket_bytes: int = 25 << 20
+    """Size of the flat buckets of the gradient all-reduce."""
+    transfer_parallel: int = 4
+    """Parallel connections of a live state transfer."""
+    transfer_chunk_bytes: int = 4 << 20
+    """Chunk size of a live state transfer (each chunk is checksummed)."""
+    restart_delay: float = 1.0
+    """Seconds the local supervisor waits before restarting a group whose process died."""
+
+    def __post_init__(self) -> None:
+        s = "ft"
+        for name in ("heartbeat_interval", "heartbeat_timeout", "allreduce_timeout",
+                     "quorum_timeout", "give_up_seconds"):
+            _require_number(s, name, getattr(self, name), positive=True)
+        _require_number(s, "join_timeout", self.join_timeout, positive=False)
+        _require_number(s, "restart_delay", self.restart_delay, positive=False)
+        for name, low in (("groups", 0), ("min_replicas", 1), ("max_consecutive_failures", 1),
+                          ("catchup_max_steps", 1), ("bucket_bytes", 1), ("transfer_parallel", 1),
+                          ("transfer_chunk_bytes", 1024)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"{s}.{name}={value!r} must be an integer >= {low}")
+        if self.lr_policy not in LR_POLICIES:
+            raise ConfigError(f"{s}.lr_policy={self.lr_policy!r}; valid: {', '.join(LR_POLICIES)}")
+        chain = [("heartbeat_interval", self.heartbeat_interval),
+                 ("heartbeat_timeout", self.heartbeat_timeout),
+                 ("allreduce_timeout", self.allreduce_timeout),
+                 ("quorum_timeout", self.quorum_timeout),
+                 ("give_up_seconds", self.give_up_seconds)]
+        for (a, va), (b, vb) in zip(chain, chain[1:]):
+            if not va < vb:
+                raise ConfigError(
+                    f"timeout chain broken: {s}.{a}={va} must be below {s}.{b}={vb} "
+                    "(heartbeat interval < heartbeat timeout < all-reduce timeout < quorum "
+                    "timeout < give-up; DESIGN.md section 5)")
+
+    def read_token(self) -> str:
+        """The job token from ``token_file`` (empty when none is configured)."""
+        if not self.token_file:
+            return ""
+        from pathlib import Path
+        path = Path(self.token_file)
+        if not path.is_file():
+            raise ConfigError(f"ft.token_file={self.token_file!r} does not exist")
+        return path.read_text().strip()
+
+    def coordinator_config(self, host: str = "127.0.0.1", port: int = 0,
+                           token: str = "") -> CoordinatorConfig:
+        """Settings for a coordinator serving this job."""
+        return CoordinatorConfig(host=host, port=port, min_replicas=self.min_replicas,
+                                 join_timeout=self.join_timeout,
+                                 heartbeat_timeout=self.heartbeat_timeout,
+                                 token=token or self.read_token())

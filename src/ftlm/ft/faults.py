@@ -1,0 +1,58 @@
+"""Failure injection at named points of the step protocol, for tests and chaos drills.
+
+A group process started with ``FTLM_FAULT=<point>[@<step>]`` kills itself with SIGKILL (or stops
+itself with SIGSTOP when the point is prefixed ``hang:``) the first time it reaches that point at
+that step (any step when omitted). It writes a ``failure_injected`` event first, so the run can
+account for it. The launcher passes the variable to a group's first incarnation only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+from ftlm.errors import ConfigError
+
+POINTS = (
+    "before_allreduce",    # gradients computed, collective not entered
+    "inside_allreduce",    # between two buckets of the collective: peers are mid-operation
+    "after_allreduce",     # collective finished, commit not yet decided
+    "before_commit",       # vote passed, optimizer step not applied
+    "during_receive",      # a recovering group, after its first chunk of state arrived
+    "during_serve",        # a source group, while serving a chunk to a recovering group
+)
+
+
+@dataclass
+class FaultPlan:
+    point: str
+    step: int | None
+    hang: bool = False
+    fired: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> FaultPlan | None:
+        if not text:
+            return None
+        hang = text.startswith("hang:")
+        body = text[5:] if hang else text
+        point, _, step = body.partition("@")
+        if point not in POINTS:
+            raise ConfigError(f"FTLM_FAULT={text!r}: unknown point {point!r}; valid: "
+                              f"{', '.join(POINTS)} (optionally '@STEP', prefix 'hang:' to SIGSTOP)")
+        try:
+            return cls(point, int(step) if step else None, hang)
+        except ValueError:
+            raise ConfigError(f"FTLM_FAULT={text!r}: step must be an integer") from None
+
+    def maybe_fire(self, point: str, step: int, emit) -> None:
+        if self.fired or point != self.point or (self.step is not None and step != self.step):
+            return
+        self.fired = True
+        emit("failure_injected", step=step, point=point, signal="SIGSTOP" if self.hang else "SIGKILL")
+        os.kill(os.getpid(), signal.SIGSTOP if self.hang else signal.SIGKILL)
+
+
+def fault_from_env() -> FaultPlan | None:
+    return FaultPlan.parse(os.environ.get("FTLM_FAULT", ""))

@@ -1,0 +1,289 @@
+"""The per-step fault-tolerance protocol of one replica group (DESIGN.md sections 3 and 4).
+
+Each step the ``Manager`` asks the coordinator for a quorum, (re)builds the cross-replica process
+group when the quorum id changed, averages gradients across the participating groups, and votes
+on whether the update may be applied. It serves CPU snapshots of its state to recovering groups
+it is the source for, and, when its own group is recovering, pulls a peer's snapshot in the
+background. Errors on the data path are recorded and turned into a failed commit, never raised;
+only a run of ``max_consecutive_failures`` failed steps ends the process.
+
+It knows the training state only as tensors plus a JSON dict (``SnapshotFn``); the trainer
+decides what to do with a recovered state (load it and replay its buffered updates).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ftlm.errors import FtlmError
+from ftlm.ft.client import CoordinatorClient, CoordinatorUnavailable, Heartbeater, QuorumTimeout
+from ftlm.ft.config import FTConfig
+from ftlm.ft.faults import FaultPlan
+from ftlm.ft.process_group import CollectiveError, ReconfigurablePG
+from ftlm.ft.protocol import Recovered, SnapshotFn, StepPlan
+from ftlm.ft.quorum import Quorum
+from ftlm.ft.transport import SnapshotServer, TransferError, fetch_snapshot, snapshot_state
+
+log = logging.getLogger("ftlm.ft.manager")
+
+
+class TooManyFailures(FtlmError):
+    """The group failed too many steps in a row or could not get a quorum in time."""
+
+
+class _NoEvents:
+    def emit(self, kind: str, step: int, **fields: Any) -> dict:
+        return {}
+
+
+@dataclass
+class _Fetch:
+    """A background pull of a peer's snapshot."""
+
+    source: str
+    url: str
+    step: int
+    started: float = field(default_factory=time.monotonic)
+    done: threading.Event = field(default_factory=threading.Event)
+    result: tuple[dict, dict] | None = None
+    error: str = ""
+    nbytes: int = 0
+
+
+class Manager:
+    """Fault tolerance for one single-rank replica group (the group leader)."""
+
+    def __init__(self, config: FTConfig, group: str, incarnation: str, coordinator: str,
+                 token: str = "", events: Any = None, device: torch.device | None = None,
+                 fault: FaultPlan | None = None):
+        self.config = config
+        self.token = token
+        self.events = events or _NoEvents()
+        self.fault = fault
+        self.client = CoordinatorClient(coordinator, group, incarnation, token,
+                                        timeout=max(1.0, config.heartbeat_timeout))
+        self.replica_id = self.client.replica_id
+        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+        self.pg = ReconfigurablePG(backend, config.allreduce_timeout)
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.server = SnapshotServer(token=token, chunk_bytes=config.transfer_chunk_bytes, keep=4,
+                                     on_chunk=self._on_serve_chunk)
+        self.server.start()
+        self.abort = threading.Event()
+        self.quorum: Quorum | None = None
+        self._qid = -1
+        self._pg_qid: int | None = None
+        self._step = 0
+        self._failed = False
+        self._failure = ""
+        self._report_failed = False
+        self._consecutive = 0
+        self._recover_request = 0
+        self._served: set[tuple[str, int]] = set()
+        self._published_step: int | None = None
+        self._fetch: _Fetch | None = None
+        self._seen_alive: set[str] = set()
+        self.heartbeater = Heartbeater(self.client, config.heartbeat_interval,
+                                       lambda: (self._step, max(self._qid, 0)), self._on_alive)
+        self.heartbeater.beat()  # be known as alive before the first quorum request
+        self.heartbeater.start()
+
+    # -- failure detection ---------------------------------------------------------------------------
+    def _on_alive(self, alive: set[str]) -> None:
+        """Abort the collective in flight when a member of our quorum stops heartbeating."""
+        q = self.quorum
+        self._seen_alive |= alive
+        if q is None:
+            return
+        gone = [r for r in q.replica_ids() if r in self._seen_alive and r not in alive]
+        if gone and not self.abort.is_set():
+            log.warning("quorum %d member(s) %s reported dead: aborting", q.quorum_id, gone)
+            self.abort.set()
+
+    def _fire(self, point: str) -> None:
+        if self.fault is not None:
+            self.fault.maybe_fire(point, self._step, self.events.emit)
+
+    def _on_serve_chunk(self, step: int, index: int) -> None:
+        self._fire("during_serve")
+
+    def _fail(self, reason: str) -> None:
+        if not self._failed:
+            log.warning("step %d failed in quorum %d: %s", self._step, self._qid, reason)
+        self._failed = True
+        self._failure = reason
+        self.pg.abort_current()
+        self._pg_qid = None
+
+    # -- the step protocol ---------------------------------------------------------------------------
+    def _meta(self) -> dict[str, Any]:
+        return {"store": f"127.0.0.1:{self.store.port}", "transfer": self.server.url,
+                "recover_request": self._recover_request}
+
+    def _request_quorum(self, step: int) -> Quorum:
+        deadline = time.monotonic() + self.config.quorum_timeout
+        reason = "no answer yet"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TooManyFailures(
+                    f"no quorum within ft.quorum_timeout={self.config.quorum_timeout} s "
+                    f"(last reason: {reason}); is the coordinator running and are enough "
+                    "groups up (ft.min_replicas)?")
+            try:
+                return self.client.quorum(step, self._qid, self._report_failed, self._meta(),
+                                          timeout=min(remaining, 5.0))
+            except QuorumTimeout as e:
+                reason = e.reason
+            except CoordinatorUnavailable as e:
+                reason = f"coordinator unavailable ({e})"
+                self.abort.wait(min(0.2, max(0.0, remaining)))
+
+    def start_step(self, step: int, cursor: int, snapshot: SnapshotFn) -> StepPlan:
+        self._step = step
+        self._failed = False
+        q = self._request_quorum(step)
+        me = self.replica_id
+        self.quorum = q
+        self._qid = q.quorum_id
+        self.abort.clear()
+        if q.quorum_id != self._pg_qid:
+            members = q.replica_ids()
+            store = q.members[0].meta.get("store", "")
+            try:
+                self.pg.configure(store, f"q{q.quorum_id}", members.index(me), len(members),
+                                  self.abort)
+                self._pg_qid = q.quorum_id
+            except CollectiveError as e:
+                self._fail(str(e))
+        self._serve(q, snapshot)
+        recovering = me in q.recovering
+        if recovering:
+            self._ensure_fetch(q)
+        return StepPlan(quorum_id=q.quorum_id, step=q.step,
+                        participant_index=q.participant_index(me),
+                        participants=len(q.participants), recovering=recovering,
+                        members=q.replica_ids())
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> None:
+        self._fire("before_allreduce")
+        if self._failed:
+            return
+        participants = len(self.quorum.participants) if self.quorum else 1
+        try:
+            for i, bucket in enumerate(self._buckets(tensors)):
+                if i == 1:
+                    self._fire("inside_allreduce")
+                self.pg.allreduce_mean(bucket, participants, self.abort)
+        except CollectiveError as e:
+            self._fail(str(e))
+        self._fire("after_allreduce")
+
+    def _buckets(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Consecutive runs of same-dtype, same-device tensors of at most ``bucket_bytes`` each."""
+        buckets: list[list[torch.Tensor]] = []
+        size = 0
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            last = buckets[-1][-1] if buckets else None
+            if (last is None or last.dtype != t.dtype or last.device != t.device
+                    or size + nbytes > self.config.bucket_bytes):
+                buckets.append([])
+                size = 0
+            buckets[-1].append(t)
+            size += nbytes
+        return buckets
+
+    def commit(self) -> bool:
+        self._fire("before_commit")
+        ok = not self._failed
+        self._report_failed = not ok
+        if ok:
+            self._consecutive = 0
+            return True
+        self._consecutive += 1
+        if self._consecutive >= self.config.max_consecutive_failures:
+            raise TooManyFailures(
+                f"{self._consecutive} consecutive steps failed (ft.max_consecutive_failures="
+                f"{self.config.max_consecutive_failures}); last error: {self._failure}")
+        return False
+
+    # -- live recovery -------------------------------------------------------------------------------
+    def _serve(self, q: Quorum, snapshot: SnapshotFn) -> None:
+        """Publish a snapshot of this step for each new recovery request assigned to us."""
+        for joiner, source in q.sources.items():
+            member = q.member(joiner)
+            if source != self.replica_id or member is None:
+                continue
+            request = (joiner, int(member.meta.get("recover_request", 0)))
+            if request in self._served:
+                continue
+            if self._published_step != q.step:
+                tensors, meta = snapshot()
+                self.server.publish(snapshot_state(tensors, meta, q.step))
+                self._published_step = q.step
+            self._served.add(request)
+
+    def _ensure_fetch(self, q: Quorum) -> None:
+        if self._fetch is not None:
+            return
+        source = q.sources.get(self.replica_id)
+        member = q.member(source) if source else None
+        if member is None or "transfer" not in member.meta:
+            return
+        fetch = _Fetch(source=member.group, url=member.meta["transfer"], step=q.step)
+        self._fetch = fetch
+        self.events.emit("recovery_start", step=self._step, source=member.group,
+                         snapshot_step=q.step, quorum_id=q.quorum_id)
+
+        def progress(done: int, total: int) -> None:
+            fetch.nbytes = done
+            self._fire("during_receive")
+
+        def run() -> None:
+            try:
+                fetch.result = fetch_snapshot(
+                    fetch.url, fetch.step, token=self.token,
+                    parallel=self.config.transfer_parallel,
+                    timeout=self.config.allreduce_timeout,
+                    wait_available=self.config.quorum_timeout, progress=progress)
+            except TransferError as e:
+                fetch.error = str(e)
+            finally:
+                fetch.done.set()
+
+        threading.Thread(target=run, name="ftlm-fetch", daemon=True).start()
+
+    def poll_recovery(self) -> Recovered | None:
+        fetch = self._fetch
+        if fetch is None or not fetch.done.is_set():
+            return None
+        self._fetch = None
+        if fetch.error or fetch.result is None:
+            self.events.emit("recovery_end", step=self._step, ok=False, source=fetch.source,
+                             error=fetch.error)
+            self._recover_request += 1
+            return None
+        tensors, meta = fetch.result
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return Recovered(step=fetch.step, tensors=tensors, meta=meta, source=fetch.source,
+                         seconds=time.monotonic() - fetch.started, nbytes=nbytes)
+
+    def restart_recovery(self, reason: str) -> None:
+        log.warning("restarting recovery: %s", reason)
+        self.events.emit("recovery_end", step=self._step, ok=False, error=reason)
+        self._fetch = None  # an in-flight pull finishes on its own and is ignored
+        self._recover_request += 1
+
+    def close(self) -> None:
+        self.heartbeater.stop()
+        self.pg.abort_current()
+        self.server.stop()
+        self.client.close()

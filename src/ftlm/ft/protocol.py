@@ -1,0 +1,79 @@
+"""What the trainer asks of fault tolerance each step, and the null object used without it.
+
+The trainer calls, once per step: ``start_step`` (join the quorum, learn whether this group
+trains data or recovers), ``allreduce`` (average gradients across participating groups),
+``commit`` (may the update be applied?). A recovering group also calls ``poll_recovery`` until
+the peer's snapshot has arrived. ``NoFaultTolerance`` answers for a lone group at no cost, so the
+single-group path stays as fast as plain PyTorch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+SnapshotFn = Callable[[], tuple[dict[str, torch.Tensor], dict[str, Any]]]
+
+
+@dataclass
+class StepPlan:
+    """This group's role in one step, decided by the quorum."""
+
+    quorum_id: int
+    step: int
+    """Step the participants are at; the update of this step is the one being computed."""
+    participant_index: int | None
+    """Index among the participants (decides the data slice); None while recovering."""
+    participants: int
+    """Number of groups training data this step (P); gradients are averaged over them."""
+    recovering: bool = False
+    members: list[str] = field(default_factory=list)
+
+    @property
+    def participating(self) -> bool:
+        return self.participant_index is not None
+
+
+@dataclass
+class Recovered:
+    """A peer's replicated state of step ``step``, checksummed and ready to load."""
+
+    step: int
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    source: str
+    seconds: float
+    nbytes: int
+
+
+class FaultTolerance(Protocol):
+    def start_step(self, step: int, cursor: int, snapshot: SnapshotFn) -> StepPlan: ...
+    def allreduce(self, tensors: list[torch.Tensor]) -> None: ...
+    def commit(self) -> bool: ...
+    def poll_recovery(self) -> Recovered | None: ...
+    def restart_recovery(self, reason: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class NoFaultTolerance:
+    """A lone replica group: always participant 0 of 1, nothing to average, every step commits."""
+
+    def start_step(self, step: int, cursor: int, snapshot: SnapshotFn) -> StepPlan:
+        return StepPlan(quorum_id=0, step=step, participant_index=0, participants=1)
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> None:
+        return None
+
+    def commit(self) -> bool:
+        return True
+
+    def poll_recovery(self) -> Recovered | None:
+        return None
+
+    def restart_recovery(self, reason: str) -> None:
+        return None
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,322 @@
+"""Local launcher and supervisor: a coordinator plus N replica groups as processes on this machine.
+
+It starts the coordinator in-process and each group as ``ftlm train`` in a subprocess with the
+environment of DESIGN.md section 10, restarts a group whose process exits as a new incarnation,
+kills a group whose heartbeat stopped (a hang) so that it can be restarted, optionally injects
+failures (chaos: SIGKILL or SIGSTOP at exponentially distributed times, seeded), and at the end
+writes ``summary.json`` and ``report.md``. On Ctrl-C or SIGTERM it stops every process it started
+and still writes the summary. It does not train and does not decide quorums.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ftlm.config import RunConfig, save_config
+from ftlm.errors import ConfigError
+from ftlm.ft.coordinator import Coordinator
+from ftlm.observe.events import EventLog, read_events
+from ftlm.observe.report import format_summary, write_report
+from ftlm.observe.summary import build_summary, write_summary
+
+RESULT_PREFIX = "FTLM_RESULT "
+
+
+class _CoordinatorEvents:
+    """Adapts the coordinator's events (about other groups) to the run's event log."""
+
+    def __init__(self, log: EventLog):
+        self.log = log
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        step = fields.pop("step", -1)
+        if "group" in fields:
+            fields["target"] = fields.pop("group")
+        self.log.emit(kind, step=step if isinstance(step, int) else -1, **fields)
+
+
+@dataclass
+class GroupProcess:
+    """One replica group's current process and its history."""
+
+    name: str
+    proc: subprocess.Popen | None = None
+    incarnation: str = ""
+    started: float = 0.0
+    restarts: int = 0
+    restart_at: float | None = None
+    finished: bool = False
+    stopped: bool = False  # SIGSTOPped by chaos, waiting to be detected and killed
+    result: dict = field(default_factory=dict)
+
+    @property
+    def replica_id(self) -> str:
+        return f"{self.name}:{self.incarnation}"
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class LocalLauncher:
+    """Runs a fault-tolerant job on this machine; ``run()`` returns the summary."""
+
+    def __init__(self, config: RunConfig, groups: int, chaos_mtbf: float = 0.0,
+                 chaos_hang: bool = False, chaos_seed: int = 0, config_path: str | None = None,
+                 overrides: list[str] | None = None, faults: dict[str, str] | None = None,
+                 extra_env: dict[str, str] | None = None, progress: bool | None = None):
+        if groups < 1:
+            raise ConfigError(f"--groups={groups} must be at least 1")
+        if chaos_mtbf < 0:
+            raise ConfigError(f"--chaos-mtbf={chaos_mtbf} must be >= 0 (0 disables chaos)")
+        self.config = config
+        self.n = groups
+        self.chaos_mtbf = chaos_mtbf
+        self.chaos_hang = chaos_hang
+        self.rng = random.Random(chaos_seed)
+        self.faults = faults or {}
+        self.extra_env = extra_env or {}
+        self.progress = config.observe.progress if progress is None else progress
+        self.run_dir = config.run.path
+        self.groups = [GroupProcess(f"g{i}") for i in range(groups)]
+        self.token = secrets.token_hex(16)
+        self._stop = threading.Event()
+        self.coordinator: Coordinator | None = None
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _prepare_run_dir(self) -> Path:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        # A new job starts a new record; durable checkpoints are kept for resuming.
+        for name in ("events.jsonl", "summary.json", "report.md"):
+            (self.run_dir / name).unlink(missing_ok=True)
+        for log in (self.run_dir / "logs").glob("*.log"):
+            log.unlink()
+        config_file = self.run_dir / "config.toml"
+        save_config(self.config, config_file)
+        return config_file
+
+    def _spawn(self, g: GroupProcess, config_file: Path, url: str) -> None:
+        g.incarnation = uuid.uuid4().hex[:12]
+        env = dict(os.environ)
+        env.update({
+            "FTLM_COORDINATOR": url, "FTLM_GROUP_ID": g.name, "FTLM_INCARNATION": g.incarnation,
+            "FTLM_TOKEN": self.token, "FTLM_GROUPS": str(self.n),
+            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "0", "PYTHONUNBUFFERED": "1",
+        })
+        env.update(self.extra_env)
+        env.pop("FTLM_FAULT", None)
+        if g.restarts == 0 and g.name in self.faults:
+            env["FTLM_FAULT"] = self.faults[g.name]
+        log = open(self.run_dir / "logs" / f"{g.name}.log", "ab")
+        cmd = [sys.executable, "-m", "ftlm.cli", "train", str(config_file),
+               "--set", "observe.progress=false"]
+        g.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL)
+        log.close()
+        g.started = time.time()
+        g.restart_at = None
+        g.stopped = False
+
+    # -- the supervisor loop ---------------------------------------------------------------------
+    def run(self) -> dict:
+        config_file = self._prepare_run_dir()
+        events = EventLog(self.run_dir / "events.jsonl", group="supervisor")
+        self.coordinator = Coordinator(self.config.ft.coordinator_config(token=self.token),
+                                       events=_CoordinatorEvents(events))
+        url = self.coordinator.start()
+        events.emit("run_start", step=-1, groups=self.n, coordinator=url,
+                    chaos_mtbf=self.chaos_mtbf)
+        wall0 = time.time()
+        handlers = self._install_signals()
+        view = _ConsoleView(self.config.train.steps, self.groups, self.progress)
+        next_chaos = self._next_chaos_time()
+        try:
+            for g in self.groups:
+                self._spawn(g, config_file, url)
+            last_progress, best_step = time.time(), 0
+            while not self._stop.is_set() and not all(g.finished for g in self.groups):
+                now = time.time()
+                status = self.coordinator.status_snapshot()
+                step = max((m["step"] for m in status["members"]), default=0)
+                if step > best_step:
+                    best_step, last_progress = step, now
+                elif now - last_progress > self.config.ft.give_up_seconds:
+                    events.emit("run_end", step=best_step, ok=False, reason="no progress")
+                    print(f"ftlm: no step committed for {self.config.ft.give_up_seconds:.0f} s "
+                          "(ft.give_up_seconds); stopping the job", file=sys.stderr)
+                    break
+                self._reap(events, now)
+                self._kill_hung(status, events)
+                for g in self.groups:
+                    if g.restart_at is not None and now >= g.restart_at:
+                        g.restarts += 1
+                        self._spawn(g, config_file, url)
+                if next_chaos is not None and now >= next_chaos:
+                    self._inject(events)
+                    next_chaos = self._next_chaos_time()
+                view.update(status)
+                self._stop.wait(0.1)
+        finally:
+            view.close()
+            self._terminate_all()
+            self._restore_signals(handlers)
+            self.coordinator.stop()
+        wall = time.time() - wall0
+        return self._finish(events, wall)
+
+    def _reap(self, events: EventLog, now: float) -> None:
+        for g in self.groups:
+            if g.proc is None or g.finished or g.restart_at is not None:
+                continue
+            code = g.proc.poll()
+            if code is None:
+                continue
+            result = _read_result(self.run_dir / "logs" / f"{g.name}.log")
+            if code == 0 and result and result.get("incarnation", g.incarnation) == g.incarnation:
+                g.finished, g.result = True, result
+                continue
+            events.emit("group_exit", step=-1, target=g.name, ok=False, code=code,
+                        incarnation=g.incarnation)
+            g.restart_at = now + self.config.ft.restart_delay
+
+    def _kill_hung(self, status: dict, events: EventLog) -> None:
+        """A group whose heartbeat stopped while its process lives is hung: kill it so it restarts."""
+        dead = {d["replica_id"] for d in status.get("dead", [])}
+        for g in self.groups:
+            if g.running() and g.replica_id in dead:
+                events.emit("member_killed", step=-1, target=g.name, reason="heartbeat lost")
+                g.proc.kill()
+
+    def _next_chaos_time(self) -> float | None:
+        if not self.chaos_mtbf:
+            return None
+        return time.time() + self.rng.expovariate(1.0 / self.chaos_mtbf)
+
+    def _inject(self, events: EventLog) -> None:
+        live = [g for g in self.groups if g.running() and not g.stopped and not g.finished]
+        if len(live) < 2:  # never take the last healthy group down: there'd be no one to heal from
+            return
+        g = self.rng.choice(live)
+        hang = self.chaos_hang and self.rng.random() < 0.5
+        events.emit("failure_injected", step=-1, target=g.name, signal="SIGSTOP" if hang else "SIGKILL",
+                    incarnation=g.incarnation)
+        if hang:
+            g.stopped = True
+            os.kill(g.proc.pid, signal.SIGSTOP)
+        else:
+            g.proc.kill()
+
+    def _terminate_all(self) -> None:
+        procs = [g.proc for g in self.groups if g.running()]
+        for p in procs:
+            try:
+                os.kill(p.pid, signal.SIGCONT)
+                p.terminate()
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + 10
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+        for g in self.groups:
+            if g.proc is not None and not g.finished:
+                result = _read_result(self.run_dir / "logs" / f"{g.name}.log")
+                if result and result.get("incarnation") == g.incarnation:
+                    g.result = result
+
+    def _install_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        stop = lambda *_: self._stop.set()  # noqa: E731
+        return signal.signal(signal.SIGINT, stop), signal.signal(signal.SIGTERM, stop)
+
+    @staticmethod
+    def _restore_signals(handlers) -> None:
+        if handlers:
+            signal.signal(signal.SIGINT, handlers[0])
+            signal.signal(signal.SIGTERM, handlers[1])
+
+    # -- the end ---------------------------------------------------------------------------------
+    def _finish(self, events: EventLog, wall: float) -> dict:
+        events.emit("run_end", step=-1, wall_seconds=wall)
+        hashes = {g.name: g.result["state_hash"] for g in self.groups if g.result.get("state_hash")}
+        summary = build_summary(read_events(self.run_dir / "events.jsonl"), wall_seconds=wall,
+                                state_hashes=hashes, config=self.config.to_dict(),
+                                groups=[g.name for g in self.groups])
+        summary["restarts"] = {g.name: g.restarts for g in self.groups}
+        summary["final_steps"] = {g.name: g.result.get("step") for g in self.groups}
+        write_summary(self.run_dir / "summary.json", summary)
+        write_report(self.run_dir, summary, read_events(self.run_dir / "events.jsonl"))
+        if self.progress is not False:
+            print(format_summary(summary))
+        return summary
+
+
+def _read_result(log: Path) -> dict | None:
+    """The last ``FTLM_RESULT`` line a group printed (its final step and state hash)."""
+    if not log.is_file():
+        return None
+    result = None
+    with open(log, "rb") as f:
+        for line in f:
+            if line.startswith(RESULT_PREFIX.encode()):
+                try:
+                    result = json.loads(line[len(RESULT_PREFIX):])
+                except ValueError:
+                    continue
+    return result
+
+
+class _ConsoleView:
+    """A progress bar of committed steps and one status word per group."""
+
+    def __init__(self, total: int, groups: list[GroupProcess], enabled: bool):
+        self.groups = groups
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def update(self, status: dict) -> None:
+        if self.bar is None:
+            return
+        members = {m["group"]: m for m in status["members"]}
+        last = status.get("last_quorum") or {}
+        participants = {r.split(":")[0] for r in last.get("participants", [])}
+        parts = []
+        for g in self.groups:
+            m = members.get(g.name)
+            if g.finished:
+                word = "done"
+            elif g.stopped:
+                word = "hung"
+            elif not g.running() or m is None:
+                word = "down"
+            else:
+                word = "train" if g.name in participants else "recover"
+            parts.append(f"{g.name}:{word}@{m['step'] if m else '-'}")
+        step = max((m["step"] for m in members.values()), default=0)
+        self.bar.n = min(step, self.bar.total)
+        self.bar.set_postfix_str(f"q{status.get('quorum_id', 0)} P={len(participants)} "
+                                 + " ".join(parts), refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

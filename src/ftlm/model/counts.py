@@ -1,0 +1,57 @@
+"""Parameter and FLOP counts of the decoder, computed from a ``ModelConfig`` alone.
+
+Responsible for: closed-form counts that the trainer uses for MFU, tokens-per-second-to-FLOPs and
+the size table, without building a module. Not responsible for measuring anything; the tests check
+these formulas against a real module (``numel``) and against torch's FLOP counter.
+"""
+
+from __future__ import annotations
+
+from ftlm.model.config import ModelConfig
+
+
+def _block_matmul_params(cfg: ModelConfig) -> int:
+    """Weights of the matmuls of one block: q, k, v, o projections and the three SwiGLU matrices."""
+    q_width = cfg.n_heads * cfg.head_dim
+    kv_width = cfg.n_kv_heads * cfg.head_dim
+    attention = cfg.dim * q_width + 2 * cfg.dim * kv_width + q_width * cfg.dim
+    mlp = 3 * cfg.dim * cfg.ffn_dim
+    return attention + mlp
+
+
+def param_count(cfg: ModelConfig, include_embedding: bool = True) -> int:
+    """Number of distinct parameters of ``Transformer(cfg)`` (a tied matrix is counted once).
+
+    ``include_embedding=False`` leaves out the token-embedding table (``vocab_size * dim``), the
+    "non-embedding" count of Kaplan et al. (2020). An untied output projection is a matmul weight
+    and stays in that count; a tied one *is* the embedding table and so leaves with it.
+    """
+    per_block = _block_matmul_params(cfg) + 2 * cfg.dim  # + two RMSNorm weights
+    embedding = cfg.vocab_size * cfg.dim
+    output = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
+    body = cfg.n_layers * per_block + cfg.dim + output  # + final RMSNorm weight
+    return body + embedding if include_embedding else body
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token for sequences of ``seq_len`` tokens.
+
+    ``6 * N + 12 * n_layers * n_heads * head_dim * seq_len``, the convention of PaLM (Chowdhery et
+    al. 2022, appendix B) also used by Chinchilla-style MFU accounting:
+
+    * ``N`` counts every matmul weight: the blocks' q/k/v/o and SwiGLU matrices *and* the output
+      projection ``vocab_size * dim`` (tied or not: the matmul runs either way). The embedding
+      lookup and the RMSNorm weights are not matmuls and are left out. A matmul costs 2 FLOPs per
+      weight per token forward and 4 backward (gradients of input and of weight): 6 in all.
+    * The attention term counts ``Q K^T`` and ``A V`` (2 FLOPs per multiply-add, ``n_heads *
+      head_dim`` wide, over ``seq_len`` keys, forward 4, training 12 per layer). It counts the full
+      square, not the causal half, as PaLM does and as torch's FLOP counter does for SDPA.
+
+    Softmax, normalisation, rotary and activation FLOPs are not counted (they are not matmuls and
+    are a fraction of a percent at these shapes).
+    """
+    if seq_len <= 0:
+        raise ValueError(f"seq_len={seq_len} must be a positive number of tokens")
+    matmul_params = cfg.n_layers * _block_matmul_params(cfg) + cfg.vocab_size * cfg.dim
+    attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+    return float(6 * matmul_params + attention)

@@ -1,0 +1,170 @@
+"""Human-readable views of a finished run: ``report.md`` and the console summary.
+
+Renders what ``summary.py`` computed plus a few per-group and per-step tables taken from the
+events; it computes no metric of its own, so the report and ``summary.json`` always agree. It does
+not draw plots (PNG plots arrive with the observability dashboards) and does not decide anything.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+from ftlm.observe.summary import affected_group, commit_steps, detected_deaths, failure_events
+
+LOSS_ROWS = 20
+"""About how many rows the loss-vs-step table keeps (first and last step always included)."""
+TIMELINE_ROWS = 50
+"""At most this many failures are listed one by one."""
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value >= 120:
+        return f"{value / 60:.1f} min"
+    return f"{value:.2f} s"
+
+
+def _loss(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _stalls(stalls: list[float]) -> str:
+    if not stalls:
+        return "none"
+    return (f"{len(stalls)} (median {_seconds(statistics.median(stalls))}, "
+            f"max {_seconds(max(stalls))})")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def _sample_indices(n: int, k: int) -> list[int]:
+    """About ``k`` evenly spaced indices of ``range(n)``, always with the first and last."""
+    if n <= k:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+
+
+def _headline(summary: dict) -> list[str]:
+    data = summary.get("data", {})
+    inconsistent = data.get("inconsistent_steps", [])
+    rows = [
+        ["steps committed", f"{summary['steps_committed']} ({summary['steps_failed']} failed)"],
+        ["tokens committed", f"{summary['tokens_committed']:,}"],
+        ["wall time", _seconds(summary["wall_seconds"])],
+        ["ETT", f"{summary['ett']:.1%}"],
+        ["steady rate", f"{summary.get('steady_tokens_per_second', 0):,.0f} tokens/s"],
+        ["median step", _seconds(summary.get("median_step_seconds"))],
+        ["failures injected / detected",
+         f"{summary['failures_injected']} / {summary['failures_detected']}"],
+        ["recoveries", str(summary["recoveries"])],
+        ["stalls", _stalls(summary["stall_seconds"])],
+        ["final loss", _loss(summary["final_loss"])],
+        ["replicas identical", "yes" if summary["replicas_identical"] else "NO"],
+        ["samples committed", f"{data.get('samples_committed', 0):,}"],
+        ["duplicates / gaps", f"{data.get('duplicates', 0)} / {data.get('gaps', 0)}"
+         + (f" (inconsistent steps: {inconsistent[:10]})" if inconsistent else "")],
+    ]
+    return _table(["metric", "value"], rows)
+
+
+_GROUP_KINDS = ("commit", "step_failed", "failure_injected", "member_dead", "recovery_start",
+                "recovery_end")
+
+
+def _per_group(summary: dict, events: list[dict]) -> list[str]:
+    names = list(summary.get("groups", []))
+    for event in events:
+        group = affected_group(event)
+        if group and group not in names and event["kind"] in _GROUP_KINDS:
+            names.append(group)
+    counts = {g: {"commit": 0, "step_failed": 0, "failure_injected": 0, "recovery_end": 0}
+              for g in names}
+    for event in events:
+        row = counts.get(affected_group(event))
+        kind = event["kind"]
+        if row is None or kind not in row:
+            continue
+        if kind != "recovery_end" or event.get("ok") is True:
+            row[kind] += 1
+    deaths = {g: 0 for g in names}
+    for death in detected_deaths(events):
+        if death.group in deaths:
+            deaths[death.group] += 1
+    hashes = summary.get("state_hashes", {})
+    rows = [[g, str(c["commit"]), str(c["step_failed"]), str(c["failure_injected"]),
+             str(deaths[g]), str(c["recovery_end"]), (hashes.get(g) or "-")[:12]]
+            for g, c in counts.items()]
+    return _table(["group", "commits", "steps failed", "failures injected", "deaths detected",
+                   "recoveries", "state hash"], rows)
+
+
+def _timeline(summary: dict, events: list[dict]) -> list[str]:
+    fails = failure_events(events)
+    if not fails:
+        return ["No failures or rejoins."]
+    t0 = min(e["ts"] for e in events)
+    stalls = summary["stall_seconds"]
+    rows = [[f"{f.ts - t0:.2f}", f.kind, f.group or "-",
+             _seconds(stalls[i]) if i < len(stalls) else "-"]
+            for i, f in enumerate(fails[:TIMELINE_ROWS])]
+    more = [f"({len(fails) - TIMELINE_ROWS} more not listed)"] if len(fails) > TIMELINE_ROWS else []
+    return _table(["t (s)", "event", "group", "stall"], rows) + more
+
+
+def _loss_table(events: list[dict]) -> list[str]:
+    steps = commit_steps(events)
+    if not steps:
+        return ["No step was committed."]
+    t0 = min(e["ts"] for e in events)
+    rows = [[str(steps[i].step), _loss(steps[i].loss), f"{steps[i].ts - t0:.2f}"]
+            for i in _sample_indices(len(steps), LOSS_ROWS)]
+    return _table(["step", "loss", "t (s)"], rows)
+
+
+def render_report(summary: dict, events: list[dict], title: str = "run") -> str:
+    """The Markdown text of ``report.md``."""
+    parts = [f"# ftlm run report: {title}", "", *_headline(summary), "",
+             "## Groups", "", *_per_group(summary, events), "",
+             "## Failures and rejoins", "", *_timeline(summary, events), "",
+             "## Loss", "", *_loss_table(events), ""]
+    return "\n".join(parts)
+
+
+def write_report(run_dir: Path, summary: dict, events: list[dict]) -> Path:
+    """Write ``run_dir/report.md`` atomically and return its path."""
+    run_dir = Path(run_dir)
+    run_cfg = summary.get("config", {}).get("run", {})
+    title = run_cfg.get("name") if isinstance(run_cfg, dict) else None
+    text = render_report(summary, events, title=title or run_dir.name)
+    path = run_dir / "report.md"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".report.md.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def format_summary(summary: dict) -> str:
+    """The few lines printed on the console at the end of a run."""
+    data = summary.get("data", {})
+    identical = "yes" if summary["replicas_identical"] else "NO"
+    lines = [
+        f"{summary['steps_committed']} steps committed ({summary['steps_failed']} failed), "
+        f"{summary['tokens_committed']:,} tokens in {_seconds(summary['wall_seconds'])}, "
+        f"ETT {summary['ett']:.1%}",
+        f"failures: {summary['failures_injected']} injected, {summary['failures_detected']} "
+        f"detected, {summary['recoveries']} recoveries; stalls {_stalls(summary['stall_seconds'])}",
+        f"final loss {_loss(summary['final_loss'])}; replicas identical: {identical} "
+        f"({len(summary['state_hashes'])} hashes); data: {data.get('duplicates', 0)} duplicates, "
+        f"{data.get('gaps', 0)} gaps",
+    ]
+    if data.get("inconsistent_steps"):
+        lines.append(f"WARNING: groups disagreed on the samples of steps "
+                     f"{data['inconsistent_steps'][:10]}")
+    return "\n".join(lines)

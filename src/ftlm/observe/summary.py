@@ -1,0 +1,357 @@
+"""Run summary: what ``summary.json`` says about a run, computed from its events.
+
+Pure functions over a list of event dicts (as ``read_events`` returns them); the only I/O is
+``write_summary``. This module defines how ftlm measures itself (DESIGN.md section 10): data
+accounting (every sample exactly once), stall per failure, the steady token rate and ETT. It does
+not read the run directory, hash state or render anything (``report.py`` renders).
+
+Vocabulary used below:
+
+* a *step record* is one committed step of the job: every group that commits step ``n`` reports
+  the same global sample range and token count, so the step is counted once; its time is the
+  earliest commit of that step, when the job made progress;
+* a *failure event* is a ``failure_injected``, ``member_dead`` or ``recovery_start`` (a rejoin),
+  deduplicated so that one fault that is both injected and detected counts once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ftlm.errors import DataError
+from ftlm.observe.events import jsonable
+
+FAILURE_KINDS = ("failure_injected", "member_dead", "recovery_start")
+"""Events that get an entry in ``stall_seconds``."""
+DISTURBANCE_KINDS = FAILURE_KINDS + ("recovery_end", "step_failed", "coordinator_restart")
+"""Events whose neighbourhood is excluded from the steady token rate."""
+SAME_FAILURE_SECONDS = 5.0
+"""A ``member_dead`` this soon after an injected or detected failure of its group is that same
+failure seen again (detection lags the fault by up to the heartbeat timeout)."""
+STALL_HORIZON_SECONDS = 30.0
+"""A commit gap that starts this long after an event is no longer attributed to it."""
+WARMUP_STEPS = 3
+"""First steps of a run left out of the steady rate (allocator warm-up, compilation, caches)."""
+STEADY_MARGIN_STEPS = 3.0
+STEADY_MARGIN_SECONDS = 1.0
+"""The steady rate ignores commits within max(3 median steps, 1 s) of a disturbance."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One committed step of the job, counted once however many groups committed it."""
+
+    step: int
+    ts: float
+    """Earliest commit of the step."""
+    samples: tuple[int, int]
+    """Global ``[start, end)`` sample range of the earliest commit."""
+    tokens: int
+    loss: float | None
+    """Mean of the losses the committing groups reported (None when none was finite)."""
+    groups: tuple[str, ...]
+    consistent: bool
+    """Whether every committing group reported the same sample range and token count."""
+
+
+@dataclass(frozen=True)
+class FailureEvent:
+    """A failure or rejoin of ``group`` at ``ts`` (after deduplication)."""
+
+    ts: float
+    kind: str
+    group: str
+
+
+def _group_id(name: Any) -> str:
+    # Incarnations are "<group>:<uuid>"; stalls and counts are per group, not per incarnation.
+    return str(name or "").partition(":")[0]
+
+
+def affected_group(event: dict) -> str:
+    """The group an event is about: ``target`` when another process reported it, else ``group``."""
+    return _group_id(event.get("target") or event.get("group"))
+
+
+def _by_time(events: list[dict]) -> list[dict]:
+    # Several processes append to one file, so file order is only nearly time order.
+    return sorted(events, key=lambda e: e["ts"])
+
+
+def _commit_fields(event: dict) -> tuple[int, int, int]:
+    samples, tokens = event.get("samples"), event.get("tokens")
+    where = f"commit of step {event.get('step')} by group {event.get('group')!r}"
+    if (not isinstance(samples, (list, tuple)) or len(samples) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in samples)
+            or not 0 <= samples[0] <= samples[1]):
+        raise DataError(f"{where} has samples={samples!r}; expected [start, end) with "
+                        "0 <= start <= end (integers)")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise DataError(f"{where} has tokens={tokens!r}; expected a non-negative integer")
+    return samples[0], samples[1], tokens
+
+
+def commit_steps(events: list[dict]) -> list[StepRecord]:
+    """One record per distinct committed step, in step order."""
+    acc: dict[int, dict] = {}
+    for event in _by_time(events):
+        if event["kind"] != "commit":
+            continue
+        start, end, tokens = _commit_fields(event)
+        loss = event.get("loss")
+        rec = acc.get(event["step"])
+        if rec is None:
+            rec = acc[event["step"]] = {"ts": event["ts"], "samples": (start, end),
+                                        "tokens": tokens, "losses": [], "groups": [],
+                                        "consistent": True}
+        elif (start, end) != rec["samples"] or tokens != rec["tokens"]:
+            rec["consistent"] = False
+        if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            rec["losses"].append(float(loss))
+        rec["groups"].append(_group_id(event["group"]))
+    return [StepRecord(step=step, ts=r["ts"], samples=r["samples"], tokens=r["tokens"],
+                       loss=statistics.fmean(r["losses"]) if r["losses"] else None,
+                       groups=tuple(r["groups"]), consistent=r["consistent"])
+            for step, r in sorted(acc.items())]
+
+
+def data_accounting(events: list[dict]) -> dict:
+    """Prove (or disprove) that every sample was trained exactly once.
+
+    Each distinct committed step contributes one ``[start, end)`` range (its earliest commit's), so
+    a step committed by several groups, or retried and then committed, is not a duplicate. Returns
+    ``samples_committed`` (positions covered), ``duplicates`` (positions covered by more than one
+    step), ``gaps`` (positions in ``[0, max end)`` covered by none) and ``inconsistent_steps``
+    (steps whose committing groups reported different ranges or token counts: a split brain).
+    Runs in O(n log n) over steps, independent of the size of the ranges.
+    """
+    steps = commit_steps(events)
+    edges: list[tuple[int, int]] = []
+    for rec in steps:
+        start, end = rec.samples
+        if end > start:
+            edges += [(start, 1), (end, -1)]
+    # At equal positions the -1 sorts first, so adjacent ranges [0, 4) [4, 8) do not overlap.
+    edges.sort()
+    covered = duplicates = depth = 0
+    prev = 0
+    for pos, delta in edges:
+        if depth >= 1:
+            covered += pos - prev
+        if depth >= 2:
+            duplicates += pos - prev
+        depth += delta
+        prev = pos
+    max_end = max((rec.samples[1] for rec in steps), default=0)
+    return {"samples_committed": covered, "duplicates": duplicates, "gaps": max_end - covered,
+            "inconsistent_steps": [rec.step for rec in steps if not rec.consistent]}
+
+
+def detected_deaths(events: list[dict]) -> list[FailureEvent]:
+    """``member_dead`` events that report a fault, in time order.
+
+    A repeat for the same group within ``SAME_FAILURE_SECONDS`` is the same death reported again,
+    and a group that exited cleanly (``group_exit`` with ``ok`` not false) and did not start again
+    stops heartbeating without having failed; both are dropped.
+    """
+    out: list[FailureEvent] = []
+    last: dict[str, float] = {}
+    exited: set[str] = set()
+    for event in _by_time(events):
+        kind, group, ts = event["kind"], affected_group(event), event["ts"]
+        if kind == "group_exit" and event.get("ok", True) is not False:
+            exited.add(group)
+        elif kind == "group_start":
+            exited.discard(group)
+        elif kind == "member_dead" and group not in exited:
+            if group not in last or ts - last[group] > SAME_FAILURE_SECONDS:
+                out.append(FailureEvent(ts=ts, kind=kind, group=group))
+            last[group] = ts
+    return out
+
+
+def failure_events(events: list[dict]) -> list[FailureEvent]:
+    """Failures and rejoins in time order, one per fault: ``failure_injected`` and
+    ``recovery_start`` events, and the ``detected_deaths`` that do not follow an injected failure
+    of their group within ``SAME_FAILURE_SECONDS`` (those are the injected fault, detected)."""
+    out: list[FailureEvent] = []
+    injected_at: dict[str, float] = {}
+    deaths = detected_deaths(events)
+    others = [FailureEvent(ts=e["ts"], kind=e["kind"], group=affected_group(e))
+              for e in events if e["kind"] in ("failure_injected", "recovery_start")]
+    # At equal times the injection sorts first: it is the cause, the death its detection.
+    for fail in sorted(deaths + others, key=lambda f: (f.ts, f.kind != "failure_injected")):
+        if fail.kind == "failure_injected":
+            injected_at[fail.group] = fail.ts
+        elif fail.kind == "member_dead":
+            seen = injected_at.get(fail.group)
+            if seen is not None and fail.ts - seen <= SAME_FAILURE_SECONDS:
+                continue
+        out.append(fail)
+    return out
+
+
+def median_step_seconds(events: list[dict]) -> float:
+    """Median time between consecutive step commits of the job (0.0 with fewer than 2 steps)."""
+    times = sorted(rec.ts for rec in commit_steps(events))
+    diffs = [b - a for a, b in zip(times, times[1:])]
+    return statistics.median(diffs) if diffs else 0.0
+
+
+def _progress_times(events: list[dict], exclude: str | None) -> list[float]:
+    """Sorted times at which the groups other than ``exclude`` made the job progress: per step,
+    their earliest commit."""
+    first: dict[int, float] = {}
+    for event in events:
+        if event["kind"] == "commit" and (exclude is None or _group_id(event["group"]) != exclude):
+            step = event["step"]
+            if step not in first or event["ts"] < first[step]:
+                first[step] = event["ts"]
+    return sorted(first.values())
+
+
+def stall_seconds(events: list[dict], median_step: float,
+                  horizon: float = STALL_HORIZON_SECONDS) -> list[float]:
+    """Stall of each failure event (``failure_events``), as seen by the healthy groups.
+
+    For an event at time ``t`` about group ``g``, the *progress series* is the time of each step's
+    earliest commit by any group other than ``g`` (the job progresses when any healthy group
+    commits; all groups' commits if no other group ever committed). Its gaps are the intervals
+    between consecutive progress times; if the healthy groups never commit after ``t``, the end of
+    the log closes the last gap. A gap ``(a, b)`` belongs to the first event inside it (``a <= t <
+    b``); a gap containing no event belongs to the latest event before ``a``, if ``a`` is within
+    ``horizon`` of it. So every gap is charged to at most one event, and a failure followed
+    quickly by its group's rejoin is not charged twice. The stall of the event is its longest gap
+    minus ``median_step`` (a normal step between commits), floored at 0 (no gap: 0).
+    """
+    ordered = _by_time(events)
+    fails = failure_events(ordered)
+    if not fails:
+        return []
+    times = [f.ts for f in fails]
+    log_end = ordered[-1]["ts"]
+    series_of: dict[str, list[float]] = {}
+
+    def owner(a: float, b: float) -> int | None:
+        j = bisect.bisect_left(times, a)
+        if j < len(times) and times[j] < b:
+            return j
+        if j > 0 and a - times[j - 1] < horizon:
+            return j - 1
+        return None
+
+    stalls: list[float] = []
+    for k, fail in enumerate(fails):
+        if fail.group not in series_of:
+            series = _progress_times(ordered, exclude=fail.group) or _progress_times(ordered, None)
+            series_of[fail.group] = series
+        series = series_of[fail.group]
+        if series and series[-1] <= fail.ts and log_end > series[-1]:
+            series = series + [log_end]  # no healthy commit after the event: stalled to the end
+        longest = 0.0
+        i = max(bisect.bisect_right(series, fail.ts) - 1, 0)
+        while i + 1 < len(series) and series[i] < fail.ts + horizon:
+            a, b = series[i], series[i + 1]
+            if b > fail.ts and owner(a, b) == k:
+                longest = max(longest, b - a)
+            i += 1
+        # Rounded to microseconds so that float noise in timestamps does not read as a stall.
+        stalls.append(round(max(0.0, longest - median_step), 6))
+    return stalls
+
+
+def disturbance_times(events: list[dict]) -> list[float]:
+    """Times of the events whose neighbourhood is not steady training (``DISTURBANCE_KINDS``)."""
+    return sorted(e["ts"] for e in events if e["kind"] in DISTURBANCE_KINDS)
+
+
+def steady_tokens_per_second(events: list[dict], failure_times: list[float], margin: float,
+                             warmup_steps: int = WARMUP_STEPS) -> float:
+    """The job's committed-token rate over failure-free windows.
+
+    Step records (each step's global tokens counted once) are cut into windows by
+    ``failure_times``; each window drops commits within ``margin`` seconds of a failure on either
+    side (after: the recovery; before: detection lags the fault, so a slowdown can precede its
+    event). The first ``warmup_steps`` steps are left out when the run has more than that. A
+    window with commits at ``c0 < ... < cm`` contributes the tokens of ``c1..cm`` over ``cm - c0``
+    seconds; windows are pooled (tokens over seconds). If no window has two commits, the rate of
+    the whole run is returned; 0.0 with fewer than two commits.
+    """
+    steps = sorted(commit_steps(events), key=lambda r: r.ts)
+    if len(steps) < 2:
+        return 0.0
+    usable = steps[warmup_steps:] if len(steps) > warmup_steps + 1 else steps
+    cuts = sorted(failure_times)
+    bounds = [-float("inf")] + [t for f in cuts for t in (f - margin, f + margin)] + [float("inf")]
+    times = [r.ts for r in usable]
+    cumulative = list(itertools.accumulate((r.tokens for r in usable), initial=0))
+    tokens = seconds = 0.0
+    for lo, hi in zip(bounds[::2], bounds[1::2]):
+        first, last = bisect.bisect_left(times, lo), bisect.bisect_right(times, hi) - 1
+        if last > first and times[last] > times[first]:
+            tokens += cumulative[last + 1] - cumulative[first + 1]  # steps first+1 .. last
+            seconds += times[last] - times[first]
+    if seconds <= 0:
+        span = steps[-1].ts - steps[0].ts
+        return sum(r.tokens for r in steps[1:]) / span if span > 0 else 0.0
+    return tokens / seconds
+
+
+def ett(tokens_committed: float, wall_seconds: float, steady_tps: float) -> float:
+    """Effective training time, token-weighted: ``tokens_committed / (wall_seconds *
+    steady_tps)`` (DESIGN.md section 10); 0.0 when the denominator is 0. Not clamped: a value
+    slightly above 1 means the steady rate was measured below the run's average rate."""
+    denominator = wall_seconds * steady_tps
+    return tokens_committed / denominator if denominator > 0 else 0.0
+
+
+def build_summary(events: list[dict], *, wall_seconds: float, state_hashes: dict[str, str],
+                  config: dict, groups: list[str]) -> dict:
+    """Every field of ``summary.json`` (DESIGN.md section 10), plus ``median_step_seconds`` and
+    ``steady_tokens_per_second``."""
+    steps = commit_steps(events)
+    median = median_step_seconds(events)
+    margin = max(STEADY_MARGIN_STEPS * median, STEADY_MARGIN_SECONDS)
+    steady = steady_tokens_per_second(events, disturbance_times(events), margin)
+    tokens = sum(rec.tokens for rec in steps)
+    hashes = dict(state_hashes)
+    return {
+        "steps_committed": len(steps),
+        "steps_failed": sum(1 for e in events if e["kind"] == "step_failed"),
+        "wall_seconds": round(float(wall_seconds), 3),
+        "tokens_committed": tokens,
+        "ett": round(ett(tokens, wall_seconds, steady), 4),
+        "failures_injected": sum(1 for e in events if e["kind"] == "failure_injected"),
+        "failures_detected": len(detected_deaths(events)),
+        "recoveries": sum(1 for e in events
+                          if e["kind"] == "recovery_end" and e.get("ok") is True),
+        "stall_seconds": [round(s, 3) for s in stall_seconds(events, median)],
+        "final_loss": steps[-1].loss if steps else None,
+        "state_hashes": hashes,
+        "replicas_identical": bool(hashes) and len(set(hashes.values())) == 1,
+        "data": data_accounting(events),
+        "groups": list(groups),
+        "config": config,
+        "median_step_seconds": round(median, 4),
+        "steady_tokens_per_second": round(steady, 2),
+    }
+
+
+def write_summary(path: Path, summary: dict) -> None:
+    """Write ``summary.json`` atomically (a reader sees the old file or the new one, never half)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    text = json.dumps(jsonable(summary, "summary"), indent=2, allow_nan=False) + "\n"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

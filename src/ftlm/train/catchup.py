@@ -1,0 +1,73 @@
+"""Buffer of averaged gradients that a recovering group replays once its snapshot arrives.
+
+While a restarted group pulls a peer's state of step ``n`` in the background it keeps taking part
+in every all-reduce (with zero gradients) and records what it receives: the averaged gradient of
+each committed step with the step's metadata. Replaying these through the same update function as
+the peers reproduces their state bit for bit (DESIGN.md section 4). The buffer is bounded; when it
+overflows the group drops it and asks for a fresher snapshot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BufferedUpdate:
+    step: int
+    grads: torch.Tensor
+    """All gradients flattened into one CPU vector, in parameter order."""
+    lr: float
+    samples: int
+    """How far the data cursor moved in this step (participants x batch size)."""
+
+
+class CatchUpBuffer:
+    """Averaged updates keyed by step; a retried step replaces its earlier record."""
+
+    def __init__(self, max_steps: int):
+        self.max_steps = max_steps
+        self._updates: dict[int, BufferedUpdate] = {}
+
+    def __len__(self) -> int:
+        return len(self._updates)
+
+    @property
+    def overflowing(self) -> bool:
+        return len(self._updates) > self.max_steps
+
+    @property
+    def nbytes(self) -> int:
+        return sum(u.grads.numel() * u.grads.element_size() for u in self._updates.values())
+
+    def record(self, step: int, grads: list[torch.Tensor], lr: float, samples: int) -> None:
+        flat = torch.cat([g.detach().reshape(-1).to("cpu", copy=True) for g in grads])
+        self._updates[step] = BufferedUpdate(step, flat, lr, samples)
+
+    def clear(self) -> None:
+        self._updates.clear()
+
+    def take_from(self, step: int) -> list[BufferedUpdate] | None:
+        """The updates of steps ``step, step+1, ...`` in order, emptying the buffer.
+
+        Returns None when a step in that run is missing (this group failed a step its peers
+        committed): the snapshot cannot be brought forward and a fresher one is needed.
+        """
+        later = sorted(s for s in self._updates if s >= step)
+        if later != list(range(step, step + len(later))):
+            self._updates.clear()
+            return None
+        taken = [self._updates[s] for s in later]
+        self._updates.clear()
+        return taken
+
+
+def unflatten_into(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
+    """Set each parameter's ``.grad`` from its slice of ``flat``."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p).to(p.device, p.dtype, copy=True)
+        offset += n

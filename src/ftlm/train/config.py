@@ -1,0 +1,112 @@
+"""Settings of the training loop and of durable checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ftlm.errors import ConfigError
+
+SCHEDULES = ("cosine", "wsd", "constant")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def _positive(section: str, name: str, value, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{section}.{name}={value!r} must be a number {bound}")
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop of one replica group."""
+
+    steps: int = 200
+    """Number of optimizer steps of the whole run (the LR schedule spans them)."""
+    batch_size: int = 8
+    """Samples each participating group trains per step; the global batch is participants x this."""
+    grad_accum: int = 1
+    """Micro-batches per step; batch_size must be divisible by it."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak."""
+    warmup_steps: int = 20
+    """Linear warm-up length in steps."""
+    schedule: str = "cosine"
+    """Decay after warm-up: cosine, wsd (warmup-stable-decay) or constant."""
+    decay_fraction: float = 0.2
+    """Fraction of the steps spent decaying at the end of a wsd schedule."""
+    weight_decay: float = 0.1
+    """Decoupled AdamW weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    device: str = "auto"
+    """auto (CUDA when available), cpu or cuda."""
+    dtype: str = "auto"
+    """Autocast dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16 (CUDA only)."""
+    compile: bool = False
+    """Compile the model with torch.compile."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass to save memory."""
+    max_seconds: float = 0.0
+    """Stop after this many seconds of training even if steps remain; 0 means no limit."""
+    threads: int = 0
+    """torch intra-op threads; 0 keeps torch's default."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum", "lr", "beta1", "beta2", "eps"):
+            _positive("train", name, getattr(self, name))
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "max_seconds", "threads",
+                     "min_lr_ratio"):
+            _positive("train", name, getattr(self, name), allow_zero=True)
+        for name in ("steps", "batch_size", "grad_accum", "warmup_steps", "threads"):
+            if not isinstance(getattr(self, name), int):
+                raise ConfigError(f"train.{name}={getattr(self, name)!r} must be an integer")
+        if self.batch_size % self.grad_accum:
+            raise ConfigError(f"train.batch_size={self.batch_size} must be divisible by "
+                              f"train.grad_accum={self.grad_accum}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"train.schedule={self.schedule!r}; valid: {', '.join(SCHEDULES)}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"train.device={self.device!r}; valid: {', '.join(DEVICES)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"train.dtype={self.dtype!r}; valid: {', '.join(DTYPES)}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError(f"train.decay_fraction={self.decay_fraction!r} must be in (0, 1]")
+        if self.min_lr_ratio > 1:
+            raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
+        if not (self.beta1 < 1 and self.beta2 < 1):
+            raise ConfigError(f"train.beta1={self.beta1} and train.beta2={self.beta2} must be < 1")
+
+
+@dataclass
+class CheckpointConfig:
+    """Durable checkpoints for whole-job restarts (live recovery needs none)."""
+
+    every: int = 0
+    """Save every this many committed steps; 0 disables durable checkpoints."""
+    keep: int = 2
+    """Number of most recent valid checkpoints kept on disk."""
+    dir: str = ""
+    """Checkpoint directory; empty means ``<run dir>/checkpoints``."""
+    async_save: bool = True
+    """Write in the background after a synchronous copy of the state."""
+    resume: bool = True
+    """Resume from the latest valid checkpoint in ``dir`` when one exists."""
+
+    def __post_init__(self) -> None:
+        for name in ("every", "keep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"checkpoint.{name}={value!r} must be an integer >= 0")
+        if self.keep < 1:
+            raise ConfigError(f"checkpoint.keep={self.keep} must be at least 1")

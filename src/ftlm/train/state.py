@@ -1,0 +1,88 @@
+"""The replicated training state: model, optimizer, step, data cursor, seed and RNG.
+
+Every up-to-date replica group holds bitwise the same ``TrainState``. It is one ``Stateful``
+object (``state_dict`` / ``load_state_dict``) for durable checkpoints (DCP), and it flattens to a
+``dict[str, Tensor]`` plus a JSON-able dict for live recovery, which is all ``ftlm.ft`` ever sees.
+The LR schedule position is the step itself (``ftlm.train.schedule`` is a pure function of it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+_TENSOR = "__tensor__"
+
+
+class TrainState:
+    """Model + optimizer + progress counters of one replica."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int):
+        self.model = model
+        self.optimizer = optimizer
+        self.step = 0
+        self.cursor = 0
+        self.seed = seed
+        _init_optimizer_state(model, optimizer)
+
+    # -- durable checkpoints (DCP Stateful protocol) -------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            "progress": torch.tensor([self.step, self.cursor, self.seed], dtype=torch.int64),
+            "rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"],
+                       optim_state_dict=sd["optim"])
+        self.step, self.cursor, self.seed = (int(v) for v in sd["progress"].tolist())
+        torch.set_rng_state(sd["rng"])
+
+    # -- live recovery: tensors + JSON ---------------------------------------------------------
+    def flat(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """All tensors under dotted names, and the rest (structure, hyper-parameters) as JSON."""
+        tensors: dict[str, torch.Tensor] = {}
+        meta = _flatten(self.state_dict(), "", tensors)
+        return tensors, {"state": meta, "step": self.step, "cursor": self.cursor}
+
+    def load_flat(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        self.load_state_dict(_unflatten(meta["state"], tensors))
+
+
+def _init_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Materialise the optimizer state now, as if no step had been taken.
+
+    ``get_state_dict`` lazily initialises an empty optimizer with a zero-LR step, which would
+    leave ``step=1`` in some replicas and not in others; doing it eagerly and resetting the
+    step counters keeps every replica's state identical from the start.
+    """
+    get_state_dict(model, optimizer)
+    for per_param in optimizer.state.values():
+        if "step" in per_param and torch.is_tensor(per_param["step"]):
+            per_param["step"].zero_()
+
+
+def _flatten(value: Any, name: str, out: dict[str, torch.Tensor]) -> Any:
+    if torch.is_tensor(value):
+        out[name] = value.detach()
+        return {_TENSOR: name}
+    if isinstance(value, dict):
+        return {str(k): _flatten(v, f"{name}.{k}" if name else str(k), out) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_flatten(v, f"{name}.{i}", out) for i, v in enumerate(value)]
+    return value
+
+
+def _unflatten(meta: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(meta, dict):
+        if set(meta) == {_TENSOR}:
+            return tensors[meta[_TENSOR]]
+        return {k: _unflatten(v, tensors) for k, v in meta.items()}
+    if isinstance(meta, list):
+        return [_unflatten(v, tensors) for v in meta]
+    return meta

@@ -1,0 +1,334 @@
+"""The training loop of one replica group.
+
+Per step (DESIGN.md section 3): ask fault tolerance for this step's plan, train this group's data
+slice (or contribute zeros while recovering), average gradients across groups, and apply the
+update only if the commit vote passes. The trainer owns the model, optimizer, data loader,
+durable checkpoints and this group's events; it does not know how quorums or transfers work
+(``ftlm.ft``) and is the same code with or without fault tolerance (``NoFaultTolerance``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ftlm.config import RunConfig, save_config
+from ftlm.data.loader import Loader, PackedDataset
+from ftlm.data.tokenizer import Tokenizer
+from ftlm.errors import ConfigError, DataError
+from ftlm.ft.protocol import FaultTolerance, NoFaultTolerance, Recovered, StepPlan
+from ftlm.model import Transformer, flops_per_token
+from ftlm.observe.events import EventLog, read_events
+from ftlm.observe.summary import build_summary, write_summary
+from ftlm.train.catchup import CatchUpBuffer, unflatten_into
+from ftlm.train.checkpoint import Checkpointer
+from ftlm.train.mfu import peak_flops
+from ftlm.train.optim import apply_update, build_optimizer
+from ftlm.train.schedule import degraded_lr_scale, lr_at
+from ftlm.train.state import TrainState
+from ftlm.ft.transport import state_digest
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device='cuda' but no CUDA device is available; use auto or cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "bfloat16" and device.type != "cuda":
+        raise ConfigError("train.dtype='bfloat16' autocast is for CUDA; use auto or float32 on CPU")
+    return getattr(torch, name)
+
+
+def load_data(config: RunConfig) -> tuple[Tokenizer, PackedDataset]:
+    """The tokenizer and the prepared dataset, checked against each other and the config."""
+    data_dir = Path(config.data.dir)
+    tok_path = Path(config.data.tokenizer) if config.data.tokenizer else data_dir / "tokenizer.json"
+    if not tok_path.is_file():
+        raise DataError(f"tokenizer {tok_path} not found; run `ftlm data prepare` or set "
+                        "data.tokenizer to the tokenizer.json the data was prepared with")
+    tokenizer = Tokenizer.load(tok_path)
+    dataset = PackedDataset(data_dir, config.data.seq_len, tokenizer.fingerprint)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ConfigError(f"model.vocab_size={config.model.vocab_size} is smaller than the "
+                          f"tokenizer's vocabulary ({tokenizer.vocab_size}); raise model.vocab_size")
+    if config.data.seq_len > config.model.max_seq_len:
+        raise ConfigError(f"data.seq_len={config.data.seq_len} exceeds "
+                          f"model.max_seq_len={config.model.max_seq_len}")
+    return tokenizer, dataset
+
+
+def build_model(config: RunConfig, device: torch.device) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(config.model)
+    model.to_empty(device=device)
+    model.init_weights(config.run.seed)
+    return model
+
+
+class Trainer:
+    """Trains one replica group; ``train()`` runs the loop and returns the final summary fields."""
+
+    def __init__(self, config: RunConfig, ft: FaultTolerance | None = None, group: str = "g0",
+                 groups: int = 1, standalone: bool = True):
+        self.config = config
+        self.ft = ft or NoFaultTolerance()
+        self.group = group
+        self.groups = groups
+        self.standalone = standalone
+        tc = config.train
+        if tc.threads:
+            torch.set_num_threads(tc.threads)
+        self.device = resolve_device(tc.device)
+        self.dtype = resolve_dtype(tc.dtype, self.device)
+        self.run_dir = config.run.path
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if standalone:
+            save_config(config, self.run_dir / "config.toml")
+        self.tokenizer, self.dataset = load_data(config)
+        self.loader = Loader(self.dataset, seed=config.run.seed, prefetch=config.data.prefetch)
+        self.model = build_model(config, self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.step_model = self._wrap(self.model)
+        self.state = TrainState(self.model, build_optimizer(self.model, tc), config.run.seed)
+        self.events = EventLog(self.run_dir / "events.jsonl", group=group)
+        ck = config.checkpoint
+        self.checkpointer = Checkpointer(
+            Path(ck.dir) if ck.dir else self.run_dir / "checkpoints", ck.every, ck.keep,
+            ck.async_save, on_saved=self._on_checkpoint_saved)
+        self.catchup = CatchUpBuffer(config.ft.catchup_max_steps)
+        self.tokens_per_sample = config.data.seq_len
+        self.flops_per_token = flops_per_token(config.model, config.data.seq_len)
+        self.losses: list[float] = []
+        self._stop = False
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        tc = self.config.train
+        if tc.activation_checkpointing:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+                checkpoint_wrapper)
+            for i, block in enumerate(model.layers):
+                model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+        if tc.compile:
+            return torch.compile(model)
+        return model
+
+    def _autocast(self):
+        if self.device.type == "cuda" and self.dtype != torch.float32:
+            return torch.autocast("cuda", dtype=self.dtype)
+        return contextlib.nullcontext()
+
+    # -- one step --------------------------------------------------------------------------------
+    def _forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
+        """Accumulate the gradient of the mean loss over ``batch``; returns that loss (detached)."""
+        micro = batch.chunk(self.config.train.grad_accum)
+        total = torch.zeros((), device=self.device)
+        for mb in micro:
+            inputs, targets = mb[:, :-1], mb[:, 1:]
+            with self._autocast():
+                logits = self.step_model(inputs)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+            (loss / len(micro)).backward()
+            total += loss.detach() / len(micro)
+        return total
+
+    def _lr(self, plan: StepPlan) -> float:
+        tc = self.config.train
+        base = lr_at(plan.step, lr=tc.lr, steps=tc.steps, warmup_steps=tc.warmup_steps,
+                     schedule=tc.schedule, min_lr_ratio=tc.min_lr_ratio,
+                     decay_fraction=tc.decay_fraction)
+        return base * degraded_lr_scale(self.config.ft.lr_policy, plan.participants, self.groups)
+
+    def step(self) -> None:
+        """Run one step of the protocol; the state advances only if the step commits."""
+        state, tc = self.state, self.config.train
+        t0 = time.perf_counter()
+        plan = self.ft.start_step(state.step, state.cursor, state.flat)
+        if plan.participating:
+            batch = self.loader.batch(state.cursor, plan.participant_index, plan.participants,
+                                      tc.batch_size).to(self.device, non_blocking=True)
+            loss = self._forward_backward(batch)
+        else:
+            for p in self.params:
+                p.grad = torch.zeros_like(p)
+            loss = torch.zeros((), device=self.device)
+        loss_buf = loss.reshape(1).float()
+        grads = [p.grad for p in self.params]
+        self.ft.allreduce(grads + [loss_buf])
+        ok = self.ft.commit()
+        lr = self._lr(plan)
+        samples = plan.participants * tc.batch_size
+        if plan.recovering:
+            self._recovering_step(plan, ok, grads, lr, samples)
+            return
+        if not ok:
+            self.state.optimizer.zero_grad(set_to_none=True)
+            self.events.emit("step_failed", step=state.step, quorum_id=plan.quorum_id)
+            return
+        start = state.cursor
+        grad_norm = apply_update(self.params, state.optimizer, lr, tc.grad_clip)
+        state.step += 1
+        state.cursor += samples
+        global_loss = float(loss_buf)
+        self.losses.append(global_loss)
+        seconds = time.perf_counter() - t0
+        self.last_step_seconds = seconds
+        self.events.emit("commit", step=plan.step, quorum_id=plan.quorum_id,
+                         participants=plan.participants, samples=[start, start + samples],
+                         loss=global_loss, tokens=samples * self.tokens_per_sample, lr=lr,
+                         grad_norm=grad_norm, step_seconds=seconds)
+        self.checkpointer.poll()
+        if self.checkpointer.due(state.step) and plan.participant_index == 0:
+            self.checkpointer.save(state)
+
+    def _recovering_step(self, plan: StepPlan, ok: bool, grads: list[torch.Tensor], lr: float,
+                         samples: int) -> None:
+        if ok:
+            self.catchup.record(plan.step, grads, lr, samples)
+        for p in self.params:
+            p.grad = None
+        recovered = self.ft.poll_recovery()
+        if recovered is not None:
+            self._catch_up(recovered)
+        elif self.catchup.overflowing:
+            self.catchup.clear()
+            self.ft.restart_recovery(f"catch-up buffer exceeded {self.catchup.max_steps} steps")
+
+    def _catch_up(self, rec: Recovered) -> None:
+        """Load a peer's snapshot and replay the buffered updates that came after it."""
+        state = self.state
+        state.load_flat(rec.tensors, rec.meta)
+        updates = self.catchup.take_from(rec.step)
+        if updates is None:
+            self.ft.restart_recovery("a step committed by the peers is missing from the buffer")
+            return
+        t0 = time.perf_counter()
+        for u in updates:
+            unflatten_into(u.grads, self.params)
+            apply_update(self.params, state.optimizer, u.lr, self.config.train.grad_clip)
+            state.step += 1
+            state.cursor += u.samples
+        self.events.emit("recovery_end", step=state.step, ok=True, source=rec.source,
+                         snapshot_step=rec.step, replayed=len(updates), bytes=rec.nbytes,
+                         transfer_seconds=rec.seconds,
+                         replay_seconds=time.perf_counter() - t0)
+
+    def _on_checkpoint_saved(self, step: int, path: Path, seconds: float) -> None:
+        self.events.emit("checkpoint_saved", step=step, path=str(path), seconds=seconds)
+
+    # -- the loop --------------------------------------------------------------------------------
+    def request_stop(self, *_: Any) -> None:
+        """Finish the current step, then stop (SIGTERM / Ctrl-C)."""
+        self._stop = True
+
+    def train(self) -> dict:
+        tc, cfg = self.config.train, self.config
+        if cfg.checkpoint.resume and (step := self.checkpointer.restore_latest(self.state)):
+            print(f"[{self.group}] resumed from checkpoint at step {step}", file=sys.stderr)
+        self.events.emit("group_start", step=self.state.step)
+        wall0 = time.time()
+        bar = self._progress()
+        old = signal.signal(signal.SIGTERM, self.request_stop) if _main_thread() else None
+        try:
+            while self.state.step < tc.steps and not self._stop:
+                if tc.max_seconds and time.time() - wall0 > tc.max_seconds:
+                    break
+                before = self.state.step
+                self.step()
+                if self.state.step != before:
+                    bar.update(self.state.step - before, self)
+        except KeyboardInterrupt:
+            print(f"[{self.group}] interrupted at step {self.state.step}", file=sys.stderr)
+        finally:
+            bar.close()
+            if old is not None:
+                signal.signal(signal.SIGTERM, old)
+            self.checkpointer.wait()
+            self.loader.close()
+            self.ft.close()
+            self.events.emit("group_exit", step=self.state.step)
+        return self._finish(time.time() - wall0)
+
+    def state_hash(self) -> str:
+        tensors, meta = self.state.flat()
+        return state_digest(tensors, {"step": meta["step"], "cursor": meta["cursor"]})
+
+    def save_model(self) -> Path:
+        """Write the model weights as ``model.safetensors`` in the run directory (atomically)."""
+        from safetensors.torch import save_model
+        path = self.run_dir / "model.safetensors"
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        save_model(self.model, str(tmp))
+        os.replace(tmp, path)
+        return path
+
+    def _finish(self, wall_seconds: float) -> dict:
+        self.save_model()
+        if not self.standalone:
+            return {"state_hash": self.state_hash(), "step": self.state.step}
+        events = [e for e in read_events(self.run_dir / "events.jsonl")]
+        summary = build_summary(events, wall_seconds=wall_seconds,
+                                state_hashes={self.group: self.state_hash()},
+                                config=self.config.to_dict(), groups=[self.group])
+        write_summary(self.run_dir / "summary.json", summary)
+        return summary
+
+    def _progress(self) -> "_Progress":
+        return _Progress(self.config, self.state.step, self.flops_per_token,
+                         peak_flops(str(self.device), self.dtype) if self.config.observe.progress
+                         else 0.0)
+
+
+def _main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+class _Progress:
+    """Console view of training: a tqdm bar (loss, tokens/s, MFU), or plain lines every N steps."""
+
+    def __init__(self, config: RunConfig, initial: int, flops_per_token: float, peak: float):
+        self.config = config
+        self.flops_per_token = flops_per_token
+        self.peak = peak
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+        self.bar = None
+        if config.observe.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=config.train.steps, initial=initial, unit="step",
+                            dynamic_ncols=True, file=sys.stderr)
+
+    def update(self, n: int, trainer: Trainer) -> None:
+        tc = self.config.train
+        self.tokens += n * tc.batch_size * self.config.data.seq_len
+        elapsed = max(1e-9, time.perf_counter() - self.t0)
+        tps = self.tokens / elapsed
+        loss = trainer.losses[-1] if trainer.losses else float("nan")
+        if self.bar is not None:
+            post = {"loss": f"{loss:.3f}", "tok/s": f"{tps:,.0f}"}
+            if self.peak:
+                post["mfu"] = f"{100 * tps * self.flops_per_token / self.peak:.1f}%"
+            self.bar.set_postfix(post, refresh=False)
+            self.bar.update(n)
+        elif trainer.state.step % self.config.observe.log_every == 0:
+            print(f"[{trainer.group}] step {trainer.state.step}/{tc.steps} loss {loss:.4f} "
+                  f"tok/s {tps:,.0f}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

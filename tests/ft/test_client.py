@@ -1,0 +1,168 @@
+"""The coordinator client and its heartbeat thread, against a real coordinator on port 0."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from ftlm.errors import ConfigError
+from ftlm.ft.client import CoordinatorClient, CoordinatorUnavailable, Heartbeater, QuorumTimeout
+from ftlm.ft.config import CoordinatorConfig
+from ftlm.ft.coordinator import Coordinator
+from ftlm.ft.quorum import StaleIncarnation
+
+
+@pytest.fixture
+def start() -> Iterator[Callable[..., Coordinator]]:
+    started: list[Coordinator] = []
+
+    def _start(**overrides: Any) -> Coordinator:
+        cfg = dict(heartbeat_timeout=0.4, join_timeout=3.0, tick_interval=0.02)
+        cfg.update(overrides)
+        coord = Coordinator(CoordinatorConfig(**cfg))
+        coord.start()
+        started.append(coord)
+        return coord
+
+    yield _start
+    for coord in started:
+        coord.stop()
+
+
+@pytest.fixture
+def client() -> Iterator[Callable[..., CoordinatorClient]]:
+    made: list[CoordinatorClient] = []
+
+    def _make(*args: Any, **kwargs: Any) -> CoordinatorClient:
+        made.append(CoordinatorClient(*args, **kwargs))
+        return made[-1]
+
+    yield _make
+    for c in made:
+        c.close()
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_replica_id_and_url_validation() -> None:
+    assert CoordinatorClient("http://127.0.0.1:1", "g0", "abc").replica_id == "g0:abc"
+    with pytest.raises(ConfigError, match="FTLM_COORDINATOR"):
+        CoordinatorClient("127.0.0.1:8000", "g0", "abc")
+
+
+def test_unreachable_coordinator_raises_unavailable(client) -> None:
+    client = client(f"http://127.0.0.1:{free_port()}", "g0", "a", timeout=1.0)
+    with pytest.raises(CoordinatorUnavailable):
+        client.heartbeat(0, 0)
+    with pytest.raises(CoordinatorUnavailable):
+        client.quorum(0, 0, False, {}, timeout=0.5)
+
+
+def test_heartbeat_quorum_status_round_trip(start, client) -> None:
+    coord = start()
+    client = client(coord.url, "g0", "a")
+    answer = client.heartbeat(3, 0)
+    assert answer == {"quorum_id": 0, "alive": ["g0:a"], "dead": []}
+    q = client.quorum(3, 0, False, {"transfer": "http://x"}, timeout=2)
+    assert q.participants == ["g0:a"] and q.step == 3 and q.member("g0:a").meta == {"transfer": "http://x"}
+    assert client.status()["last_quorum"]["quorum_id"] == q.quorum_id
+
+
+def test_quorum_timeout_carries_the_reason(start, client) -> None:
+    coord = start(min_replicas=2)
+    client = client(coord.url, "g0", "a")
+    with pytest.raises(QuorumTimeout) as info:
+        client.quorum(0, 0, False, {}, timeout=0.2)
+    assert "min_replicas=2" in info.value.reason
+
+
+def test_wrong_token_is_a_config_error_naming_the_fix(start, client) -> None:
+    coord = start(token="right")
+    with pytest.raises(ConfigError, match="FTLM_TOKEN"):
+        client(coord.url, "g0", "a", token="wrong").heartbeat(0, 0)
+    assert client(coord.url, "g0", "a", token="right").heartbeat(0, 0)["alive"] == ["g0:a"]
+
+
+def test_threads_share_a_client_with_one_connection_each(start, client) -> None:
+    coord = start()
+    client = client(coord.url, "g0", "a")
+
+    def beat_many(_: int) -> int:
+        for _ in range(20):
+            assert client.heartbeat(0, 0)["alive"] == ["g0:a"]
+        return threading.get_ident()
+
+    with ThreadPoolExecutor(4) as pool:
+        idents = set(pool.map(beat_many, range(4)))
+    assert len(client._all) == len(idents)  # keep-alive: one connection per thread, reused
+    client.close()
+    assert client._all == []
+
+
+def test_heartbeater_reports_state_and_alive_set(start, client) -> None:
+    coord = start()
+    seen: list[set[str]] = []
+    other = client(coord.url, "g1", "b")
+    other.heartbeat(0, 0)
+    hb = Heartbeater(client(coord.url, "g0", "a"), 0.02, lambda: (7, 0), seen.append)
+    hb.start()
+    try:
+        wait_until(lambda: len(seen) >= 3)
+        assert {"g0:a", "g1:b"} <= seen[0]
+        steps = {m["replica_id"]: m["step"] for m in other.status()["members"]}
+        assert steps["g0:a"] == 7
+        # g1 stops heartbeating: the alive set pushed to g0 loses it after the timeout.
+        wait_until(lambda: seen[-1] == {"g0:a"})
+    finally:
+        hb.stop()
+    assert not hb._thread.is_alive()
+
+
+def test_heartbeater_survives_a_coordinator_restart_on_the_same_port(start, client) -> None:
+    first = start()
+    port = first.port
+    hb = Heartbeater(client(first.url, "g0", "a", timeout=0.5), 0.02, lambda: (0, 4))
+    hb.start()
+    try:
+        wait_until(lambda: hb.last_answer is not None)
+        first.stop()
+        wait_until(lambda: hb.failures >= 2)  # down: it keeps trying without raising
+        assert hb._thread.is_alive()
+        second = start(port=port)
+        wait_until(lambda: hb.failures == 0 and second.status()["members"] != [])
+        # The heartbeat's quorum id told the new coordinator where the ids stood.
+        assert second.status()["quorum_id"] == 4
+    finally:
+        hb.stop()
+
+
+def test_heartbeater_stops_when_its_incarnation_is_replaced(start, client) -> None:
+    coord = start()
+    hb = Heartbeater(client(coord.url, "g0", "old"), 0.02, lambda: (0, 0))
+    hb.start()
+    try:
+        wait_until(lambda: hb.last_answer is not None)
+        client(coord.url, "g0", "new").heartbeat(0, 0)
+        wait_until(lambda: hb.stale is not None)
+        assert isinstance(hb.stale, StaleIncarnation)
+        hb._thread.join(2)
+        assert not hb._thread.is_alive()
+    finally:
+        hb.stop()

@@ -1,0 +1,213 @@
+"""Run summary: data accounting, stalls, steady rate, ETT and the summary.json fields."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from ftlm.errors import DataError
+from ftlm.observe.summary import (build_summary, data_accounting, ett, failure_events,
+                                  median_step_seconds, stall_seconds, steady_tokens_per_second,
+                                  write_summary)
+
+DESIGN_FIELDS = ("steps_committed", "steps_failed", "wall_seconds", "tokens_committed", "ett",
+                 "failures_injected", "failures_detected", "recoveries", "stall_seconds",
+                 "final_loss", "state_hashes", "replicas_identical", "data", "groups", "config")
+
+
+# --- data accounting -------------------------------------------------------------------------
+
+def test_clean_run_has_no_duplicates_or_gaps(runs):
+    data = data_accounting(runs.steady_run(10, groups=("A", "B", "C")))
+    assert data == {"samples_committed": 10 * runs.BATCH, "duplicates": 0, "gaps": 0,
+                    "inconsistent_steps": []}
+
+
+def test_step_committed_by_different_groups_at_different_times_is_not_a_duplicate(runs):
+    events = [runs.commit(1.0, "A", 0, 0, 8), runs.commit(1.1, "B", 0, 0, 8),
+              runs.event(1.2, "step_failed", "B", 1, reason="allreduce timeout"),
+              runs.commit(1.3, "A", 1, 8, 16),          # A committed step 1, B failed it ...
+              runs.commit(2.5, "B", 1, 8, 16),          # ... and B committed it later, same range
+              runs.commit(2.6, "A", 2, 16, 24), runs.commit(2.6, "B", 2, 16, 24)]
+    assert data_accounting(events) == {"samples_committed": 24, "duplicates": 0, "gaps": 0,
+                                       "inconsistent_steps": []}
+
+
+def test_overlapping_distinct_steps_count_each_position_once_as_duplicate(runs):
+    events = [runs.commit(1.0, "A", 0, 0, 8), runs.commit(1.1, "A", 1, 4, 12),
+              runs.commit(1.2, "A", 2, 6, 14), runs.commit(1.3, "A", 3, 14, 20)]
+    # Positions 4..5 are in two steps, 6..7 in three, 8..11 in two: 8 positions duplicated.
+    assert data_accounting(events) == {"samples_committed": 20, "duplicates": 8, "gaps": 0,
+                                       "inconsistent_steps": []}
+
+
+def test_hole_between_steps_counts_gaps_exactly(runs):
+    events = [runs.commit(1.0, "A", 0, 0, 8), runs.commit(1.1, "A", 1, 8, 16),
+              runs.commit(1.2, "A", 2, 40, 48)]
+    assert data_accounting(events) == {"samples_committed": 24, "duplicates": 0, "gaps": 24,
+                                       "inconsistent_steps": []}
+    # A run that does not start at 0 shows the missing prefix as gaps too.
+    assert data_accounting([runs.commit(1.0, "A", 0, 5, 8)])["gaps"] == 5
+
+
+def test_groups_disagreeing_on_a_steps_range_are_reported(runs):
+    events = [runs.commit(1.0, "A", 0, 0, 8), runs.commit(1.0, "B", 0, 0, 8),
+              runs.commit(1.1, "A", 1, 8, 16), runs.commit(1.2, "B", 1, 8, 20)]
+    data = data_accounting(events)
+    assert data["inconsistent_steps"] == [1]
+    assert data["samples_committed"] == 16  # the earliest runs.commit's range stands for the step
+
+
+def test_accounting_handles_huge_ranges_without_materialising_positions(runs):
+    big = 10**12
+    events = [runs.commit(1.0, "A", 0, 0, big), runs.commit(1.1, "A", 1, big // 2, 2 * big),
+              runs.commit(1.2, "A", 2, 3 * big, 4 * big)]
+    assert data_accounting(events) == {"samples_committed": 3 * big, "duplicates": big // 2,
+                                       "gaps": big, "inconsistent_steps": []}
+
+
+def test_accounting_of_a_hundred_thousand_steps_is_fast(runs):
+    events = [runs.commit(float(i), "A", i, i * 1024, (i + 1) * 1024) for i in range(100_000)]
+    start = time.perf_counter()
+    data = data_accounting(events)
+    assert time.perf_counter() - start < 5.0
+    assert data["samples_committed"] == 100_000 * 1024 and data["gaps"] == 0
+
+
+def test_malformed_commit_ranges_are_data_errors(runs):
+    with pytest.raises(DataError, match="samples"):
+        data_accounting([runs.event(1.0, "commit", "A", 0, samples=[8, 4], tokens=1)])
+    with pytest.raises(DataError, match="tokens"):
+        data_accounting([runs.event(1.0, "commit", "A", 0, samples=[0, 4])])
+
+
+# --- failures and stalls ---------------------------------------------------------------------
+
+def test_injected_failure_detected_twice_counts_as_one_failure_and_one_detection(runs):
+    fails = failure_events(runs.failure_run(pause=1.3))
+    assert [(f.kind, f.group) for f in fails] == [("failure_injected", "C"),
+                                                  ("recovery_start", "C")]
+
+
+def test_stall_is_the_longest_healthy_gap_minus_the_median_step(runs):
+    events = runs.failure_run(pause=1.3)
+    median = median_step_seconds(events)
+    assert median == pytest.approx(0.1)
+    stalls = stall_seconds(events, median)
+    assert stalls == [pytest.approx(1.2, abs=1e-6), 0.0]  # the rejoin did not pause anyone
+
+
+def test_no_stall_when_the_healthy_groups_kept_committing(runs):
+    events = runs.failure_run(pause=0.1)
+    assert stall_seconds(events, median_step_seconds(events)) == [0.0, 0.0]
+
+
+def test_a_gap_is_charged_to_one_event_only(runs):
+    # The rejoin starts inside the gap the failure caused: the gap is the failure's.
+    events = runs.steady_run(60, groups=("A", "B"), pause_after=20, pause=2.1, stop={"B": 21})
+    t_gap = 1000.0 + 20 * 0.1
+    events += [runs.event(t_gap + 0.01, "failure_injected", "", -1, target="B"),
+               runs.event(t_gap + 0.5, "recovery_start", "B", 21)]
+    assert stall_seconds(events, 0.1) == [pytest.approx(2.0, abs=1e-6), 0.0]
+
+
+def test_healthy_groups_that_never_commit_again_stall_until_the_end_of_the_log(runs):
+    # A blocks forever waiting for B (a wedged all-reduce) until the run is interrupted.
+    events = runs.steady_run(10, groups=("A", "B"), stop={"A": 5, "B": 5})
+    last = max(e["ts"] for e in events)
+    events += [runs.event(1000.45, "failure_injected", "", -1, target="B"),
+               runs.event(last + 3.0, "run_end", "", -1, reason="interrupted")]
+    assert stall_seconds(events, 0.1) == [pytest.approx(3.0 - 0.1, abs=1e-6)]
+
+
+def test_member_dead_of_a_group_that_exited_cleanly_is_not_a_failure(runs):
+    events = runs.steady_run(10, groups=("A", "B"))
+    events += [runs.event(1001.0, "group_exit", "B", 10, ok=True),
+               runs.event(1002.0, "member_dead", "coordinator", -1, target="B")]
+    assert failure_events(events) == []
+
+
+# --- steady rate and ETT ---------------------------------------------------------------------
+
+def test_steady_rate_ignores_warm_up_steps(runs):
+    events = [runs.commit(1000.0 + 0.5 * i, "A", i, i * 8, (i + 1) * 8, tokens=100)
+              for i in range(3)]
+    t = 1000.0 + 0.5 * 2
+    events += [runs.commit(t + 0.1 * k, "A", 2 + k, (2 + k) * 8, (3 + k) * 8, tokens=100)
+               for k in range(1, 30)]
+    assert steady_tokens_per_second(events, [], margin=1.0) == pytest.approx(1000.0)
+
+
+def test_ett_is_one_for_a_failure_free_steady_run(runs):
+    events = runs.steady_run(100, groups=("A", "B"))
+    summary = build_summary(events, wall_seconds=100 * 0.1, state_hashes={"A": "h", "B": "h"},
+                            config={}, groups=["A", "B"])
+    assert summary["steady_tokens_per_second"] == pytest.approx(runs.TOKENS / 0.1)
+    assert summary["ett"] == pytest.approx(1.0)
+    assert summary["stall_seconds"] == []
+
+
+def test_ett_with_an_injected_pause_is_the_productive_fraction(runs):
+    events = runs.failure_run(pause=1.3)
+    wall = 100 * 0.1 + 1.2  # 100 steps of 0.1 s plus the 1.2 s stall
+    summary = build_summary(events, wall_seconds=wall, state_hashes={"A": "h", "B": "h"},
+                            config={}, groups=["A", "B", "C"])
+    assert summary["steady_tokens_per_second"] == pytest.approx(runs.TOKENS / 0.1, rel=1e-6)
+    assert summary["ett"] == pytest.approx(10.0 / 11.2, abs=1e-4)
+
+
+def test_ett_guards_zero_denominators():
+    assert ett(100, 0.0, 10.0) == 0.0 and ett(100, 10.0, 0.0) == 0.0
+    assert ett(50, 10.0, 10.0) == pytest.approx(0.5)
+
+
+# --- summary.json ----------------------------------------------------------------------------
+
+def test_build_summary_has_every_design_field_with_the_run_values(runs):
+    events = runs.failure_run(pause=1.3)
+    events.append(runs.event(1002.0, "step_failed", "A", 10, reason="peer died"))
+    hashes = {"A": "ab" * 32, "B": "ab" * 32, "C": "ab" * 32}
+    summary = build_summary(events, wall_seconds=11.2, state_hashes=hashes,
+                            config={"run": {"name": "t"}}, groups=["A", "B", "C"])
+    assert all(field in summary for field in DESIGN_FIELDS)
+    assert summary["steps_committed"] == 100
+    assert summary["steps_failed"] == 1
+    assert summary["tokens_committed"] == 100 * runs.TOKENS
+    assert summary["failures_injected"] == 1
+    assert summary["failures_detected"] == 1
+    assert summary["recoveries"] == 1
+    assert summary["stall_seconds"] == [pytest.approx(1.2, abs=1e-3), 0.0]
+    assert summary["final_loss"] == pytest.approx(5.0 - 0.01 * 99)
+    assert summary["replicas_identical"] is True
+    assert summary["data"] == {"samples_committed": 100 * runs.BATCH, "duplicates": 0, "gaps": 0,
+                               "inconsistent_steps": []}
+    assert summary["groups"] == ["A", "B", "C"] and summary["config"] == {"run": {"name": "t"}}
+    assert summary["median_step_seconds"] == pytest.approx(0.1)
+
+
+def test_replicas_identical_needs_equal_hashes_and_at_least_one(runs):
+    events = runs.steady_run(5)
+    build = lambda hashes: build_summary(events, wall_seconds=1.0, state_hashes=hashes,
+                                         config={}, groups=["A", "B"])["replicas_identical"]
+    assert build({"A": "x", "B": "x"}) is True
+    assert build({"A": "x", "B": "y"}) is False
+    assert build({}) is False
+
+
+def test_empty_run_summarises_without_errors():
+    summary = build_summary([], wall_seconds=0.0, state_hashes={}, config={}, groups=[])
+    assert summary["steps_committed"] == 0 and summary["ett"] == 0.0
+    assert summary["final_loss"] is None and summary["data"]["samples_committed"] == 0
+
+
+def test_write_summary_is_strict_json_and_leaves_no_temporary_file(runs, tmp_path):
+    summary = build_summary(runs.steady_run(5), wall_seconds=0.5, state_hashes={"A": "x"},
+                            config={"train": {"lr": float("nan")}}, groups=["A"])
+    path = tmp_path / "summary.json"
+    write_summary(path, summary)
+    write_summary(path, summary)
+    assert json.loads(path.read_text())["steps_committed"] == 5
+    assert json.loads(path.read_text())["config"] == {"train": {"lr": None}}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]

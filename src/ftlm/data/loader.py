@@ -285,6 +285,17 @@ class Loader:
                     self._plan = []  # do not spin on a failing batch
                 self._cond.notify_all()
 
+    def wait_prefetched(self, timeout: float = 10.0) -> bool:
+        """Block until every planned batch is ready (or ``timeout``); for tests and benchmarks."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._plan and any(k not in self._ready for k in self._plan):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop:
+                    return False
+                self._cond.wait(timeout=left)
+            return True
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop the prefetch thread (waits at most ``timeout`` seconds); idempotent."""
         with self._cond:

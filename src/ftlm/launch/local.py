@@ -196,9 +196,14 @@ class LocalLauncher:
         """A group whose heartbeat stopped while its process lives is hung: kill it so it restarts."""
         dead = {d["replica_id"] for d in status.get("dead", [])}
         for g in self.groups:
-            if g.running() and g.replica_id in dead:
+            if g.running() and g.replica_id in dead and not self._has_result(g):
                 events.emit("member_killed", step=-1, target=g.name, reason="heartbeat lost")
                 g.proc.kill()
+
+    def _has_result(self, g: GroupProcess) -> bool:
+        """Whether the group's current incarnation has printed its final result (it is exiting)."""
+        result = _read_result(self.run_dir / "logs" / f"{g.name}.log")
+        return bool(result) and result.get("incarnation") == g.incarnation
 
     def _next_chaos_time(self) -> float | None:
         if not self.chaos_mtbf:

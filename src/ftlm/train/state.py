@@ -1,9 +1,12 @@
-"""The replicated training state: model, optimizer, step, data cursor, seed and RNG.
+"""The replicated training state: model, optimizer, step, data cursor and seed.
 
 Every up-to-date replica group holds bitwise the same ``TrainState``. It is one ``Stateful``
 object (``state_dict`` / ``load_state_dict``) for durable checkpoints (DCP), and it flattens to a
 ``dict[str, Tensor]`` plus a JSON-able dict for live recovery, which is all ``ftlm.ft`` ever sees.
 The LR schedule position is the step itself (``ftlm.train.schedule`` is a pure function of it).
+A training step draws no random numbers (no dropout; the data order is a function of the seed
+and the cursor), so the seed is the whole RNG state: the process-global torch generator is not
+replicated, because unrelated code may draw from it differently in each process.
 """
 
 from __future__ import annotations
@@ -34,14 +37,12 @@ class TrainState:
             "model": model_sd,
             "optim": optim_sd,
             "progress": torch.tensor([self.step, self.cursor, self.seed], dtype=torch.int64),
-            "rng": torch.get_rng_state(),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"],
                        optim_state_dict=sd["optim"])
         self.step, self.cursor, self.seed = (int(v) for v in sd["progress"].tolist())
-        torch.set_rng_state(sd["rng"])
 
     # -- live recovery: tensors + JSON ---------------------------------------------------------
     def flat(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -259,9 +259,12 @@ class Trainer:
                 signal.signal(signal.SIGTERM, old)
             self.checkpointer.wait()
             self.loader.close()
+        try:
+            # Finish while still heartbeating, so the end of a run is not mistaken for a hang.
+            return self._finish(time.time() - wall0)
+        finally:
             self.ft.close()
-            self.events.emit("group_exit", step=self.state.step)
-        return self._finish(time.time() - wall0)
+            self.events.emit("group_exit", step=self.state.step, ok=True)
 
     def state_hash(self) -> str:
         tensors, meta = self.state.flat()

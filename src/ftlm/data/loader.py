@@ -34,6 +34,7 @@ from ftlm.data.prepare import FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, sha256_f
 from ftlm.errors import DataError
 
 _RERUN = "re-run `ftlm data prepare`"
+_BUSY_WAIT_S = 60.0  # longest wait for the thread's in-flight batch before recomputing it
 
 
 class PackedDataset:
@@ -124,9 +125,13 @@ class PackedDataset:
         rows = self._read_shard(k)  # outside the lock: decoding is the slow part
         with self._lock:
             self._cache[k] = rows
-            while len(self._cache) > 1 and sum(a.nbytes for a in self._cache.values()) > self._cache_bytes:
+            # Evict least recently used shards, but always keep the one just read.
+            while len(self._cache) > 1 and self._cached_bytes() > self._cache_bytes:
                 self._cache.popitem(last=False)
         return rows
+
+    def _cached_bytes(self) -> int:
+        return sum(a.nbytes for a in self._cache.values())
 
     def _read_shard(self, k: int) -> np.ndarray:
         file = self._files[k]
@@ -136,8 +141,8 @@ class PackedDataset:
         except (OSError, KeyError, pa.ArrowException) as e:
             raise DataError(f"cannot read shard {file} ({e}); {_RERUN}") from e
         if len(column) != self._rows[k] or flat.size != self._rows[k] * self.width:
-            raise DataError(f"shard {file} holds {len(column)} rows of {flat.size // max(len(column), 1)}"
-                            f" tokens, the manifest says {self._rows[k]} of {self.width}; {_RERUN}")
+            raise DataError(f"shard {file} holds {len(column)} rows ({flat.size} tokens), the "
+                            f"manifest says {self._rows[k]} rows of {self.width}; {_RERUN}")
         return flat.reshape(self._rows[k], self.width)
 
 
@@ -213,7 +218,8 @@ class Loader:
         self._stop = False
         self._thread: threading.Thread | None = None
         if prefetch > 0:
-            self._thread = threading.Thread(target=self._run, name="ftlm-data-prefetch", daemon=True)
+            self._thread = threading.Thread(target=self._run, name="ftlm-data-prefetch",
+                                            daemon=True)
             self._thread.start()
 
     @staticmethod
@@ -235,7 +241,7 @@ class Loader:
 
     def batch(self, cursor: int, participant_index: int, participants: int,
               batch_size: int) -> torch.LongTensor:
-        """``[batch_size, seq_len + 1]`` int64 tokens of participant ``i`` of ``P`` at ``cursor``."""
+        """Tokens [batch_size, seq_len + 1] (int64) of participant ``i`` of ``P`` at ``cursor``."""
         key = (cursor, participant_index, participants, batch_size)
         self.positions(*key)  # validate before touching the cache
         t0 = time.perf_counter()
@@ -243,7 +249,7 @@ class Loader:
         with self._cond:
             # If the thread is computing exactly this batch, waiting beats recomputing; the
             # thread always clears _busy (also on error), so the wait ends, but bound it anyway.
-            deadline = t0 + 60.0
+            deadline = t0 + _BUSY_WAIT_S
             while self._busy == key and not self._stop and time.perf_counter() < deadline:
                 self._cond.wait(timeout=1.0)
             out = self._ready.pop(key, None)

@@ -127,7 +127,8 @@ def _counted(docs: Iterator[str], bar: tqdm) -> Iterator[str]:
         yield doc
 
 
-def _encoded_batches(docs: Iterator[str], tok: Tokenizer, workers: int) -> Iterator[list[list[int]]]:
+def _encoded_batches(docs: Iterator[str], tok: Tokenizer,
+                     workers: int) -> Iterator[list[list[int]]]:
     """Token ids of the non-empty documents, in input order, a batch of documents at a time."""
     texts = _chunks((d for d in docs if d), _DOCS_PER_BATCH)
     if workers <= 1:
@@ -200,7 +201,8 @@ class _ShardWriter:
         tmp = self.out_dir / (name + ".tmp")
         pq.write_table(table, tmp, compression="zstd")
         os.replace(tmp, self.out_dir / name)
-        self.shards.append({"file": name, "rows": len(rows), "sha256": sha256_file(self.out_dir / name)})
+        digest = sha256_file(self.out_dir / name)
+        self.shards.append({"file": name, "rows": len(rows), "sha256": digest})
         self.rows += len(rows)
 
 

@@ -160,12 +160,16 @@ class LocalLauncher:
                     break
                 self._reap(events, now)
                 self._kill_hung(status, events)
+                ending = any(g.finished for g in self.groups)
                 for g in self.groups:
-                    if g.restart_at is not None and now >= g.restart_at:
+                    if g.restart_at is not None and ending:
+                        # The others reached the last step: there is nothing left to rejoin.
+                        g.finished, g.restart_at = True, None
+                    elif g.restart_at is not None and now >= g.restart_at:
                         g.restarts += 1
                         self._spawn(g, config_file, url)
-                if next_chaos is not None and now >= next_chaos:
-                    self._inject(events)
+                if next_chaos is not None and now >= next_chaos and not ending:
+                    self._inject(events, status)
                     next_chaos = self._next_chaos_time()
                 view.update(status)
                 self._stop.wait(0.1)
@@ -210,11 +214,14 @@ class LocalLauncher:
             return None
         return time.time() + self.rng.expovariate(1.0 / self.chaos_mtbf)
 
-    def _inject(self, events: EventLog) -> None:
+    def _inject(self, events: EventLog, status: dict) -> None:
+        last = status.get("last_quorum") or {}
+        healthy = {r for r in last.get("participants", [])}
         live = [g for g in self.groups if g.running() and not g.stopped and not g.finished]
-        if len(live) < 2:  # never take the last healthy group down: there'd be no one to heal from
+        g = self.rng.choice(live) if live else None
+        # Never take down the last up-to-date group: nobody would be left to heal from.
+        if g is None or not any(r in healthy for r in (x.replica_id for x in live if x is not g)):
             return
-        g = self.rng.choice(live)
         hang = self.chaos_hang and self.rng.random() < 0.5
         events.emit("failure_injected", step=-1, target=g.name, signal="SIGSTOP" if hang else "SIGKILL",
                     incarnation=g.incarnation)

@@ -26,3 +26,43 @@ def demo_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("demo-data")
     return ensure_demo_data(root, seq_len=DEMO_SEQ_LEN, vocab_size=DEMO_VOCAB,
                             max_bytes=1_000_000, progress=False)
+
+
+
+TINY_MODEL = {"size": "tiny", "vocab_size": DEMO_VOCAB, "dim": 64, "n_layers": 2, "n_heads": 4,
+              "n_kv_heads": 2, "ffn_dim": 128, "max_seq_len": DEMO_SEQ_LEN}
+"""A ~100k-parameter model that trains a step in milliseconds on one CPU thread."""
+
+
+@pytest.fixture(scope="session")
+def make_tiny_config(demo_data: Path):
+    """Factory of single-group ``RunConfig`` s on ``demo_data`` with the tiny model.
+
+    ``make_tiny_config(run_dir, **sections)`` merges each ``section={key: value}`` over the
+    defaults (steps 20, batch 4, warm-up 2, 1 thread, no progress bar, no checkpoints).
+    Session-scoped so that module-scoped fixtures can train once and share the run.
+    """
+    from ftlm.config import build_config
+
+    def make(run_dir: Path, **sections: dict):
+        raw = {"run": {"dir": str(run_dir)},
+               "model": dict(TINY_MODEL),
+               "data": {"dir": str(demo_data), "seq_len": DEMO_SEQ_LEN},
+               "train": {"steps": 20, "batch_size": 4, "threads": 1, "warmup_steps": 2},
+               "checkpoint": {"every": 0},
+               "observe": {"progress": False, "log_every": 1000}}
+        for name, body in sections.items():
+            raw.setdefault(name, {}).update(body)
+        return build_config(raw)
+
+    return make
+
+
+@pytest.fixture
+def tiny_config(tmp_path: Path, make_tiny_config):
+    """``make_tiny_config`` with ``run_dir`` defaulting to ``tmp_path / "run"``."""
+
+    def make(run_dir: Path | None = None, **sections: dict):
+        return make_tiny_config(run_dir or tmp_path / "run", **sections)
+
+    return make

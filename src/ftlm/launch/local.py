@@ -74,7 +74,8 @@ class LocalLauncher:
 
     def __init__(self, config: RunConfig, groups: int, chaos_mtbf: float = 0.0,
                  chaos_hang: bool = False, chaos_seed: int = 0, config_path: str | None = None,
-                 overrides: list[str] | None = None, faults: dict[str, str] | None = None,
+                 overrides: list[str] | None = None, faults: dict[str, list[str]] | None = None,
+                 start_delays: dict[str, float] | None = None,
                  extra_env: dict[str, str] | None = None, progress: bool | None = None):
         if groups < 1:
             raise ConfigError(f"--groups={groups} must be at least 1")
@@ -85,7 +86,9 @@ class LocalLauncher:
         self.chaos_mtbf = chaos_mtbf
         self.chaos_hang = chaos_hang
         self.rng = random.Random(chaos_seed)
+        # Named-point failures per group, one entry per incarnation (see ftlm.ft.faults).
         self.faults = faults or {}
+        self.start_delays = start_delays or {}
         self.extra_env = extra_env or {}
         self.progress = config.observe.progress if progress is None else progress
         self.run_dir = config.run.path
@@ -118,8 +121,9 @@ class LocalLauncher:
         })
         env.update(self.extra_env)
         env.pop("FTLM_FAULT", None)
-        if g.restarts == 0 and g.name in self.faults:
-            env["FTLM_FAULT"] = self.faults[g.name]
+        planned = self.faults.get(g.name, [])
+        if g.restarts < len(planned) and planned[g.restarts]:
+            env["FTLM_FAULT"] = planned[g.restarts]
         log = open(self.run_dir / "logs" / f"{g.name}.log", "ab")
         cmd = [sys.executable, "-m", "ftlm.cli", "train", str(config_file),
                "--set", "observe.progress=false"]
@@ -145,11 +149,18 @@ class LocalLauncher:
         next_chaos = self._next_chaos_time()
         try:
             for g in self.groups:
-                self._spawn(g, config_file, url)
+                if g.name in self.start_delays:  # a late joiner
+                    g.restart_at, g.restarts = time.time() + self.start_delays[g.name], -1
+                else:
+                    self._spawn(g, config_file, url)
             last_progress, best_step = time.time(), 0
             while not self._stop.is_set() and not all(g.finished for g in self.groups):
                 now = time.time()
-                status = self.coordinator.status_snapshot()
+                try:
+                    status = self.coordinator.status_snapshot()
+                except Exception:  # noqa: BLE001 - the coordinator is being restarted
+                    self._stop.wait(0.1)
+                    continue
                 step = max((m["step"] for m in status["members"]), default=0)
                 if step > best_step:
                     best_step, last_progress = step, now
@@ -161,6 +172,8 @@ class LocalLauncher:
                 self._reap(events, now)
                 self._kill_hung(status, events)
                 ending = any(g.finished for g in self.groups)
+                if ending:
+                    self._stop_stragglers(status)
                 for g in self.groups:
                     if g.restart_at is not None and ending:
                         # The others reached the last step: there is nothing left to rejoin.
@@ -180,6 +193,21 @@ class LocalLauncher:
             self.coordinator.stop()
         wall = time.time() - wall0
         return self._finish(events, wall)
+
+    def restart_coordinator(self) -> None:
+        """Stop the coordinator and start a fresh one on the same port (a coordinator failure).
+
+        The new one holds no state: it rebuilds membership from the next heartbeats and continues
+        quorum ids above those the members report. Safe to call from another thread.
+        """
+        old = self.coordinator
+        port = old.port
+        old.stop()
+        self.coordinator = Coordinator(
+            self.config.ft.coordinator_config(port=port, token=self.token),
+            events=old.events)
+        self.coordinator.start()
+        old.events.log.emit("coordinator_restart", step=-1, port=port)
 
     def _reap(self, events: EventLog, now: float) -> None:
         for g in self.groups:
@@ -203,6 +231,17 @@ class LocalLauncher:
             if g.running() and g.replica_id in dead and not self._has_result(g):
                 events.emit("member_killed", step=-1, target=g.name, reason="heartbeat lost")
                 g.proc.kill()
+
+    def _stop_stragglers(self, status: dict) -> None:
+        """Once a group has reached the last step, a group that is not an up-to-date participant
+        has nobody left to heal from: stop it instead of letting it train alone from scratch."""
+        last = status.get("last_quorum") or {}
+        participants = set(last.get("participants", []))
+        for g in self.groups:
+            if g.running() and not g.finished and g.replica_id not in participants:
+                g.proc.kill()
+                g.proc.wait(timeout=10)
+                g.finished = True
 
     def _has_result(self, g: GroupProcess) -> bool:
         """Whether the group's current incarnation has printed its final result (it is exiting)."""

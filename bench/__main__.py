@@ -1,0 +1,45 @@
+"""Run every benchmark in turn: ``python -m bench [--quick] [--only NAME ...]``.
+
+Each benchmark rewrites its own section of BENCHMARKS.md; a failing one is reported and the
+others still run (the exit status is non-zero if any failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+
+from bench import ft_overhead, train_throughput
+
+BENCHMARKS = {"train_throughput": train_throughput.main, "ft_overhead": ft_overhead.main}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="smoke-test sizes (each well under a "
+                   "minute on 2 cores)")
+    p.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
+    p.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), default=list(BENCHMARKS),
+                   help="run only these benchmarks")
+    args = p.parse_args(argv)
+    flags = [f for f, on in (("--quick", args.quick), ("--no-write", args.no_write)) if on]
+    failed = []
+    for name in args.only:
+        t0 = time.perf_counter()
+        print(f"== bench {name} {' '.join(flags)}".rstrip(), flush=True)
+        try:
+            BENCHMARKS[name](flags)
+        except Exception:  # noqa: BLE001 - report it and run the next benchmark
+            traceback.print_exc()
+            failed.append(name)
+        print(f"== {name}: {'FAILED' if name in failed else 'done'} in "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
+    if failed:
+        print(f"failed benchmarks: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

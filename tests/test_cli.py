@@ -1,0 +1,185 @@
+"""The ``ftlm`` command: help of every subcommand, one-line errors, train/report/prepare end to end.
+
+Most tests call ``ftlm.cli.main`` in-process (fast); one runs the real entry point in a
+subprocess to check the exit status and that errors come without a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftlm.cli import main
+from ftlm.data.loader import PackedDataset
+from ftlm.data.tokenizer import Tokenizer
+
+SUBCOMMANDS = [
+    ["demo"], ["train"], ["coordinator"], ["launch"], ["launch", "local"], ["data"],
+    ["data", "prepare"], ["tokenizer"], ["tokenizer", "train"], ["report"],
+]
+CONFIG_COMMANDS = [["train"], ["coordinator"], ["launch", "local"]]
+"""Commands that read a run config and so accept ``--set`` overrides."""
+
+TINY_TOML = """
+[model]
+size = "tiny"
+vocab_size = 1024
+dim = 64
+n_layers = 2
+n_heads = 4
+n_kv_heads = 2
+ffn_dim = 128
+max_seq_len = 64
+
+[data]
+seq_len = 64
+
+[train]
+steps = 50
+batch_size = 4
+threads = 1
+warmup_steps = 2
+
+[observe]
+progress = false
+"""
+
+
+def _run(argv: list[str]) -> tuple[int, str, str]:
+    """``main(argv)`` with stdout/stderr captured; argparse's SystemExit becomes the code."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 2
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("words", SUBCOMMANDS, ids=" ".join)
+def test_every_subcommand_has_help(words: list[str]) -> None:
+    code, out, _ = _run(words + ["--help"])
+    assert code == 0
+    assert out.startswith(f"usage: ftlm {' '.join(words)}")
+    if words in CONFIG_COMMANDS:
+        assert "--set SECTION.KEY=VALUE" in out
+
+
+def test_top_level_help_lists_the_commands() -> None:
+    code, out, _ = _run(["--help"])
+    assert code == 0
+    for name in ("demo", "train", "coordinator", "launch", "data", "tokenizer", "report"):
+        assert name in out
+
+
+def test_missing_config_file_is_a_one_line_error(tmp_path: Path) -> None:
+    missing = tmp_path / "absent.toml"
+    code, out, err = _run(["train", str(missing)])
+    assert code == 2
+    assert err.startswith("ftlm: error:") and str(missing) in err
+    assert err.count("\n") == 1 and out == ""
+
+
+def test_bad_override_is_a_one_line_error(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(TINY_TOML)
+    code, _, err = _run(["train", str(cfg), "--set", "train.steps=abc"])
+    assert code == 2
+    assert err.startswith("ftlm: error:") and "train.steps='abc'" in err
+
+
+def test_report_of_a_directory_without_a_run(tmp_path: Path) -> None:
+    code, _, err = _run(["report", str(tmp_path)])
+    assert code == 2
+    assert err.startswith("ftlm: error:") and str(tmp_path / "summary.json") in err
+
+
+def test_entry_point_exit_status_and_no_traceback(tmp_path: Path) -> None:
+    missing = tmp_path / "absent.toml"
+    env = {k: v for k, v in os.environ.items() if k != "FTLM_COORDINATOR"}
+    proc = subprocess.run([sys.executable, "-m", "ftlm.cli", "train", str(missing)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("ftlm: error:") and str(missing) in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def cli_run(demo_data: Path, tmp_path_factory) -> tuple[Path, str]:
+    """(run dir, stdout) of ``ftlm train CONFIG --set train.steps=5 --set run.dir=...``."""
+    root = tmp_path_factory.mktemp("cli")
+    cfg = root / "tiny.toml"
+    cfg.write_text(TINY_TOML)
+    run_dir = root / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("FTLM_COORDINATOR", raising=False)
+        code, out, err = _run(["train", str(cfg), "--set", "train.steps=5",
+                               "--set", f"run.dir={run_dir}", "--set", f"data.dir={demo_data}"])
+    assert code == 0, err
+    return run_dir, out
+
+
+def test_train_writes_summary_and_report_and_prints_the_headline(cli_run) -> None:
+    run_dir, out = cli_run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps_committed"] == 5  # the --set beat the file's steps = 50
+    assert summary["replicas_identical"] is True
+    assert summary["config"]["run"]["dir"] == str(run_dir)
+    assert (run_dir / "report.md").is_file() and (run_dir / "config.toml").is_file()
+    assert "5 steps committed" in out
+
+
+def test_report_rewrites_the_report_and_prints_the_headline(cli_run) -> None:
+    run_dir, _ = cli_run
+    (run_dir / "report.md").unlink()
+    code, out, _ = _run(["report", str(run_dir)])
+    assert code == 0
+    assert "5 steps committed (0 failed)" in out
+    assert "replicas identical: yes" in out
+    assert f"report written to {run_dir / 'report.md'}" in out
+    assert (run_dir / "report.md").is_file()
+
+
+def test_tokenizer_train_then_data_prepare(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    words = "the quick brown fox jumps over the lazy dog while seven wizards quietly hex".split()
+    for i in range(6):
+        text = "\n".join(" ".join(words[(i + j + k) % len(words)] for k in range(9))
+                         for j in range(60))
+        (corpus / f"doc{i}.txt").write_text(text, encoding="utf-8")
+    tok_path = tmp_path / "tok" / "tokenizer.json"
+    tok_path.parent.mkdir()
+
+    code, out, err = _run(["tokenizer", "train", str(corpus), "--out", str(tok_path),
+                           "--vocab-size", "300"])
+    assert code == 0, err
+    tok = Tokenizer.load(tok_path)
+    assert 256 < tok.vocab_size <= 300
+    assert str(tok_path) in out
+
+    data_dir = tmp_path / "prepared"
+    code, out, err = _run(["data", "prepare", str(corpus), "--out", str(data_dir),
+                           "--tokenizer", str(tok_path), "--seq-len", "16", "--workers", "1"])
+    assert code == 0, err
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    assert manifest["seq_len"] == 16 and manifest["num_samples"] > 0
+    assert manifest["tokenizer_fingerprint"] == tok.fingerprint
+    assert f"{manifest['num_samples']} samples of 16 tokens" in out
+    dataset = PackedDataset(data_dir, 16, tok.fingerprint)
+    assert len(dataset) == manifest["num_samples"]
+
+
+def test_data_prepare_of_missing_input_is_a_one_line_error(tmp_path: Path,
+                                                           demo_data: Path) -> None:
+    code, _, err = _run(["data", "prepare", str(tmp_path / "nothing"), "--out",
+                         str(tmp_path / "out"), "--tokenizer", str(demo_data / "tokenizer.json")])
+    assert code == 2
+    assert err.startswith("ftlm: error:") and str(tmp_path / "nothing") in err

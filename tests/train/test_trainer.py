@@ -1,0 +1,178 @@
+"""The single-group training loop: learning, run-directory contracts, accumulation, bad input.
+
+One 40-step run of the tiny model is shared by the tests that only read its outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ftlm.config import load_config
+from ftlm.data.tokenizer import train_tokenizer
+from ftlm.errors import ConfigError, DataError
+from ftlm.observe.events import read_events
+from ftlm.train.trainer import Trainer
+
+STEPS = 40
+BATCH = 4
+SEQ = 64
+
+
+@pytest.fixture(scope="module")
+def trained(make_tiny_config, tmp_path_factory):
+    """(trainer, summary) of one finished 40-step run."""
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    config = make_tiny_config(run_dir, train={"steps": STEPS, "batch_size": BATCH,
+                                              "warmup_steps": 3, "lr": 3e-3})
+    trainer = Trainer(config)
+    return trainer, trainer.train()
+
+
+def test_loss_falls_within_a_few_dozen_steps(trained) -> None:
+    trainer, _ = trained
+    losses = trainer.losses
+    assert len(losses) == STEPS
+    first, last = statistics.fmean(losses[:5]), statistics.fmean(losses[-5:])
+    # Uniform guessing over 1024 tokens is ln(1024) = 6.93; the model must clearly beat its start.
+    assert first > 6.5
+    assert last < first - 0.5, (first, last)
+
+
+def test_summary_has_the_contract_fields_with_sensible_values(trained) -> None:
+    trainer, summary = trained
+    on_disk = json.loads((trainer.run_dir / "summary.json").read_text())
+    assert on_disk == json.loads(json.dumps(summary))
+    assert summary["steps_committed"] == STEPS
+    assert summary["steps_failed"] == 0
+    assert summary["tokens_committed"] == STEPS * BATCH * SEQ
+    assert 0 < summary["wall_seconds"] < 120
+    assert 0 < summary["ett"] <= 1.5
+    assert summary["failures_injected"] == summary["failures_detected"] == 0
+    assert summary["recoveries"] == 0
+    assert summary["stall_seconds"] == []
+    assert summary["final_loss"] == trainer.losses[-1]
+    assert summary["state_hashes"] == {"g0": trainer.state_hash()}
+    assert summary["replicas_identical"] is True
+    data = summary["data"]
+    assert data["samples_committed"] == STEPS * BATCH
+    assert data["duplicates"] == data["gaps"] == 0
+    assert summary["groups"] == ["g0"]
+    assert summary["config"] == json.loads(json.dumps(trainer.config.to_dict()))
+
+
+def test_events_have_one_commit_per_step_with_contiguous_samples(trained) -> None:
+    trainer, _ = trained
+    events = read_events(trainer.run_dir / "events.jsonl")
+    for e in events:
+        assert {"ts", "kind", "group", "step"} <= set(e)
+        assert e["group"] == "g0"
+    commits = [e for e in events if e["kind"] == "commit"]
+    assert [e["step"] for e in commits] == list(range(STEPS))
+    assert [e["samples"] for e in commits] == [[s * BATCH, (s + 1) * BATCH] for s in range(STEPS)]
+    assert [e["loss"] for e in commits] == trainer.losses
+    for e in commits:
+        assert e["participants"] == 1
+        assert e["tokens"] == BATCH * SEQ
+        assert "quorum_id" in e
+    kinds = [e["kind"] for e in events]
+    assert kinds[0] == "group_start" and kinds[-1] == "group_exit"
+    assert "step_failed" not in kinds
+
+
+def test_run_dir_holds_resolved_config_and_final_weights(trained) -> None:
+    trainer, _ = trained
+    assert load_config(trainer.run_dir / "config.toml") == trainer.config
+    weights = load_file(str(trainer.run_dir / "model.safetensors"))
+    live = trainer.model.state_dict()
+    assert weights and set(weights) <= set(live)
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, live[name]), name
+
+
+def test_grad_accum_two_matches_one_at_equal_batch(tiny_config, tmp_path: Path) -> None:
+    runs = {}
+    for accum in (1, 2):
+        trainer = Trainer(tiny_config(run_dir=tmp_path / f"accum{accum}",
+                                      train={"steps": 8, "batch_size": 4, "grad_accum": accum}))
+        trainer.train()
+        runs[accum] = trainer.losses
+    one, two = runs[1], runs[2]
+    assert two[0] == pytest.approx(one[0], abs=1e-5)  # same weights, same samples: same loss
+    assert two[-1] == pytest.approx(one[-1], abs=1e-4)  # only summation order differs
+
+
+def test_keyboard_interrupt_still_writes_the_summary(tiny_config) -> None:
+    trainer = Trainer(tiny_config(train={"steps": 10}))
+    step_once = trainer.step
+
+    def step_then_interrupt() -> None:
+        step_once()
+        if trainer.state.step == 3:
+            raise KeyboardInterrupt
+
+    trainer.step = step_then_interrupt
+    summary = trainer.train()
+    assert summary["steps_committed"] == 3
+    on_disk = json.loads((trainer.run_dir / "summary.json").read_text())
+    assert on_disk["steps_committed"] == 3 and on_disk["data"]["gaps"] == 0
+    assert (trainer.run_dir / "model.safetensors").is_file()
+
+
+def test_max_seconds_stops_early_and_still_summarises(tiny_config) -> None:
+    trainer = Trainer(tiny_config(train={"steps": 1000, "max_seconds": 1e-6}))
+    summary = trainer.train()
+    assert summary["steps_committed"] < 1000
+    assert (trainer.run_dir / "summary.json").is_file()
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+def _refused(config, error: type[Exception]) -> str:
+    with pytest.raises(error) as err:
+        Trainer(config)
+    return str(err.value)
+
+
+def test_data_dir_without_manifest(tiny_config, demo_data: Path, tmp_path: Path) -> None:
+    empty = tmp_path / "no-data"
+    empty.mkdir()
+    shutil.copy(demo_data / "tokenizer.json", empty / "tokenizer.json")
+    msg = _refused(tiny_config(data={"dir": str(empty)}), DataError)
+    assert str(empty / "manifest.json") in msg and "ftlm data prepare" in msg
+
+
+def test_missing_tokenizer(tiny_config, tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere" / "tokenizer.json"
+    msg = _refused(tiny_config(data={"tokenizer": str(missing)}), DataError)
+    assert str(missing) in msg
+
+
+def test_tokenizer_that_differs_from_the_data(tiny_config, tmp_path: Path) -> None:
+    text = tmp_path / "other.txt"
+    text.write_text("a completely different corpus for another tokenizer\n" * 200)
+    other = tmp_path / "other-tokenizer.json"
+    train_tokenizer([text], other, vocab_size=300)
+    msg = _refused(tiny_config(data={"tokenizer": str(other)}), DataError)
+    assert "another tokenizer" in msg and "ftlm data prepare" in msg
+
+
+def test_seq_len_differs_from_the_manifest(tiny_config) -> None:
+    msg = _refused(tiny_config(data={"seq_len": 32}), DataError)
+    assert "seq_len=64" in msg and "seq_len=32" in msg
+
+
+def test_model_vocab_smaller_than_the_tokenizer(tiny_config) -> None:
+    msg = _refused(tiny_config(model={"vocab_size": 512}), ConfigError)
+    assert "model.vocab_size=512" in msg and "1024" in msg
+
+
+def test_seq_len_longer_than_the_model_context(tiny_config) -> None:
+    msg = _refused(tiny_config(model={"max_seq_len": 32}), ConfigError)
+    assert "data.seq_len=64" in msg and "model.max_seq_len=32" in msg

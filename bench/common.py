@@ -116,7 +116,16 @@ def section_header(title: str, module: str, flags: Sequence[str]) -> str:
     return (f"## {title}\n\n"
             f"* Command: {how}, from the repository root\n"
             f"* Date: {now}\n"
-            f"* Machine: {machine_description()}\n")
+            f"* Machine: {machine_description()}\n"
+            f"* Load average when the table was written (1, 5, 15 min): {_load()}\n")
+
+
+def _load() -> str:
+    """The machine's load average: how much else was running (shared machines are noisy)."""
+    try:
+        return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 _INTRO = "# Benchmarks\n\nRun them with `make bench`; each script rewrites its own section below.\n"

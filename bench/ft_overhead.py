@@ -85,6 +85,11 @@ def run_ftlm(case: Case) -> Timing:
             tail = "".join((p.read_text()[-2000:] for p in sorted(logs.glob("*.log"))))
             raise RuntimeError(f"ftlm run did not finish cleanly: groups {sorted(commits)}, "
                                f"replicas_identical={summary.get('replicas_identical')}\n{tail}")
+        short = {g: len(c) for g, c in commits.items() if len(c) < case.steps}
+        if short:
+            # The launcher turns Ctrl-C / SIGTERM into an orderly early end of its run.
+            raise RuntimeError(f"ftlm run ended early (interrupted?): committed steps {short} "
+                               f"of {case.steps}")
         seconds = [s for g in commits.values()
                    for s in steady([e["step_seconds"] for e in g], case.warmup)]
         first = commits["g0"]

@@ -60,9 +60,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     groups = int(os.environ.get("FTLM_GROUPS", "0")) or config.ft.groups
     token = os.environ.get("FTLM_TOKEN", "") or config.ft.read_token()
     events = EventLog(config.run.path / "events.jsonl", group=group)
-    manager = Manager(config.ft, group, incarnation, coordinator, token=token, events=events,
-                      device=resolve_device(config.train.device), fault=fault_from_env())
-    result = Trainer(config, ft=manager, group=group, groups=groups, standalone=False).train()
+    trainer = Trainer(config, group=group, groups=groups, standalone=False)
+    # Join the job only once the model and data are ready: from the first heartbeat on, the
+    # other groups count on this one answering within the heartbeat timeout.
+    trainer.ft = Manager(config.ft, group, incarnation, coordinator, token=token, events=events,
+                         device=resolve_device(config.train.device), fault=fault_from_env())
+    result = trainer.train()
     result["incarnation"] = incarnation
     # The supervisor collects each group's final state hash from this line.
     print("FTLM_RESULT " + json.dumps(result), flush=True)

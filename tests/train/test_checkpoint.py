@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import json
 import shutil
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ftlm.config import build_config
 from ftlm.errors import CheckpointError
+from ftlm.ft.transport import state_digest
 from ftlm.observe.events import read_events
 from ftlm.train.checkpoint import MARKER, Checkpointer, checkpoint_dir, valid_checkpoints
 from ftlm.train.optim import apply_update, build_optimizer
 from ftlm.train.state import TrainState
 from ftlm.train.trainer import Trainer, build_model
-from ftlm.ft.transport import state_digest
 
+# The model of conftest's TINY_MODEL (conftest is not importable under --import-mode=importlib).
 TINY = {"size": "tiny", "vocab_size": 1024, "dim": 64, "n_layers": 2, "n_heads": 4,
         "n_kv_heads": 2, "ffn_dim": 128, "max_seq_len": 64}
 
@@ -132,8 +136,11 @@ def test_checkpoint_of_another_model_size_is_refused_naming_the_path(tmp_path: P
     other = _state(dim=32, ffn_dim=64)
     with pytest.raises(CheckpointError) as err:
         Checkpointer(tmp_path, every=4, keep=1).restore_latest(other)
-    assert str(path) in str(err.value)
-    assert "checkpoint.resume=false" in str(err.value)  # the way out
+    msg = str(err.value)
+    assert str(path) in msg
+    assert "checkpoint.resume=false" in msg  # the way out
+    assert "tok_embeddings" in msg  # the root cause: which tensor does not fit
+    assert "\n" not in msg  # FtlmError messages are one line (no DCP traceback inside)
 
 
 def test_damaged_checkpoint_is_refused_naming_the_path(tmp_path: Path) -> None:
@@ -145,6 +152,7 @@ def test_damaged_checkpoint_is_refused_naming_the_path(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as err:
         Checkpointer(tmp_path, every=4, keep=1).restore_latest(_state())
     assert str(path) in str(err.value)
+    assert "\n" not in str(err.value)
 
 
 def test_checkpoint_holding_another_step_than_its_name_is_refused(tmp_path: Path) -> None:
@@ -155,14 +163,34 @@ def test_checkpoint_holding_another_step_than_its_name_is_refused(tmp_path: Path
     assert str(renamed) in str(err.value) and "step 4" in str(err.value)
 
 
+def test_failed_background_write_is_a_checkpoint_error_naming_the_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP reports a failed write as ``CheckpointException`` (a ``BaseException``, not an
+    ``Exception``) on the future; ``wait()`` must turn it into a ``CheckpointError`` and leave no
+    marker. The future is faked because a real disk failure cannot be provoked portably."""
+    failure = CheckpointException("write failed", {0: (OSError("No space left on device"), None)})
+    future: Future = Future()
+    future.set_exception(failure)
+    monkeypatch.setattr(dcp, "async_save", lambda *args, **kwargs: future)
+    state = _state()
+    _advance(state)
+    ck = Checkpointer(tmp_path, every=1, keep=1, async_save=True)
+    ck.save(state)
+    with pytest.raises(CheckpointError) as err:
+        ck.wait()
+    assert str(checkpoint_dir(tmp_path, 1)) in str(err.value)
+    assert "No space left on device" in str(err.value)
+    assert valid_checkpoints(tmp_path) == []
+
+
 # -- whole-trainer stop / resume ---------------------------------------------------------------
 
 def _commits(run_dir: Path) -> dict[int, dict]:
     return {e["step"]: e for e in read_events(run_dir / "events.jsonl") if e["kind"] == "commit"}
 
 
-def test_stop_and_resume_is_bitwise_identical_to_an_uninterrupted_run(tiny_config,
-                                                                      tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def stop_resume(make_tiny_config, tmp_path_factory):
     """Run A trains 12 steps straight; run B is stopped after step 8 and resumed by a new Trainer.
 
     Both use ``train.steps=12`` (the LR schedule depends on it). B is stopped the way a
@@ -170,14 +198,15 @@ def test_stop_and_resume_is_bitwise_identical_to_an_uninterrupted_run(tiny_confi
     commit, so ``train()`` finishes that step, waits for the in-flight async checkpoint of step 8
     and writes its summary, exactly as in production. A fresh ``Trainer`` on B's run directory
     then resumes from ``step-00000008`` and trains steps 8..11.
+    Returns (A, B, resumed trainer, resumed summary, B's checkpoints at the stop).
     """
+    root = tmp_path_factory.mktemp("stop-resume")
     sections = dict(train={"steps": 12, "warmup_steps": 3},
                     checkpoint={"every": 4, "keep": 2, "async_save": True})
-    a = Trainer(tiny_config(run_dir=tmp_path / "a", **sections))
+    a = Trainer(make_tiny_config(root / "a", **sections))
     a.train()
 
-    b_dir = tmp_path / "b"
-    b = Trainer(tiny_config(run_dir=b_dir, **sections))
+    b = Trainer(make_tiny_config(root / "b", **sections))
     step_once = b.step
 
     def step_then_stop_after_8() -> None:
@@ -187,22 +216,40 @@ def test_stop_and_resume_is_bitwise_identical_to_an_uninterrupted_run(tiny_confi
 
     b.step = step_then_stop_after_8
     b.train()
+    at_stop = _steps_on_disk(b.run_dir / "checkpoints")
+
+    resumed = Trainer(make_tiny_config(root / "b", **sections))
+    return a, b, resumed, resumed.train(), at_stop
+
+
+def test_stop_and_resume_is_bitwise_identical_to_an_uninterrupted_run(stop_resume) -> None:
+    a, b, resumed, summary, at_stop = stop_resume
     assert b.state.step == 8
-    assert _steps_on_disk(b_dir / "checkpoints") == ["step-00000004", "step-00000008"]
+    assert at_stop == ["step-00000004", "step-00000008"]
 
-    resumed = Trainer(tiny_config(run_dir=b_dir, **sections))
-    summary = resumed.train()
-
-    a_commits, b_commits = _commits(tmp_path / "a"), _commits(b_dir)
+    a_commits, b_commits = _commits(a.run_dir), _commits(b.run_dir)
     assert sorted(b_commits) == list(range(12))
     for step in range(12):
         assert b_commits[step]["samples"] == a_commits[step]["samples"]
         assert b_commits[step]["loss"] == a_commits[step]["loss"], f"step {step}"
     assert resumed.losses == a.losses[8:]
     assert resumed.state_hash() == a.state_hash()
-    assert summary["data"]["duplicates"] == summary["data"]["gaps"] == 0
+    assert _steps_on_disk(b.run_dir / "checkpoints") == ["step-00000008", "step-00000012"]
+
+
+def test_summary_after_resume_covers_the_whole_run(stop_resume) -> None:
+    """The resumed run's summary.json accounts for all 12 steps, and its ETT stays <= ~1.
+
+    ETT = tokens_committed / (wall_seconds * steady rate). The tokens are those of every commit
+    in events.jsonl (steps 0..11), so wall_seconds must span the run too (not only the 4 steps
+    of the resumed process), and the downtime between stop and resume is not a steady window.
+    """
+    a, _, _, summary, _ = stop_resume
     assert summary["steps_committed"] == 12
-    assert _steps_on_disk(b_dir / "checkpoints") == ["step-00000008", "step-00000012"]
+    assert summary["tokens_committed"] == a.config.train.steps * 4 * 64
+    assert summary["data"]["duplicates"] == summary["data"]["gaps"] == 0
+    assert summary["final_loss"] == a.losses[-1]
+    assert 0 < summary["ett"] <= 1.5, summary["ett"]
 
 
 def test_resume_false_ignores_existing_checkpoints(tiny_config, tmp_path: Path) -> None:

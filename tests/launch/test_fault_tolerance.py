@@ -27,7 +27,7 @@ STEPS = 600
 LONG = 1200
 
 
-def make_config(run_dir: Path, data_dir: Path, steps: int = STEPS, **train):
+def make_config(run_dir: Path, data_dir: Path, steps: int = STEPS, ft: dict | None = None, **train):
     return build_config({
         "run": {"name": "ft", "dir": str(run_dir), "seed": 3},
         "model": {"size": "tiny", "vocab_size": 1024, "dim": 64, "n_layers": 2, "n_heads": 4,
@@ -37,13 +37,13 @@ def make_config(run_dir: Path, data_dir: Path, steps: int = STEPS, **train):
                   **train},
         "ft": {"heartbeat_interval": 0.1, "heartbeat_timeout": 1.0, "join_timeout": 2.0,
                "allreduce_timeout": 5.0, "quorum_timeout": 30.0, "give_up_seconds": 90.0,
-               "restart_delay": 0.2, "bucket_bytes": 65536, "lr_policy": "sqrt"},
+               "restart_delay": 0.2, "bucket_bytes": 65536, "lr_policy": "sqrt", **(ft or {})},
         "observe": {"progress": False},
     })
 
 
-def run_job(tmp_path, demo_data, groups=2, steps=STEPS, **kwargs) -> tuple[dict, list[dict]]:
-    config = make_config(tmp_path / "run", demo_data, steps=steps)
+def run_job(tmp_path, demo_data, groups=2, steps=STEPS, ft=None, **kwargs) -> tuple[dict, list[dict]]:
+    config = make_config(tmp_path / "run", demo_data, steps=steps, ft=ft)
     summary = LocalLauncher(config, groups=groups, progress=False, **kwargs).run()
     return summary, read_events(config.run.path / "events.jsonl")
 
@@ -64,17 +64,22 @@ def commits_while_down(events: list[dict], victim: str) -> int:
     start = min(e["ts"] for e in events
                 if e.get("target") == victim and e["kind"] in ("group_exit", "member_dead"))
     end = min(e["ts"] for e in events if e["kind"] == "recovery_end" and e["group"] == victim
-              and e.get("ok"))
+              and e.get("ok") and e["ts"] > start)
     return sum(1 for e in events
                if e["kind"] == "commit" and e["group"] != victim and start < e["ts"] < end)
 
 
 def recovered(events: list[dict], victim: str) -> list[dict]:
-    return [e for e in events if e["kind"] == "recovery_end" and e["group"] == victim and e.get("ok")]
+    """Successful catch-ups of ``victim`` after its first failure."""
+    failed = [e["ts"] for e in events if e.get("target") == victim and e["kind"] == "group_exit"]
+    after = min(failed) if failed else 0.0
+    return [e for e in events if e["kind"] == "recovery_end" and e["group"] == victim
+            and e.get("ok") and e["ts"] > after]
 
 
 def test_two_groups_match_single_process_on_same_global_batches(tmp_path, demo_data):
-    summary, events = run_job(tmp_path / "ft", demo_data, groups=2, steps=40)
+    # min_replicas=2: both groups train every step from the first one (no late start).
+    summary, events = run_job(tmp_path / "ft", demo_data, groups=2, steps=40, ft={"min_replicas": 2})
     check_invariants(summary, events, 2, steps=40)
     # One process with the global batch (2 participants x 4) sees exactly the same samples.
     single = make_config(tmp_path / "single", demo_data, steps=40, batch_size=8)

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ftlm.errors import CheckpointError
 from ftlm.train.state import TrainState
@@ -41,6 +42,18 @@ def valid_checkpoints(root: Path) -> list[tuple[int, Path]]:
             except ValueError:
                 continue
     return sorted(found)
+
+
+# DCP warns from its background writer thread too, where a local catch_warnings cannot reach.
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+
+
+def _reason(e: BaseException) -> str:
+    """One line saying why DCP failed (its own message embeds whole tracebacks)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        first = next(iter(e.failures.values()))
+        e = first[0] if isinstance(first, tuple) else first
+    return " ".join(str(e).split())[:300]
 
 
 def _quiet(fn, *args, **kwargs):
@@ -97,8 +110,8 @@ class Checkpointer:
         self._pending = None
         try:
             future.result()
-        except Exception as e:
-            raise CheckpointError(f"writing checkpoint {path} failed: {e}") from e
+        except (Exception, CheckpointException) as e:
+            raise CheckpointError(f"writing checkpoint {path} failed: {_reason(e)}") from e
         self._finish(step, cursor, path, started)
 
     def _finish(self, step: int, cursor: int, path: Path, started: float) -> None:
@@ -132,9 +145,9 @@ class Checkpointer:
         try:
             _quiet(dcp.load, {"train": state}, checkpoint_id=str(path),
                    process_group=self.process_group)
-        except Exception as e:
+        except (Exception, CheckpointException) as e:
             raise CheckpointError(
-                f"checkpoint {path} could not be loaded ({e}); it may come from a different "
+                f"checkpoint {path} could not be loaded ({_reason(e)}); it may come from a different "
                 "model size or be damaged: delete it, or set checkpoint.resume=false") from e
         if state.step != step:
             raise CheckpointError(f"checkpoint {path} holds step {state.step}, expected {step}")

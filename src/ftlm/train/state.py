@@ -52,7 +52,9 @@ class TrainState:
         return tensors, {"state": meta, "step": self.step, "cursor": self.cursor}
 
     def load_flat(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        self.load_state_dict(_unflatten(meta["state"], tensors))
+        """Load a state produced by ``flat()``; copies, so the source may be reused afterwards."""
+        owned = {name: t.clone() for name, t in tensors.items()}
+        self.load_state_dict(_unflatten(meta["state"], owned))
 
 
 def _init_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -283,7 +283,10 @@ class Trainer:
         self.save_model()
         if not self.standalone:
             return {"state_hash": self.state_hash(), "step": self.state.step}
-        events = [e for e in read_events(self.run_dir / "events.jsonl")]
+        events = read_events(self.run_dir / "events.jsonl")
+        # A resumed run's record starts with its first incarnation: measure from there.
+        if events:
+            wall_seconds = max(wall_seconds, time.time() - events[0]["ts"])
         summary = build_summary(events, wall_seconds=wall_seconds,
                                 state_hashes={self.group: self.state_hash()},
                                 config=self.config.to_dict(), groups=[self.group])

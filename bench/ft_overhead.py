@@ -90,16 +90,17 @@ def run_ftlm(case: Case) -> Timing:
             tail = "".join((p.read_text()[-2000:] for p in sorted(logs.glob("*.log"))))
             raise RuntimeError(f"ftlm run did not finish cleanly: groups {sorted(commits)}, "
                                f"replicas_identical={summary.get('replicas_identical')}\n{tail}")
-        short = {g: len(c) for g, c in commits.items() if len(c) < case.steps}
-        if short:
+        finals = summary.get("final_steps") or {}
+        if any(finals.get(f"g{i}") != case.steps for i in range(GROUPS)):
             # The launcher turns Ctrl-C / SIGTERM into an orderly early end of its run.
-            raise RuntimeError(
-                f"ftlm run ended early: committed steps {short} of {case.steps}; restarts "
-                f"{summary.get('restarts')}, failed steps {summary.get('steps_failed')} "
-                "(interrupted, or a group was declared dead and restarted)")
-        seconds = [s for g in commits.values()
+            raise RuntimeError(f"ftlm run ended early: final steps {finals} of {case.steps}, "
+                               f"restarts {summary.get('restarts')}")
+        # A group that starts more than ft.join_timeout after the other joins by live recovery
+        # and commits its first steps later: time only the steps both groups trained together.
+        both = {g: [e for e in c if e["participants"] == GROUPS] for g, c in commits.items()}
+        seconds = [s for g in both.values()
                    for s in steady([e["step_seconds"] for e in g], case.warmup)]
-        first = commits["g0"]
+        first = both["g0"]
         return Timing(seconds, steady(intervals([e["ts"] for e in first]), case.warmup),
                       summary.get("steps_failed", 0))
 
@@ -228,7 +229,9 @@ def render(rows: list[list[object]], cases: list[Case], reps: int, seconds: floa
             + f"* Method: {reps} repetition(s), each running ftlm then DDP (ABAB) per model "
               f"({steps}); {THREADS} torch thread per process (`train.threads`), seq_len "
               f"{DEMO_SEQ_LEN}, gloo, 25 MiB buckets on both sides, ftlm with "
-              f"`ft.heartbeat_timeout={HEARTBEAT_TIMEOUT_S:g}` (no failures are injected). "
+              f"`ft.heartbeat_timeout={HEARTBEAT_TIMEOUT_S:g}` (no failures are injected); "
+              f"only ftlm steps that both groups committed together are timed (a group that "
+              f"starts more than `ft.join_timeout` late catches up by live recovery first). "
               f"*Step s*: median over both "
               f"processes of the per-step time from the quorum request (DDP: the batch fetch) "
               f"to the end of the optimizer step (ftlm: `step_seconds` of the `commit` events), "

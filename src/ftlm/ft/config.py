@@ -40,6 +40,8 @@ class CoordinatorConfig:
     """Largest request body accepted; bigger ones get 413."""
     tick_interval: float = 0.05
     """Seconds between re-evaluations without traffic (fires join and heartbeat timeouts)."""
+    expected_groups: int = 0
+    """Groups the job starts with; the first quorum waits up to join_timeout for all of them."""
 
     def __post_init__(self) -> None:
         s = _COORDINATOR
@@ -147,6 +149,6 @@ class FTConfig:
                            token: str = "") -> CoordinatorConfig:
         """Settings for a coordinator serving this job."""
         return CoordinatorConfig(host=host, port=port, min_replicas=self.min_replicas,
-                                 join_timeout=self.join_timeout,
+                                 join_timeout=self.join_timeout, expected_groups=self.groups,
                                  heartbeat_timeout=self.heartbeat_timeout,
                                  token=token or self.read_token())

@@ -79,7 +79,8 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig, events: Any = None) -> None:
         self.config = config
         self.events = events if events is not None else _NoEvents()
-        self.options = QuorumOptions(config.min_replicas, config.join_timeout, config.heartbeat_timeout)
+        self.options = QuorumOptions(config.min_replicas, config.join_timeout, config.heartbeat_timeout,
+                                     config.expected_groups)
         self.metrics = _Metrics()
         self._state = CoordinatorState()
         self._reason = "no member has asked for a quorum"

@@ -60,6 +60,7 @@ class QuorumOptions:
     min_replicas: int
     join_timeout: float
     heartbeat_timeout: float
+    expected_groups: int = 0  # groups the job is launched with; the first quorum waits for them
 
 
 @dataclass
@@ -242,16 +243,21 @@ def compute_quorum(now: float, state: CoordinatorState, options: QuorumOptions) 
         reason = f"fast path: all {_plural(len(prev_alive), 'healthy member')} of quorum {prev.quorum_id} asked{extra}"
         return _build(now, state, candidates, reason), reason
 
+    started = state.round_started
+    if started is None:
+        started = min(req.asked_at for req in candidates.values())
+    left = options.join_timeout - (now - started)
+    if prev is None and len(asked_groups) < options.expected_groups and left > 0:
+        # The job's first quorum: groups start at slightly different times; give the others a
+        # moment so that they all train from step 0 instead of joining as recovering members.
+        return None, (f"first quorum: {len(asked_groups)} of {options.expected_groups} expected "
+                      f"groups asked; join timeout in {left:.1f} s")
     if len(asked_groups) == len(alive_groups):
         reason = f"all {_plural(len(alive_groups), 'heartbeating group')} asked"
         return _build(now, state, candidates, reason), reason
     if 2 * len(asked_groups) <= len(alive_groups):
         return None, f"{len(asked_groups)} of {len(alive_groups)} heartbeating groups asked: not a majority"
     missing = ", ".join(g for g in alive_groups if g not in asked_groups)
-    started = state.round_started
-    if started is None:
-        started = min(req.asked_at for req in candidates.values())
-    left = options.join_timeout - (now - started)
     if left > 0:
         return None, (
             f"waiting for {missing} (asked {len(asked_groups)} of {len(alive_groups)}); join timeout in {left:.1f} s"

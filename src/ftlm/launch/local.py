@@ -138,6 +138,7 @@ class LocalLauncher:
     def run(self) -> dict:
         config_file = self._prepare_run_dir()
         events = EventLog(self.run_dir / "events.jsonl", group="supervisor")
+        self.config.ft.groups = self.n
         self.coordinator = Coordinator(self.config.ft.coordinator_config(token=self.token),
                                        events=_CoordinatorEvents(events))
         url = self.coordinator.start()

@@ -12,13 +12,14 @@ from ftlm.ft.config import FTConfig
 from ftlm.ft.coordinator import Coordinator
 from ftlm.ft.manager import Manager, TooManyFailures
 
-FT = dict(heartbeat_interval=0.05, heartbeat_timeout=0.5, join_timeout=0.5, allreduce_timeout=5.0,
+FT = dict(heartbeat_interval=0.05, heartbeat_timeout=0.5, join_timeout=2.0, allreduce_timeout=5.0,
           quorum_timeout=10.0, give_up_seconds=60.0)
 
 
 @pytest.fixture
 def coordinator():
-    c = Coordinator(FTConfig(**FT).coordinator_config())
+    # groups=2: the first quorum waits for both threads, which start at slightly different times.
+    c = Coordinator(FTConfig(**FT, groups=2).coordinator_config())
     c.start()
     yield c
     c.stop()

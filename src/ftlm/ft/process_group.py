@@ -11,6 +11,7 @@ waiter returns at once and the old group is aborted and dropped, never reused. E
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -37,11 +38,12 @@ def _run_bounded(fn: Callable[[], Any], timeout: float, abort: threading.Event, 
             done.set()
 
     threading.Thread(target=target, name=f"ftlm-{what}", daemon=True).start()
-    # Wake on either event: the abort path must not wait for the collective's timeout.
-    waiter = threading.Event()
-    for ev in (done, abort):
-        threading.Thread(target=lambda e=ev: (e.wait(timeout), waiter.set()), daemon=True).start()
-    waiter.wait(timeout)
+    # Wake on completion at once; check the abort flag every few ms, so the abort path never
+    # waits for the collective's own timeout (and no helper thread outlives the operation).
+    deadline = time.monotonic() + timeout
+    while not done.wait(0.005):
+        if abort.is_set() or time.monotonic() >= deadline:
+            break
     if done.is_set():
         if "error" in box:
             raise CollectiveError(f"{what} failed: {box['error']}") from box["error"]

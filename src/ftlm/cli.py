@@ -39,13 +39,32 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _init_group(config) -> None:
+    """Join this replica group's own process group when torchrun started several ranks."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    from datetime import timedelta
+    import torch
+    import torch.distributed as dist
+    from ftlm.train.trainer import resolve_device
+    device = resolve_device(config.train.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # Followers wait for their leader's quorum inside group collectives: outlast that wait.
+    timeout = timedelta(seconds=config.ft.quorum_timeout + config.ft.allreduce_timeout)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from ftlm.config import load_config
     from ftlm.train.trainer import Trainer
     config = load_config(args.config, args.overrides)
+    _init_group(config)
     coordinator = config.ft.coordinator or os.environ.get("FTLM_COORDINATOR", "")
     if not coordinator:
         summary = Trainer(config).train()
+        if int(os.environ.get("RANK", "0")) != 0:
+            return 0
         from ftlm.observe.report import format_summary, write_report
         from ftlm.observe.events import read_events
         write_report(config.run.path, summary, read_events(config.run.path / "events.jsonl"))
@@ -53,13 +72,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     from ftlm.ft.faults import fault_from_env
     from ftlm.ft.manager import Manager
-    from ftlm.observe.events import EventLog
+    from ftlm.observe.events import EventLog, NullEvents
     from ftlm.train.trainer import resolve_device
     group = os.environ.get("FTLM_GROUP_ID", "g0")
     incarnation = os.environ.get("FTLM_INCARNATION") or uuid.uuid4().hex
     groups = int(os.environ.get("FTLM_GROUPS", "0")) or config.ft.groups
     token = os.environ.get("FTLM_TOKEN", "") or config.ft.read_token()
-    events = EventLog(config.run.path / "events.jsonl", group=group)
+    rank = int(os.environ.get("RANK", "0"))
+    events = (EventLog(config.run.path / "events.jsonl", group=group) if rank == 0
+              else NullEvents(group=group, rank=rank))
     trainer = Trainer(config, group=group, groups=groups, standalone=False)
     # Join the job only once the model and data are ready: from the first heartbeat on, the
     # other groups count on this one answering within the heartbeat timeout.
@@ -85,7 +106,8 @@ def cmd_launch_local(args: argparse.Namespace) -> int:
     from ftlm.config import load_config
     from ftlm.launch.local import LocalLauncher
     config = load_config(args.config, args.overrides)
-    summary = LocalLauncher(config, groups=args.groups, chaos_mtbf=args.chaos_mtbf,
+    summary = LocalLauncher(config, groups=args.groups, ranks_per_group=args.ranks_per_group,
+                            chaos_mtbf=args.chaos_mtbf,
                             chaos_hang=args.chaos_hang, chaos_seed=args.chaos_seed,
                             config_path=args.config, overrides=args.overrides).run()
     return 0 if summary.get("replicas_identical") else 1
@@ -137,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     lp = lsub.add_parser("local", help="coordinator + N replica groups as local processes, with chaos")
     _add_config_args(lp)
     lp.add_argument("--groups", type=int, default=2, help="number of replica groups (default 2)")
+    lp.add_argument("--ranks-per-group", type=int, default=1,
+                    help="ranks (processes) per group; the model is sharded over them with FSDP2")
     lp.add_argument("--chaos-mtbf", type=float, default=0.0,
                     help="mean seconds between failures injected with SIGKILL (0: no chaos)")
     lp.add_argument("--chaos-hang", action="store_true", help="use SIGSTOP (a hang) for some failures")

@@ -189,6 +189,8 @@ class Heartbeater:
     ids the coordinator sees alive (the manager aborts an all-reduce when a quorum member is gone).
     An unreachable coordinator is retried quietly (one log line when it goes away and one when it
     comes back). A replaced incarnation stops the thread and is kept in ``stale``.
+    ``on_kill()`` is called once, from this thread, when an answer carries ``"kill": true`` (a chaos
+    kill requested through the coordinator's ``POST /v1/kill``); the thread keeps beating after it.
     """
 
     def __init__(
@@ -197,6 +199,7 @@ class Heartbeater:
         interval: float,
         get_state: Callable[[], tuple[int, int]],
         on_alive: Callable[[set[str]], None] | None = None,
+        on_kill: Callable[[], None] | None = None,
     ) -> None:
         if interval <= 0:
             raise ConfigError(f"heartbeat interval={interval!r} must be a number of seconds > 0")
@@ -204,6 +207,8 @@ class Heartbeater:
         self.interval = interval
         self.get_state = get_state
         self.on_alive = on_alive
+        self.on_kill = on_kill
+        self.killed = False  # a kill was asked for (on_kill called at most once)
         self.last_answer: dict[str, Any] | None = None
         self.stale: StaleIncarnation | None = None
         self.failures = 0  # consecutive heartbeats without an answer
@@ -231,6 +236,11 @@ class Heartbeater:
         self.last_answer = answer
         if self.on_alive is not None:
             self.on_alive(set(answer.get("alive", [])))
+        if answer.get("kill") is True and not self.killed:
+            self.killed = True
+            log.warning("coordinator asked to kill %s (chaos drill)", self.client.replica_id)
+            if self.on_kill is not None:
+                self.on_kill()
 
     def _run(self) -> None:
         try:

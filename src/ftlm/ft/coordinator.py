@@ -14,7 +14,11 @@ and ``GET /metrics`` included, as DESIGN.md section 9 asks; Prometheus sends it 
   POST /v1/heartbeat  {group, incarnation, step, quorum_id} -> {quorum_id, alive, dead}
   POST /v1/quorum     {group, incarnation, step, last_quorum_id, failed, meta, timeout}
                       -> 200 Quorum JSON | 504 {error, reason} | 409 {error} (replaced incarnation)
-  GET  /status        JSON;  GET / the same as an HTML page;  GET /metrics Prometheus text.
+  POST /v1/kill       {group} -> {replica_ids} | 404 {error}: marks the group's live replica; its
+                      next heartbeat answers carry ``"kill": true`` (chaos drills; its manager kills it)
+  GET  /status        JSON;  GET / the live dashboard (``ftlm.ft.dashboard``);  GET /metrics Prometheus.
+The one exception to the token: ``GET /`` without it answers 401 with the dashboard page but no
+data, so a browser can load it and send the token (taken from ``#token=...``) with its requests.
 All asyncio state is touched only from the server's own event loop thread.
 """
 
@@ -22,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import html
 import json
 import logging
 import re
@@ -34,10 +37,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from ftlm.errors import ConfigError
 from ftlm.ft.config import CoordinatorConfig
+from ftlm.ft.dashboard import DashboardLog, member_state, render_page
 from ftlm.ft.quorum import (
     CoordinatorState,
     Heartbeat,
@@ -52,6 +56,7 @@ from ftlm.ft.quorum import (
     record_request,
     withdraw_request,
 )
+from ftlm.observe.metrics import make_metric
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +87,8 @@ class Coordinator:
         self.options = QuorumOptions(config.min_replicas, config.join_timeout, config.heartbeat_timeout,
                                      config.expected_groups)
         self.metrics = _Metrics()
+        self.dashboard = DashboardLog()
+        self._kill: set[str] = set()  # replica ids whose heartbeat answers say "kill"
         self._state = CoordinatorState()
         self._reason = "no member has asked for a quorum"
         self._waiters: dict[str, list[asyncio.Future[_Answer]]] = {}
@@ -179,6 +186,7 @@ class Coordinator:
         app = web.Application(middlewares=[self._guard], client_max_size=self.config.max_request_bytes)
         app.router.add_post("/v1/heartbeat", self._handle_heartbeat)
         app.router.add_post("/v1/quorum", self._handle_quorum)
+        app.router.add_post("/v1/kill", self._handle_kill)
         app.router.add_get("/status", self._handle_status)
         app.router.add_get("/metrics", self._handle_metrics)
         app.router.add_get("/", self._handle_page)
@@ -217,6 +225,7 @@ class Coordinator:
         started = self._state.round_started
         commit_quorum(self._state, quorum)
         self.metrics.quorum_issued(quorum, now - started if started is not None else 0.0)
+        self.dashboard.quorum_issued(quorum)
         if quorum.quorum_id != self._last_emitted_id:
             self._last_emitted_id = quorum.quorum_id
             log.info("quorum %d at step %d: %s", quorum.quorum_id, quorum.step, quorum.reason)
@@ -266,6 +275,8 @@ class Coordinator:
         if token:
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                if request.method == "GET" and request.path == "/":
+                    return web.Response(status=401, text=_render_status_html(None), content_type="text/html")
                 return web.json_response({"error": "unauthorized: send 'Authorization: Bearer <token>'"}, status=401)
         size = request.content_length
         if size is not None and size > self.config.max_request_bytes:
@@ -296,13 +307,30 @@ class Coordinator:
         for old in replaced:
             self._mark_dead(now, old, group, REASON_REPLACED)
         self._evaluate(now)
-        return web.json_response(
-            {
-                "quorum_id": self._state.quorum_id,
-                "alive": sorted(self._state.heartbeats),
-                "dead": self._recent_dead(now),
-            }
-        )
+        answer = {
+            "quorum_id": self._state.quorum_id,
+            "alive": sorted(self._state.heartbeats),
+            "dead": self._recent_dead(now),
+        }
+        if self._kill:
+            self._kill.intersection_update(self._state.heartbeats)  # forget replicas already gone
+            if rid in self._kill:
+                answer["kill"] = True
+        return web.json_response(answer)
+
+    async def _handle_kill(self, request: web.Request) -> web.Response:
+        try:
+            group = _name_field(await self._read_json(request), "group")
+        except ValueError as e:
+            return web.json_response({"error": str(e)}, status=400)
+        targets = sorted(rid for rid, hb in self._state.heartbeats.items() if hb.group == group)
+        if not targets:
+            return web.json_response({"error": f"group {group!r} has no live replica to kill"}, status=404)
+        log.warning("kill requested for group %s (%s)", group, ", ".join(targets))
+        self._kill.update(targets)
+        self.metrics.kill_requests.inc()
+        self.dashboard.kill_requested(group, targets)
+        return web.json_response({"group": group, "replica_ids": targets})
 
     async def _handle_quorum(self, request: web.Request) -> web.Response:
         try:
@@ -357,6 +385,8 @@ class Coordinator:
             {
                 "group": hb.group,
                 "replica_id": rid,
+                "incarnation": rid.partition(":")[2],
+                "state": member_state(rid, prev),
                 "step": hb.step,
                 "heartbeat_age_seconds": round(now - hb.last_seen, 3),
                 "pending": rid in self._state.pending,
@@ -374,6 +404,7 @@ class Coordinator:
                 if now - t <= DEAD_MEMORY_SECONDS
             ],
             "min_replicas": self.config.min_replicas,
+            **self.dashboard.to_json(),
         }
 
     async def _handle_status(self, request: web.Request) -> web.Response:
@@ -384,7 +415,7 @@ class Coordinator:
 
     async def _handle_metrics(self, request: web.Request) -> web.Response:
         now = time.monotonic()
-        self.metrics.refresh(now, self._state)
+        self.metrics.refresh(now, self._state, len(self._recent_dead(now)))
         body, content_type = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
@@ -465,28 +496,24 @@ def _parse_quorum_request(body: Any) -> _QuorumBody:
 
 
 class _Metrics:
-    """The coordinator's Prometheus metrics, in a registry of its own (several may share a process)."""
+    """The coordinator's Prometheus metrics, in a registry of its own (several may share a process).
+
+    Names and help texts live in ``ftlm.observe.metrics``; members by state are one gauge per
+    state because the design allows no labels but job, group and rank.
+    """
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.quorum_id = Gauge("ftlm_coordinator_quorum_id", "Id of the latest issued quorum", registry=r)
-        self.members = Gauge("ftlm_coordinator_members", "Replica groups with a fresh heartbeat", registry=r)
-        self.participants = Gauge(
-            "ftlm_coordinator_participants", "Participants in the latest issued quorum", registry=r
-        )
-        self.heartbeat_age = Gauge(
-            "ftlm_coordinator_heartbeat_age_seconds", "Seconds since a group's last heartbeat", ["group"], registry=r
-        )
-        self.quorums = Counter("ftlm_coordinator_quorums_issued_total", "Quorums issued (one per step)", registry=r)
-        self.member_failures = Counter(
-            "ftlm_coordinator_member_failures_total", "Members declared dead or replaced", registry=r
-        )
-        self.latency = Histogram(
-            "ftlm_coordinator_quorum_latency_seconds",
-            "Seconds from a round's first request to its quorum",
-            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0),
-            registry=r,
-        )
+        self.quorum_id = make_metric("ftlm_coordinator_quorum_id", r)
+        self.members = make_metric("ftlm_coordinator_members", r)
+        self.by_state = {state: make_metric(f"ftlm_coordinator_members_{state}", r)
+                         for state in ("participating", "recovering", "joining", "dead")}
+        self.participants = make_metric("ftlm_coordinator_participants", r)
+        self.heartbeat_age = make_metric("ftlm_coordinator_heartbeat_age_seconds", r, ("group",))
+        self.quorums = make_metric("ftlm_coordinator_quorums_issued_total", r)
+        self.member_failures = make_metric("ftlm_coordinator_member_failures_total", r)
+        self.kill_requests = make_metric("ftlm_coordinator_kill_requests_total", r)
+        self.latency = make_metric("ftlm_coordinator_quorum_latency_seconds", r)
 
     def quorum_issued(self, quorum: Quorum, latency: float) -> None:
         self.quorums.inc()
@@ -494,8 +521,15 @@ class _Metrics:
         self.quorum_id.set(quorum.quorum_id)
         self.participants.set(len(quorum.participants))
 
-    def refresh(self, now: float, state: CoordinatorState) -> None:
+    def refresh(self, now: float, state: CoordinatorState, dead: int) -> None:
+        """Set the gauges that derive from the state (called on each scrape); ``dead``: recent deaths."""
         self.members.set(len(state.heartbeats))
+        counts = {"participating": 0, "recovering": 0, "joining": 0}
+        for rid in state.heartbeats:
+            counts[member_state(rid, state.prev_quorum)] += 1
+        for name, n in counts.items():
+            self.by_state[name].set(n)
+        self.by_state["dead"].set(dead)
         self.heartbeat_age.clear()  # groups that left must not linger as stale series
         for hb in state.heartbeats.values():
             self.heartbeat_age.labels(group=hb.group).set(max(now - hb.last_seen, 0.0))
@@ -507,26 +541,6 @@ class _Metrics:
 # --------------------------------------------------------------------------------- status page
 
 
-def _render_status_html(status: dict[str, Any]) -> str:
-    esc = html.escape
-    last = status["last_quorum"] or {}
-    roles = {r: "participant" for r in last.get("participants", [])}
-    roles.update({r: f"recovering from {last['sources'].get(r, '?')}" for r in last.get("recovering", [])})
-    rows = "".join(
-        f"<tr><td>{esc(m['group'])}</td><td>{esc(m['replica_id'])}</td><td>{m['step']}</td>"
-        f"<td>{m['heartbeat_age_seconds']:.2f}</td><td>{'yes' if m['pending'] else ''}</td>"
-        f"<td>{esc(roles.get(m['replica_id'], ''))}</td></tr>"
-        for m in status["members"]
-    )
-    dead = "".join(
-        f"<li>{esc(d['replica_id'])}: {esc(d['reason'])}, {d['seconds_ago']:.1f} s ago</li>" for d in status["dead"]
-    )
-    return (
-        "<!doctype html><html><head><meta charset='utf-8'><meta http-equiv='refresh' content='2'>"
-        "<title>ftlm coordinator</title></head><body><h1>ftlm coordinator</h1>"
-        f"<p>quorum id <b>{status['quorum_id']}</b> at step {esc(str(last.get('step', '-')))}; "
-        f"min_replicas {status['min_replicas']}</p><p>{esc(status['reason'])}</p>"
-        "<table border='1' cellpadding='4'><tr><th>group</th><th>replica</th><th>step</th>"
-        f"<th>heartbeat age (s)</th><th>asking</th><th>role in last quorum</th></tr>{rows}</table>"
-        f"<h2>dead in the last {DEAD_MEMORY_SECONDS:g} s</h2><ul>{dead or '<li>none</li>'}</ul></body></html>"
-    )
+def _render_status_html(status: dict[str, Any] | None) -> str:
+    """The live dashboard page; ``status`` None for a caller without the token (no data shown)."""
+    return render_page(status)

@@ -13,6 +13,7 @@ decides what to do with a recovered state (load it and replay its buffered updat
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -58,7 +59,13 @@ class _Fetch:
 
 
 class Manager:
-    """Fault tolerance for one single-rank replica group (the group leader)."""
+    """Fault tolerance for one rank of a replica group.
+
+    Rank 0 (the group leader) talks to the coordinator and shares each quorum with its ranks over
+    the group's own process group; rank r of every group forms the cross-replica group of shard
+    r, serves its shard to recovering groups and pulls shard r when its group recovers. The
+    commit vote spans the group's ranks: an update is applied everywhere in the group or nowhere.
+    """
 
     def __init__(self, config: FTConfig, group: str, incarnation: str, coordinator: str,
                  token: str = "", events: Any = None, device: torch.device | None = None,
@@ -67,15 +74,16 @@ class Manager:
         self.token = token
         self.events = events or _NoEvents()
         self.fault = fault
-        self.client = CoordinatorClient(coordinator, group, incarnation, token,
-                                        timeout=max(1.0, config.heartbeat_timeout))
-        self.replica_id = self.client.replica_id
+        grouped = dist.is_initialized() and dist.get_world_size() > 1
+        self.rank = dist.get_rank() if grouped else 0
+        self.ranks = dist.get_world_size() if grouped else 1
+        self.replica_id = f"{group}:{incarnation}"
         backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
         self.pg = ReconfigurablePG(backend, config.allreduce_timeout)
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.server = SnapshotServer(token=token, chunk_bytes=config.transfer_chunk_bytes, keep=4,
                                      on_chunk=self._on_serve_chunk)
         self.server.start()
+        self.transfer_urls = _gather_strings(self.server.url, self.ranks)
         self.abort = threading.Event()
         self.quorum: Quorum | None = None
         self._qid = -1
@@ -90,10 +98,17 @@ class Manager:
         self._published_step: int | None = None
         self._fetch: _Fetch | None = None
         self._seen_alive: set[str] = set()
-        self.heartbeater = Heartbeater(self.client, config.heartbeat_interval,
-                                       lambda: (self._step, max(self._qid, 0)), self._on_alive)
-        self.heartbeater.beat()  # be known as alive before the first quorum request
-        self.heartbeater.start()
+        self.client: CoordinatorClient | None = None
+        self.heartbeater: Heartbeater | None = None
+        self.store: dist.TCPStore | None = None
+        if self.rank == 0:
+            self.client = CoordinatorClient(coordinator, group, incarnation, token,
+                                            timeout=max(1.0, config.heartbeat_timeout))
+            self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            self.heartbeater = Heartbeater(self.client, config.heartbeat_interval,
+                                           lambda: (self._step, max(self._qid, 0)), self._on_alive)
+            self.heartbeater.beat()  # be known as alive before the first quorum request
+            self.heartbeater.start()
 
     # -- failure detection ---------------------------------------------------------------------------
     def _on_alive(self, alive: set[str]) -> None:
@@ -124,7 +139,7 @@ class Manager:
 
     # -- the step protocol ---------------------------------------------------------------------------
     def _meta(self) -> dict[str, Any]:
-        return {"store": f"127.0.0.1:{self.store.port}", "transfer": self.server.url,
+        return {"store": f"127.0.0.1:{self.store.port}", "transfer": self.transfer_urls,
                 "recover_request": self._recover_request}
 
     def _request_quorum(self, step: int) -> Quorum:
@@ -149,7 +164,11 @@ class Manager:
     def start_step(self, step: int, cursor: int, snapshot: SnapshotFn) -> StepPlan:
         self._step = step
         self._failed = False
-        q = self._request_quorum(step)
+        if self.rank == 0:
+            q = self._request_quorum(step)
+            _broadcast_json(q.to_json(), self.ranks)
+        else:
+            q = Quorum.from_json(_broadcast_json(None, self.ranks))
         me = self.replica_id
         self.quorum = q
         self._qid = q.quorum_id
@@ -158,8 +177,8 @@ class Manager:
             members = q.replica_ids()
             store = q.members[0].meta.get("store", "")
             try:
-                self.pg.configure(store, f"q{q.quorum_id}", members.index(me), len(members),
-                                  self.abort)
+                self.pg.configure(store, f"q{q.quorum_id}/r{self.rank}", members.index(me),
+                                  len(members), self.abort)
                 self._pg_qid = q.quorum_id
             except CollectiveError as e:
                 self._fail(str(e))
@@ -203,7 +222,7 @@ class Manager:
 
     def commit(self) -> bool:
         self._fire("before_commit")
-        ok = not self._failed
+        ok = _group_all(not self._failed, self.ranks)
         self._report_failed = not ok
         if ok:
             self._consecutive = 0
@@ -236,9 +255,10 @@ class Manager:
             return
         source = q.sources.get(self.replica_id)
         member = q.member(source) if source else None
-        if member is None or "transfer" not in member.meta:
-            return
-        fetch = _Fetch(source=member.group, url=member.meta["transfer"], step=q.step)
+        urls = member.meta.get("transfer") if member is not None else None
+        if not isinstance(urls, list) or len(urls) != self.ranks:
+            return  # the source has another number of ranks: nobody to pull this shard from
+        fetch = _Fetch(source=member.group, url=urls[self.rank], step=q.step)
         self._fetch = fetch
         self.events.emit("recovery_start", step=self._step, source=member.group,
                          snapshot_step=q.step, quorum_id=q.quorum_id)
@@ -263,10 +283,11 @@ class Manager:
 
     def poll_recovery(self) -> Recovered | None:
         fetch = self._fetch
-        if fetch is None or not fetch.done.is_set():
+        # Every rank of the group loads its shard in the same step, or none does.
+        if not _group_all(fetch is not None and fetch.done.is_set(), self.ranks):
             return None
         self._fetch = None
-        if fetch.error or fetch.result is None:
+        if not _group_all(not fetch.error and fetch.result is not None, self.ranks):
             self.events.emit("recovery_end", step=self._step, ok=False, source=fetch.source,
                              error=fetch.error)
             self._recover_request += 1
@@ -283,7 +304,46 @@ class Manager:
         self._recover_request += 1
 
     def close(self) -> None:
-        self.heartbeater.stop()
+        if self.heartbeater is not None:
+            self.heartbeater.stop()
         self.pg.abort_current()
         self.server.stop()
-        self.client.close()
+        if self.client is not None:
+            self.client.close()
+
+
+# -- collectives inside the replica group (its own default process group) ------------------------
+def _broadcast_json(value: Any, ranks: int) -> Any:
+    """Rank 0's JSON value on every rank of the group (bytes in tensors: no pickle)."""
+    if ranks == 1:
+        return value
+    data = json.dumps(value).encode() if dist.get_rank() == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src=0)
+    buf = torch.zeros(int(size), dtype=torch.uint8)
+    if dist.get_rank() == 0:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, src=0)
+    return json.loads(bytes(buf.tolist()).decode())
+
+
+def _gather_strings(value: str, ranks: int) -> list[str]:
+    """Every rank's ``value``, in rank order."""
+    if ranks == 1:
+        return [value]
+    width = 512
+    raw = value.encode()[:width]
+    mine = torch.zeros(width, dtype=torch.uint8)
+    mine[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    out = [torch.zeros(width, dtype=torch.uint8) for _ in range(ranks)]
+    dist.all_gather(out, mine)
+    return [bytes(t.tolist()).rstrip(b"\0").decode() for t in out]
+
+
+def _group_all(flag: bool, ranks: int) -> bool:
+    """True on every rank iff ``flag`` is true on every rank of the group."""
+    if ranks == 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())

@@ -10,6 +10,7 @@ and still writes the summary. It does not train and does not decide quorums.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -49,10 +50,10 @@ class _CoordinatorEvents:
 
 @dataclass
 class GroupProcess:
-    """One replica group's current process and its history."""
+    """One replica group's current processes (one per rank) and its history."""
 
     name: str
-    proc: subprocess.Popen | None = None
+    procs: list[subprocess.Popen] = field(default_factory=list)
     incarnation: str = ""
     started: float = 0.0
     restarts: int = 0
@@ -66,7 +67,18 @@ class GroupProcess:
         return f"{self.name}:{self.incarnation}"
 
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return any(p.poll() is None for p in self.procs)
+
+    def kill(self) -> None:
+        """SIGKILL every rank still alive (a stopped process dies too) and reap them."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait(timeout=10)
+
+    def log(self, run_dir: Path, rank: int = 0) -> Path:
+        return run_dir / "logs" / (f"{self.name}.log" if rank == 0 else f"{self.name}.r{rank}.log")
 
 
 class LocalLauncher:
@@ -75,14 +87,17 @@ class LocalLauncher:
     def __init__(self, config: RunConfig, groups: int, chaos_mtbf: float = 0.0,
                  chaos_hang: bool = False, chaos_seed: int = 0, config_path: str | None = None,
                  overrides: list[str] | None = None, faults: dict[str, list[str]] | None = None,
-                 start_delays: dict[str, float] | None = None,
+                 start_delays: dict[str, float] | None = None, ranks_per_group: int = 1,
                  extra_env: dict[str, str] | None = None, progress: bool | None = None):
         if groups < 1:
             raise ConfigError(f"--groups={groups} must be at least 1")
+        if ranks_per_group < 1:
+            raise ConfigError(f"--ranks-per-group={ranks_per_group} must be at least 1")
         if chaos_mtbf < 0:
             raise ConfigError(f"--chaos-mtbf={chaos_mtbf} must be >= 0 (0 disables chaos)")
         self.config = config
         self.n = groups
+        self.ranks = ranks_per_group
         self.chaos_mtbf = chaos_mtbf
         self.chaos_hang = chaos_hang
         self.rng = random.Random(chaos_seed)
@@ -111,25 +126,30 @@ class LocalLauncher:
         return config_file
 
     def _spawn(self, g: GroupProcess, config_file: Path, url: str) -> None:
+        """Start the group's ranks with the torchrun environment, as a new incarnation."""
         g.incarnation = uuid.uuid4().hex[:12]
-        env = dict(os.environ)
-        env.update({
-            "FTLM_COORDINATOR": url, "FTLM_GROUP_ID": g.name, "FTLM_INCARNATION": g.incarnation,
-            "FTLM_TOKEN": self.token, "FTLM_GROUPS": str(self.n),
-            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": "0", "PYTHONUNBUFFERED": "1",
-        })
-        env.update(self.extra_env)
-        env.pop("FTLM_FAULT", None)
-        planned = self.faults.get(g.name, [])
-        if g.restarts < len(planned) and planned[g.restarts]:
-            env["FTLM_FAULT"] = planned[g.restarts]
-        log = open(self.run_dir / "logs" / f"{g.name}.log", "ab")
+        master_port = _free_port()
         cmd = [sys.executable, "-m", "ftlm.cli", "train", str(config_file),
                "--set", "observe.progress=false"]
-        g.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL)
-        log.close()
+        g.procs = []
+        for rank in range(self.ranks):
+            env = dict(os.environ)
+            env.update({
+                "FTLM_COORDINATOR": url, "FTLM_GROUP_ID": g.name, "FTLM_INCARNATION": g.incarnation,
+                "FTLM_TOKEN": self.token, "FTLM_GROUPS": str(self.n),
+                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.ranks),
+                "LOCAL_WORLD_SIZE": str(self.ranks), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(master_port), "PYTHONUNBUFFERED": "1",
+            })
+            env.update(self.extra_env)
+            env.pop("FTLM_FAULT", None)
+            # Faults for "g1" go to rank 0 of g1; "g1.r1" names another rank.
+            planned = self.faults.get(g.name if rank == 0 else f"{g.name}.r{rank}", [])
+            if g.restarts < len(planned) and planned[g.restarts]:
+                env["FTLM_FAULT"] = planned[g.restarts]
+            with open(g.log(self.run_dir, rank), "ab") as log:
+                g.procs.append(subprocess.Popen(cmd, env=env, stdout=log,
+                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         g.started = time.time()
         g.restart_at = None
         g.stopped = False
@@ -212,18 +232,34 @@ class LocalLauncher:
 
     def _reap(self, events: EventLog, now: float) -> None:
         for g in self.groups:
-            if g.proc is None or g.finished or g.restart_at is not None:
+            if not g.procs or g.finished or g.restart_at is not None:
                 continue
-            code = g.proc.poll()
-            if code is None:
-                continue
-            result = _read_result(self.run_dir / "logs" / f"{g.name}.log")
-            if code == 0 and result and result.get("incarnation", g.incarnation) == g.incarnation:
-                g.finished, g.result = True, result
-                continue
-            events.emit("group_exit", step=-1, target=g.name, ok=False, code=code,
+            codes = [p.poll() for p in g.procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if not failed:
+                if all(c == 0 for c in codes):
+                    results = self._results(g)
+                    if results is not None:
+                        g.finished, g.result = True, results
+                        continue
+                    failed = [0]  # exited without a final result: treat as a failure
+                else:
+                    continue  # ranks still finishing
+            # Any rank failing takes the whole group down; the group restarts as a new incarnation.
+            g.kill()
+            events.emit("group_exit", step=-1, target=g.name, ok=False, code=failed[0],
                         incarnation=g.incarnation)
             g.restart_at = now + self.config.ft.restart_delay
+
+    def _results(self, g: GroupProcess) -> dict | None:
+        """The group's final result: its step and one hash over every rank's state shard."""
+        results = [_read_result(g.log(self.run_dir, r)) for r in range(self.ranks)]
+        if any(r is None or r.get("incarnation") != g.incarnation for r in results):
+            return None
+        digest = hashlib.sha256("".join(r["state_hash"] for r in results).encode()).hexdigest()
+        return {"state_hash": digest if self.ranks > 1 else results[0]["state_hash"],
+                "step": results[0]["step"], "incarnation": g.incarnation,
+                "rank_hashes": [r["state_hash"] for r in results]}
 
     def _kill_hung(self, status: dict, events: EventLog) -> None:
         """A group whose heartbeat stopped while its process lives is hung: kill it so it restarts."""
@@ -231,7 +267,7 @@ class LocalLauncher:
         for g in self.groups:
             if g.running() and g.replica_id in dead and not self._has_result(g):
                 events.emit("member_killed", step=-1, target=g.name, reason="heartbeat lost")
-                g.proc.kill()
+                g.kill()
 
     def _stop_stragglers(self, status: dict) -> None:
         """Once a group has reached the last step, a group that is not an up-to-date participant
@@ -240,13 +276,12 @@ class LocalLauncher:
         participants = set(last.get("participants", []))
         for g in self.groups:
             if g.running() and not g.finished and g.replica_id not in participants:
-                g.proc.kill()
-                g.proc.wait(timeout=10)
+                g.kill()
                 g.finished = True
 
     def _has_result(self, g: GroupProcess) -> bool:
         """Whether the group's current incarnation has printed its final result (it is exiting)."""
-        result = _read_result(self.run_dir / "logs" / f"{g.name}.log")
+        result = _read_result(g.log(self.run_dir))
         return bool(result) and result.get("incarnation") == g.incarnation
 
     def _next_chaos_time(self) -> float | None:
@@ -263,16 +298,18 @@ class LocalLauncher:
         if g is None or not any(r in healthy for r in (x.replica_id for x in live if x is not g)):
             return
         hang = self.chaos_hang and self.rng.random() < 0.5
-        events.emit("failure_injected", step=-1, target=g.name, signal="SIGSTOP" if hang else "SIGKILL",
-                    incarnation=g.incarnation)
+        # A hang is injected into the leader, whose heartbeat then stops; a kill hits any rank.
+        rank = 0 if hang else self.rng.randrange(self.ranks)
+        events.emit("failure_injected", step=-1, target=g.name, rank=rank,
+                    signal="SIGSTOP" if hang else "SIGKILL", incarnation=g.incarnation)
         if hang:
             g.stopped = True
-            os.kill(g.proc.pid, signal.SIGSTOP)
+            os.kill(g.procs[rank].pid, signal.SIGSTOP)
         else:
-            g.proc.kill()
+            g.procs[rank].kill()
 
     def _terminate_all(self) -> None:
-        procs = [g.proc for g in self.groups if g.running()]
+        procs = [p for g in self.groups for p in g.procs if p.poll() is None]
         for p in procs:
             try:
                 os.kill(p.pid, signal.SIGCONT)
@@ -287,10 +324,8 @@ class LocalLauncher:
                 p.kill()
                 p.wait(timeout=5)
         for g in self.groups:
-            if g.proc is not None and not g.finished:
-                result = _read_result(self.run_dir / "logs" / f"{g.name}.log")
-                if result and result.get("incarnation") == g.incarnation:
-                    g.result = result
+            if g.procs and not g.finished:
+                g.result = self._results(g) or {}
 
     def _install_signals(self):
         if threading.current_thread() is not threading.main_thread():
@@ -318,6 +353,14 @@ class LocalLauncher:
         if self.progress is not False:
             print(format_summary(summary))
         return summary
+
+
+def _free_port() -> int:
+    """A TCP port free right now on the loopback (for a group's MASTER_PORT)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _read_result(log: Path) -> dict | None:

@@ -65,9 +65,15 @@ class CatchUpBuffer:
 
 
 def unflatten_into(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
-    """Set each parameter's ``.grad`` from its slice of ``flat``."""
+    """Set each parameter's ``.grad`` from its slice of ``flat`` (local shards for DTensors)."""
     offset = 0
     for p in params:
-        n = p.numel()
-        p.grad = flat[offset:offset + n].view_as(p).to(p.device, p.dtype, copy=True)
+        local = p.to_local() if hasattr(p, "to_local") else p
+        n = local.numel()
+        grad = flat[offset:offset + n].view(local.shape).to(local.device, local.dtype, copy=True)
+        if local is not p:
+            from torch.distributed.tensor import DTensor
+            grad = DTensor.from_local(grad, p.device_mesh, p.placements, shape=p.shape,
+                                      stride=p.stride())
+        p.grad = grad
         offset += n

@@ -22,9 +22,11 @@ _TENSOR = "__tensor__"
 class TrainState:
     """Model + optimizer + progress counters of one replica."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int,
+                 mesh: Any = None):
         self.model = model
         self.optimizer = optimizer
+        self.mesh = mesh  # the group's device mesh when the model is sharded (FSDP2)
         self.step = 0
         self.cursor = 0
         self.seed = seed
@@ -46,7 +48,11 @@ class TrainState:
 
     # -- live recovery: tensors + JSON ---------------------------------------------------------
     def flat(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """All tensors under dotted names, and the rest (structure, hyper-parameters) as JSON."""
+        """All tensors under dotted names, and the rest (structure, hyper-parameters) as JSON.
+
+        A sharded (DTensor) value contributes this rank's local shard only, with its layout in
+        the JSON: rank r of a group exchanges state with rank r of another group.
+        """
         tensors: dict[str, torch.Tensor] = {}
         meta = _flatten(self.state_dict(), "", tensors)
         return tensors, {"state": meta, "step": self.step, "cursor": self.cursor}
@@ -54,7 +60,7 @@ class TrainState:
     def load_flat(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Load a state produced by ``flat()``; copies, so the source may be reused afterwards."""
         owned = {name: t.clone() for name, t in tensors.items()}
-        self.load_state_dict(_unflatten(meta["state"], owned))
+        self.load_state_dict(_unflatten(meta["state"], owned, self.mesh))
 
 
 def _init_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -70,7 +76,29 @@ def _init_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimiz
             per_param["step"].zero_()
 
 
+def _placement_names(placements) -> list[str]:
+    from torch.distributed.tensor import Replicate, Shard
+    names = []
+    for p in placements:
+        if isinstance(p, Shard):
+            names.append(f"S{p.dim}")
+        elif isinstance(p, Replicate):
+            names.append("R")
+        else:
+            raise ValueError(f"cannot transfer a DTensor with placement {p}")
+    return names
+
+
+def _placements(names: list[str]):
+    from torch.distributed.tensor import Replicate, Shard
+    return [Replicate() if n == "R" else Shard(int(n[1:])) for n in names]
+
+
 def _flatten(value: Any, name: str, out: dict[str, torch.Tensor]) -> Any:
+    if _is_dtensor(value):
+        out[name] = value.to_local().detach()
+        return {_TENSOR: name, "placements": _placement_names(value.placements),
+                "shape": list(value.shape), "stride": list(value.stride())}
     if torch.is_tensor(value):
         out[name] = value.detach()
         return {_TENSOR: name}
@@ -81,11 +109,26 @@ def _flatten(value: Any, name: str, out: dict[str, torch.Tensor]) -> Any:
     return value
 
 
-def _unflatten(meta: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def _is_dtensor(value: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without distributed support
+        return False
+    return isinstance(value, DTensor)
+
+
+def _unflatten(meta: Any, tensors: dict[str, torch.Tensor], mesh: Any = None) -> Any:
     if isinstance(meta, dict):
-        if set(meta) == {_TENSOR}:
-            return tensors[meta[_TENSOR]]
-        return {k: _unflatten(v, tensors) for k, v in meta.items()}
+        if _TENSOR in meta:
+            local = tensors[meta[_TENSOR]]
+            if "placements" not in meta:
+                return local
+            if mesh is None:
+                raise ValueError("a sharded state needs the group's device mesh to be loaded")
+            from torch.distributed.tensor import DTensor
+            return DTensor.from_local(local, mesh, _placements(meta["placements"]),
+                                      shape=torch.Size(meta["shape"]), stride=tuple(meta["stride"]))
+        return {k: _unflatten(v, tensors, mesh) for k, v in meta.items()}
     if isinstance(meta, list):
-        return [_unflatten(v, tensors) for v in meta]
+        return [_unflatten(v, tensors, mesh) for v in meta]
     return meta

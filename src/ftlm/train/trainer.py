@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ftlm.config import RunConfig, save_config
@@ -26,15 +27,21 @@ from ftlm.data.tokenizer import Tokenizer
 from ftlm.errors import ConfigError, DataError
 from ftlm.ft.protocol import FaultTolerance, NoFaultTolerance, Recovered, StepPlan
 from ftlm.model import Transformer, flops_per_token
-from ftlm.observe.events import EventLog, read_events
+from ftlm.observe.events import EventLog, NullEvents, read_events
 from ftlm.observe.summary import build_summary, write_summary
 from ftlm.train.catchup import CatchUpBuffer, unflatten_into
 from ftlm.train.checkpoint import Checkpointer
 from ftlm.train.mfu import peak_flops
 from ftlm.train.optim import apply_update, build_optimizer
+from ftlm.train.parallelize import group_mesh, parallelize
 from ftlm.train.schedule import degraded_lr_scale, lr_at
 from ftlm.train.state import TrainState
 from ftlm.ft.transport import state_digest
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a view: writing to it writes the gradient), else ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def resolve_device(name: str) -> torch.device:
@@ -96,15 +103,27 @@ class Trainer:
         self.dtype = resolve_dtype(tc.dtype, self.device)
         self.run_dir = config.run.path
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if standalone:
-            save_config(config, self.run_dir / "config.toml")
         self.tokenizer, self.dataset = load_data(config)
         self.loader = Loader(self.dataset, seed=config.run.seed, prefetch=config.data.prefetch)
+        # Ranks inside this replica group (torchrun environment): FSDP2 shards the model over them.
+        self.mesh = group_mesh(self.device)
+        self.rank = dist.get_rank() if self.mesh is not None else 0
+        self.ranks = dist.get_world_size() if self.mesh is not None else 1
+        if standalone and self.rank == 0:
+            save_config(config, self.run_dir / "config.toml")
+        if tc.batch_size % (self.ranks * tc.grad_accum):
+            raise ConfigError(f"train.batch_size={tc.batch_size} must be divisible by the group's "
+                              f"{self.ranks} rank(s) x train.grad_accum={tc.grad_accum}")
         self.model = build_model(config, self.device)
+        self.step_model = parallelize(self.model, self.mesh,
+                                      activation_checkpointing=tc.activation_checkpointing,
+                                      compile=tc.compile)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.step_model = self._wrap(self.model)
-        self.state = TrainState(self.model, build_optimizer(self.model, tc), config.run.seed)
-        self.events = EventLog(self.run_dir / "events.jsonl", group=group)
+        self.state = TrainState(self.model, build_optimizer(self.model, tc), config.run.seed,
+                                mesh=self.mesh)
+        # One record per group: rank 0 speaks for it.
+        self.events = (EventLog(self.run_dir / "events.jsonl", group=group) if self.rank == 0
+                       else NullEvents(group=group, rank=self.rank))
         ck = config.checkpoint
         self.checkpointer = Checkpointer(
             Path(ck.dir) if ck.dir else self.run_dir / "checkpoints", ck.every, ck.keep,
@@ -116,17 +135,6 @@ class Trainer:
         self._stop = False
 
     # -- set-up ----------------------------------------------------------------------------------
-    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        tc = self.config.train
-        if tc.activation_checkpointing:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-                checkpoint_wrapper)
-            for i, block in enumerate(model.layers):
-                model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
-        if tc.compile:
-            return torch.compile(model)
-        return model
-
     def _autocast(self):
         if self.device.type == "cuda" and self.dtype != torch.float32:
             return torch.autocast("cuda", dtype=self.dtype)
@@ -160,14 +168,19 @@ class Trainer:
         plan = self.ft.start_step(state.step, state.cursor, state.flat)
         if plan.participating:
             batch = self.loader.batch(state.cursor, plan.participant_index, plan.participants,
-                                      tc.batch_size).to(self.device, non_blocking=True)
-            loss = self._forward_backward(batch)
+                                      tc.batch_size)
+            per_rank = tc.batch_size // self.ranks  # rank r trains its share of the group's slice
+            batch = batch[self.rank * per_rank:(self.rank + 1) * per_rank]
+            loss = self._forward_backward(batch.to(self.device, non_blocking=True))
         else:
             for p in self.params:
                 p.grad = torch.zeros_like(p)
             loss = torch.zeros((), device=self.device)
         loss_buf = loss.reshape(1).float()
-        grads = [p.grad for p in self.params]
+        if self.mesh is not None:  # the group's loss: FSDP already averaged the gradients
+            dist.all_reduce(loss_buf)
+            loss_buf /= self.ranks
+        grads = [_local(p.grad) for p in self.params]
         self.ft.allreduce(grads + [loss_buf])
         ok = self.ft.commit()
         lr = self._lr(plan)
@@ -267,22 +280,32 @@ class Trainer:
             self.events.emit("group_exit", step=self.state.step, ok=True)
 
     def state_hash(self) -> str:
+        """sha256 of this rank's replicated state (its shard when the model is sharded)."""
         tensors, meta = self.state.flat()
         return state_digest(tensors, {"step": meta["step"], "cursor": meta["cursor"]})
 
     def save_model(self) -> Path:
         """Write the model weights as ``model.safetensors`` in the run directory (atomically)."""
-        from safetensors.torch import save_model
+        from safetensors.torch import save_file, save_model
         path = self.run_dir / "model.safetensors"
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_model(self.model, str(tmp))
+        if self.mesh is None:
+            save_model(self.model, str(tmp))
+        else:  # gather the full weights (a collective), rank 0 writes them
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                                 get_model_state_dict)
+            full = get_model_state_dict(self.model, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True))
+            if self.rank != 0:
+                return path
+            save_file({k: v.clone().contiguous() for k, v in full.items()}, str(tmp))
         os.replace(tmp, path)
         return path
 
     def _finish(self, wall_seconds: float) -> dict:
         self.save_model()
-        if not self.standalone:
-            return {"state_hash": self.state_hash(), "step": self.state.step}
+        if not self.standalone or self.rank != 0:
+            return {"state_hash": self.state_hash(), "step": self.state.step, "rank": self.rank}
         events = read_events(self.run_dir / "events.jsonl")
         # A resumed run's record starts with its first incarnation: measure from there.
         if events:
@@ -294,9 +317,10 @@ class Trainer:
         return summary
 
     def _progress(self) -> "_Progress":
+        show = self.config.observe.progress and self.rank == 0
         return _Progress(self.config, self.state.step, self.flops_per_token,
-                         peak_flops(str(self.device), self.dtype) if self.config.observe.progress
-                         else 0.0)
+                         peak_flops(str(self.device), self.dtype) if show else 0.0,
+                         quiet=self.rank != 0)
 
 
 def _main_thread() -> bool:
@@ -307,14 +331,16 @@ def _main_thread() -> bool:
 class _Progress:
     """Console view of training: a tqdm bar (loss, tokens/s, MFU), or plain lines every N steps."""
 
-    def __init__(self, config: RunConfig, initial: int, flops_per_token: float, peak: float):
+    def __init__(self, config: RunConfig, initial: int, flops_per_token: float, peak: float,
+                 quiet: bool = False):
         self.config = config
+        self.quiet = quiet  # ranks other than 0 stay silent: one view per group
         self.flops_per_token = flops_per_token
         self.peak = peak
         self.t0 = time.perf_counter()
         self.tokens = 0
         self.bar = None
-        if config.observe.progress:
+        if config.observe.progress and not quiet:
             from tqdm import tqdm
             self.bar = tqdm(total=config.train.steps, initial=initial, unit="step",
                             dynamic_ncols=True, file=sys.stderr)
@@ -331,7 +357,7 @@ class _Progress:
                 post["mfu"] = f"{100 * tps * self.flops_per_token / self.peak:.1f}%"
             self.bar.set_postfix(post, refresh=False)
             self.bar.update(n)
-        elif trainer.state.step % self.config.observe.log_every == 0:
+        elif not self.quiet and trainer.state.step % self.config.observe.log_every == 0:
             print(f"[{trainer.group}] step {trainer.state.step}/{tc.steps} loss {loss:.4f} "
                   f"tok/s {tps:,.0f}", file=sys.stderr, flush=True)
 

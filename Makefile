@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.ftlm-installed
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: setup demo test bench clean
+.PHONY: setup system-deps demo test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,33 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/ftlm demo
 
-test: setup
+# Debian packages some tests run for real (Prometheus and promtool, headless Chromium); those
+# tests skip with a reason when a binary is missing. CI runs as root, so it installs them.
+SYSTEM_BINARIES := prometheus promtool chromium
+system-deps:
+	@missing=""; for b in $(SYSTEM_BINARIES); do command -v $$b >/dev/null 2>&1 || missing="$$missing $$b"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+		echo "system-deps: missing$$missing; install the Debian packages 'prometheus chromium' as root" \
+		     "(their tests will be skipped)"; exit 0; fi; \
+	echo "system-deps: installing prometheus chromium (missing:$$missing)"; \
+	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus chromium
+
+# Debian packages of the Slurm launcher tests: a one-node Slurm (slurmctld, slurmd, munge) that
+# the tests start themselves, and shellcheck for the generated scripts. They skip, saying why,
+# without them (or without root).
+CLUSTER_BINARIES := slurmctld slurmd munged sbatch shellcheck
+.PHONY: system-deps-cluster
+system-deps-cluster:
+	@missing=""; for b in $(CLUSTER_BINARIES); do command -v $$b >/dev/null 2>&1 || [ -x /usr/sbin/$$b ] || missing="$$missing $$b"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+		echo "system-deps-cluster: missing$$missing; install the Debian packages" \
+		     "'slurm-wlm munge shellcheck' as root (their tests will be skipped)"; exit 0; fi; \
+	echo "system-deps-cluster: installing slurm-wlm munge shellcheck (missing:$$missing)"; \
+	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge shellcheck
+
+test: setup system-deps
 	$(BIN)/python -m pytest -q
 
 bench: setup

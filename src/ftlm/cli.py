@@ -72,15 +72,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     from ftlm.ft.faults import fault_from_env
     from ftlm.ft.manager import Manager
-    from ftlm.observe.events import EventLog, NullEvents
+    from ftlm.observe.events import EventLog
     from ftlm.train.trainer import resolve_device
     group = os.environ.get("FTLM_GROUP_ID", "g0")
     incarnation = os.environ.get("FTLM_INCARNATION") or uuid.uuid4().hex
     groups = int(os.environ.get("FTLM_GROUPS", "0")) or config.ft.groups
     token = os.environ.get("FTLM_TOKEN", "") or config.ft.read_token()
     rank = int(os.environ.get("RANK", "0"))
-    events = (EventLog(config.run.path / "events.jsonl", group=group) if rank == 0
-              else NullEvents(group=group, rank=rank))
+    events = EventLog(config.run.path / "events.jsonl", group=group, rank=rank)
     trainer = Trainer(config, group=group, groups=groups, standalone=False)
     # Join the job only once the model and data are ready: from the first heartbeat on, the
     # other groups count on this one answering within the heartbeat timeout.

@@ -40,7 +40,8 @@ def test_report_has_headline_numbers_group_table_and_sampled_loss(runs, tmp_path
     rows = [line for line in loss_section.splitlines() if re.match(r"\| \d+ \|", line)]
     assert 15 <= len(rows) <= 20
     assert rows[0].startswith("| 0 | 5.0000 |") and rows[-1].startswith("| 99 | 4.0100 |")
-    assert [p.name for p in tmp_path.iterdir()] == ["report.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["report.md", "loss.png", "tokens_per_second.png", "participants.png", "stalls.png"])
 
 
 def test_report_flags_diverged_replicas_and_data_problems(runs, tmp_path):

@@ -72,10 +72,12 @@ class Manager:
                  fault: FaultPlan | None = None):
         self.config = config
         self.token = token
-        self.events = events or _NoEvents()
         self.fault = fault
         grouped = dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if grouped else 0
+        # The leader records the group's events; any rank records a failure injected into it.
+        self._fault_events = events or _NoEvents()
+        self.events = self._fault_events if self.rank == 0 else _NoEvents()
         self.ranks = dist.get_world_size() if grouped else 1
         self.replica_id = f"{group}:{incarnation}"
         backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
@@ -124,7 +126,7 @@ class Manager:
 
     def _fire(self, point: str) -> None:
         if self.fault is not None:
-            self.fault.maybe_fire(point, self._step, self.events.emit)
+            self.fault.maybe_fire(point, self._step, self._fault_events.emit)
 
     def _on_serve_chunk(self, step: int, index: int) -> None:
         self._fire("during_serve")

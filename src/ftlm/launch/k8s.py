@@ -166,6 +166,8 @@ def group_pod(run: RunConfig, names: Names, cluster: ClusterConfig, group: str) 
         "restartPolicy": "Never",
         # SIGTERM first: the trainer finishes its step and stops within the grace period.
         "terminationGracePeriodSeconds": cluster.grace_seconds,
+        # The image runs as uid 1000 (deploy/Dockerfile): let it write the volume.
+        "securityContext": {"fsGroup": 1000},
         "containers": [container],
         "volumes": [{"name": "config", "configMap": {"name": names.config}},
                     {"name": "storage", "persistentVolumeClaim": {"claimName": names.claim}},
@@ -229,7 +231,7 @@ def trainjob(run: RunConfig, names: Names, cluster: ClusterConfig, group: str) -
         "volumes": pod["spec"]["volumes"],
         "containers": [{"name": "node", "volumeMounts": container["volumeMounts"]}],
         "terminationGracePeriodSeconds": cluster.grace_seconds}
-    for key in ("nodeSelector", "tolerations", "serviceAccountName"):
+    for key in ("nodeSelector", "tolerations", "serviceAccountName", "securityContext"):
         if key in pod["spec"]:
             pod_patch[key] = pod["spec"][key]
     return {

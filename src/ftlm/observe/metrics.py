@@ -29,11 +29,15 @@ import sys
 import threading
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 
 from ftlm.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+# The text format would add a "<name>_created" gauge per counter and histogram: a family per metric
+# that no dashboard uses and that is not in the tables below. Process-wide, as prometheus_client has it.
+disable_created_metrics()
 
 # name -> (type, help). Counters are listed with their ``_total`` suffix, histograms by their base
 # name (queries use ``_bucket``/``_sum``/``_count``), exactly as PromQL refers to them.

@@ -1,8 +1,9 @@
 """Human-readable views of a finished run: ``report.md`` and the console summary.
 
 Renders what ``summary.py`` computed plus a few per-group and per-step tables taken from the
-events; it computes no metric of its own, so the report and ``summary.json`` always agree. It does
-not draw plots (PNG plots arrive with the observability dashboards) and does not decide anything.
+events; it computes no metric of its own, so the report and ``summary.json`` always agree. The PNG
+plots are drawn by ``ftlm.observe.plots`` next to ``report.md``, which links them by relative path
+(the run directory can be moved or published as a whole). It does not decide anything.
 """
 
 from __future__ import annotations
@@ -127,21 +128,39 @@ def _loss_table(events: list[dict]) -> list[str]:
     return _table(["step", "loss", "t (s)"], rows)
 
 
-def render_report(summary: dict, events: list[dict], title: str = "run") -> str:
-    """The Markdown text of ``report.md``."""
+_PLOT_TITLES = {"throughput": "Committed tokens per second", "participants": "Participating groups",
+                "stalls": "Stall per failure", "loss": "Loss vs step"}
+
+
+def _image(plots: dict[str, str], name: str) -> list[str]:
+    return [f"![{_PLOT_TITLES[name]}]({plots[name]})", ""] if name in plots else []
+
+
+def render_report(summary: dict, events: list[dict], title: str = "run",
+                  plots: dict[str, str] | None = None) -> str:
+    """The Markdown text of ``report.md``; ``plots`` maps plot name (``ftlm.observe.plots``) to the
+    image's path relative to the report, and each is shown in its section."""
+    plots = plots or {}
     parts = [f"# ftlm run report: {title}", "", *_headline(summary), "",
+             *_image(plots, "throughput"), *_image(plots, "participants"),
              "## Groups", "", *_per_group(summary, events), "",
-             "## Failures and rejoins", "", *_timeline(summary, events), "",
-             "## Loss", "", *_loss_table(events), ""]
+             "## Failures and rejoins", "", *_image(plots, "stalls"), *_timeline(summary, events), "",
+             "## Loss", "", *_image(plots, "loss"), *_loss_table(events), ""]
     return "\n".join(parts)
 
 
-def write_report(run_dir: Path, summary: dict, events: list[dict]) -> Path:
-    """Write ``run_dir/report.md`` atomically and return its path."""
+def write_report(run_dir: Path, summary: dict, events: list[dict], plots: bool = True) -> Path:
+    """Write the PNG plots (unless ``plots`` is False) and ``run_dir/report.md`` (atomically) that
+    links them; returns the report's path."""
     run_dir = Path(run_dir)
     run_cfg = summary.get("config", {}).get("run", {})
     title = run_cfg.get("name") if isinstance(run_cfg, dict) else None
-    text = render_report(summary, events, title=title or run_dir.name)
+    images: dict[str, str] = {}
+    if plots:
+        from ftlm.observe.plots import write_plots  # matplotlib takes a second to import: only when drawing
+
+        images = {name: path.name for name, path in write_plots(run_dir, summary, events).items()}
+    text = render_report(summary, events, title=title or run_dir.name, plots=images)
     path = run_dir / "report.md"
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".report.md.{os.getpid()}.tmp")

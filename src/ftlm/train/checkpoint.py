@@ -68,12 +68,14 @@ class Checkpointer:
     """Saves every ``every`` steps into ``root``, keeps the newest ``keep`` valid checkpoints."""
 
     def __init__(self, root: Path, every: int, keep: int, async_save: bool = True,
-                 process_group=None, on_saved=None):
+                 process_group=None, on_saved=None, writer: bool = True):
         self.root = Path(root)
         self.every = every
         self.keep = keep
         self.async_save = async_save
         self.process_group = process_group
+        # With several ranks, DCP's coordinator (rank 0) finishes last: it alone marks and rotates.
+        self.writer = writer
         self.on_saved = on_saved or (lambda step, path, seconds: None)
         self._pending: tuple[Future, int, int, Path, float] | None = None
 
@@ -84,9 +86,9 @@ class Checkpointer:
         """Start saving ``state`` (at its current step); returns once the state has been copied."""
         self.wait()  # one save in flight at a time: bounded memory for staged copies
         path = checkpoint_dir(self.root, state.step)
-        if path.exists():
+        if self.writer and path.exists():
             shutil.rmtree(path)
-        path.mkdir(parents=True)
+        path.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         if self.async_save:
             future = _quiet(dcp.async_save, {"train": state}, checkpoint_id=str(path),
@@ -115,6 +117,8 @@ class Checkpointer:
         self._finish(step, cursor, path, started)
 
     def _finish(self, step: int, cursor: int, path: Path, started: float) -> None:
+        if not self.writer:
+            return
         marker = {"step": step, "cursor": cursor, "time": time.time()}
         tmp = path / (MARKER + ".tmp")
         tmp.write_text(json.dumps(marker))

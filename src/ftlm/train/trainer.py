@@ -125,9 +125,13 @@ class Trainer:
         self.events = (EventLog(self.run_dir / "events.jsonl", group=group) if self.rank == 0
                        else NullEvents(group=group, rank=self.rank))
         ck = config.checkpoint
+        # Background saves run collectives of their own: give them a process group of their own,
+        # or they would interleave with FSDP's collectives on the group's default one.
+        ckpt_pg = dist.new_group(backend="gloo") if self.mesh is not None else None
         self.checkpointer = Checkpointer(
             Path(ck.dir) if ck.dir else self.run_dir / "checkpoints", ck.every, ck.keep,
-            ck.async_save, on_saved=self._on_checkpoint_saved)
+            ck.async_save, process_group=ckpt_pg, on_saved=self._on_checkpoint_saved,
+            writer=self.rank == 0)
         self.catchup = CatchUpBuffer(config.ft.catchup_max_steps)
         self.tokens_per_sample = config.data.seq_len
         self.flops_per_token = flops_per_token(config.model, config.data.seq_len)

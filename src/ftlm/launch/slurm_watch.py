@@ -1,0 +1,104 @@
+"""The Slurm watcher script (``watch.sh``): resubmits failed replica groups, bounded.
+
+Kept as text here, not as a data file, so that it ships with the package. ``ftlm.launch.slurm``
+fills in the settings line. The script decides per job from its Slurm state: queued or running
+is fine, COMPLETED ends the group, any other end (FAILED, CANCELLED, NODE_FAIL, TIMEOUT,
+OUT_OF_MEMORY, PREEMPTED, or a job Slurm no longer knows) is a failure and the group is
+resubmitted, at most MAX_RESTARTS times. Once one group has completed the run is over: nothing is
+resubmitted, groups still pending are cancelled (they would have nobody to recover from), and
+the coordinator is cancelled when no group is left.
+"""
+
+WATCH_SCRIPT = r'''#!/bin/bash
+# ftlm watcher: resubmits a replica group (or the coordinator) whose Slurm job ended with a
+# failure, at most MAX_RESTARTS times each; exits when the run is over (0: a group completed).
+# Stop it for good with ./stop-all.sh (it writes state/STOP).
+set -uo pipefail
+# @SETTINGS@
+
+log() { echo "$(date -u +%Y-%m-%dT%H:%M:%SZ) $*"; }
+
+# The state of a job: squeue while queued or running, scontrol while Slurm remembers the end
+# (MinJobAge), then sacct (needs accounting); UNKNOWN when nobody knows it.
+job_state() {
+  local id=$1 s
+  s=$(squeue -h -j "$id" -o %T 2>/dev/null | head -n 1)
+  if [ -z "$s" ]; then
+    s=$(scontrol show job -o "$id" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | head -n 1 | cut -d= -f2)
+  fi
+  if [ -z "$s" ]; then
+    s=$(sacct -n -X -P -j "$id" -o State 2>/dev/null | head -n 1 | cut -d' ' -f1)
+  fi
+  echo "${s:-UNKNOWN}"
+}
+
+is_active() {
+  case "$1" in
+    PENDING|RUNNING|REQUEUED|REQUEUE_HOLD|REQUEUE_FED|CONFIGURING|COMPLETING|RESIZING|\
+SUSPENDED|STAGE_OUT|SIGNALING|RESV_DEL_HOLD|STOPPED) return 0 ;;
+    *) return 1 ;;
+  esac
+}
+
+# resubmit NAME SCRIPT: a new job for NAME unless its restarts are used up.
+resubmit() {
+  local name=$1 script=$2 n id
+  n=$(cat "$OUT/state/$name.restarts" 2>/dev/null || echo 0)
+  if [ "$n" -ge "$MAX_RESTARTS" ]; then
+    log "$name: not resubmitted, $n restarts used (cluster.max_restarts=$MAX_RESTARTS)"
+    return 1
+  fi
+  if ! id=$(sbatch --parsable "$script"); then
+    log "$name: sbatch failed; will retry"
+    return 0
+  fi
+  echo "$((n + 1))" > "$OUT/state/$name.restarts"
+  echo "${id%%;*}" > "$OUT/state/$name.jobid"
+  log "$name: resubmitted as job ${id%%;*} (restart $((n + 1)) of $MAX_RESTARTS)"
+}
+
+jobid() { cut -d';' -f1 "$OUT/state/$1.jobid"; }
+
+finished=0
+while [ ! -e "$OUT/state/STOP" ]; do
+  active=0
+  for g in "${GROUPS_LIST[@]}"; do
+    [ -e "$OUT/state/$g.done" ] && continue
+    id=$(jobid "$g")
+    st=$(job_state "$id")
+    if [ "$st" = COMPLETED ]; then
+      log "$g: job $id completed"
+      touch "$OUT/state/$g.done"
+      finished=1
+    elif is_active "$st"; then
+      if [ "$finished" = 1 ] && [ "$st" = PENDING ]; then
+        log "$g: job $id cancelled, the run is over"
+        scancel "$id"
+        touch "$OUT/state/$g.done"
+      else
+        active=1
+      fi
+    elif [ "$finished" = 1 ]; then
+      log "$g: job $id ended ($st) after the run finished; not resubmitted"
+      touch "$OUT/state/$g.done"
+    else
+      log "$g: job $id ended with $st"
+      if resubmit "$g" "$OUT/group-$g.sbatch"; then active=1; else touch "$OUT/state/$g.done"; fi
+    fi
+  done
+  cid=$(jobid coordinator)
+  cst=$(job_state "$cid")
+  if [ "$active" = 0 ]; then
+    break
+  elif ! is_active "$cst" && [ "$finished" = 0 ]; then
+    # A new coordinator may run on another node: groups read the new address when they restart.
+    log "coordinator: job $cid ended with $cst"
+    rm -f "$OUT/state/coordinator.url"
+    resubmit coordinator "$OUT/coordinator.sbatch" || break
+  fi
+  sleep "$INTERVAL"
+done
+scancel "$(jobid coordinator)" 2>/dev/null || true
+log "watcher done (a group completed: $finished)"
+[ "$finished" = 1 ]
+'''

@@ -85,6 +85,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # other groups count on this one answering within the heartbeat timeout.
     trainer.ft = Manager(config.ft, group, incarnation, coordinator, token=token, events=events,
                          device=resolve_device(config.train.device), fault=fault_from_env())
+    trainer.ft.metrics = trainer.metrics
     result = trainer.train()
     result["incarnation"] = incarnation
     # The supervisor collects each group's final state hash from this line.

@@ -146,3 +146,15 @@ def test_regenerating_with_fewer_groups_removes_old_group_files(tmp_path, tiny_c
 def test_bad_cluster_values_are_refused_with_the_field(field, value, match):
     with pytest.raises(ConfigError, match=match):
         ClusterConfig(**{field: value})
+
+
+def test_repository_dashboards_ship_as_a_valid_config_map(tmp_path, tiny_config):
+    from ftlm.launch.k8s import DASHBOARDS
+    if not (DASHBOARDS.is_dir() and any(DASHBOARDS.rglob("*.json"))):
+        pytest.skip(f"no Grafana dashboards under {DASHBOARDS}")
+    import json
+    config = tiny_config()
+    generate_k8s(config, ClusterConfig(), tmp_path / "k8s", config.to_toml())
+    doc = yaml.safe_load((tmp_path / "k8s/monitoring/grafana-dashboards.yaml").read_text())
+    kv.validate(doc, "1.33.0", strict=True)
+    assert doc["data"] and all(json.loads(text) for text in doc["data"].values())

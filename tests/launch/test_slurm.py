@@ -7,7 +7,6 @@ system-deps-cluster``) and skips, saying why, where they are missing or cannot r
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal

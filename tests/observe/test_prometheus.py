@@ -89,20 +89,26 @@ def test_promtool_accepts_every_endpoint(job) -> None:
 
 
 class Prometheus:
-    def __init__(self, binary: str, tmp: Path, targets: dict[str, int], coordinator_port: int) -> None:
+    def __init__(self, binary: str, tmp: Path, targets: dict[str, int], coordinator_port: int,
+                 file_sd: Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = tmp / "prometheus.yml"
         # honor_labels keeps the exported job label; the coordinator's scrape job is named after
         # the ftlm job, since the coordinator exports no job label of its own (docs/observability.md).
-        config.write_text(
+        text = (
             "global:\n  scrape_interval: 500ms\n  scrape_timeout: 400ms\n"
             "scrape_configs:\n"
             "  - job_name: ftlm-ranks\n    honor_labels: true\n    static_configs:\n"
             f"      - targets: [{', '.join(f'127.0.0.1:{p}' for p in targets.values())}]\n"
-            f"  - job_name: {JOB}\n    authorization:\n      credentials: {TOKEN}\n    static_configs:\n"
-            f"      - targets: ['127.0.0.1:{coordinator_port}']\n"
         )
+        if coordinator_port:
+            text += (f"  - job_name: {JOB}\n    authorization:\n      credentials: {TOKEN}\n"
+                     f"    static_configs:\n      - targets: ['127.0.0.1:{coordinator_port}']\n")
+        if file_sd is not None:  # the local launcher's targets file (rewritten on restarts)
+            text += ("  - job_name: ftlm-launched\n    honor_labels: true\n    file_sd_configs:\n"
+                     f"      - files: ['{file_sd}']\n        refresh_interval: 1s\n")
+        config.write_text(text)
         self.log = open(tmp / "prometheus.log", "w")
         self.proc = subprocess.Popen(
             [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ from ftlm.ft.faults import FaultPlan
 from ftlm.ft.process_group import CollectiveError, ReconfigurablePG
 from ftlm.ft.protocol import Recovered, SnapshotFn, StepPlan
 from ftlm.ft.quorum import Quorum
+from ftlm.observe.metrics import NullMetrics
 from ftlm.ft.transport import SnapshotServer, TransferError, fetch_snapshot, snapshot_state
 
 log = logging.getLogger("ftlm.ft.manager")
@@ -73,6 +76,7 @@ class Manager:
         self.config = config
         self.token = token
         self.fault = fault
+        self.metrics: Any = NullMetrics()  # the trainer hands over its metrics
         grouped = dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if grouped else 0
         # The leader records the group's events; any rank records a failure injected into it.
@@ -108,7 +112,8 @@ class Manager:
                                             timeout=max(1.0, config.heartbeat_timeout))
             self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
             self.heartbeater = Heartbeater(self.client, config.heartbeat_interval,
-                                           lambda: (self._step, max(self._qid, 0)), self._on_alive)
+                                           lambda: (self._step, max(self._qid, 0)), self._on_alive,
+                                           on_kill=self._on_kill)
             self.heartbeater.beat()  # be known as alive before the first quorum request
             self.heartbeater.start()
 
@@ -123,6 +128,12 @@ class Manager:
         if gone and not self.abort.is_set():
             log.warning("quorum %d member(s) %s reported dead: aborting", q.quorum_id, gone)
             self.abort.set()
+
+    def _on_kill(self) -> None:
+        """The coordinator relayed a kill request (the dashboard's chaos button): die like a crash."""
+        self._fault_events.emit("failure_injected", step=self._step, point="dashboard",
+                                signal="SIGKILL")
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def _fire(self, point: str) -> None:
         if self.fault is not None:
@@ -166,6 +177,7 @@ class Manager:
     def start_step(self, step: int, cursor: int, snapshot: SnapshotFn) -> StepPlan:
         self._step = step
         self._failed = False
+        asked = time.monotonic()
         if self.rank == 0:
             q = self._request_quorum(step)
             _broadcast_json(q.to_json(), self.ranks)
@@ -174,6 +186,8 @@ class Manager:
         me = self.replica_id
         self.quorum = q
         self._qid = q.quorum_id
+        self.metrics.on_quorum(q.quorum_id, len(q.participants), len(q.recovering),
+                               time.monotonic() - asked)
         self.abort.clear()
         if q.quorum_id != self._pg_qid:
             members = q.replica_ids()
@@ -198,6 +212,7 @@ class Manager:
         if self._failed:
             return
         participants = len(self.quorum.participants) if self.quorum else 1
+        started = time.monotonic()
         try:
             for i, bucket in enumerate(self._buckets(tensors)):
                 if i == 1:
@@ -205,6 +220,7 @@ class Manager:
                 self.pg.allreduce_mean(bucket, participants, self.abort)
         except CollectiveError as e:
             self._fail(str(e))
+        self.metrics.on_allreduce(time.monotonic() - started)
         self._fire("after_allreduce")
 
     def _buckets(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

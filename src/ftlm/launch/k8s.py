@@ -299,10 +299,11 @@ def build_manifests(run: RunConfig, cluster: ClusterConfig, config_toml: str, to
 
 
 def read_dashboards(folder: Path = DASHBOARDS) -> dict[str, str]:
-    """The Grafana dashboards (``*.json``) of ``folder``; empty when it does not exist."""
+    """The Grafana dashboards (``*.json`` anywhere under ``folder``, keyed by file name);
+    empty when the folder does not exist."""
     if not folder.is_dir():
         return {}
-    return {p.name: p.read_text() for p in sorted(folder.glob("*.json"))}
+    return {p.name: p.read_text() for p in sorted(folder.rglob("*.json"))}
 
 
 def generate_k8s(run_config: RunConfig, cluster: ClusterConfig, out_dir: Path,

@@ -111,13 +111,14 @@ class LocalLauncher:
         self.token = secrets.token_hex(16)
         self._stop = threading.Event()
         self.coordinator: Coordinator | None = None
+        self.metrics_targets: dict[tuple[str, int], int] = {}
 
     # -- set-up ----------------------------------------------------------------------------------
     def _prepare_run_dir(self) -> Path:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         # A new job starts a new record; durable checkpoints are kept for resuming.
-        for name in ("events.jsonl", "summary.json", "report.md"):
+        for name in ("events.jsonl", "summary.json", "report.md", "prometheus_targets.json"):
             (self.run_dir / name).unlink(missing_ok=True)
         for log in (self.run_dir / "logs").glob("*.log"):
             log.unlink()
@@ -143,6 +144,11 @@ class LocalLauncher:
             })
             env.update(self.extra_env)
             env.pop("FTLM_FAULT", None)
+            if self.config.observe.metrics:
+                port = self.config.observe.metrics_port
+                env["FTLM_METRICS_PORT"] = str(
+                    port + self.groups.index(g) * self.ranks + rank if port else _free_port())
+                self.metrics_targets[(g.name, rank)] = int(env["FTLM_METRICS_PORT"])
             # Faults for "g1" go to rank 0 of g1; "g1.r1" names another rank.
             planned = self.faults.get(g.name if rank == 0 else f"{g.name}.r{rank}", [])
             if g.restarts < len(planned) and planned[g.restarts]:
@@ -150,9 +156,21 @@ class LocalLauncher:
             with open(g.log(self.run_dir, rank), "ab") as log:
                 g.procs.append(subprocess.Popen(cmd, env=env, stdout=log,
                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+        if self.config.observe.metrics:
+            self._write_targets()
         g.started = time.time()
         g.restart_at = None
         g.stopped = False
+
+    def _write_targets(self) -> None:
+        """Prometheus file_sd targets of every rank's metrics endpoint (rewritten on restarts)."""
+        host = self.config.observe.metrics_host
+        targets = [{"targets": [f"{host}:{port}"], "labels": {"ftlm_target": f"{g}/{r}"}}
+                   for (g, r), port in sorted(self.metrics_targets.items())]
+        path = self.run_dir / "prometheus_targets.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(targets, indent=1))
+        os.replace(tmp, path)
 
     # -- the supervisor loop ---------------------------------------------------------------------
     def run(self) -> dict:

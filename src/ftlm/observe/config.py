@@ -15,7 +15,15 @@ class ObserveConfig:
     """Show a progress bar on the console (off: one log line every ``log_every`` steps)."""
     log_every: int = 10
     """Steps between console lines when the progress bar is off."""
+    metrics: bool = False
+    """Export Prometheus metrics from every rank (``/metrics``)."""
+    metrics_port: int = 0
+    """Port of rank 0's metrics endpoint (rank r uses port + r); 0 picks free ports."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoints bind to."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.metrics_port, int) or not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"observe.metrics_port={self.metrics_port!r} must be in [0, 65535]")
         if not isinstance(self.log_every, int) or self.log_every < 1:
             raise ConfigError(f"observe.log_every={self.log_every!r} must be an integer >= 1")

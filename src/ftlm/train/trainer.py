@@ -28,6 +28,7 @@ from ftlm.errors import ConfigError, DataError
 from ftlm.ft.protocol import FaultTolerance, NoFaultTolerance, Recovered, StepPlan
 from ftlm.model import Transformer, flops_per_token
 from ftlm.observe.events import EventLog, NullEvents, read_events
+from ftlm.observe.metrics import NullMetrics, TrainingMetrics
 from ftlm.observe.summary import build_summary, write_summary
 from ftlm.train.catchup import CatchUpBuffer, unflatten_into
 from ftlm.train.checkpoint import Checkpointer
@@ -133,12 +134,25 @@ class Trainer:
             ck.async_save, process_group=ckpt_pg, on_saved=self._on_checkpoint_saved,
             writer=self.rank == 0)
         self.catchup = CatchUpBuffer(config.ft.catchup_max_steps)
+        self.metrics = self._start_metrics()
         self.tokens_per_sample = config.data.seq_len
         self.flops_per_token = flops_per_token(config.model, config.data.seq_len)
         self.losses: list[float] = []
         self._stop = False
 
     # -- set-up ----------------------------------------------------------------------------------
+    def _start_metrics(self):
+        """Prometheus endpoint of this rank, or the null object when metrics are off."""
+        oc = self.config.observe
+        if not oc.metrics:
+            return NullMetrics()
+        port = int(os.environ.get("FTLM_METRICS_PORT", "0")) or (
+            oc.metrics_port + self.rank if oc.metrics_port else 0)
+        metrics = TrainingMetrics(job=self.config.run.name, group=self.group, rank=self.rank,
+                                  port=port, host=oc.metrics_host)
+        self.metrics_port = metrics.start()
+        return metrics
+
     def _autocast(self):
         if self.device.type == "cuda" and self.dtype != torch.float32:
             return torch.autocast("cuda", dtype=self.dtype)
@@ -195,6 +209,7 @@ class Trainer:
         if not ok:
             self.state.optimizer.zero_grad(set_to_none=True)
             self.events.emit("step_failed", step=state.step, quorum_id=plan.quorum_id)
+            self.metrics.on_step_failed()
             return
         start = state.cursor
         grad_norm = apply_update(self.params, state.optimizer, lr, tc.grad_clip)
@@ -208,6 +223,10 @@ class Trainer:
                          participants=plan.participants, samples=[start, start + samples],
                          loss=global_loss, tokens=samples * self.tokens_per_sample, lr=lr,
                          grad_norm=grad_norm, step_seconds=seconds)
+        rank_tokens = tc.batch_size // self.ranks * self.tokens_per_sample
+        self.metrics.on_commit(plan.step, global_loss, rank_tokens, seconds, lr, grad_norm,
+                               data_wait_seconds=self.loader.wait_seconds)
+        self.metrics.sample_memory()
         self.checkpointer.poll()
         if self.checkpointer.due(state.step) and plan.participant_index == 0:
             self.checkpointer.save(state)
@@ -216,6 +235,7 @@ class Trainer:
                          samples: int) -> None:
         if ok:
             self.catchup.record(plan.step, grads, lr, samples)
+        self.metrics.on_catchup_lag(len(self.catchup))
         for p in self.params:
             p.grad = None
         recovered = self.ft.poll_recovery()
@@ -239,6 +259,8 @@ class Trainer:
             apply_update(self.params, state.optimizer, u.lr, self.config.train.grad_clip)
             state.step += 1
             state.cursor += u.samples
+        self.metrics.on_recovery(rec.seconds, rec.nbytes)
+        self.metrics.on_catchup_lag(0)
         self.events.emit("recovery_end", step=state.step, ok=True, source=rec.source,
                          snapshot_step=rec.step, replayed=len(updates), bytes=rec.nbytes,
                          transfer_seconds=rec.seconds,
@@ -256,7 +278,8 @@ class Trainer:
         tc, cfg = self.config.train, self.config
         if cfg.checkpoint.resume and (step := self.checkpointer.restore_latest(self.state)):
             print(f"[{self.group}] resumed from checkpoint at step {step}", file=sys.stderr)
-        self.events.emit("group_start", step=self.state.step)
+        self.events.emit("group_start", step=self.state.step,
+                         metrics_port=getattr(self, "metrics_port", None))
         wall0 = time.time()
         bar = self._progress()
         old = signal.signal(signal.SIGTERM, self.request_stop) if _main_thread() else None
@@ -281,6 +304,7 @@ class Trainer:
             return self._finish(time.time() - wall0)
         finally:
             self.ft.close()
+            self.metrics.stop()
             self.events.emit("group_exit", step=self.state.step, ok=True)
 
     def state_hash(self) -> str:

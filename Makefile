@@ -46,7 +46,7 @@ system-deps-cluster:
 	echo "system-deps-cluster: installing slurm-wlm munge shellcheck (missing:$$missing)"; \
 	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge shellcheck
 
-test: setup system-deps
+test: setup system-deps system-deps-cluster
 	$(BIN)/python -m pytest -q
 
 bench: setup

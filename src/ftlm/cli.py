@@ -97,7 +97,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from ftlm.config import load_config
     from ftlm.ft.coordinator import Coordinator
     config = load_config(args.config, args.overrides)
-    coordinator = Coordinator(config.ft.coordinator_config(host=args.host, port=args.port))
+    coordinator = Coordinator(config.ft.coordinator_config(
+        host=args.host, port=args.port, token=os.environ.get("FTLM_TOKEN", "")))
     coordinator.serve_forever()
     return 0
 
@@ -111,6 +112,18 @@ def cmd_launch_local(args: argparse.Namespace) -> int:
                             chaos_hang=args.chaos_hang, chaos_seed=args.chaos_seed,
                             config_path=args.config, overrides=args.overrides).run()
     return 0 if summary.get("replicas_identical") else 1
+
+
+def cmd_launch_cluster(args: argparse.Namespace) -> int:
+    from ftlm.config import load_config
+    config = load_config(args.config, args.overrides)
+    if args.target == "k8s":
+        from ftlm.launch.k8s import generate_k8s as generate
+    else:
+        from ftlm.launch.slurm import generate_slurm as generate
+    paths = generate(config, config.cluster, Path(args.out), config.to_toml())
+    print(f"{len(paths)} file(s) written under {args.out}; see docs/{'kubernetes' if args.target == 'k8s' else 'slurm'}.md")
+    return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -166,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--chaos-hang", action="store_true", help="use SIGSTOP (a hang) for some failures")
     lp.add_argument("--chaos-seed", type=int, default=0, help="seed of the failure schedule")
     lp.set_defaults(fn=cmd_launch_local)
+    for target, what in (("k8s", "Kubernetes manifests (coordinator, JobSet / Jobs / TrainJob, monitoring)"),
+                         ("slurm", "Slurm batch scripts (coordinator, one requeueable job per group, watcher)")):
+        cp = lsub.add_parser(target, help=f"write {what}")
+        _add_config_args(cp)
+        cp.add_argument("--out", required=True, help="output directory")
+        cp.set_defaults(fn=cmd_launch_cluster)
 
     p = sub.add_parser("data", help="data preparation")
     dsub = p.add_subparsers(dest="action", required=True, metavar="ACTION")

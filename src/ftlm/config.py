@@ -21,6 +21,7 @@ import tomli_w
 from ftlm.data.config import DataConfig
 from ftlm.errors import ConfigError
 from ftlm.ft.config import FTConfig
+from ftlm.launch.cluster_config import ClusterConfig
 from ftlm.model.config import ModelConfig
 from ftlm.observe.config import ObserveConfig
 from ftlm.train.config import CheckpointConfig, TrainConfig
@@ -59,6 +60,7 @@ class RunConfig:
     ft: FTConfig = field(default_factory=FTConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {f.name: _section_dict(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -115,6 +117,11 @@ def _coerce(section: str, key: str, hint: Any, value: Any, from_string: bool) ->
             if isinstance(value, list):
                 return value
             if from_string:
+                return [v.strip() for v in str(value).split(",") if v.strip()]
+        elif typing.get_origin(t) is dict:
+            if isinstance(value, dict):
+                return value
+            if from_string:  # key=value,key=value; the section validates the pairs
                 return [v.strip() for v in str(value).split(",") if v.strip()]
     names = " or ".join(getattr(t, "__name__", str(t)) for t in allowed)
     raise ConfigError(f"{where}: expected {names}")

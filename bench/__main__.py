@@ -11,9 +11,10 @@ import sys
 import time
 import traceback
 
-from bench import ft_overhead, train_throughput
+from bench import ft_overhead, ft_vs_torchft, hsdp, train_throughput
 
-BENCHMARKS = {"train_throughput": train_throughput.main, "ft_overhead": ft_overhead.main}
+BENCHMARKS = {"train_throughput": train_throughput.main, "ft_overhead": ft_overhead.main,
+              "hsdp": hsdp.main, "ft_vs_torchft": ft_vs_torchft.main}
 
 
 def main(argv: list[str] | None = None) -> int:

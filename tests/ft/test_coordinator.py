@@ -181,6 +181,7 @@ def test_new_incarnation_replaces_the_old_one(start, groups) -> None:
     coord = start(events)
     g0, old = groups(coord.url, "g0"), groups(coord.url, "g1", "old")
     first = ask_all([g0, old])[0]
+    g0.step += 1  # g0 commits its step: whatever the thread timing below, g1:new is behind it
     old.heartbeater.stop()
     new = groups(coord.url, "g1", "new")
     wait_until(lambda: any(m["replica_id"] == "g1:new" for m in stable_status(coord)["members"]))

@@ -320,3 +320,16 @@ def test_quorum_json_round_trip_and_bad_shape() -> None:
     assert Quorum.from_json(json.dumps(quorum.to_json())) == quorum
     with pytest.raises(ValueError, match="not a quorum"):
         Quorum.from_json({"quorum_id": 1})
+
+
+def test_progress_never_silently_goes_back_when_every_holder_of_the_newest_state_died() -> None:
+    state = CoordinatorState()
+    record_heartbeat(state, Heartbeat(rid("g0"), "g0", 0.0, 40))  # g0 trained to step 40, then died
+    expire(10.0, state, opts())
+    record_request(state, ask("g1", step=0, at=10.0))  # a restarted group, from scratch
+    quorum, reason = compute_quorum(10.0, state, opts())
+    assert quorum is None and "step 40" in reason and "durable checkpoint" in reason
+    # One step behind is the ordinary aftermath of a step that only the dead group committed.
+    record_request(state, ask("g1", step=39, at=10.1))
+    quorum, _ = compute_quorum(10.1, state, opts())
+    assert quorum is not None and quorum.step == 39

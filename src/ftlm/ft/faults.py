@@ -3,13 +3,18 @@
 A group process started with ``FTLM_FAULT=<point>[@<step>]`` kills itself with SIGKILL (or stops
 itself with SIGSTOP when the point is prefixed ``hang:``) the first time it reaches that point at
 that step (any step when omitted). It writes a ``failure_injected`` event first, so the run can
-account for it. The launcher passes the variable to a group's first incarnation only.
+account for it. The launcher passes one entry per incarnation (``faults={"g1": [...]}``).
+
+``slow_serve`` is not a crash but a slow link: the first time the group serves a chunk of state
+it holds the transfer for ``FTLM_FAULT_SECONDS`` (default 3) seconds, so a recovering peer's
+pull takes several steps (catch-up tests).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 from dataclasses import dataclass
 
 from ftlm.errors import ConfigError
@@ -21,6 +26,8 @@ POINTS = (
     "before_commit",       # vote passed, optimizer step not applied
     "during_receive",      # a recovering group, after its first chunk of state arrived
     "during_serve",        # a source group, while serving a chunk to a recovering group
+    "during_replay",       # a recovering group, after replaying its first buffered update
+    "slow_serve",          # a source group: the first transfer it serves stalls (not a crash)
 )
 
 
@@ -50,6 +57,12 @@ class FaultPlan:
         if self.fired or point != self.point or (self.step is not None and step != self.step):
             return
         self.fired = True
+        if point == "slow_serve":
+            seconds = float(os.environ.get("FTLM_FAULT_SECONDS", "3"))
+            emit("failure_injected", step=step, point=point, signal="none", seconds=seconds)
+            # Deliberately blocks the serving thread: this *is* the slow link being simulated.
+            threading.Event().wait(seconds)
+            return
         emit("failure_injected", step=step, point=point, signal="SIGSTOP" if self.hang else "SIGKILL")
         os.kill(os.getpid(), signal.SIGSTOP if self.hang else signal.SIGKILL)
 

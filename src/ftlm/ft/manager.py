@@ -141,6 +141,11 @@ class Manager:
 
     def _on_serve_chunk(self, step: int, index: int) -> None:
         self._fire("during_serve")
+        self._fire("slow_serve")
+
+    def fire(self, point: str) -> None:
+        """Reach a named fault point that lives outside the manager (e.g. during replay)."""
+        self._fire(point)
 
     def _fail(self, reason: str) -> None:
         if not self._failed:

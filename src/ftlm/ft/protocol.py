@@ -54,6 +54,7 @@ class FaultTolerance(Protocol):
     def commit(self) -> bool: ...
     def poll_recovery(self) -> Recovered | None: ...
     def restart_recovery(self, reason: str) -> None: ...
+    def fire(self, point: str) -> None: ...
     def close(self) -> None: ...
 
 
@@ -73,6 +74,9 @@ class NoFaultTolerance:
         return None
 
     def restart_recovery(self, reason: str) -> None:
+        return None
+
+    def fire(self, point: str) -> None:
         return None
 
     def close(self) -> None:

@@ -147,6 +147,7 @@ class CoordinatorState:
     quorum_id: int = 0  # the highest quorum id issued or reported; the next change issues id + 1
     round_started: float | None = None  # when the oldest pending request arrived
     retired: dict[str, float] = field(default_factory=dict)  # replaced replica id -> when
+    max_step: int = 0  # the highest step any member has reported: the job's progress
 
 
 def _is_fresh(now: float, state: CoordinatorState, replica_id: str, options: QuorumOptions) -> bool:
@@ -178,6 +179,7 @@ def record_heartbeat(state: CoordinatorState, hb: Heartbeat) -> list[str]:
     replaced = _retire_other_incarnations(state, hb.replica_id, hb.group, hb.last_seen)
     state.heartbeats[hb.replica_id] = hb
     state.quorum_id = max(state.quorum_id, hb.quorum_id)
+    state.max_step = max(state.max_step, hb.step)
     return replaced
 
 
@@ -234,6 +236,14 @@ def compute_quorum(now: float, state: CoordinatorState, options: QuorumOptions) 
     if len(candidates) < options.min_replicas:
         n = _plural(len(candidates), "healthy group")
         return None, f"only {n} asked, need min_replicas={options.min_replicas}"
+
+    # Progress must not silently go back: if every holder of the newest state died, the groups
+    # left cannot heal from anyone. One step behind is the normal case of a group that committed
+    # while the others failed that step; more is lost work that only a durable checkpoint restores.
+    newest = max(req.step for req in candidates.values())
+    if state.max_step - newest > 1:
+        return None, (f"the newest state (step {state.max_step}) is held by no live group; the "
+                      f"groups asking are at step {newest}: restore them from a durable checkpoint")
 
     prev = state.prev_quorum
     prev_alive = [m.replica_id for m in prev.members if _is_fresh(now, state, m.replica_id, options)] if prev else []

@@ -88,6 +88,7 @@ class LocalLauncher:
                  chaos_hang: bool = False, chaos_seed: int = 0, config_path: str | None = None,
                  overrides: list[str] | None = None, faults: dict[str, list[str]] | None = None,
                  start_delays: dict[str, float] | None = None, ranks_per_group: int = 1,
+                 kill_hung: bool = True,
                  extra_env: dict[str, str] | None = None, progress: bool | None = None):
         if groups < 1:
             raise ConfigError(f"--groups={groups} must be at least 1")
@@ -98,6 +99,7 @@ class LocalLauncher:
         self.config = config
         self.n = groups
         self.ranks = ranks_per_group
+        self.kill_hung = kill_hung  # off: a hung group stays stopped until someone resumes it
         self.chaos_mtbf = chaos_mtbf
         self.chaos_hang = chaos_hang
         self.rng = random.Random(chaos_seed)
@@ -209,7 +211,8 @@ class LocalLauncher:
                           "(ft.give_up_seconds); stopping the job", file=sys.stderr)
                     break
                 self._reap(events, now)
-                self._kill_hung(status, events)
+                if self.kill_hung:
+                    self._kill_hung(status, events)
                 ending = any(g.finished for g in self.groups)
                 if ending:
                     self._stop_stragglers(status)
@@ -280,10 +283,19 @@ class LocalLauncher:
                 "rank_hashes": [r["state_hash"] for r in results]}
 
     def _kill_hung(self, status: dict, events: EventLog) -> None:
-        """A group whose heartbeat stopped while its process lives is hung: kill it so it restarts."""
-        dead = {d["replica_id"] for d in status.get("dead", [])}
+        """A group whose heartbeat stopped while its process lives is hung: kill it so it restarts.
+
+        The quorum drops it after the heartbeat timeout already (the healthy groups do not wait);
+        killing waits a few timeouts more, so that a process that was only starved of CPU for a
+        moment can come back and rejoin instead of being restarted.
+        """
+        grace = 3 * self.config.ft.heartbeat_timeout
+        alive = {m["replica_id"] for m in status.get("members", [])
+                 if m.get("heartbeat_age_seconds", 0) < self.config.ft.heartbeat_timeout}
+        dead = {d["replica_id"] for d in status.get("dead", []) if d["seconds_ago"] >= grace}
         for g in self.groups:
-            if g.running() and g.replica_id in dead and not self._has_result(g):
+            if (g.running() and g.replica_id in dead and g.replica_id not in alive
+                    and not self._has_result(g)):
                 events.emit("member_killed", step=-1, target=g.name, reason="heartbeat lost")
                 g.kill()
 

@@ -259,6 +259,7 @@ class Trainer:
             apply_update(self.params, state.optimizer, u.lr, self.config.train.grad_clip)
             state.step += 1
             state.cursor += u.samples
+            self.ft.fire("during_replay")
         self.metrics.on_recovery(rec.seconds, rec.nbytes)
         self.metrics.on_catchup_lag(0)
         self.events.emit("recovery_end", step=state.step, ok=True, source=rec.source,

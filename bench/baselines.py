@@ -139,6 +139,7 @@ class _Supervisor:
         self.env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])), PYTHONUNBUFFERED="1")
         self.store_port = 0
+        self.spawned_at: dict[str, float] = {}
 
     def emit(self, kind: str, **fields) -> None:
         with open(self.sup_events, "a") as f:
@@ -158,6 +159,7 @@ class _Supervisor:
                 "lighthouse": self.lighthouse, "rank": self.names.index(name),
                 "world": len(self.names), "store_port": self.store_port,
                 "ckpt_dir": str(self.tmp), "ckpt_every": self.plan.ckpt_every}
+        self.spawned_at[name] = time.time()
         log = open(self.tmp / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "bench.baseline_worker", json.dumps(spec)], cwd=REPO_ROOT,
@@ -219,7 +221,11 @@ class _Supervisor:
                         start_at[n] = now + restart_delay
                 if next_chaos is not None and now >= next_chaos:
                     live = [n for n, p in self.procs.items() if p is not None and p.poll() is None]
-                    if len(live) > (0 if whole_job else 1):
+                    # Like ftlm's launcher: never hit a job with no up-to-date group (one that
+                    # has committed since it was last started), e.g. one still starting up.
+                    trained = {e["group"] for e in events if e["kind"] == "commit"
+                               and e["ts"] > self.spawned_at.get(e["group"], now)}
+                    if any(n in trained for n in live) and len(live) > (0 if whole_job else 1):
                         n = self.rng.choice(live)
                         self.emit("failure_injected", target=n, signal="SIGKILL")
                         self.procs[n].kill()
@@ -241,7 +247,7 @@ class _Supervisor:
             shutil.copytree(self.tmp, Path(keep) / f"{self.mode}-{int(t0)}",
                             ignore=shutil.ignore_patterns("*.pt", "*.tmp"))
         events = self.events()
-        if not any(e["kind"] == "commit" for e in events):
+        if not any(e["kind"] in ("commit", "failure_injected") for e in events):
             raise RuntimeError(f"{self.mode} job committed no step:\n{self.log_tail()}")
         return JobResult(events, wall)
 

@@ -174,6 +174,8 @@ def _ett(res: JobResult) -> tuple[float, int, int]:
     from ftlm.observe.summary import build_summary
     events = sorted(res.events, key=lambda e: e["ts"])
     commits = [e["ts"] for e in events if e["kind"] == "commit"]
+    if not commits:
+        return 0.0, 0, sum(1 for e in events if e["kind"] == "failure_injected")
     end = max(e["ts"] for e in events) if res.summary else events[0]["ts"] + res.wall
     if res.summary is None:
         end = max(end, commits[-1])
@@ -223,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     body = []
     if 1 in parts:
         body.append(part1(quick, not missing))
+        _write(body, args, missing, t0, final=False)
     if 2 in parts or 3 in parts:
         sizes = ([("tiny", 8, 4)] if quick else
                  [("tiny", 8, 8), ("small", 4, 5), ("medium", 2, 4), ("large", 1, 4)])
@@ -246,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(parameters and AdamW moments) from a peer; the stall is the one "
                         "charged to its `recovery_start`. Batches per group: "
                         f"{', '.join(f'{m}: {b}' for m, b, _ in sizes)}.\n\n" + t3 + "\n")
+        _write(body, args, missing, t0, final=False)
     if 4 in parts:
         t4, _ = part4(chaos_s, mtbf, args.seed, not missing)
         body.append(f"### 4. Chaos goodput, 4 groups, tiny, SIGKILL every ~{mtbf:g} s "
@@ -256,16 +260,27 @@ def main(argv: list[str] | None = None) -> int:
                     "plain DDP job of 4 ranks checkpointing every 10 steps; any failure kills "
                     "every rank and the job restarts from the latest checkpoint after "
                     "`ft.restart_delay`.\n\n" + t4 + "\n")
-    flags = (["--quick"] if quick else []) + (
+    if not body:
+        return 0
+    _write(body, args, missing, t0, final=True)
+    return 0
+
+
+def _write(body: list[str], args: argparse.Namespace, missing: str, t0: float,
+           final: bool) -> None:
+    """Print the section and (unless --no-write) rewrite it; called after every part so that a
+    run cut short still leaves the parts it finished."""
+    flags = (["--quick"] if args.quick else []) + (
         [f"--parts {' '.join(map(str, args.parts))}"] if args.parts else [])
+    took = f"Took {time.perf_counter() - t0:.0f} s" + ("." if final else " so far (unfinished).")
     text = (section_header("ftlm vs torchft vs checkpoint-restart (issue 5)",
                            "bench.ft_vs_torchft", flags)
             + f"* torchft: {'not measured: ' + missing if missing else _torchft_version()}\n"
-            + f"* Took {time.perf_counter() - t0:.0f} s.\n\n" + "\n".join(body))
-    print(text)
+            + f"* {took}\n\n" + "\n".join(body))
+    if final:
+        print(text)
     if not args.no_write:
         write_section(SECTION, text)
-    return 0
 
 
 def _torchft_version() -> str:

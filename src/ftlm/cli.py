@@ -59,6 +59,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ftlm.config import load_config
     from ftlm.train.trainer import Trainer
     config = load_config(args.config, args.overrides)
+    from ftlm.observe.logs import configure_logging
+    configure_logging(config.observe.log_format, group=os.environ.get("FTLM_GROUP_ID", "g0"),
+                      rank=int(os.environ.get("RANK", "0")))
     _init_group(config)
     coordinator = config.ft.coordinator or os.environ.get("FTLM_COORDINATOR", "")
     if not coordinator:

@@ -32,6 +32,7 @@ from ftlm.ft.faults import FaultPlan
 from ftlm.ft.process_group import CollectiveError, ReconfigurablePG
 from ftlm.ft.protocol import Recovered, SnapshotFn, StepPlan
 from ftlm.ft.quorum import Quorum
+from ftlm.observe.logs import CONTEXT as LOG_CONTEXT
 from ftlm.observe.metrics import NullMetrics
 from ftlm.ft.transport import SnapshotServer, TransferError, fetch_snapshot, snapshot_state
 
@@ -191,6 +192,7 @@ class Manager:
         me = self.replica_id
         self.quorum = q
         self._qid = q.quorum_id
+        LOG_CONTEXT.update(quorum_id=q.quorum_id, step=step)
         self.metrics.on_quorum(q.quorum_id, len(q.participants), len(q.recovering),
                                time.monotonic() - asked)
         self.abort.clear()

@@ -15,6 +15,8 @@ class ObserveConfig:
     """Show a progress bar on the console (off: one log line every ``log_every`` steps)."""
     log_every: int = 10
     """Steps between console lines when the progress bar is off."""
+    log_format: str = "text"
+    """Console log lines: text (human-readable) or json (one object per line, for log shippers)."""
     metrics: bool = False
     """Export Prometheus metrics from every rank (``/metrics``)."""
     metrics_port: int = 0
@@ -23,6 +25,8 @@ class ObserveConfig:
     """Address the metrics endpoints bind to."""
 
     def __post_init__(self) -> None:
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"observe.log_format={self.log_format!r}; valid: text, json")
         if not isinstance(self.metrics_port, int) or not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"observe.metrics_port={self.metrics_port!r} must be in [0, 65535]")
         if not isinstance(self.log_every, int) or self.log_every < 1:

@@ -10,6 +10,7 @@ durable checkpoints and this group's events; it does not know how quorums or tra
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -38,6 +39,9 @@ from ftlm.train.parallelize import group_mesh, parallelize
 from ftlm.train.schedule import degraded_lr_scale, lr_at
 from ftlm.train.state import TrainState
 from ftlm.ft.transport import state_digest
+
+
+log = logging.getLogger("ftlm.train")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -278,7 +282,7 @@ class Trainer:
     def train(self) -> dict:
         tc, cfg = self.config.train, self.config
         if cfg.checkpoint.resume and (step := self.checkpointer.restore_latest(self.state)):
-            print(f"[{self.group}] resumed from checkpoint at step {step}", file=sys.stderr)
+            log.info("resumed from checkpoint at step %d", step)
         self.events.emit("group_start", step=self.state.step,
                          metrics_port=getattr(self, "metrics_port", None))
         wall0 = time.time()
@@ -293,7 +297,7 @@ class Trainer:
                 if self.state.step != before:
                     bar.update(self.state.step - before, self)
         except KeyboardInterrupt:
-            print(f"[{self.group}] interrupted at step {self.state.step}", file=sys.stderr)
+            log.warning("interrupted at step %d", self.state.step)
         finally:
             bar.close()
             if old is not None:
@@ -387,8 +391,8 @@ class _Progress:
             self.bar.set_postfix(post, refresh=False)
             self.bar.update(n)
         elif not self.quiet and trainer.state.step % self.config.observe.log_every == 0:
-            print(f"[{trainer.group}] step {trainer.state.step}/{tc.steps} loss {loss:.4f} "
-                  f"tok/s {tps:,.0f}", file=sys.stderr, flush=True)
+            log.info("step %d/%d loss %.4f tok/s %s", trainer.state.step, tc.steps, loss,
+                     f"{tps:,.0f}")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -121,8 +121,18 @@ def run_ftlm(plan: Plan) -> JobResult:
         finally:
             done.set()
             watcher.join(timeout=5)
+        _keep(config.run.path, "ftlm")
         events = list(read_events(path))
         return JobResult(events, summary["wall_seconds"], summary)
+
+
+def _keep(folder: Path, name: str) -> None:
+    """Copy a job's logs and events to $BENCH_VS_KEEP_LOGS, when set, for a post-mortem."""
+    keep = os.environ.get("BENCH_VS_KEEP_LOGS")
+    if keep:
+        import shutil
+        shutil.copytree(folder, Path(keep) / f"{name}-{time.time():.0f}",
+                        ignore=shutil.ignore_patterns("*.pt", "*.tmp", "checkpoints"))
 
 
 # -- the baselines' supervisor ---------------------------------------------------------------------
@@ -241,11 +251,7 @@ class _Supervisor:
                     os.kill(p.pid, signal.SIGCONT)
                     p.kill()
                     p.wait(timeout=10)
-        keep = os.environ.get("BENCH_VS_KEEP_LOGS")  # a folder to copy the workers' logs to
-        if keep:
-            import shutil
-            shutil.copytree(self.tmp, Path(keep) / f"{self.mode}-{int(t0)}",
-                            ignore=shutil.ignore_patterns("*.pt", "*.tmp"))
+        _keep(self.tmp, self.mode)
         events = self.events()
         if not any(e["kind"] in ("commit", "failure_injected") for e in events):
             raise RuntimeError(f"{self.mode} job committed no step:\n{self.log_tail()}")

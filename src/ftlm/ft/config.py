@@ -105,6 +105,9 @@ class FTConfig:
     """Parallel connections of a live state transfer."""
     transfer_chunk_bytes: int = 4 << 20
     """Chunk size of a live state transfer (each chunk is checksummed)."""
+    host: str = "127.0.0.1"
+    """Address a group binds its rendezvous store and state server to and tells other groups;
+    on a cluster, the pod or node IP (the ``FTLM_HOST`` environment variable overrides it)."""
     restart_delay: float = 1.0
     """Seconds the local supervisor waits before restarting a group whose process died."""
 

@@ -87,7 +87,10 @@ class Manager:
         self.replica_id = f"{group}:{incarnation}"
         backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
         self.pg = ReconfigurablePG(backend, config.allreduce_timeout)
-        self.server = SnapshotServer(token=token, chunk_bytes=config.transfer_chunk_bytes, keep=4,
+        # Other groups reach this one at ``host``: loopback locally, the pod/node IP on a cluster.
+        self.host = os.environ.get("FTLM_HOST") or config.host
+        self.server = SnapshotServer(host=self.host, token=token,
+                                     chunk_bytes=config.transfer_chunk_bytes, keep=4,
                                      on_chunk=self._on_serve_chunk)
         self.server.start()
         self.transfer_urls = _gather_strings(self.server.url, self.ranks)
@@ -111,7 +114,7 @@ class Manager:
         if self.rank == 0:
             self.client = CoordinatorClient(coordinator, group, incarnation, token,
                                             timeout=max(1.0, config.heartbeat_timeout))
-            self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
             self.heartbeater = Heartbeater(self.client, config.heartbeat_interval,
                                            lambda: (self._step, max(self._qid, 0)), self._on_alive,
                                            on_kill=self._on_kill)
@@ -158,7 +161,7 @@ class Manager:
 
     # -- the step protocol ---------------------------------------------------------------------------
     def _meta(self) -> dict[str, Any]:
-        return {"store": f"127.0.0.1:{self.store.port}", "transfer": self.transfer_urls,
+        return {"store": f"{self.host}:{self.store.port}", "transfer": self.transfer_urls,
                 "recover_request": self._recover_request}
 
     def _request_quorum(self, step: int) -> Quorum:

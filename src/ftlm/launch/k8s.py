@@ -125,6 +125,8 @@ def group_env(names: Names, cluster: ClusterConfig, group: str) -> list[dict[str
             {"name": "FTLM_GROUPS", "value": str(cluster.groups)},
             {"name": "FTLM_TOKEN", "valueFrom": {"secretKeyRef": {"name": names.secret,
                                                                   "key": "token"}}},
+            # Other groups reach this pod's rendezvous store and state server at its own IP.
+            {"name": "FTLM_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {"name": "PYTHONUNBUFFERED", "value": "1"}]
 
 

@@ -100,19 +100,28 @@ def run_ftlm(plan: Plan) -> JobResult:
         config = build_config(raw)
         faults = {g: [("hang:" if f.startswith("stop") else "") + "before_allreduce@"
                       + f.partition("@")[2]] for g, f in plan.faults.items()}
+        # Chaos is injected here, not by the launcher's own chaos_mtbf: in this tree
+        # LocalLauncher._inject raises (it emits a `rank` field, which EventLog reserves), and
+        # one chaos loop for all three systems keeps the schedules identical anyway.
         launcher = LocalLauncher(config, groups=plan.groups, progress=False, faults=faults,
-                                 start_delays=plan.start_delays, chaos_mtbf=plan.chaos_mtbf,
-                                 chaos_seed=plan.chaos_seed)
+                                 start_delays=plan.start_delays)
         path = config.run.path / "events.jsonl"
         done = threading.Event()
+        injected: list[dict] = []
 
         def watch() -> None:  # the launcher has no time limit or stop rule of its own
             t0 = time.time()
-            while not done.wait(POLL_S * 2):
-                over = time.time() - t0 > plan.duration
-                if over or (plan.stop and path.is_file() and plan.stop(read_jsonl([path]))):
+            rng = random.Random(plan.chaos_seed)
+            next_chaos = t0 + rng.expovariate(1 / plan.chaos_mtbf) if plan.chaos_mtbf else None
+            while not done.wait(POLL_S):
+                now = time.time()
+                events = read_jsonl([path]) if path.is_file() else []
+                if now - t0 > plan.duration or (plan.stop and plan.stop(events)):
                     launcher._stop.set()  # what its SIGTERM handler does
                     return
+                if next_chaos is not None and now >= next_chaos:
+                    _chaos_kill(launcher, rng, events, injected)
+                    next_chaos = time.time() + rng.expovariate(1 / plan.chaos_mtbf)
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
@@ -121,9 +130,27 @@ def run_ftlm(plan: Plan) -> JobResult:
         finally:
             done.set()
             watcher.join(timeout=5)
+        if injected:
+            summary = None  # the launcher's summary does not know these failures
         _keep(config.run.path, "ftlm")
-        events = list(read_events(path))
-        return JobResult(events, summary["wall_seconds"], summary)
+        events = sorted(list(read_events(path)) + injected, key=lambda e: e["ts"])
+        wall = max(e["ts"] for e in events) - min(e["ts"] for e in events)
+        return JobResult(events, summary["wall_seconds"] if summary else wall, summary)
+
+
+def _chaos_kill(launcher, rng: random.Random, events: list[dict], injected: list[dict]) -> None:
+    """SIGKILL one live ftlm group, drawn as ``_Supervisor`` draws (never a job in which no
+    live group has committed since it was last started)."""
+    live = [g for g in launcher.groups if g.running() and not g.finished and not g.stopped]
+    trained = {str(e["group"]).partition(":")[0] for e in events if e["kind"] == "commit"
+               and e["ts"] > next((g.started for g in launcher.groups
+                                   if g.name == str(e["group"]).partition(":")[0]), 0)}
+    if not (any(g.name in trained for g in live) and len(live) > 1):
+        return
+    g = rng.choice(live)
+    injected.append({"ts": time.time(), "kind": "failure_injected", "group": "supervisor",
+                     "step": -1, "target": g.name, "signal": "SIGKILL"})
+    g.procs[0].kill()
 
 
 def _keep(folder: Path, name: str) -> None:

@@ -273,6 +273,7 @@ def _write(body: list[str], args: argparse.Namespace, missing: str, t0: float,
     flags = (["--quick"] if args.quick else []) + (
         [f"--parts {' '.join(map(str, args.parts))}"] if args.parts else [])
     took = f"Took {time.perf_counter() - t0:.0f} s" + ("." if final else " so far (unfinished).")
+    body = _with_earlier_parts(body, args.parts)
     text = (section_header("ftlm vs torchft vs checkpoint-restart (issue 5)",
                            "bench.ft_vs_torchft", flags)
             + f"* torchft: {'not measured: ' + missing if missing else _torchft_version()}\n"
@@ -281,6 +282,21 @@ def _write(body: list[str], args: argparse.Namespace, missing: str, t0: float,
         print(text)
     if not args.no_write:
         write_section(SECTION, text)
+
+
+def _with_earlier_parts(body: list[str], parts: list[int] | None) -> list[str]:
+    """With --parts, keep the subsections of the other parts from BENCHMARKS.md, in order."""
+    if not parts:
+        return body
+    import re
+    from bench.common import BENCHMARKS_MD
+    text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.is_file() else ""
+    m = re.search(rf"<!-- bench:{SECTION} -->(.*?)<!-- /bench:{SECTION} -->", text, re.DOTALL)
+    blocks = {int(b[0]): "### " + b.rstrip() + "\n"
+              for b in (m.group(1).split("\n### ")[1:] if m else []) if b[:1].isdigit()}
+    for b in body:
+        blocks[int(b[4])] = b
+    return [blocks[k] for k in sorted(blocks)]
 
 
 def _torchft_version() -> str:

@@ -30,7 +30,9 @@ def test_slow_transfer_does_not_slow_the_healthy_group_and_joiner_ends_bitwise_e
                                                                                    demo_data):
     os.environ["FTLM_FAULT_SECONDS"] = "4"
     try:
+        # A buffer large enough for the whole slow transfer: one catch-up, many replayed steps.
         summary, events = run_job(tmp_path, demo_data, groups=2, steps=LONG,
+                                  ft={"catchup_max_steps": 2000},
                                   faults={"g1": ["before_allreduce@10"], "g0": ["slow_serve"]})
     finally:
         del os.environ["FTLM_FAULT_SECONDS"]
@@ -47,10 +49,12 @@ def test_slow_transfer_does_not_slow_the_healthy_group_and_joiner_ends_bitwise_e
 
 
 def test_buffer_smaller_than_the_lag_restarts_catch_up_and_converges(tmp_path, demo_data):
-    os.environ["FTLM_FAULT_SECONDS"] = "4"
+    # The first (slow) transfer lags by far more steps than the buffer holds; an ordinary one
+    # (a fraction of a second) fits, so the second attempt converges.
+    os.environ["FTLM_FAULT_SECONDS"] = "8"
     try:
         summary, events = run_job(tmp_path, demo_data, groups=2, steps=LONG,
-                                  ft={"catchup_max_steps": 2},
+                                  ft={"catchup_max_steps": 60},
                                   faults={"g1": ["before_allreduce@10"], "g0": ["slow_serve"]})
     finally:
         del os.environ["FTLM_FAULT_SECONDS"]
@@ -65,6 +69,7 @@ def test_kill_during_replay(tmp_path, demo_data):
     os.environ["FTLM_FAULT_SECONDS"] = "3"
     try:
         summary, events = run_job(tmp_path, demo_data, groups=2, steps=LONG,
+                                  ft={"catchup_max_steps": 2000},
                                   faults={"g1": ["before_allreduce@10", "during_replay"],
                                           "g0": ["slow_serve"]})
     finally:

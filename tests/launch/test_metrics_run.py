@@ -38,7 +38,8 @@ def test_prometheus_scrapes_a_two_group_run(tmp_path, demo_data):
             assert r["metric"]["job"] == config.run.name and r["metric"]["rank"] == "0"
         quorum = by_group(prom.query("max_over_time(ftlm_ft_quorum_id[10m])"))
         assert set(quorum) == {"g0", "g1"} and all(v >= 1 for v in quorum.values())
-        loss = by_group(prom.query("min_over_time(ftlm_train_loss[10m])"))
+        # (a gauge reads 0 before the first commit, so look at the largest value seen)
+        loss = by_group(prom.query("max_over_time(ftlm_train_loss[10m])"))
         assert all(0 < v < 10 for v in loss.values()), loss
     finally:
         prom.stop()

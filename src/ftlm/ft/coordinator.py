@@ -241,6 +241,23 @@ class Coordinator:
         for rid in quorum.replica_ids():
             self._answer(rid, (200, body))
 
+    def report_dead(self, replica_id: str, reason: str = "process exited") -> None:
+        """A supervisor saw the replica's process end: drop it now instead of waiting for its
+        heartbeat to expire, so the survivors' next quorum forms at once. Any thread."""
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            return
+
+        def drop() -> None:
+            now = time.monotonic()
+            if self._state.heartbeats.pop(replica_id, None) is None:
+                return  # already expired, or never known
+            self._state.pending.pop(replica_id, None)
+            self._mark_dead(now, replica_id, replica_id.split(":", 1)[0], reason)
+            self._evaluate(now)
+
+        loop.call_soon_threadsafe(drop)
+
     def _mark_dead(self, now: float, replica_id: str, group: str, reason: str) -> None:
         log.warning("member %s is dead: %s", replica_id, reason)
         self._dead.append((now, replica_id, group, reason))

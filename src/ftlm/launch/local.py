@@ -105,6 +105,7 @@ class LocalLauncher:
         self.rng = random.Random(chaos_seed)
         # Named-point failures per group, one entry per incarnation (see ftlm.ft.faults).
         self.faults = faults or {}
+        # Groups started this many seconds after the job's first committed step (late joiners).
         self.start_delays = start_delays or {}
         self.extra_env = extra_env or {}
         self.progress = config.observe.progress if progress is None else progress
@@ -189,9 +190,10 @@ class LocalLauncher:
         view = _ConsoleView(self.config.train.steps, self.groups, self.progress)
         next_chaos = self._next_chaos_time()
         try:
+            late = dict(self.start_delays)  # late joiners: started once training is under way
             for g in self.groups:
-                if g.name in self.start_delays:  # a late joiner
-                    g.restart_at, g.restarts = time.time() + self.start_delays[g.name], -1
+                if g.name in late:
+                    g.restarts = -1
                 else:
                     self._spawn(g, config_file, url)
             last_progress, best_step = time.time(), 0
@@ -203,6 +205,10 @@ class LocalLauncher:
                     self._stop.wait(0.1)
                     continue
                 step = max((m["step"] for m in status["members"]), default=0)
+                for name, delay in list(late.items()):
+                    if best_step > 0:  # the others committed a step: the delay counts from here
+                        self.groups[[x.name for x in self.groups].index(name)].restart_at = now + delay
+                        del late[name]
                 if step > best_step:
                     best_step, last_progress = step, now
                 elif now - last_progress > self.config.ft.give_up_seconds:
@@ -268,6 +274,7 @@ class LocalLauncher:
                     continue  # ranks still finishing
             # Any rank failing takes the whole group down; the group restarts as a new incarnation.
             g.kill()
+            self.coordinator.report_dead(g.replica_id)
             events.emit("group_exit", step=-1, target=g.name, ok=False, code=failed[0],
                         incarnation=g.incarnation)
             g.restart_at = now + self.config.ft.restart_delay
@@ -330,7 +337,7 @@ class LocalLauncher:
         hang = self.chaos_hang and self.rng.random() < 0.5
         # A hang is injected into the leader, whose heartbeat then stops; a kill hits any rank.
         rank = 0 if hang else self.rng.randrange(self.ranks)
-        events.emit("failure_injected", step=-1, target=g.name, rank=rank,
+        events.emit("failure_injected", step=-1, target=g.name, target_rank=rank,
                     signal="SIGSTOP" if hang else "SIGKILL", incarnation=g.incarnation)
         if hang:
             g.stopped = True

@@ -444,7 +444,7 @@ class _ConsoleView:
                 word = "train" if g.name in participants else "recover"
             parts.append(f"{g.name}:{word}@{m['step'] if m else '-'}")
         step = max((m["step"] for m in members.values()), default=0)
-        self.bar.n = min(step, self.bar.total)
+        self.bar.n = max(self.bar.n, min(step, self.bar.total))  # groups that exit report nothing
         self.bar.set_postfix_str(f"q{status.get('quorum_id', 0)} P={len(participants)} "
                                  + " ".join(parts), refresh=False)
         self.bar.refresh()

@@ -28,14 +28,11 @@ def healthy_gaps(events: list[dict], group: str, start: float, end: float) -> li
 
 def test_slow_transfer_does_not_slow_the_healthy_group_and_joiner_ends_bitwise_equal(tmp_path,
                                                                                    demo_data):
-    os.environ["FTLM_FAULT_SECONDS"] = "4"
-    try:
-        # A buffer large enough for the whole slow transfer: one catch-up, many replayed steps.
-        summary, events = run_job(tmp_path, demo_data, groups=2, steps=LONG,
-                                  ft={"catchup_max_steps": 2000},
-                                  faults={"g1": ["before_allreduce@10"], "g0": ["slow_serve"]})
-    finally:
-        del os.environ["FTLM_FAULT_SECONDS"]
+    # A buffer large enough for the whole slow transfer: one catch-up, many replayed steps.
+    summary, events = run_job(tmp_path, demo_data, groups=2, steps=LONG,
+                              ft={"catchup_max_steps": 2000},
+                              extra_env={"FTLM_FAULT_SECONDS": "4"},
+                              faults={"g1": ["before_allreduce@10"], "g0": ["slow_serve"]})
     rec = recovered(events, "g1")
     assert rec and rec[0]["replayed"] >= 3, rec  # the transfer took several steps
     start = min(e["ts"] for e in events if e["kind"] == "recovery_start" and e["group"] == "g1"
@@ -51,13 +48,10 @@ def test_slow_transfer_does_not_slow_the_healthy_group_and_joiner_ends_bitwise_e
 def test_buffer_smaller_than_the_lag_restarts_catch_up_and_converges(tmp_path, demo_data):
     # The first (slow) transfer lags by far more steps than the buffer holds; an ordinary one
     # (a fraction of a second) fits, so the second attempt converges.
-    os.environ["FTLM_FAULT_SECONDS"] = "8"
-    try:
-        summary, events = run_job(tmp_path, demo_data, groups=2, steps=LONG,
-                                  ft={"catchup_max_steps": 60},
-                                  faults={"g1": ["before_allreduce@10"], "g0": ["slow_serve"]})
-    finally:
-        del os.environ["FTLM_FAULT_SECONDS"]
+    summary, events = run_job(tmp_path, demo_data, groups=2, steps=LONG,
+                              ft={"catchup_max_steps": 60},
+                              extra_env={"FTLM_FAULT_SECONDS": "8"},
+                              faults={"g1": ["before_allreduce@10"], "g0": ["slow_serve"]})
     restarts = [e for e in events if e["kind"] == "recovery_end" and e["group"] == "g1"
                 and not e["ok"] and "buffer" in e.get("error", "")]
     assert restarts, "the joiner never dropped its buffer"
@@ -66,14 +60,11 @@ def test_buffer_smaller_than_the_lag_restarts_catch_up_and_converges(tmp_path, d
 
 
 def test_kill_during_replay(tmp_path, demo_data):
-    os.environ["FTLM_FAULT_SECONDS"] = "3"
-    try:
-        summary, events = run_job(tmp_path, demo_data, groups=2, steps=LONG,
-                                  ft={"catchup_max_steps": 2000},
-                                  faults={"g1": ["before_allreduce@10", "during_replay"],
-                                          "g0": ["slow_serve"]})
-    finally:
-        del os.environ["FTLM_FAULT_SECONDS"]
+    summary, events = run_job(tmp_path, demo_data, groups=2, steps=LONG,
+                              ft={"catchup_max_steps": 2000},
+                              extra_env={"FTLM_FAULT_SECONDS": "3"},
+                              faults={"g1": ["before_allreduce@10", "during_replay"],
+                                      "g0": ["slow_serve"]})
     points = [e["point"] for e in events if e["kind"] == "failure_injected" and e["group"] == "g1"]
     assert points == ["before_allreduce", "during_replay"]
     assert recovered(events, "g1")

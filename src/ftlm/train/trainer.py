@@ -142,6 +142,8 @@ class Trainer:
         self.tokens_per_sample = config.data.seq_len
         self.flops_per_token = flops_per_token(config.model, config.data.seq_len)
         self.losses: list[float] = []
+        self._stalled = False  # a step failed since the last commit
+        self._last_commit: float | None = None
         self._stop = False
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -214,6 +216,7 @@ class Trainer:
             self.state.optimizer.zero_grad(set_to_none=True)
             self.events.emit("step_failed", step=state.step, quorum_id=plan.quorum_id)
             self.metrics.on_step_failed()
+            self._stalled = True
             return
         start = state.cursor
         grad_norm = apply_update(self.params, state.optimizer, lr, tc.grad_clip)
@@ -227,6 +230,12 @@ class Trainer:
                          participants=plan.participants, samples=[start, start + samples],
                          loss=global_loss, tokens=samples * self.tokens_per_sample, lr=lr,
                          grad_norm=grad_norm, step_seconds=seconds)
+        now = time.monotonic()
+        if self._stalled and self._last_commit is not None:
+            # Time this healthy group lost to a failure: the gap since its previous commit,
+            # beyond what this (ordinary) step took.
+            self.metrics.on_stall(max(0.0, now - self._last_commit - seconds))
+        self._stalled, self._last_commit = False, now
         rank_tokens = tc.batch_size // self.ranks * self.tokens_per_sample
         self.metrics.on_commit(plan.step, global_loss, rank_tokens, seconds, lr, grad_norm,
                                data_wait_seconds=self.loader.wait_seconds)

@@ -112,8 +112,7 @@ def cmd_launch_local(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     summary = LocalLauncher(config, groups=args.groups, ranks_per_group=args.ranks_per_group,
                             chaos_mtbf=args.chaos_mtbf,
-                            chaos_hang=args.chaos_hang, chaos_seed=args.chaos_seed,
-                            config_path=args.config, overrides=args.overrides).run()
+                            chaos_hang=args.chaos_hang, chaos_seed=args.chaos_seed).run()
     return 0 if summary.get("replicas_identical") else 1
 
 

@@ -85,8 +85,8 @@ class LocalLauncher:
     """Runs a fault-tolerant job on this machine; ``run()`` returns the summary."""
 
     def __init__(self, config: RunConfig, groups: int, chaos_mtbf: float = 0.0,
-                 chaos_hang: bool = False, chaos_seed: int = 0, config_path: str | None = None,
-                 overrides: list[str] | None = None, faults: dict[str, list[str]] | None = None,
+                 chaos_hang: bool = False, chaos_seed: int = 0,
+                 faults: dict[str, list[str]] | None = None,
                  start_delays: dict[str, float] | None = None, ranks_per_group: int = 1,
                  kill_hung: bool = True,
                  extra_env: dict[str, str] | None = None, progress: bool | None = None):

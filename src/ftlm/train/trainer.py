@@ -225,7 +225,6 @@ class Trainer:
         global_loss = float(loss_buf)
         self.losses.append(global_loss)
         seconds = time.perf_counter() - t0
-        self.last_step_seconds = seconds
         self.events.emit("commit", step=plan.step, quorum_id=plan.quorum_id,
                          participants=plan.participants, samples=[start, start + samples],
                          loss=global_loss, tokens=samples * self.tokens_per_sample, lr=lr,

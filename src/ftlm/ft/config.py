@@ -12,6 +12,10 @@ from ftlm.errors import ConfigError
 _COORDINATOR = "coordinator"  # prefix of field names in error messages
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _require_number(section: str, name: str, value: object, *, positive: bool) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if ok and (value > 0 if positive else value >= 0):
@@ -89,6 +93,11 @@ class FTConfig:
     """Seconds a changed quorum waits for stragglers before forming without them."""
     allreduce_timeout: float = 10.0
     """Seconds a cross-group collective (or joining its group) may take before the step fails."""
+    progress_timeout: float = 0.0
+    """Seconds a group may go without reaching a protocol point (asking, training, voting,
+    committing) while its heartbeat lives before it is declared hung: catches a hung non-leader
+    rank or a wedged training thread. Must exceed the longest step (forward, backward, save).
+    0 means halfway between ``allreduce_timeout`` and ``quorum_timeout``."""
     quorum_timeout: float = 60.0
     """Seconds a group waits for a quorum before giving up (the supervisor then restarts it)."""
     give_up_seconds: float = 300.0
@@ -110,16 +119,29 @@ class FTConfig:
     on a cluster, the pod or node IP (the ``FTLM_HOST`` environment variable overrides it)."""
     restart_delay: float = 1.0
     """Seconds the local supervisor waits before restarting a group whose process died."""
+    startup_timeout: float = 120.0
+    """Seconds a started group process may take to register with the coordinator (first
+    heartbeat) before the supervisor declares it hung, kills and restarts it."""
+    crash_loop_restarts: int = 5
+    """A group whose processes exit this many times within ``crash_loop_seconds`` without ever
+    committing a step is crash-looping: the local launcher stops the job with its error."""
+    crash_loop_seconds: float = 120.0
+    """Window of ``crash_loop_restarts``."""
 
     def __post_init__(self) -> None:
         s = "ft"
+        _require_number(s, "progress_timeout", self.progress_timeout, positive=False)
+        if self.progress_timeout == 0 and _is_number(self.allreduce_timeout) and _is_number(self.quorum_timeout):
+            self.progress_timeout = (self.allreduce_timeout + self.quorum_timeout) / 2
         for name in ("heartbeat_interval", "heartbeat_timeout", "allreduce_timeout",
-                     "quorum_timeout", "give_up_seconds"):
+                     "progress_timeout", "quorum_timeout", "give_up_seconds", "startup_timeout",
+                     "crash_loop_seconds"):
             _require_number(s, name, getattr(self, name), positive=True)
         _require_number(s, "join_timeout", self.join_timeout, positive=False)
         _require_number(s, "restart_delay", self.restart_delay, positive=False)
         for name, low in (("groups", 0), ("min_replicas", 1), ("max_consecutive_failures", 1),
                           ("catchup_max_steps", 1), ("bucket_bytes", 1), ("transfer_parallel", 1),
+                          ("crash_loop_restarts", 1),
                           ("transfer_chunk_bytes", 1024)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -129,14 +151,15 @@ class FTConfig:
         chain = [("heartbeat_interval", self.heartbeat_interval),
                  ("heartbeat_timeout", self.heartbeat_timeout),
                  ("allreduce_timeout", self.allreduce_timeout),
+                 ("progress_timeout", self.progress_timeout),
                  ("quorum_timeout", self.quorum_timeout),
                  ("give_up_seconds", self.give_up_seconds)]
         for (a, va), (b, vb) in zip(chain, chain[1:]):
             if not va < vb:
                 raise ConfigError(
                     f"timeout chain broken: {s}.{a}={va} must be below {s}.{b}={vb} "
-                    "(heartbeat interval < heartbeat timeout < all-reduce timeout < quorum "
-                    "timeout < give-up; DESIGN.md section 5)")
+                    "(heartbeat interval < heartbeat timeout < all-reduce timeout < progress "
+                    "timeout < quorum timeout < give-up; DESIGN.md section 5)")
 
     def read_token(self) -> str:
         """The job token from ``token_file`` (empty when none is configured)."""

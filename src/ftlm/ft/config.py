@@ -5,6 +5,7 @@ Only the dataclasses and their validation live here; the coordinator, client and
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ftlm.errors import ConfigError
@@ -117,6 +118,12 @@ class FTConfig:
     host: str = "127.0.0.1"
     """Address a group binds its rendezvous store and state server to and tells other groups;
     on a cluster, the pod or node IP (the ``FTLM_HOST`` environment variable overrides it)."""
+    tls_cert: str = ""
+    """PEM certificate the group's state server presents (serves https://); empty: plain HTTP."""
+    tls_key: str = ""
+    """PEM private key of ``tls_cert``; set both or neither."""
+    tls_ca: str = ""
+    """PEM CA that must have signed a peer's certificate before this group pulls state from it."""
     restart_delay: float = 1.0
     """Seconds the local supervisor waits before restarting a group whose process died."""
     startup_timeout: float = 120.0
@@ -148,6 +155,14 @@ class FTConfig:
                 raise ConfigError(f"{s}.{name}={value!r} must be an integer >= {low}")
         if self.lr_policy not in LR_POLICIES:
             raise ConfigError(f"{s}.lr_policy={self.lr_policy!r}; valid: {', '.join(LR_POLICIES)}")
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or (value and not os.path.isfile(value)):
+                raise ConfigError(f"{s}.{name}={value!r} must be the path of an existing PEM "
+                                  f"file, or empty for no TLS")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError(f"{s}.tls_cert={self.tls_cert!r} and {s}.tls_key={self.tls_key!r}: "
+                              f"set both (the certificate and its private key) or neither")
         chain = [("heartbeat_interval", self.heartbeat_interval),
                  ("heartbeat_timeout", self.heartbeat_timeout),
                  ("allreduce_timeout", self.allreduce_timeout),

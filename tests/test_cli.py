@@ -142,7 +142,7 @@ def test_report_rewrites_the_report_and_prints_the_headline(cli_run) -> None:
     code, out, _ = _run(["report", str(run_dir)])
     assert code == 0
     assert "5 steps committed (0 failed)" in out
-    assert "replicas identical: yes" in out
+    assert "replicas identical: single group" in out
     assert f"report written to {run_dir / 'report.md'}" in out
     assert (run_dir / "report.md").is_file()
 

@@ -8,7 +8,8 @@ import struct
 import subprocess
 import sys
 
-from ftlm.observe.plots import PLOT_FILES, participants_series, throughput_series, write_plots
+from ftlm.observe.plots import (PLOT_FILES, participants_series, stall_labels, throughput_series,
+                                write_plots)
 from ftlm.observe.report import write_report
 from ftlm.observe.summary import build_summary
 
@@ -75,3 +76,14 @@ def test_drawing_does_not_use_pyplot(tmp_path) -> None:
                          text=True, timeout=60, check=True)
     assert json.loads(out.stdout) is False
     assert png_size((tmp_path / "l.png").read_bytes()) == (700, 320)
+
+
+def test_stall_bars_are_labelled_by_signal(runs) -> None:
+    events = runs.steady_run(60, groups=("A", "B", "C"))
+    events += [runs.event(1001.0, "failure_injected", "supervisor", -1, target="B",
+                          signal="SIGSTOP", incarnation="b1"),
+               runs.event(1002.0, "failure_injected", "supervisor", -1, target="C",
+                          signal="SIGKILL", incarnation="c1"),
+               runs.event(1003.0, "member_dead", "coordinator", -1, target="A", replica_id="A:a1")]
+    labels = stall_labels(_summary(events), events)
+    assert labels == ["1: hung\nB", "2: killed\nC", "3: died\nA"]

@@ -68,3 +68,31 @@ def test_format_summary_warns_about_inconsistent_steps(runs):
     events = [runs.commit(1.0, "A", 0, 0, 8), runs.commit(1.0, "B", 0, 0, 9)]
     text = format_summary(_summary(events))
     assert "WARNING" in text and "[0]" in text
+
+
+def test_single_group_run_says_single_group_not_identical_replicas(runs, tmp_path):
+    events = runs.steady_run(5, groups=("A",))
+    summary = build_summary(events, wall_seconds=1.0, state_hashes={"A": "a" * 64},
+                            config={"run": {"name": "one"}}, groups=["A"])
+    assert "replicas identical: single group;" in format_summary(summary)
+    assert "hashes" not in format_summary(summary)
+    text = write_report(tmp_path, summary, events, plots=False).read_text()
+    assert "| replicas identical | single group |" in text
+
+
+def test_report_shows_rollbacks_undetected_failures_and_problems(runs, tmp_path):
+    events = runs.steady_run(10, groups=("A", "B"))
+    events += [runs.event(1000.45, "failure_injected", "supervisor", -1, target="B",
+                          signal="SIGSTOP", incarnation="b1"),
+               runs.event(1000.95, "restore", "coordinator", -1, from_step=10, to_step=8,
+                          reason="test", source="live"),
+               runs.commit(1001.0, "A", 8, 64, 72), runs.commit(1001.1, "A", 9, 72, 80)]
+    summary = build_summary(events, wall_seconds=1.0, state_hashes={"A": "a" * 64},
+                            config={"train": {"steps": 10}}, groups=["A", "B"])
+    text = write_report(tmp_path, summary, events, plots=False).read_text()
+    assert "| failures injected / detected | 1 / 0 (1 injected never detected) |" in text
+    assert "| rollbacks | 1 (2 committed steps superseded) |" in text
+    assert "| PROBLEM | no final state from B (it did not finish) |" in text
+    console = format_summary(summary)
+    assert "1 rollback(s), 2 steps superseded" in console
+    assert "WARNING: 1 injected failure(s) were never detected" in console

@@ -9,12 +9,14 @@ import pytest
 
 from ftlm.errors import DataError
 from ftlm.observe.summary import (build_summary, data_accounting, ett, failure_events,
-                                  median_step_seconds, stall_seconds, steady_tokens_per_second,
-                                  write_summary)
+                                  failure_ledger, final_history, median_step_seconds,
+                                  proof_problems, replicas_identical, stall_seconds,
+                                  steady_tokens_per_second, write_summary)
 
 DESIGN_FIELDS = ("steps_committed", "steps_failed", "wall_seconds", "tokens_committed", "ett",
                  "failures_injected", "failures_detected", "recoveries", "stall_seconds",
                  "final_loss", "state_hashes", "replicas_identical", "data", "groups", "config")
+NO_ROLLBACK = {"restores": 0, "rolled_back_steps": 0}
 
 
 # --- data accounting -------------------------------------------------------------------------
@@ -22,7 +24,7 @@ DESIGN_FIELDS = ("steps_committed", "steps_failed", "wall_seconds", "tokens_comm
 def test_clean_run_has_no_duplicates_or_gaps(runs):
     data = data_accounting(runs.steady_run(10, groups=("A", "B", "C")))
     assert data == {"samples_committed": 10 * runs.BATCH, "duplicates": 0, "gaps": 0,
-                    "inconsistent_steps": []}
+                    "inconsistent_steps": [], **NO_ROLLBACK}
 
 
 def test_step_committed_by_different_groups_at_different_times_is_not_a_duplicate(runs):
@@ -32,7 +34,7 @@ def test_step_committed_by_different_groups_at_different_times_is_not_a_duplicat
               runs.commit(2.5, "B", 1, 8, 16),          # ... and B committed it later, same range
               runs.commit(2.6, "A", 2, 16, 24), runs.commit(2.6, "B", 2, 16, 24)]
     assert data_accounting(events) == {"samples_committed": 24, "duplicates": 0, "gaps": 0,
-                                       "inconsistent_steps": []}
+                                       "inconsistent_steps": [], **NO_ROLLBACK}
 
 
 def test_overlapping_distinct_steps_count_each_position_once_as_duplicate(runs):
@@ -40,14 +42,14 @@ def test_overlapping_distinct_steps_count_each_position_once_as_duplicate(runs):
               runs.commit(1.2, "A", 2, 6, 14), runs.commit(1.3, "A", 3, 14, 20)]
     # Positions 4..5 are in two steps, 6..7 in three, 8..11 in two: 8 positions duplicated.
     assert data_accounting(events) == {"samples_committed": 20, "duplicates": 8, "gaps": 0,
-                                       "inconsistent_steps": []}
+                                       "inconsistent_steps": [], **NO_ROLLBACK}
 
 
 def test_hole_between_steps_counts_gaps_exactly(runs):
     events = [runs.commit(1.0, "A", 0, 0, 8), runs.commit(1.1, "A", 1, 8, 16),
               runs.commit(1.2, "A", 2, 40, 48)]
     assert data_accounting(events) == {"samples_committed": 24, "duplicates": 0, "gaps": 24,
-                                       "inconsistent_steps": []}
+                                       "inconsistent_steps": [], **NO_ROLLBACK}
     # A run that does not start at 0 shows the missing prefix as gaps too.
     assert data_accounting([runs.commit(1.0, "A", 0, 5, 8)])["gaps"] == 5
 
@@ -65,7 +67,7 @@ def test_accounting_handles_huge_ranges_without_materialising_positions(runs):
     events = [runs.commit(1.0, "A", 0, 0, big), runs.commit(1.1, "A", 1, big // 2, 2 * big),
               runs.commit(1.2, "A", 2, 3 * big, 4 * big)]
     assert data_accounting(events) == {"samples_committed": 3 * big, "duplicates": big // 2,
-                                       "gaps": big, "inconsistent_steps": []}
+                                       "gaps": big, "inconsistent_steps": [], **NO_ROLLBACK}
 
 
 def test_accounting_of_a_hundred_thousand_steps_is_fast(runs):
@@ -182,7 +184,7 @@ def test_build_summary_has_every_design_field_with_the_run_values(runs):
     assert summary["final_loss"] == pytest.approx(5.0 - 0.01 * 99)
     assert summary["replicas_identical"] is True
     assert summary["data"] == {"samples_committed": 100 * runs.BATCH, "duplicates": 0, "gaps": 0,
-                               "inconsistent_steps": []}
+                               "inconsistent_steps": [], **NO_ROLLBACK}
     assert summary["groups"] == ["A", "B", "C"] and summary["config"] == {"run": {"name": "t"}}
     assert summary["median_step_seconds"] == pytest.approx(0.1)
 
@@ -211,3 +213,154 @@ def test_write_summary_is_strict_json_and_leaves_no_temporary_file(runs, tmp_pat
     assert json.loads(path.read_text())["steps_committed"] == 5
     assert json.loads(path.read_text())["config"] == {"train": {"lr": None}}
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+# --- rollbacks (restore events) --------------------------------------------------------------
+
+def _rollback_run(runs) -> list[dict]:
+    """A and B commit steps 0..9 (8 samples a step); both die; the coordinator rolls the job back
+    to step 6 (a checkpoint C loaded) and C alone commits steps 6..11 with 4 samples a step."""
+    events = runs.steady_run(10, groups=("A", "B"))
+    t = 1002.0
+    events.append(runs.event(t, "restore", "coordinator", -1, from_step=10, to_step=6,
+                             reason="every holder of step 10 died", source="checkpoint"))
+    for k, step in enumerate(range(6, 12)):
+        start = 48 + 4 * k
+        events.append(runs.commit(t + 0.1 * (k + 1), "C", step, start, start + 4, participants=1))
+    return events
+
+
+def test_commits_superseded_by_a_restore_leave_the_history(runs):
+    events = _rollback_run(runs)
+    data = data_accounting(events)
+    # Steps 0..5 from A and B ([0, 48)), 6..11 from C ([48, 72)): exactly once, no disagreement.
+    assert data == {"samples_committed": 72, "duplicates": 0, "gaps": 0, "inconsistent_steps": [],
+                    "restores": 1, "rolled_back_steps": 4}
+    history, rolled_back = final_history(events)
+    assert rolled_back == 4
+    assert sorted({e["step"] for e in history if e["kind"] == "commit" and e["group"] != "C"}) \
+        == list(range(6))
+
+
+def test_summary_counts_the_final_history_only(runs):
+    summary = build_summary(_rollback_run(runs), wall_seconds=3.0, state_hashes={"C": "h"},
+                            config={"train": {"steps": 12}}, groups=["C"])
+    assert summary["steps_committed"] == 12
+    assert summary["tokens_committed"] == 12 * runs.TOKENS
+    assert summary["data"]["restores"] == 1 and summary["data"]["rolled_back_steps"] == 4
+    assert summary["problems"] == []
+
+
+def test_a_restore_supersedes_only_commits_made_before_it(runs):
+    events = runs.steady_run(4, groups=("A",))
+    # The restore to step 2 comes after the commits of steps 0..3: steps 2 and 3 are superseded,
+    # then re-committed after it with the same ranges.
+    events.append(runs.event(1000.35, "restore", "coordinator", -1, from_step=4, to_step=2,
+                             reason="test", source="live"))
+    events += [runs.commit(1000.4, "A", 2, 16, 24), runs.commit(1000.5, "A", 3, 24, 32)]
+    history, rolled_back = final_history(events)
+    assert rolled_back == 2
+    assert [e["ts"] for e in history if e["kind"] == "commit" and e["step"] >= 2] == [1000.4, 1000.5]
+
+
+def test_malformed_restore_is_a_data_error(runs):
+    with pytest.raises(DataError, match="to_step"):
+        final_history([runs.event(1.0, "restore", "coordinator", -1, from_step=3)])
+
+
+# --- failures: injected vs detected ----------------------------------------------------------
+
+def test_a_hang_detected_late_is_one_failure_injected_and_detected(runs):
+    events = runs.steady_run(300, groups=("A", "B"), stop={"B": 41})
+    t = 1000.0 + 40 * 0.1 + 0.02
+    events += [
+        runs.event(t, "failure_injected", "supervisor", -1, target="B", target_rank=1,
+                   signal="SIGSTOP", incarnation="b1"),
+        # A hung non-leader rank: the heartbeat lives, the progress timeout fires 17 s later.
+        runs.event(t + 17.0, "member_dead", "coordinator", -1, target="B", replica_id="B:b1",
+                   reason="no progress"),
+        runs.event(t + 20.0, "member_killed", "supervisor", -1, target="B", incarnation="b1",
+                   reason="declared dead"),
+        runs.event(t + 20.1, "group_exit", "supervisor", -1, target="B", incarnation="b1",
+                   ok=False, code=-9, cause="chaos"),
+    ]
+    summary = build_summary(events, wall_seconds=30.0, state_hashes={}, config={},
+                            groups=["A", "B"])
+    assert (summary["failures_injected"], summary["failures_detected"],
+            summary["failures_undetected"]) == (1, 1, 0)
+    assert [(f.kind, f.how) for f in failure_events(events)] == [("failure_injected", "hung")]
+    assert summary["crashes"] == []
+
+
+def test_a_clean_leave_is_not_a_failure_and_a_kill_seen_twice_is_one(runs):
+    events = runs.steady_run(10, groups=("A", "B"))
+    events += [
+        runs.event(1000.5, "failure_injected", "supervisor", -1, target="A", signal="SIGKILL",
+                   incarnation="a1"),
+        runs.event(1000.6, "group_exit", "supervisor", -1, target="A", incarnation="a1", ok=False,
+                   code=-9, cause="chaos"),
+        runs.event(1000.61, "member_dead", "coordinator", -1, target="A", replica_id="A:a1",
+                   reason="process exited"),
+        # B finishes: it leaves; a late expiry of its heartbeat is not a death.
+        runs.event(1001.0, "member_left", "coordinator", -1, target="B", replica_id="B:b1",
+                   reason="finished"),
+        runs.event(1002.5, "member_dead", "coordinator", -1, target="B", replica_id="B:b1",
+                   reason="heartbeat timeout"),
+    ]
+    ledger = failure_ledger(events)
+    assert [(f.group, f.kind) for f in ledger.detected] == [("A", "group_exit")]
+    assert ledger.undetected == [] and ledger.unexplained == []
+
+
+def test_injected_failures_nobody_noticed_are_reported(runs):
+    events = runs.steady_run(10, groups=("A", "B"))
+    events += [runs.event(1000.5, "failure_injected", "supervisor", -1, target="B",
+                          signal="SIGSTOP", incarnation="b1"),
+               runs.event(1000.6, "failure_injected", "supervisor", -1, target="coordinator",
+                          signal="SIGKILL"),
+               runs.event(1003.0, "coordinator_restart", "supervisor", -1, port=1234)]
+    summary = build_summary(events, wall_seconds=3.0, state_hashes={}, config={}, groups=["A", "B"])
+    assert (summary["failures_injected"], summary["failures_detected"],
+            summary["failures_undetected"]) == (2, 1, 1)
+
+
+def test_a_slow_link_is_not_a_failure_to_detect(runs):
+    events = runs.steady_run(10, groups=("A", "B"))
+    events.append(runs.event(1000.5, "failure_injected", "A", 5, point="slow_serve",
+                             signal="none", seconds=3.0))
+    summary = build_summary(events, wall_seconds=3.0, state_hashes={}, config={}, groups=["A", "B"])
+    assert (summary["failures_injected"], summary["failures_undetected"]) == (0, 0)
+    assert [f.how for f in failure_events(events)] == ["slowed"]
+
+
+def test_crashes_are_exits_nobody_caused(runs):
+    events = runs.steady_run(10, groups=("A", "B"))
+    events += [runs.event(1000.5, "group_exit", "supervisor", -1, target="B", incarnation="b1",
+                          ok=False, code=1, cause="crash"),
+               runs.event(1000.7, "group_exit", "supervisor", -1, target="A", incarnation="a1",
+                          ok=False, code=-9, cause="chaos")]
+    summary = build_summary(events, wall_seconds=3.0, state_hashes={}, config={}, groups=["A", "B"])
+    assert summary["crashes"] == [{"group": "B", "incarnation": "b1", "code": 1}]
+    assert [f.group for f in failure_ledger(events).unexplained] == ["B", "A"]
+
+
+# --- the final proof -------------------------------------------------------------------------
+
+def test_replicas_identical_means_one_equal_hash_per_group(runs):
+    events = runs.steady_run(5, groups=("A", "B", "C"))
+    summary = build_summary(events, wall_seconds=1.0, state_hashes={"A": "x", "B": "x"},
+                            config={"train": {"steps": 5}}, groups=["A", "B", "C"])
+    assert summary["replicas_identical"] is False  # C never reported its state
+    assert summary["problems"] == ["no final state from C (it did not finish)"]
+    assert replicas_identical({"A": "x", "B": "x", "C": "x"}, ["A", "B", "C"]) is True
+    assert replicas_identical({"A": "x"}, ["A"]) is True
+
+
+def test_proof_problems_name_every_broken_invariant(runs):
+    events = [runs.commit(1.0, "A", 0, 0, 8), runs.commit(1.0, "B", 0, 0, 8),
+              runs.commit(1.1, "A", 1, 4, 12), runs.commit(1.2, "A", 2, 20, 28)]
+    summary = build_summary(events, wall_seconds=1.0, state_hashes={"A": "a" * 64, "B": "b" * 64},
+                            config={"train": {"steps": 10}}, groups=["A", "B"])
+    assert proof_problems(summary) == [
+        f"replicas differ: A={'a' * 12}, B={'b' * 12}", "4 sample(s) trained twice",
+        "8 sample(s) skipped", "only 3 of 10 steps committed"]

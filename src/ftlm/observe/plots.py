@@ -130,16 +130,21 @@ def plot_participants(events: list[dict], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def stall_labels(summary: dict, events: list[dict]) -> list[str]:
+    """The x labels of the stall plot: number, what happened (``killed`` for SIGKILL, ``hung``
+    for SIGSTOP, ``died`` / ``exited`` for a failure nobody injected, ``rejoin``...) and group."""
+    fails = failure_events(events)
+    return [f"{i + 1}: {fails[i].how or fails[i].kind}\n{fails[i].group or '-'}"
+            if i < len(fails) else str(i + 1)
+            for i in range(len(summary.get("stall_seconds") or []))]
+
+
 def plot_stalls(summary: dict, events: list[dict], path: Path) -> Path | None:
     """One bar per failure or rejoin (summary's ``stall_seconds``); None when there was none."""
     stalls = list(summary.get("stall_seconds") or [])
     if not stalls:
         return None
-    fails = failure_events(events)
-    kinds = {"failure_injected": "killed", "member_dead": "died", "recovery_start": "rejoin"}
-    labels = [f"{i + 1}: {kinds.get(fails[i].kind, fails[i].kind)}\n{fails[i].group or '-'}"
-              if i < len(fails) else str(i + 1)
-              for i in range(len(stalls))]
+    labels = stall_labels(summary, events)
     fig, ax = _figure()
     ax.bar(range(len(stalls)), stalls, color="tab:orange")
     ax.set_xticks(range(len(stalls)), labels, fontsize=7 if len(stalls) > 8 else 9)

@@ -12,7 +12,8 @@ import os
 import statistics
 from pathlib import Path
 
-from ftlm.observe.summary import affected_group, commit_steps, detected_deaths, failure_events
+from ftlm.observe.summary import (affected_group, commit_steps, detected_failures, failure_events,
+                                  final_history)
 
 LOSS_ROWS = 20
 """About how many rows the loss-vs-step table keeps (first and last step always included)."""
@@ -51,6 +52,20 @@ def _sample_indices(n: int, k: int) -> list[int]:
     return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
 
 
+def _identical(summary: dict) -> str:
+    """``yes``, ``NO`` or ``single group`` (one replica has nothing to be identical to)."""
+    if len(summary.get("groups") or summary.get("state_hashes") or []) == 1:
+        return "single group" if summary["replicas_identical"] else "NO (no final state)"
+    return "yes" if summary["replicas_identical"] else "NO"
+
+
+def _failures(summary: dict) -> str:
+    text = f"{summary['failures_injected']} / {summary['failures_detected']}"
+    if summary.get("failures_undetected"):
+        text += f" ({summary['failures_undetected']} injected never detected)"
+    return text
+
+
 def _headline(summary: dict) -> list[str]:
     data = summary.get("data", {})
     inconsistent = data.get("inconsistent_steps", [])
@@ -61,16 +76,22 @@ def _headline(summary: dict) -> list[str]:
         ["ETT", f"{summary['ett']:.1%}"],
         ["steady rate", f"{summary.get('steady_tokens_per_second', 0):,.0f} tokens/s"],
         ["median step", _seconds(summary.get("median_step_seconds"))],
-        ["failures injected / detected",
-         f"{summary['failures_injected']} / {summary['failures_detected']}"],
+        ["failures injected / detected", _failures(summary)],
         ["recoveries", str(summary["recoveries"])],
         ["stalls", _stalls(summary["stall_seconds"])],
         ["final loss", _loss(summary["final_loss"])],
-        ["replicas identical", "yes" if summary["replicas_identical"] else "NO"],
+        ["replicas identical", _identical(summary)],
         ["samples committed", f"{data.get('samples_committed', 0):,}"],
         ["duplicates / gaps", f"{data.get('duplicates', 0)} / {data.get('gaps', 0)}"
          + (f" (inconsistent steps: {inconsistent[:10]})" if inconsistent else "")],
     ]
+    if data.get("restores"):
+        rows.append(["rollbacks", f"{data['restores']} ({data.get('rolled_back_steps', 0)} "
+                                  "committed steps superseded)"])
+    if summary.get("crashes"):
+        rows.append(["group crashes", str(len(summary["crashes"]))])
+    for problem in summary.get("problems") or []:
+        rows.append(["PROBLEM", problem])
     return _table(["metric", "value"], rows)
 
 
@@ -94,14 +115,14 @@ def _per_group(summary: dict, events: list[dict]) -> list[str]:
         if kind != "recovery_end" or event.get("ok") is True:
             row[kind] += 1
     deaths = {g: 0 for g in names}
-    for death in detected_deaths(events):
+    for death in detected_failures(events):
         if death.group in deaths:
             deaths[death.group] += 1
     hashes = summary.get("state_hashes", {})
     rows = [[g, str(c["commit"]), str(c["step_failed"]), str(c["failure_injected"]),
              str(deaths[g]), str(c["recovery_end"]), (hashes.get(g) or "-")[:12]]
             for g, c in counts.items()]
-    return _table(["group", "commits", "steps failed", "failures injected", "deaths detected",
+    return _table(["group", "commits", "steps failed", "failures injected", "failures detected",
                    "recoveries", "state hash"], rows)
 
 
@@ -141,6 +162,7 @@ def render_report(summary: dict, events: list[dict], title: str = "run",
     """The Markdown text of ``report.md``; ``plots`` maps plot name (``ftlm.observe.plots``) to the
     image's path relative to the report, and each is shown in its section."""
     plots = plots or {}
+    events = final_history(events)[0]  # the tables show the history that stands
     parts = [f"# ftlm run report: {title}", "", *_headline(summary), "",
              *_image(plots, "throughput"), *_image(plots, "participants"),
              "## Groups", "", *_per_group(summary, events), "",
@@ -172,18 +194,23 @@ def write_report(run_dir: Path, summary: dict, events: list[dict], plots: bool =
 def format_summary(summary: dict) -> str:
     """The few lines printed on the console at the end of a run."""
     data = summary.get("data", {})
-    identical = "yes" if summary["replicas_identical"] else "NO"
+    identical = _identical(summary)
+    hashes = "" if identical == "single group" else f" ({len(summary['state_hashes'])} hashes)"
     lines = [
         f"{summary['steps_committed']} steps committed ({summary['steps_failed']} failed), "
         f"{summary['tokens_committed']:,} tokens in {_seconds(summary['wall_seconds'])}, "
         f"ETT {summary['ett']:.1%}",
         f"failures: {summary['failures_injected']} injected, {summary['failures_detected']} "
         f"detected, {summary['recoveries']} recoveries; stalls {_stalls(summary['stall_seconds'])}",
-        f"final loss {_loss(summary['final_loss'])}; replicas identical: {identical} "
-        f"({len(summary['state_hashes'])} hashes); data: {data.get('duplicates', 0)} duplicates, "
-        f"{data.get('gaps', 0)} gaps",
+        f"final loss {_loss(summary['final_loss'])}; replicas identical: {identical}{hashes}; "
+        f"data: {data.get('duplicates', 0)} duplicates, {data.get('gaps', 0)} gaps"
+        + (f"; {data['restores']} rollback(s), {data.get('rolled_back_steps', 0)} steps superseded"
+           if data.get("restores") else ""),
     ]
     if data.get("inconsistent_steps"):
         lines.append(f"WARNING: groups disagreed on the samples of steps "
                      f"{data['inconsistent_steps'][:10]}")
+    if summary.get("failures_undetected"):
+        lines.append(f"WARNING: {summary['failures_undetected']} injected failure(s) were never "
+                     "detected")
     return "\n".join(lines)

@@ -10,8 +10,17 @@ Vocabulary used below:
 * a *step record* is one committed step of the job: every group that commits step ``n`` reports
   the same global sample range and token count, so the step is counted once; its time is the
   earliest commit of that step, when the job made progress;
-* a *failure event* is a ``failure_injected``, ``member_dead`` or ``recovery_start`` (a rejoin),
-  deduplicated so that one fault that is both injected and detected counts once.
+* the *final history* is the run's commits without those a ``restore`` superseded: when every
+  holder of the newest state died, the coordinator rolls the job back to step ``to_step`` and
+  emits ``restore``; commits of steps ``>= to_step`` made before that event are not part of the
+  history (they are counted as ``rolled_back_steps``). Exactly-once is judged over the final
+  history;
+* a *failure* is one process death or hang, counted once per failed incarnation however many
+  processes noticed it: chaos injects it (``failure_injected``), and the supervisor
+  (``group_exit`` with ``ok`` false, ``member_killed``) or the coordinator (``member_dead``)
+  detects it; a coordinator failure is detected by its ``coordinator_restart``;
+* a *failure event* (stalls, plots) is an injected failure, a detected failure that was not
+  injected, or a rejoin (``recovery_start``).
 """
 
 from __future__ import annotations
@@ -29,7 +38,12 @@ from ftlm.errors import DataError
 from ftlm.observe.events import jsonable
 
 FAILURE_KINDS = ("failure_injected", "member_dead", "recovery_start")
-"""Events that get an entry in ``stall_seconds``."""
+"""Events that get an entry in ``stall_seconds`` (``member_killed``, ``group_exit`` and
+``coordinator_restart`` too when they detect a failure nobody injected)."""
+DETECTION_KINDS = ("member_dead", "member_killed", "group_exit", "coordinator_restart")
+"""Events by which the supervisor or the coordinator notice a failure."""
+COORDINATOR = "coordinator"
+"""The ``target`` of a failure injected into the coordinator process."""
 DISTURBANCE_KINDS = FAILURE_KINDS + ("recovery_end", "step_failed", "coordinator_restart")
 """Events whose neighbourhood is excluded from the steady token rate."""
 SAME_FAILURE_SECONDS = 5.0
@@ -68,6 +82,9 @@ class FailureEvent:
     ts: float
     kind: str
     group: str
+    how: str = ""
+    """What happened, in a word: ``killed`` or ``hung`` (by signal), ``slowed``, ``exited``,
+    ``died``, ``restarted`` (the coordinator), ``rejoin``."""
 
 
 def _group_id(name: Any) -> str:
@@ -78,6 +95,28 @@ def _group_id(name: Any) -> str:
 def affected_group(event: dict) -> str:
     """The group an event is about: ``target`` when another process reported it, else ``group``."""
     return _group_id(event.get("target") or event.get("group"))
+
+
+def _incarnation(event: dict) -> str | None:
+    """The incarnation an event is about, when it says (``incarnation``, or the uuid part of a
+    ``replica_id`` or ``target`` of the form ``<group>:<uuid>``)."""
+    if event.get("incarnation"):
+        return str(event["incarnation"])
+    for key in ("replica_id", "target"):
+        value = event.get(key)
+        if isinstance(value, str) and ":" in value:
+            return value.partition(":")[2]
+    return None
+
+
+def _how(event: dict) -> str:
+    """The one word ``FailureEvent.how`` of an event."""
+    kind = event["kind"]
+    if kind == "failure_injected":
+        signal = event.get("signal") or event.get("how") or ""
+        return {"SIGSTOP": "hung", "none": "slowed"}.get(signal, "killed")
+    return {"member_dead": "died", "member_killed": "hung", "group_exit": "exited",
+            "coordinator_restart": "restarted", "recovery_start": "rejoin"}.get(kind, kind)
 
 
 def _by_time(events: list[dict]) -> list[dict]:
@@ -122,6 +161,32 @@ def commit_steps(events: list[dict]) -> list[StepRecord]:
             for step, r in sorted(acc.items())]
 
 
+def final_history(events: list[dict]) -> tuple[list[dict], int]:
+    """``(events, rolled_back_steps)``: the events without the commits a ``restore`` superseded
+    (commits of steps ``>= to_step`` made before the restore), and how many committed steps the
+    restores rolled back in all (each restore counts the distinct steps it superseded)."""
+    live: dict[int, list[int]] = {}  # committed step -> indices of its live commit events
+    dropped: set[int] = set()
+    rolled_back = 0
+    ordered = sorted(range(len(events)), key=lambda i: events[i]["ts"])
+    for i in ordered:
+        event = events[i]
+        if event["kind"] == "commit":
+            live.setdefault(event["step"], []).append(i)
+        elif event["kind"] == "restore":
+            to_step = event.get("to_step")
+            if isinstance(to_step, bool) or not isinstance(to_step, int) or to_step < 0:
+                raise DataError(f"restore event at ts={event['ts']} has to_step={to_step!r}; "
+                                "expected a non-negative integer")
+            gone = [step for step in live if step >= to_step]
+            rolled_back += len(gone)
+            for step in gone:
+                dropped.update(live.pop(step))
+    if not dropped:
+        return list(events), rolled_back
+    return [e for i, e in enumerate(events) if i not in dropped], rolled_back
+
+
 def data_accounting(events: list[dict]) -> dict:
     """Prove (or disprove) that every sample was trained exactly once.
 
@@ -129,9 +194,11 @@ def data_accounting(events: list[dict]) -> dict:
     a step committed by several groups, or retried and then committed, is not a duplicate. Returns
     ``samples_committed`` (positions covered), ``duplicates`` (positions covered by more than one
     step), ``gaps`` (positions in ``[0, max end)`` covered by none) and ``inconsistent_steps``
-    (steps whose committing groups reported different ranges or token counts: a split brain).
+    (steps whose committing groups reported different ranges or token counts: a split brain),
+    all over the final history (``final_history``), plus ``restores`` and ``rolled_back_steps``.
     Runs in O(n log n) over steps, independent of the size of the ranges.
     """
+    events, rolled_back = final_history(events)
     steps = commit_steps(events)
     edges: list[tuple[int, int]] = []
     for rec in steps:
@@ -151,51 +218,114 @@ def data_accounting(events: list[dict]) -> dict:
         prev = pos
     max_end = max((rec.samples[1] for rec in steps), default=0)
     return {"samples_committed": covered, "duplicates": duplicates, "gaps": max_end - covered,
-            "inconsistent_steps": [rec.step for rec in steps if not rec.consistent]}
+            "inconsistent_steps": [rec.step for rec in steps if not rec.consistent],
+            "restores": sum(1 for e in events if e["kind"] == "restore"),
+            "rolled_back_steps": rolled_back}
 
 
-def detected_deaths(events: list[dict]) -> list[FailureEvent]:
-    """``member_dead`` events that report a fault, in time order.
+@dataclass(frozen=True)
+class FailureLedger:
+    """Injected and detected failures of a run, matched to each other (lists in time order)."""
 
-    A repeat for the same group within ``SAME_FAILURE_SECONDS`` is the same death reported again,
-    and a group that exited cleanly (``group_exit`` with ``ok`` not false) and did not start again
-    stops heartbeating without having failed; both are dropped.
+    injected: list[FailureEvent]
+    detected: list[FailureEvent]
+    undetected: list[FailureEvent]
+    """Injected failures that no detection matched."""
+    unexplained: list[FailureEvent]
+    """Detected failures that match no injection (a process failed on its own, or a test or an
+    operator killed it without the supervisor's chaos)."""
+
+
+def failure_ledger(events: list[dict]) -> FailureLedger:
+    """Injected and detected failures, matched.
+
+    ``injected``: the ``failure_injected`` events that kill or hang a process (a ``slow_serve``
+    link, signal ``none``, is a slowdown, not a failure). ``detected``: one entry per failed
+    incarnation (its first detection), or, for events that name no incarnation, per group and
+    ``SAME_FAILURE_SECONDS``; the ``member_dead`` of an incarnation that ended cleanly
+    (``group_exit`` with ``ok`` not false, or ``member_left``) is not a failure, and neither is
+    one of a group that exited cleanly and did not start again. A detection matches the oldest
+    injection of its group (and incarnation, when both name one) that no detection matched yet.
     """
-    out: list[FailureEvent] = []
+    injected: list[FailureEvent] = []
+    detected: list[FailureEvent] = []
+    unexplained: list[FailureEvent] = []
+    open_: dict[str, list[tuple[FailureEvent, str | None]]] = {}  # group -> injections not seen
+    counted: set[tuple[str, str]] = set()  # (group, incarnation) already failed or gone
+    exited: set[str] = set()  # groups that exited cleanly (events without incarnations)
     last: dict[str, float] = {}
-    exited: set[str] = set()
-    for event in _by_time(events):
-        kind, group, ts = event["kind"], affected_group(event), event["ts"]
-        if kind == "group_exit" and event.get("ok", True) is not False:
-            exited.add(group)
-        elif kind == "group_start":
+    # At equal times the injection sorts first: it is the cause, the detection its effect.
+    for event in sorted(events, key=lambda e: (e["ts"], e["kind"] != "failure_injected")):
+        kind, ts = event["kind"], event["ts"]
+        group, inc = affected_group(event), _incarnation(event)
+        if kind == "failure_injected":
+            if (event.get("signal") or event.get("how")) == "none":
+                continue
+            fail = FailureEvent(ts=ts, kind=kind, group=group, how=_how(event))
+            injected.append(fail)
+            open_.setdefault(group, []).append((fail, inc))
+            continue
+        if kind == "group_start":
             exited.discard(group)
-        elif kind == "member_dead" and group not in exited:
-            if group not in last or ts - last[group] > SAME_FAILURE_SECONDS:
-                out.append(FailureEvent(ts=ts, kind=kind, group=group))
+            continue
+        if kind == "member_left" or (kind == "group_exit" and event.get("ok", True) is not False):
+            exited.add(group)
+            if inc is not None:
+                counted.add((group, inc))
+            continue
+        if kind not in DETECTION_KINDS:
+            continue
+        if kind == "coordinator_restart":
+            group, inc = COORDINATOR, None
+        elif inc is not None:
+            if (group, inc) in counted:
+                continue
+            counted.add((group, inc))
+        else:
+            repeat = group in last and ts - last[group] <= SAME_FAILURE_SECONDS
             last[group] = ts
-    return out
+            if group in exited or repeat:
+                continue
+        seen = FailureEvent(ts=ts, kind=kind, group=group, how=_how(event))
+        detected.append(seen)
+        pending = open_.get(group, [])
+        for j, (_, fail_inc) in enumerate(pending):
+            if inc is None or fail_inc is None or fail_inc == inc:
+                del pending[j]
+                break
+        else:
+            unexplained.append(seen)
+    undetected = sorted((fail for pending in open_.values() for fail, _ in pending),
+                        key=lambda f: f.ts)
+    return FailureLedger(injected, detected, undetected, unexplained)
+
+
+def detected_failures(events: list[dict]) -> list[FailureEvent]:
+    """The failures the supervisor or the coordinator noticed, one per failure, in time order
+    (injected or not; see ``failure_ledger``)."""
+    return failure_ledger(events).detected
 
 
 def failure_events(events: list[dict]) -> list[FailureEvent]:
-    """Failures and rejoins in time order, one per fault: ``failure_injected`` and
-    ``recovery_start`` events, and the ``detected_deaths`` that do not follow an injected failure
-    of their group within ``SAME_FAILURE_SECONDS`` (those are the injected fault, detected)."""
-    out: list[FailureEvent] = []
-    injected_at: dict[str, float] = {}
-    deaths = detected_deaths(events)
-    others = [FailureEvent(ts=e["ts"], kind=e["kind"], group=affected_group(e))
-              for e in events if e["kind"] in ("failure_injected", "recovery_start")]
-    # At equal times the injection sorts first: it is the cause, the death its detection.
-    for fail in sorted(deaths + others, key=lambda f: (f.ts, f.kind != "failure_injected")):
-        if fail.kind == "failure_injected":
-            injected_at[fail.group] = fail.ts
-        elif fail.kind == "member_dead":
-            seen = injected_at.get(fail.group)
-            if seen is not None and fail.ts - seen <= SAME_FAILURE_SECONDS:
-                continue
-        out.append(fail)
-    return out
+    """Failures and rejoins in time order, one per fault: injected failures (and ``slow_serve``
+    slowdowns), ``recovery_start`` events, and the detected failures that were not injected
+    (a detection that follows an injection into its group is that injection, seen)."""
+    ledger = failure_ledger(events)
+    slowed = [FailureEvent(ts=e["ts"], kind=e["kind"], group=affected_group(e), how="slowed")
+              for e in events if e["kind"] == "failure_injected"
+              and (e.get("signal") or e.get("how")) == "none"]
+    rejoins = [FailureEvent(ts=e["ts"], kind=e["kind"], group=affected_group(e), how="rejoin")
+               for e in events if e["kind"] == "recovery_start"]
+    return sorted(ledger.injected + ledger.unexplained + slowed + rejoins,
+                  key=lambda f: (f.ts, f.kind != "failure_injected"))
+
+
+def crashed_exits(events: list[dict]) -> list[dict]:
+    """``group_exit`` events of group processes that failed on their own: not ``ok``, and with
+    ``cause`` ``"crash"`` (the supervisor neither injected a failure into that incarnation nor
+    killed it as hung, and it had no planned fault). A healthy job has none."""
+    return [e for e in events if e["kind"] == "group_exit" and e.get("ok") is False
+            and e.get("cause") == "crash"]
 
 
 def median_step_seconds(events: list[dict]) -> float:
@@ -314,34 +444,81 @@ def ett(tokens_committed: float, wall_seconds: float, steady_tps: float) -> floa
 
 def build_summary(events: list[dict], *, wall_seconds: float, state_hashes: dict[str, str],
                   config: dict, groups: list[str]) -> dict:
-    """Every field of ``summary.json`` (DESIGN.md section 10), plus ``median_step_seconds`` and
-    ``steady_tokens_per_second``."""
+    """Every field of ``summary.json`` (DESIGN.md section 10), plus ``median_step_seconds``,
+    ``steady_tokens_per_second``, ``failures_undetected`` (injected failures nobody noticed),
+    ``crashes`` (group processes that failed on their own) and ``problems`` (``proof_problems``).
+
+    Commits a ``restore`` superseded are left out of every figure (``final_history``);
+    ``replicas_identical`` means one hash per group of ``groups``, all equal."""
+    recorded = events
+    events = final_history(recorded)[0]
+    ledger = failure_ledger(events)
     steps = commit_steps(events)
     median = median_step_seconds(events)
     margin = max(STEADY_MARGIN_STEPS * median, STEADY_MARGIN_SECONDS)
     steady = steady_tokens_per_second(events, disturbance_times(events), margin)
     tokens = sum(rec.tokens for rec in steps)
     hashes = dict(state_hashes)
-    return {
+    summary = {
         "steps_committed": len(steps),
         "steps_failed": sum(1 for e in events if e["kind"] == "step_failed"),
         "wall_seconds": round(float(wall_seconds), 3),
         "tokens_committed": tokens,
         "ett": round(ett(tokens, wall_seconds, steady), 4),
-        "failures_injected": sum(1 for e in events if e["kind"] == "failure_injected"),
-        "failures_detected": len(detected_deaths(events)),
+        "failures_injected": len(ledger.injected),
+        "failures_detected": len(ledger.detected),
+        "failures_undetected": len(ledger.undetected),
+        "crashes": [{"group": affected_group(e), "incarnation": e.get("incarnation"),
+                     "code": e.get("code")} for e in crashed_exits(events)],
         "recoveries": sum(1 for e in events
                           if e["kind"] == "recovery_end" and e.get("ok") is True),
         "stall_seconds": [round(s, 3) for s in stall_seconds(events, median)],
         "final_loss": steps[-1].loss if steps else None,
         "state_hashes": hashes,
-        "replicas_identical": bool(hashes) and len(set(hashes.values())) == 1,
-        "data": data_accounting(events),
+        "replicas_identical": replicas_identical(hashes, groups),
+        "data": data_accounting(recorded),
         "groups": list(groups),
         "config": config,
         "median_step_seconds": round(median, 4),
         "steady_tokens_per_second": round(steady, 2),
     }
+    summary["problems"] = proof_problems(summary)
+    return summary
+
+
+def replicas_identical(state_hashes: dict[str, str], groups: list[str]) -> bool:
+    """Whether every one of the job's ``groups`` reported a final state hash and all are equal
+    (with no ``groups`` given, whether there is at least one hash and all are equal)."""
+    names = list(groups) or list(state_hashes)
+    hashes = [state_hashes.get(g) for g in names]
+    return bool(hashes) and all(hashes) and len(set(hashes)) == 1
+
+
+def proof_problems(summary: dict) -> list[str]:
+    """Why the run does not prove fault-tolerant training correct (empty when it does): a group
+    without a final state hash, groups whose hashes differ, samples trained twice or skipped,
+    groups disagreeing on a step, and a job that stopped short of ``train.steps``."""
+    problems = []
+    groups, hashes = list(summary.get("groups") or []), summary.get("state_hashes") or {}
+    missing = [g for g in groups if not hashes.get(g)]
+    if missing:
+        problems.append(f"no final state from {', '.join(missing)} (it did not finish)")
+    present = {g: h for g, h in hashes.items() if h}
+    if len(set(present.values())) > 1:
+        shown = ", ".join(f"{g}={h[:12]}" for g, h in sorted(present.items()))
+        problems.append(f"replicas differ: {shown}")
+    data = summary.get("data") or {}
+    if data.get("duplicates"):
+        problems.append(f"{data['duplicates']} sample(s) trained twice")
+    if data.get("gaps"):
+        problems.append(f"{data['gaps']} sample(s) skipped")
+    if data.get("inconsistent_steps"):
+        problems.append(f"groups disagreed on the samples of steps {data['inconsistent_steps'][:10]}")
+    train = (summary.get("config") or {}).get("train") or {}
+    target = train.get("steps") if isinstance(train, dict) else None
+    if isinstance(target, int) and summary.get("steps_committed", 0) < target:
+        problems.append(f"only {summary.get('steps_committed', 0)} of {target} steps committed")
+    return problems
 
 
 def write_summary(path: Path, summary: dict) -> None:

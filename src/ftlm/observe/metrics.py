@@ -52,6 +52,7 @@ TRAINING_METRICS: dict[str, tuple[str, str]] = {
     "ftlm_train_grad_norm": ("gauge", "Global gradient norm of the last committed step"),
     "ftlm_train_learning_rate": ("gauge", "Learning rate of the last committed step"),
     "ftlm_train_data_wait_seconds_total": ("counter", "Seconds spent waiting for the data loader"),
+    "ftlm_eval_loss": ("gauge", "Mean cross-entropy on the held-out samples at the last evaluation (NaN before)"),
     "ftlm_process_resident_memory_bytes": ("gauge", "Resident set size of this process"),
     "ftlm_cuda_memory_allocated_bytes": ("gauge", "CUDA memory held by tensors"),
     "ftlm_cuda_memory_reserved_bytes": ("gauge", "CUDA memory reserved by the caching allocator"),
@@ -145,6 +146,7 @@ class TrainingMetrics:
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._gpu_failed = False  # NVML missing or broken: stop asking (and logging) every sample
+        self._m["ftlm_eval_loss"].set(float("nan"))  # no evaluation yet; 0 would read as a loss
 
     @property
     def port(self) -> int:
@@ -200,6 +202,10 @@ class TrainingMetrics:
 
     def on_step_failed(self) -> None:
         self._m["ftlm_ft_steps_failed_total"].inc()
+
+    def on_eval(self, loss: float) -> None:
+        """The held-out loss of the model just evaluated (ftlm.train.evaluate)."""
+        self._m["ftlm_eval_loss"].set(loss)
 
     # ---------------------------------------------------------------------- fault tolerance
 
@@ -276,6 +282,9 @@ class NullMetrics:
         pass
 
     def on_step_failed(self) -> None:
+        pass
+
+    def on_eval(self, loss: float) -> None:
         pass
 
     def on_quorum(self, quorum_id: int, participants: int, recovering: int, wait_seconds: float) -> None:

@@ -61,6 +61,10 @@ class TrainConfig:
     """Stop after this many seconds of training even if steps remain; 0 means no limit."""
     threads: int = 0
     """torch intra-op threads; 0 keeps torch's default."""
+    eval_every: int = 50
+    """Held-out loss every this many committed steps and after the last one; 0 turns it off."""
+    eval_batches: int = 4
+    """Batches of batch_size held-out samples per evaluation; at most data.eval_samples samples."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "lr", "beta1", "beta2", "eps"):
@@ -86,6 +90,13 @@ class TrainConfig:
             raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
         if not (self.beta1 < 1 and self.beta2 < 1):
             raise ConfigError(f"train.beta1={self.beta1} and train.beta2={self.beta2} must be < 1")
+        for name in ("eval_every", "eval_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"train.{name}={value!r} must be an integer >= 0")
+        if self.eval_every and not self.eval_batches:
+            raise ConfigError(f"train.eval_batches=0 with train.eval_every={self.eval_every}: "
+                              "set eval_batches >= 1, or eval_every=0 to turn evaluation off")
 
 
 @dataclass

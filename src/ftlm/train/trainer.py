@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ftlm.config import RunConfig, save_config
 from ftlm.data.loader import Loader, PackedDataset
+from ftlm.data.split import split_heldout
 from ftlm.data.tokenizer import Tokenizer
 from ftlm.errors import ConfigError, DataError
 from ftlm.ft.protocol import FaultTolerance, NoFaultTolerance, Recovered, StepPlan
@@ -33,6 +34,7 @@ from ftlm.observe.metrics import NullMetrics, TrainingMetrics
 from ftlm.observe.summary import build_summary, write_summary
 from ftlm.train.catchup import CatchUpBuffer, unflatten_into
 from ftlm.train.checkpoint import Checkpointer
+from ftlm.train.evaluate import build_evaluator
 from ftlm.train.mfu import peak_flops
 from ftlm.train.optim import apply_update, build_optimizer
 from ftlm.train.parallelize import group_mesh, parallelize
@@ -109,7 +111,9 @@ class Trainer:
         self.run_dir = config.run.path
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.tokenizer, self.dataset = load_data(config)
-        self.loader = Loader(self.dataset, seed=config.run.seed, prefetch=config.data.prefetch)
+        # Training (and so the cursor) ranges over every sample but the held-out ones.
+        self.split = split_heldout(self.dataset, config.data.eval_samples, config.data.eval_seed)
+        self.loader = Loader(self.split.train, seed=config.run.seed, prefetch=config.data.prefetch)
         # Ranks inside this replica group (torchrun environment): FSDP2 shards the model over them.
         self.mesh = group_mesh(self.device)
         self.rank = dist.get_rank() if self.mesh is not None else 0
@@ -124,6 +128,9 @@ class Trainer:
                                       activation_checkpointing=tc.activation_checkpointing,
                                       compile=tc.compile)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.evaluator = build_evaluator(self.step_model, self.split.heldout, tc, rank=self.rank,
+                                         ranks=self.ranks, device=self.device,
+                                         autocast=self._autocast)
         self.state = TrainState(self.model, build_optimizer(self.model, tc), config.run.seed,
                                 mesh=self.mesh)
         # One record per group: rank 0 speaks for it.
@@ -242,6 +249,11 @@ class Trainer:
         self.checkpointer.poll()
         if self.checkpointer.due(state.step) and plan.participant_index == 0:
             self.checkpointer.save(state)
+        if self.evaluator.due(state.step):  # committed, participating: every rank of the group
+            ev = self.evaluator.evaluate()
+            self.events.emit("eval", step=state.step, loss=ev.loss,
+                             tokens=state.cursor * self.tokens_per_sample, seconds=ev.seconds)
+            self.metrics.on_eval(ev.loss)
 
     def _recovering_step(self, plan: StepPlan, ok: bool, grads: list[torch.Tensor], lr: float,
                          samples: int) -> None:

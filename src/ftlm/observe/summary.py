@@ -442,6 +442,12 @@ def ett(tokens_committed: float, wall_seconds: float, steady_tps: float) -> floa
     return tokens_committed / denominator if denominator > 0 else 0.0
 
 
+def final_eval_loss(events: list[dict]) -> float | None:
+    """Held-out loss of the last evaluated step (``eval`` events; any group, they agree)."""
+    evals = [e for e in events if e["kind"] == "eval" and e.get("loss") is not None]
+    return max(evals, key=lambda e: (e["step"], e["ts"]))["loss"] if evals else None
+
+
 def build_summary(events: list[dict], *, wall_seconds: float, state_hashes: dict[str, str],
                   config: dict, groups: list[str]) -> dict:
     """Every field of ``summary.json`` (DESIGN.md section 10), plus ``median_step_seconds``,
@@ -474,6 +480,7 @@ def build_summary(events: list[dict], *, wall_seconds: float, state_hashes: dict
                           if e["kind"] == "recovery_end" and e.get("ok") is True),
         "stall_seconds": [round(s, 3) for s in stall_seconds(events, median)],
         "final_loss": steps[-1].loss if steps else None,
+        "final_eval_loss": final_eval_loss(events),
         "state_hashes": hashes,
         "replicas_identical": replicas_identical(hashes, groups),
         "data": data_accounting(recorded),

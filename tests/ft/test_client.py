@@ -78,10 +78,10 @@ def test_unreachable_coordinator_raises_unavailable(client) -> None:
 def test_heartbeat_quorum_status_round_trip(start, client) -> None:
     coord = start()
     client = client(coord.url, "g0", "a")
-    answer = client.heartbeat(3, 0)
-    assert answer == {"quorum_id": 0, "alive": ["g0:a"], "dead": []}
-    q = client.quorum(3, 0, False, {"transfer": "http://x"}, timeout=2)
-    assert q.participants == ["g0:a"] and q.step == 3 and q.member("g0:a").meta == {"transfer": "http://x"}
+    answer = client.heartbeat(0, 0)
+    assert answer == {"quorum_id": 0, "dead": [], "rebuilding": False}
+    q = client.quorum(0, 0, False, {"transfer": "http://x"}, timeout=2)
+    assert q.participants == ["g0:a"] and q.step == 0 and q.member("g0:a").meta == {"transfer": "http://x"}
     assert client.status()["last_quorum"]["quorum_id"] == q.quorum_id
 
 
@@ -97,7 +97,8 @@ def test_wrong_token_is_a_config_error_naming_the_fix(start, client) -> None:
     coord = start(token="right")
     with pytest.raises(ConfigError, match="FTLM_TOKEN"):
         client(coord.url, "g0", "a", token="wrong").heartbeat(0, 0)
-    assert client(coord.url, "g0", "a", token="right").heartbeat(0, 0)["alive"] == ["g0:a"]
+    assert client(coord.url, "g0", "a", token="right").heartbeat(0, 0)["dead"] == []
+    assert [m["replica_id"] for m in coord.status()["members"]] == ["g0:a"]
 
 
 def test_threads_share_a_client_with_one_connection_each(start, client) -> None:
@@ -106,7 +107,7 @@ def test_threads_share_a_client_with_one_connection_each(start, client) -> None:
 
     def beat_many(_: int) -> int:
         for _ in range(20):
-            assert client.heartbeat(0, 0)["alive"] == ["g0:a"]
+            assert client.heartbeat(0, 0)["dead"] == []
         return threading.get_ident()
 
     with ThreadPoolExecutor(4) as pool:
@@ -116,20 +117,23 @@ def test_threads_share_a_client_with_one_connection_each(start, client) -> None:
     assert client._all == []
 
 
-def test_heartbeater_reports_state_and_alive_set(start, client) -> None:
+def test_heartbeater_reports_state_and_pushes_dead_quorum_peers(start, client) -> None:
     coord = start()
-    seen: list[set[str]] = []
+    seen: list[dict] = []
     other = client(coord.url, "g1", "b")
     other.heartbeat(0, 0)
-    hb = Heartbeater(client(coord.url, "g0", "a"), 0.02, lambda: (7, 0), seen.append)
+    me = client(coord.url, "g0", "a")
+    with ThreadPoolExecutor(2) as pool:  # one quorum with both, so g1 becomes a peer of g0
+        list(pool.map(lambda c: c.quorum(0, 0, False, {}, timeout=5), [me, other]))
+    hb = Heartbeater(me, 0.02, lambda: (7, 1, "0" * 64, 0.5), seen.append)
     hb.start()
     try:
         wait_until(lambda: len(seen) >= 3)
-        assert {"g0:a", "g1:b"} <= seen[0]
-        steps = {m["replica_id"]: m["step"] for m in other.status()["members"]}
-        assert steps["g0:a"] == 7
-        # g1 stops heartbeating: the alive set pushed to g0 loses it after the timeout.
-        wait_until(lambda: seen[-1] == {"g0:a"})
+        assert seen[0]["dead"] == []
+        members = {m["replica_id"]: m for m in other.status()["members"]}
+        assert members["g0:a"]["step"] == 7
+        # g1 stops heartbeating: g0's answers name it dead after the timeout (abort what is in flight).
+        wait_until(lambda: "g1:b" in seen[-1]["dead"])
     finally:
         hb.stop()
     assert not hb._thread.is_alive()

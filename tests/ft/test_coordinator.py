@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ftlm.ft.client import CoordinatorClient, CoordinatorUnavailable, Heartbeater, QuorumTimeout
 from ftlm.ft.config import CoordinatorConfig
 from ftlm.ft.coordinator import Coordinator
+from ftlm.ft.history import GENESIS
 from ftlm.ft.quorum import Quorum, StaleIncarnation
 
 HB_TIMEOUT = 0.4
@@ -60,17 +61,25 @@ class Group:
 
     def __init__(self, url: str, group: str, incarnation: str = "a", token: str = "") -> None:
         self.client = CoordinatorClient(url, group, incarnation, token=token, timeout=2.0)
-        self.step, self.quorum_id = 0, 0
-        self.heartbeater = Heartbeater(self.client, HB_INTERVAL, lambda: (self.step, self.quorum_id))
+        self.step, self.quorum_id, self.chain = 0, 0, GENESIS
+        self.heartbeater = Heartbeater(self.client, HB_INTERVAL,
+                                       lambda: (self.step, self.quorum_id, self.chain, 0.0))
         # Register before returning, so that groups made one after another all count as heartbeating
         # when they first ask (otherwise the first to ask may rightly form a quorum alone).
         self.heartbeater.beat()
         self.heartbeater.start()
 
     def ask(self, failed: bool = False, timeout: float = 5.0) -> Quorum:
-        q = self.client.quorum(self.step, self.quorum_id, failed, {"url": f"http://{self.client.group}"}, timeout)
+        q = self.client.quorum(self.step, self.quorum_id, failed, {"url": f"http://{self.client.group}"}, timeout,
+                               chain=self.chain)
         self.quorum_id = q.quorum_id
+        self.last = q
         return q
+
+    def commit(self) -> None:
+        """Commit the step of the last quorum as a participant (or jump there after recovering)."""
+        q = self.last
+        self.step, self.chain = q.step + 1, q.next_chain()
 
     def stop(self) -> None:
         self.heartbeater.stop()
@@ -103,7 +112,7 @@ def train_until(member: Group, done: Callable[[Quorum], bool], steps: int = 200)
         q = member.ask()
         if done(q):
             return q
-        member.step += 1
+        member.commit()
     raise AssertionError(f"{member.client.replica_id}: no such quorum in {steps} steps")
 
 
@@ -173,7 +182,7 @@ def test_hung_member_is_expired_and_survivors_get_a_higher_quorum(start, groups)
     dead = events.of("member_dead")
     assert dead == [{"group": "g2", "replica_id": "g2:a", "reason": "heartbeat timeout"}]
     answer = g0.client.heartbeat(0, survivors[0].quorum_id)
-    assert "g2:a" in answer["dead"] and "g2:a" not in answer["alive"]
+    assert "g2:a" in answer["dead"] and "alive" not in answer
 
 
 def test_new_incarnation_replaces_the_old_one(start, groups) -> None:
@@ -181,7 +190,7 @@ def test_new_incarnation_replaces_the_old_one(start, groups) -> None:
     coord = start(events)
     g0, old = groups(coord.url, "g0"), groups(coord.url, "g1", "old")
     first = ask_all([g0, old])[0]
-    g0.step += 1  # g0 commits its step: whatever the thread timing below, g1:new is behind it
+    g0.commit()  # g0 commits its step: whatever the thread timing below, g1:new is behind it
     old.heartbeater.stop()
     new = groups(coord.url, "g1", "new")
     wait_until(lambda: any(m["replica_id"] == "g1:new" for m in stable_status(coord)["members"]))
@@ -342,7 +351,7 @@ def test_serve_forever_prints_its_url_and_stops_on_sigterm() -> None:
         line = proc.stdout.readline()
         url = line.split("listening on ", 1)[1].split()[0]
         client = CoordinatorClient(url, "g0", "a")
-        assert client.heartbeat(0, 0)["alive"] == ["g0:a"]
+        assert client.heartbeat(0, 0)["dead"] == []
         client.close()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0

@@ -10,6 +10,7 @@ import torch
 
 from ftlm.ft.config import FTConfig
 from ftlm.ft.coordinator import Coordinator
+from ftlm.ft.history import GENESIS
 from ftlm.ft.manager import Manager, TooManyFailures
 
 FT = dict(heartbeat_interval=0.05, heartbeat_timeout=0.5, join_timeout=2.0, allreduce_timeout=5.0,
@@ -50,39 +51,49 @@ def run_groups(fn, n: int, timeout: float = 30.0) -> list:
     return results
 
 
+def joined(config: FTConfig, group: str, incarnation: str, url: str) -> Manager:
+    m = Manager(config, group, incarnation, url)
+    m.join(0, GENESIS)
+    return m
+
+
 def test_two_groups_average_gradients_and_commit(coordinator):
     def group(i: int):
-        m = Manager(FTConfig(**FT), f"g{i}", f"inc{i}", coordinator.url)
+        m = joined(FTConfig(**FT), f"g{i}", f"inc{i}", coordinator.url)
         try:
-            seen = []
+            seen, chain = [], GENESIS
             for step in range(3):
-                plan = m.start_step(step, step * 4, snapshot)
+                plan = m.start_step(step, chain, snapshot)
                 grad = torch.full((5,), float(i + 1 + step))
                 loss = torch.tensor([10.0 * (i + 1)])
                 m.allreduce([grad, loss])
+                ok = m.commit()
+                chain = plan.quorum.next_chain()
                 seen.append((plan.quorum_id, plan.participants, plan.participant_index,
-                             grad.tolist(), loss.item(), m.commit()))
+                             grad.tolist(), loss.item(), ok, chain))
             return seen
         finally:
             m.close()
 
     a, b = run_groups(group, 2)
     for step in range(3):
-        qa, pa, ia, ga, la, ca = a[step]
-        qb, pb, ib, gb, lb, cb = b[step]
+        qa, pa, ia, ga, la, ca, ha = a[step]
+        qb, pb, ib, gb, lb, cb, hb = b[step]
         assert qa == qb and pa == pb == 2 and {ia, ib} == {0, 1}
         expected = (1 + step + 2 + step) / 2
         assert ga == gb == [expected] * 5
         assert la == lb == 15.0
         assert ca and cb
+        assert ha == hb  # the same committed history
+    assert len({a[s][0] for s in range(3)}) == 1  # same members stepping forward: one quorum id
 
 
 def test_member_dying_mid_step_fails_the_step_then_survivor_continues(coordinator):
     config = FTConfig(**FT)
-    survivor = Manager(config, "g0", "a", coordinator.url)
-    victim = Manager(config, "g1", "b", coordinator.url)
+    survivor = joined(config, "g0", "a", coordinator.url)
+    victim = joined(config, "g1", "b", coordinator.url)
     try:
-        plans = run_groups(lambda i: (survivor, victim)[i].start_step(0, 0, snapshot), 2)
+        plans = run_groups(lambda i: (survivor, victim)[i].start_step(0, GENESIS, snapshot), 2)
         assert plans[0].quorum_id == plans[1].quorum_id and plans[0].participants == 2
         victim.close()  # stops heartbeating and never enters the all-reduce
         t0 = time.monotonic()
@@ -91,7 +102,7 @@ def test_member_dying_mid_step_fails_the_step_then_survivor_continues(coordinato
         # Pushed detection: aborted by the heartbeat loss, well before the all-reduce timeout.
         assert time.monotonic() - t0 < config.allreduce_timeout
         assert survivor.commit() is False
-        plan = survivor.start_step(0, 0, snapshot)
+        plan = survivor.start_step(0, GENESIS, snapshot)
         assert plan.quorum_id > plans[0].quorum_id and plan.participants == 1
         grad = torch.full((4,), 3.0)
         survivor.allreduce([grad])
@@ -100,17 +111,49 @@ def test_member_dying_mid_step_fails_the_step_then_survivor_continues(coordinato
         survivor.close()
 
 
-def test_consecutive_failures_end_the_group_with_a_clear_error(coordinator):
+def test_consecutive_own_failures_end_the_group_with_a_clear_error(coordinator):
     config = FTConfig(**{**FT, "max_consecutive_failures": 2})
-    survivor = Manager(config, "g0", "a", coordinator.url)
-    victim = Manager(config, "g1", "b", coordinator.url)
+    managers = [joined(config, f"g{i}", "a", coordinator.url) for i in range(2)]
+
+    def group(i: int) -> None:
+        m = managers[i]
+        for _ in range(3):  # the same members fail the same step again and again
+            m.start_step(0, GENESIS, snapshot)
+            m.fail_step("injected")
+            assert m.commit() is False
+
     try:
-        run_groups(lambda i: (survivor, victim)[i].start_step(0, 0, snapshot), 2)
-        victim.close()
-        survivor.allreduce([torch.ones(2)])
-        assert survivor.commit() is False
-        survivor._fail("injected")  # a second failed step in a row
-        with pytest.raises(TooManyFailures, match="2 consecutive steps failed"):
-            survivor.commit()
+        with pytest.raises(TooManyFailures, match="2 consecutive steps failed with the same members"):
+            run_groups(group, 2)
     finally:
-        survivor.close()
+        for m in managers:
+            m.close()
+
+
+def test_failures_caused_by_a_peer_that_died_do_not_count(coordinator):
+    """A crash-looping joiner must not end a healthy group (issue 10, defect 7)."""
+    config = FTConfig(**{**FT, "max_consecutive_failures": 2, "join_timeout": 0.5})
+    healthy = joined(config, "g0", "a", coordinator.url)
+    try:
+        for attempt in range(3):
+            victim = joined(config, "g1", f"v{attempt}", coordinator.url)
+
+            def start(i: int, victim=victim):
+                if i == 0:  # the healthy group asks once the joiner waits: both in one quorum
+                    deadline = time.monotonic() + 10
+                    while not any(m["pending"] for m in coordinator.status()["members"]
+                                  if m["replica_id"] == victim.replica_id):
+                        assert time.monotonic() < deadline
+                        time.sleep(0.01)
+                return (healthy, victim)[i].start_step(0, GENESIS, snapshot)
+
+            plans = run_groups(start, 2)
+            assert plans[0].participants == 2
+            victim.close()  # the joiner dies mid-step, every time
+            healthy.allreduce([torch.ones(2)])
+            assert healthy.commit() is False
+            coordinator.report_dead(victim.replica_id)
+        plan = healthy.start_step(0, GENESIS, snapshot)  # no TooManyFailures: the peer failed
+        assert plan.participants == 1
+    finally:
+        healthy.close()

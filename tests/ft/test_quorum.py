@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from ftlm.ft.history import GENESIS, extend_chain
 from ftlm.ft.quorum import (
     CoordinatorState,
     Heartbeat,
@@ -14,7 +15,9 @@ from ftlm.ft.quorum import (
     MemberRequest,
     Quorum,
     QuorumOptions,
+    Restore,
     StaleIncarnation,
+    advance_head,
     commit_quorum,
     compute_quorum,
     expire,
@@ -35,13 +38,29 @@ def rid(group: str) -> str:
     return f"{group}:a"
 
 
-def ask(group: str, step: int = 0, at: float = 0.0, last: int = 0, failed: bool = False) -> MemberRequest:
-    return MemberRequest(rid(group), group, step, last, failed, {"url": f"http://{group}"}, at)
+def ask(group: str, step: int = 0, at: float = 0.0, last: int = 0, failed: bool = False,
+        chain: str | None = None) -> MemberRequest:
+    return MemberRequest(rid(group), group, step, last, failed, {"url": f"http://{group}"}, at,
+                         chain if chain is not None else CHAINS.get(step, GENESIS))
 
 
 def prev_quorum(groups: list[str], quorum_id: int, step: int = 0) -> Quorum:
     ids = [rid(g) for g in groups]
     return Quorum(quorum_id, step, [Member(rid(g), g, step, {}) for g in groups], ids, [], {}, 0.0)
+
+
+PREV = ["g0", "g1", "g2"]
+CHAINS = {0: GENESIS, 1: prev_quorum(PREV, 5).next_chain()}
+"""Chains of the table's states: step 1 is what committing quorum 5 (g0, g1, g2) at step 0 gives."""
+
+
+def decide(now: float, state: CoordinatorState, options: QuorumOptions) -> tuple[Quorum | None, str]:
+    """What the coordinator does on a tick: move the head, then decide."""
+    expire(now, state, options)
+    restores, waiting = advance_head(now, state, options)
+    assert not restores
+    quorum, reason = compute_quorum(now, state, options)
+    return quorum, waiting or reason
 
 
 @dataclass
@@ -51,7 +70,7 @@ class Case:
     now: float
     min_replicas: int = 1
     beats: dict[str, float] = field(default_factory=dict)  # heartbeats after the asks: group -> last_seen
-    prev: list[str] | None = None  # groups of the previous quorum (id 5)
+    prev: list[str] | None = None  # groups of the previous quorum (id 5, step 0, all committed)
     quorum_id: int = 0  # the state's id (5 when prev is given)
     expect: list[str] | None = None  # groups of the issued quorum; None: nothing issued
     expect_id: int | None = None
@@ -115,7 +134,7 @@ CASES = [
     ),
     Case(
         "fast_path_identical_membership_keeps_id",
-        [ask("g0", at=0.1), ask("g1", at=0.1), ask("g2", at=0.1)],
+        [ask("g0", 1, at=0.1), ask("g1", 1, at=0.1), ask("g2", 1, at=0.1)],
         0.1,
         prev=["g0", "g1", "g2"],
         expect=["g0", "g1", "g2"],
@@ -124,7 +143,7 @@ CASES = [
     ),
     Case(
         "fast_path_waits_for_live_previous_member",
-        [ask("g0", at=0.1), ask("g1", at=0.1)],
+        [ask("g0", 1, at=0.1), ask("g1", 1, at=0.1)],
         0.2,
         beats={"g2": 0.1},
         prev=["g0", "g1", "g2"],
@@ -132,7 +151,7 @@ CASES = [
     ),
     Case(
         "heartbeat_expiry_makes_fast_path_fire",
-        [ask("g0", at=0.6), ask("g1", at=0.6)],
+        [ask("g0", 1, at=0.6), ask("g1", 1, at=0.6)],
         0.6,
         beats={"g2": 0.1},
         prev=["g0", "g1", "g2"],
@@ -142,19 +161,19 @@ CASES = [
     ),
     Case(
         "fast_path_includes_joiners_and_bumps_id",
-        [ask("g0"), ask("g1"), ask("g3")],
+        [ask("g0", 1), ask("g1", 1), ask("g2", 1), ask("g3")],
         0.0,
-        prev=["g0", "g1"],
-        expect=["g0", "g1", "g3"],
+        prev=["g0", "g1", "g2"],
+        expect=["g0", "g1", "g2", "g3"],
         expect_id=6,
         reason="(+1 joiner)",
     ),
     Case(
         "failed_commit_bumps_id",
-        [ask("g0"), ask("g1", failed=True)],
+        [ask("g0", 1), ask("g1", 1), ask("g2", 1, failed=True)],
         0.0,
-        prev=["g0", "g1"],
-        expect=["g0", "g1"],
+        prev=["g0", "g1", "g2"],
+        expect=["g0", "g1", "g2"],
         expect_id=6,
     ),
     Case(
@@ -173,22 +192,30 @@ CASES = [
         expect_id=12,
     ),
     Case(
-        "previous_quorum_all_dead_new_groups_form_one",
+        "previous_quorum_all_dead_new_groups_form_one_after_the_rollback",
         [ask("g3", at=2.0), ask("g4", at=2.0)],
         2.0,
-        prev=["g0", "g1"],
+        prev=["g0", "g1", "g2"],
         expect=["g3", "g4"],
         expect_id=6,
         reason="all 2 heartbeating groups asked",
+    ),
+    Case(
+        "holders_of_the_head_gone_for_less_than_the_rollback_grace_are_awaited",
+        [ask("g3", at=0.6), ask("g4", at=0.6)],
+        0.6,
+        prev=["g0", "g1", "g2"],
+        reason="no live group holds the newest state (step 1)",
     ),
 ]
 
 
 def build(case: Case) -> CoordinatorState:
-    state = CoordinatorState(quorum_id=case.quorum_id)
-    if case.prev is not None:
+    state = CoordinatorState(quorum_id=case.quorum_id, head=(0, GENESIS), started_at=0.0, head_seen_at=0.0)
+    if case.prev is not None:  # quorum 5 was issued at step 0 and its members committed it
         state.prev_quorum = prev_quorum(case.prev, 5)
         state.quorum_id = max(state.quorum_id, 5)
+        state.head = (1, state.prev_quorum.next_chain())
     for req in case.asks:
         record_request(state, req)
     for group, seen in case.beats.items():  # heartbeats after the asks keep the askers fresh
@@ -199,6 +226,7 @@ def build(case: Case) -> CoordinatorState:
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_compute_quorum_rules(case: Case) -> None:
     state = build(case)
+    advance_head(case.now, state, opts(case.min_replicas))
     before = copy.deepcopy(state)
     quorum, reason = compute_quorum(case.now, state, opts(case.min_replicas))
     assert state == before, "compute_quorum must not mutate the state"
@@ -212,16 +240,18 @@ def test_compute_quorum_rules(case: Case) -> None:
     assert quorum.reason == reason and quorum.issued_at == case.now
 
 
-def test_participants_at_max_step_and_round_robin_sources() -> None:
-    state = CoordinatorState()
-    for group, step in [("g4", 9), ("g1", 10), ("g0", 5), ("g3", 10), ("g2", 7)]:
-        record_request(state, ask(group, step=step))
-    quorum, _ = compute_quorum(0.0, state, opts())
-    assert quorum is not None
-    assert quorum.step == 10
+def test_participants_hold_the_head_and_sources_are_round_robin() -> None:
+    state = CoordinatorState(head=(10, "a" * 64), started_at=0.0, head_seen_at=0.0)
+    for group, step, chain in [("g4", 9, GENESIS), ("g1", 10, "a" * 64), ("g0", 5, GENESIS),
+                               ("g3", 10, "a" * 64), ("g2", 7, GENESIS), ("g5", 10, "b" * 64)]:
+        record_request(state, ask(group, step=step, chain=chain))
+    quorum, reason = decide(0.0, state, opts())
+    assert quorum is not None, reason
+    assert quorum.step == 10 and quorum.chain == "a" * 64
     assert quorum.participants == ["g1:a", "g3:a"]
-    assert quorum.recovering == ["g0:a", "g2:a", "g4:a"]
-    assert quorum.sources == {"g0:a": "g1:a", "g2:a": "g3:a", "g4:a": "g1:a"}
+    # g5 claims step 10 with another history (a fork): it recovers like anyone behind.
+    assert quorum.recovering == ["g0:a", "g2:a", "g4:a", "g5:a"]
+    assert quorum.sources == {"g0:a": "g1:a", "g2:a": "g3:a", "g4:a": "g1:a", "g5:a": "g3:a"}
     assert [quorum.participant_index(r) for r in ["g1:a", "g3:a", "g0:a"]] == [0, 1, None]
     assert quorum.member("g2:a").meta == {"url": "http://g2"}
 
@@ -244,10 +274,11 @@ def test_newer_incarnation_replaces_older_and_old_one_is_refused() -> None:
 
 
 def test_replacement_of_a_quorum_member_lets_survivors_continue() -> None:
-    state = CoordinatorState(prev_quorum=prev_quorum(["g0", "g1"], 5), quorum_id=5)
-    record_request(state, ask("g0", step=4, at=0.1, last=5))
+    prev = prev_quorum(["g0", "g1"], 5)
+    state = CoordinatorState(prev_quorum=prev, quorum_id=5, head=(1, prev.next_chain()), started_at=0.0)
+    record_request(state, ask("g0", step=1, at=0.1, last=5, chain=prev.next_chain()))
     record_heartbeat(state, Heartbeat("g1:new", "g1", 0.1, 0))  # g1 restarted, has not asked yet
-    quorum, reason = compute_quorum(0.1, state, opts())
+    quorum, reason = decide(0.1, state, opts())
     assert quorum is not None and quorum.replica_ids() == ["g0:a"] and quorum.quorum_id == 6, reason
 
 
@@ -257,10 +288,10 @@ def test_expire_drops_stale_heartbeats_and_their_requests() -> None:
     record_request(state, ask("g1", at=0.4))
     record_heartbeat(state, Heartbeat("g2:a", "g2", 0.2, 0))
     assert state.round_started == 0.0
-    assert sorted(expire(0.75, state, opts())) == ["g0:a", "g2:a"]
+    assert sorted(r for r, _ in expire(0.75, state, opts())) == ["g0:a", "g2:a"]
     assert list(state.heartbeats) == ["g1:a"] and list(state.pending) == ["g1:a"]
     assert expire(0.75, state, opts()) == []
-    assert expire(1.0, state, opts()) == ["g1:a"]
+    assert expire(1.0, state, opts()) == [("g1:a", "heartbeat timeout")]
     assert state.pending == {} and state.round_started is None
 
 
@@ -268,52 +299,187 @@ def test_commit_starts_a_new_round_and_withdraw_drops_only_the_current_request()
     state = CoordinatorState()
     first = ask("g0", at=0.0)
     record_request(state, first)
-    quorum, _ = compute_quorum(0.0, state, opts())
+    quorum, _ = decide(0.0, state, opts())
     commit_quorum(state, quorum)
     assert state.prev_quorum is quorum and state.quorum_id == 1
     assert state.pending == {} and state.round_started is None
     assert not withdraw_request(state, first)
-    newer = ask("g0", step=1, at=0.2)
+    newer = ask("g0", step=1, at=0.2, chain=quorum.next_chain())
     record_request(state, newer)
     assert state.round_started == 0.2
-    assert not withdraw_request(state, ask("g0", step=1, at=0.2))  # an equal but different request
+    assert not withdraw_request(state, ask("g0", step=1, at=0.2, chain=quorum.next_chain()))
     assert withdraw_request(state, newer)
     assert state.pending == {} and state.round_started is None
 
 
-def test_ids_never_go_backwards_over_a_sequence_of_steps() -> None:
-    """Drive three groups through failures, a restart of the coordinator and a rejoin."""
-    o = opts(min_replicas=1)
+class Job:
+    """Groups stepping through the pure rules with a hand-driven clock (a tiny simulator)."""
+
+    def __init__(self, groups: list[str], options: QuorumOptions | None = None) -> None:
+        self.o = options or opts()
+        self.state = CoordinatorState()
+        self.held = {g: (0, GENESIS) for g in groups}
+        self.last = {g: 0 for g in groups}
+        self.restores: list[Restore] = []
+        self.ids: list[int] = []
+
+    def ask(self, now: float, groups: list[str], failed: tuple[str, ...] = ()) -> Quorum | None:
+        for g in groups:
+            step, chain = self.held[g]
+            record_request(self.state, MemberRequest(rid(g), g, step, self.last[g], g in failed, {}, now, chain))
+        return self.tick(now)[0]
+
+    def beat(self, now: float, groups: list[str]) -> None:
+        for g in groups:
+            step, chain = self.held[g]
+            record_heartbeat(self.state, Heartbeat(rid(g), g, now, step, self.last[g], chain))
+
+    def tick(self, now: float) -> tuple[Quorum | None, str]:
+        expire(now, self.state, self.o)
+        restores, waiting = advance_head(now, self.state, self.o)
+        self.restores += restores
+        quorum, reason = compute_quorum(now, self.state, self.o)
+        if quorum is not None:
+            commit_quorum(self.state, quorum)
+            self.ids.append(quorum.quorum_id)
+            for m in quorum.members:
+                self.last[m.group] = quorum.quorum_id
+        return quorum, waiting or reason
+
+    def commit(self, quorum: Quorum, groups: list[str]) -> None:
+        for g in groups:
+            assert rid(g) in quorum.participants
+            self.held[g] = (quorum.step + 1, quorum.next_chain())
+
+    def recover(self, quorum: Quorum, g: str) -> None:
+        self.held[g] = (quorum.step, quorum.chain)
+
+
+def test_lagging_group_is_never_issued_a_step_below_a_live_committed_one() -> None:
+    """Issue 10, defect 1: A commits step n while B and C fail it; A asks again only after the join
+    timeout. Before, the majority {B, C} got a quorum at n and later all three asked at n+1 as
+    equal participants holding different bits."""
+    job = Job(["A", "B", "C"])
+    q = job.ask(0.0, ["A", "B", "C"])
+    job.commit(q, ["A"])  # B and C failed the step
+    job.beat(0.05, ["A"])
+    assert job.ask(0.1, ["B", "C"], failed=("B", "C")) is None
+    for t in (0.4, 0.7, 1.0, 1.5):  # far past the join timeout: still waiting for the holder
+        job.beat(t, ["A", "B", "C"])
+        quorum, reason = job.tick(t)
+        assert quorum is None and "holders of step 1 (A)" in reason
+    q2 = job.ask(1.6, ["A"])
+    assert q2.participants == ["A:a"] and q2.recovering == ["B:a", "C:a"] and q2.step == 1
+    assert q2.sources == {"B:a": "A:a", "C:a": "A:a"}
+
+
+def test_a_live_participant_that_may_have_committed_is_awaited_not_forked() -> None:
+    job = Job(["A", "B", "C"])
+    q = job.ask(0.0, ["A", "B", "C"])
+    # A committed but its report is still on the way; B and C failed and ask again.
+    job.beat(0.3, ["A"])
+    for t in (0.3, 0.9, 1.4):
+        job.beat(t, ["A"])
+        assert job.ask(t, ["B", "C"], failed=("B", "C")) is None
+    job.commit(q, ["A"])
+    job.beat(1.45, ["A"])
+    q2 = job.ask(1.5, ["A"])
+    assert q2.participants == ["A:a"] and q2.step == 1
+
+
+def test_a_claim_out_of_any_plausible_range_does_not_wedge_the_job() -> None:
+    """Issue 10, defect 8: a heartbeat with step=10**15 made every later quorum answer 504."""
+    job = Job(["A", "B"])
+    q = job.ask(0.0, ["A", "B"])
+    job.commit(q, ["A", "B"])
+    record_heartbeat(job.state, Heartbeat("X:evil", "X", 0.1, 10**15, 10**15, "f" * 64))
+    q2 = job.ask(0.1, ["A", "B"])
+    assert q2 is not None and q2.participants == ["A:a", "B:a"] and q2.step == 1
+    assert job.state.head == (1, q.next_chain())
+    assert job.state.quorum_id <= 2**53  # the claimed id is capped, never overflowing a gauge
+
+
+def test_every_holder_of_the_head_dead_is_an_explicit_rollback_never_a_silent_one() -> None:
+    """Issue 10, defects 1/9/13: progress held only by dead groups comes back as a logged restore."""
+    job = Job(["A", "B"])
+    q = job.ask(0.0, ["A", "B"])
+    job.commit(q, ["A"])  # only A committed step 0, then A died
+    job.beat(0.1, ["A", "B"])
+    assert job.ask(0.2, ["B"], failed=("B",)) is None
+    job.beat(0.6, ["B"])
+    quorum, reason = job.tick(0.8)  # A's heartbeat expired; the grace for it to return runs
+    assert quorum is None and "rolling back" in reason and job.restores == []
+    job.beat(1.5, ["B"])
+    q2 = job.ask(1.9, ["B"])
+    assert [(r.from_step, r.to_step, r.holders) for r in job.restores] == [(1, 0, ("B",))]
+    assert q2 is not None and q2.step == 0 and q2.participants == ["B:a"]
+    assert q2.quorum_id > q.quorum_id
+
+
+def test_group_restored_from_a_checkpoint_behind_the_head_recovers_or_rolls_back() -> None:
+    """Issue 10, defect 8: a group restored from an older checkpoint got 504 forever."""
+    job = Job(["A", "B"])
+    for _ in range(5):
+        q = job.ask(0.0, ["A", "B"])
+        job.commit(q, ["A", "B"])
+    job.held["B"] = (2, "c" * 64)  # B restarted from a durable checkpoint of step 2
+    q = job.ask(0.0, ["A", "B"])
+    assert q.participants == ["A:a"] and q.recovering == ["B:a"]
+    # Everyone restarts from the checkpoint (the whole job died): an explicit restore to step 2.
+    job2 = Job(["A", "B"])
+    job2.state = job.state
+    job2.held = {"A": (2, "c" * 64), "B": (2, "c" * 64)}
+    for t in (10.0, 10.5, 11.0, 12.0):
+        job2.beat(t, ["A", "B"])
+        q = job2.ask(t, ["A", "B"])
+        if q is not None:
+            break
+    assert q is not None and q.step == 2 and q.participants == ["A:a", "B:a"]
+    assert [(r.from_step, r.to_step) for r in job2.restores] == [(5, 2)]
+
+
+def test_restarted_coordinator_gathers_claims_before_deciding() -> None:
+    """Issue 10, defect 6: a restarted coordinator must learn membership before judging anyone."""
+    o = QuorumOptions(min_replicas=1, join_timeout=JOIN, heartbeat_timeout=HB_TIMEOUT, expected_groups=3)
+    state = CoordinatorState()  # a fresh coordinator; the job is at step 7
+    record_request(state, ask("g0", step=6, at=0.0, chain="6" * 64, last=9))
+    assert advance_head(0.0, state, o) == ([], advance_head(0.0, state, o)[1])
+    assert state.head is None and "rebuilding" in compute_quorum(0.0, state, o)[1]
+    record_heartbeat(state, Heartbeat("g1:a", "g1", 0.1, 7, 9, "7" * 64))
+    record_heartbeat(state, Heartbeat("g2:a", "g2", 0.2, 7, 9, "7" * 64))
+    advance_head(0.2, state, o)  # every expected group reported: no need to wait out the grace
+    assert state.head == (7, "7" * 64)
+    quorum, _ = compute_quorum(0.2, state, o)
+    assert quorum is None  # g1 and g2 hold the head and have not asked
+    record_request(state, ask("g1", step=7, at=0.3, chain="7" * 64, last=9))
+    record_request(state, ask("g2", step=7, at=0.3, chain="7" * 64, last=9))
+    quorum, reason = compute_quorum(0.3, state, o)
+    assert quorum is not None and quorum.participants == ["g1:a", "g2:a"], reason
+    assert quorum.recovering == ["g0:a"] and quorum.quorum_id == 10
+
+
+def test_a_group_whose_heartbeat_lives_without_progress_is_declared_hung_and_retired() -> None:
+    """Issue 10, defect 3: a hung non-leader rank or training thread stalled the job for good."""
+    o = QuorumOptions(min_replicas=1, join_timeout=JOIN, heartbeat_timeout=HB_TIMEOUT, progress_timeout=5.0)
     state = CoordinatorState()
-    seen: list[int] = []
-
-    def round_(now: float, asks: list[MemberRequest]) -> Quorum:
-        for r in asks:
-            record_request(state, r)
-        expire(now, state, o)
-        quorum, reason = compute_quorum(now, state, o)
-        assert quorum is not None, reason
-        commit_quorum(state, quorum)
-        seen.append(quorum.quorum_id)
-        return quorum
-
-    round_(0.0, [ask(g, 0, 0.0) for g in ("g0", "g1", "g2")])
-    round_(0.1, [ask(g, 1, 0.1, last=seen[-1]) for g in ("g0", "g1", "g2")])
-    round_(0.2, [ask(g, 2, 0.2, last=seen[-1], failed=(g == "g1")) for g in ("g0", "g1", "g2")])
-    # g2 dies (no more traffic); after its heartbeat expires the others go on without waiting.
-    round_(0.8, [ask(g, 3, 0.8, last=seen[-1]) for g in ("g0", "g1")])
-    state = CoordinatorState()  # the coordinator restarts and forgets everything
-    round_(0.9, [ask(g, 4, 0.9, last=seen[-1]) for g in ("g0", "g1")])
-    q = round_(1.0, [ask(g, s, 1.0, last=seen[-1]) for g, s in (("g0", 5), ("g1", 5), ("g2", 0))])
-    assert seen == [1, 1, 2, 3, 4, 5]
-    assert q.participants == ["g0:a", "g1:a"] and q.sources == {"g2:a": "g0:a"}
+    record_heartbeat(state, Heartbeat("g0:a", "g0", 0.0, 0, progress_at=0.0))
+    record_heartbeat(state, Heartbeat("g1:a", "g1", 4.9, 0, progress_at=0.0))
+    record_request(state, ask("g0", at=4.9))
+    assert expire(5.0, state, o) == []
+    record_heartbeat(state, Heartbeat("g1:a", "g1", 5.3, 0, progress_at=0.0))
+    record_heartbeat(state, Heartbeat("g0:a", "g0", 5.3, 0, progress_at=4.9))
+    gone = expire(5.3, state, o)
+    assert [r for r, _ in gone] == ["g1:a"] and "no progress" in gone[0][1]
+    assert "g0:a" in state.heartbeats  # waiting for a quorum is not a hang
+    with pytest.raises(StaleIncarnation):
+        record_heartbeat(state, Heartbeat("g1:a", "g1", 5.4, 0))
 
 
 def test_quorum_json_round_trip_and_bad_shape() -> None:
     state = CoordinatorState()
-    record_request(state, ask("g0", step=2))
-    record_request(state, ask("g1", step=1))
-    quorum, _ = compute_quorum(0.0, state, opts())
+    record_request(state, ask("g0", step=0))
+    record_request(state, ask("g1", step=0))
+    quorum, _ = decide(0.0, state, opts())
     assert Quorum.from_json(quorum.to_json()) == quorum
     import json
 
@@ -322,14 +488,23 @@ def test_quorum_json_round_trip_and_bad_shape() -> None:
         Quorum.from_json({"quorum_id": 1})
 
 
-def test_progress_never_silently_goes_back_when_every_holder_of_the_newest_state_died() -> None:
-    state = CoordinatorState()
-    record_heartbeat(state, Heartbeat(rid("g0"), "g0", 0.0, 40))  # g0 trained to step 40, then died
-    expire(10.0, state, opts())
-    record_request(state, ask("g1", step=0, at=10.0))  # a restarted group, from scratch
-    quorum, reason = compute_quorum(10.0, state, opts())
-    assert quorum is None and "step 40" in reason and "durable checkpoint" in reason
-    # One step behind is the ordinary aftermath of a step that only the dead group committed.
-    record_request(state, ask("g1", step=39, at=10.1))
-    quorum, _ = compute_quorum(10.1, state, opts())
-    assert quorum is not None and quorum.step == 39
+def test_ids_never_go_backwards_over_failures_restarts_and_rollbacks() -> None:
+    job = Job(["g0", "g1", "g2"])
+    for t in (0.0, 0.1):
+        q = job.ask(t, ["g0", "g1", "g2"])
+        job.commit(q, ["g0", "g1", "g2"])
+    q = job.ask(0.2, ["g0", "g1", "g2"], failed=("g1",))
+    job.commit(q, ["g0", "g1", "g2"])
+    job.beat(0.6, ["g0", "g1"])
+    q = job.ask(0.8, ["g0", "g1"])  # g2 died: its heartbeat expired
+    job.commit(q, ["g0", "g1"])
+    job.state = CoordinatorState()  # the coordinator restarts and forgets everything
+    job.beat(0.9, ["g0", "g1"])
+    q = None
+    for t in (0.9, 1.2, 1.5):
+        job.beat(t, ["g0", "g1"])
+        q = job.ask(t, ["g0", "g1"]) or q
+        if q is not None:
+            break
+    assert q is not None and q.step == 4
+    assert job.ids == sorted(job.ids) and job.ids[0] == 1 and len(set(job.ids)) >= 4

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ftlm.errors import ConfigError
+from ftlm.ft.history import GENESIS
 from ftlm.ft.quorum import Quorum, StaleIncarnation
 
 log = logging.getLogger(__name__)
@@ -79,13 +80,29 @@ class CoordinatorClient:
     def replica_id(self) -> str:
         return f"{self.group}:{self.incarnation}"
 
-    def heartbeat(self, step: int, quorum_id: int) -> dict[str, Any]:
-        """Report liveness; returns ``{"quorum_id", "alive": [replica ids], "dead": [replica ids]}``."""
-        body = {"group": self.group, "incarnation": self.incarnation, "step": step, "quorum_id": quorum_id}
+    def heartbeat(self, step: int, quorum_id: int, chain: str = GENESIS, progress_age: float = 0.0) -> dict[str, Any]:
+        """Report liveness, the committed state ``(step, chain)`` and seconds since the last progress.
+
+        Returns ``{"quorum_id", "dead": [recently dead replica ids of the quorums in flight],
+        "rebuilding": bool}`` (and ``"kill": true`` for a chaos drill).
+        """
+        body = {"group": self.group, "incarnation": self.incarnation, "step": step, "quorum_id": quorum_id,
+                "chain": chain, "progress_age": round(max(0.0, progress_age), 3)}
         _, answer = self._request("POST", "/v1/heartbeat", body, self.timeout)
         return answer
 
-    def quorum(self, step: int, last_quorum_id: int, failed: bool, meta: dict[str, Any], timeout: float) -> Quorum:
+    def leave(self, reason: str) -> None:
+        """Leave the job on purpose (finished, stopped, preempted): not reported as a failure."""
+        body = {"group": self.group, "incarnation": self.incarnation, "reason": reason[:200]}
+        self._request("POST", "/v1/leave", body, self.timeout)
+
+    def report_dead(self, group: str, incarnation: str, reason: str) -> None:
+        """Tell the coordinator a replica's process ended (supervisors)."""
+        body = {"group": group, "incarnation": incarnation, "reason": reason[:200]}
+        self._request("POST", "/v1/dead", body, self.timeout)
+
+    def quorum(self, step: int, last_quorum_id: int, failed: bool, meta: dict[str, Any], timeout: float,
+               chain: str = GENESIS) -> Quorum:
         """Ask for the quorum of the next step, waiting up to ``timeout`` seconds (server caps at 60 s).
 
         Raises QuorumTimeout when none was issued in time, CoordinatorUnavailable when the server is
@@ -99,6 +116,7 @@ class CoordinatorClient:
             "failed": failed,
             "meta": meta,
             "timeout": timeout,
+            "chain": chain,
         }
         # The socket waits for the long-poll plus the ordinary timeout for the answer to travel.
         _, answer = self._request("POST", "/v1/quorum", body, timeout + self.timeout)
@@ -185,8 +203,9 @@ class CoordinatorClient:
 class Heartbeater:
     """A daemon thread that heartbeats every ``interval`` seconds until stopped.
 
-    ``get_state()`` returns ``(step, quorum_id)`` to report; ``on_alive(alive)`` receives the replica
-    ids the coordinator sees alive (the manager aborts an all-reduce when a quorum member is gone).
+    ``get_state()`` returns ``(step, quorum_id)`` or ``(step, quorum_id, chain, progress_age)`` to
+    report; ``on_answer(answer)`` receives each answer (the manager aborts an all-reduce when a
+    member of its quorum is listed dead).
     An unreachable coordinator is retried quietly (one log line when it goes away and one when it
     comes back). A replaced incarnation stops the thread and is kept in ``stale``.
     ``on_kill()`` is called once, from this thread, when an answer carries ``"kill": true`` (a chaos
@@ -197,8 +216,8 @@ class Heartbeater:
         self,
         client: CoordinatorClient,
         interval: float,
-        get_state: Callable[[], tuple[int, int]],
-        on_alive: Callable[[set[str]], None] | None = None,
+        get_state: Callable[[], tuple],
+        on_answer: Callable[[dict[str, Any]], None] | None = None,
         on_kill: Callable[[], None] | None = None,
     ) -> None:
         if interval <= 0:
@@ -206,7 +225,7 @@ class Heartbeater:
         self.client = client
         self.interval = interval
         self.get_state = get_state
-        self.on_alive = on_alive
+        self.on_answer = on_answer
         self.on_kill = on_kill
         self.killed = False  # a kill was asked for (on_kill called at most once)
         self.last_answer: dict[str, Any] | None = None
@@ -231,11 +250,10 @@ class Heartbeater:
 
     def beat(self) -> None:
         """Send one heartbeat now (the thread calls this; tests may too)."""
-        step, quorum_id = self.get_state()
-        answer = self.client.heartbeat(step, quorum_id)
+        answer = self.client.heartbeat(*self.get_state())
         self.last_answer = answer
-        if self.on_alive is not None:
-            self.on_alive(set(answer.get("alive", [])))
+        if self.on_answer is not None:
+            self.on_answer(answer)
         if answer.get("kill") is True and not self.killed:
             self.killed = True
             log.warning("coordinator asked to kill %s (chaos drill)", self.client.replica_id)

@@ -5,6 +5,7 @@ Only the dataclasses and their validation live here; the coordinator, client and
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -19,10 +20,14 @@ def _is_number(value: object) -> bool:
 
 def _require_number(section: str, name: str, value: object, *, positive: bool) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    try:  # inf and nan are no durations (nan passes every comparison check silently)
+        ok = ok and math.isfinite(float(value))
+    except OverflowError:  # an int beyond the float range
+        ok = False
     if ok and (value > 0 if positive else value >= 0):
         return
     bound = "> 0" if positive else ">= 0"
-    raise ConfigError(f"{section}.{name}={value!r} must be a number of seconds {bound}")
+    raise ConfigError(f"{section}.{name}={value!r} must be a finite number of seconds {bound}")
 
 
 @dataclass
@@ -47,6 +52,9 @@ class CoordinatorConfig:
     """Seconds between re-evaluations without traffic (fires join and heartbeat timeouts)."""
     expected_groups: int = 0
     """Groups the job starts with; the first quorum waits up to join_timeout for all of them."""
+    progress_timeout: float = 0.0
+    """Seconds a heartbeating group may make no protocol progress before it is declared hung
+    (0: never; ``ft.progress_timeout`` sets it for a job)."""
 
     def __post_init__(self) -> None:
         s = _COORDINATOR
@@ -66,6 +74,7 @@ class CoordinatorConfig:
             )
         if not isinstance(self.token, str):
             raise ConfigError(f"{s}.token must be a string (empty disables auth), got {type(self.token).__name__}")
+        _require_number(s, "progress_timeout", self.progress_timeout, positive=False)
         mrb = self.max_request_bytes
         if not isinstance(mrb, int) or isinstance(mrb, bool) or mrb < 1024:
             raise ConfigError(f"{s}.max_request_bytes={mrb!r} must be an integer >= 1024")
@@ -192,4 +201,5 @@ class FTConfig:
         return CoordinatorConfig(host=host, port=port, min_replicas=self.min_replicas,
                                  join_timeout=self.join_timeout, expected_groups=self.groups,
                                  heartbeat_timeout=self.heartbeat_timeout,
+                                 progress_timeout=self.progress_timeout,
                                  token=token or self.read_token())

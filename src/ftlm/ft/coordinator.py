@@ -32,7 +32,6 @@ import re
 import signal
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,29 +41,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from ftlm.errors import ConfigError
 from ftlm.ft.config import CoordinatorConfig
 from ftlm.ft.dashboard import DashboardLog, member_state, render_page
-from ftlm.ft.quorum import (
-    CoordinatorState,
-    Heartbeat,
-    MemberRequest,
-    Quorum,
-    QuorumOptions,
-    StaleIncarnation,
-    commit_quorum,
-    compute_quorum,
-    expire,
-    record_heartbeat,
-    record_request,
-    withdraw_request,
-)
+from ftlm.ft.history import is_chain
+from ftlm.ft.membership import DEAD_MEMORY_SECONDS, Answer, Event, Issued, Membership, Output
+from ftlm.ft.quorum import MAX_CLAIM, Heartbeat, MemberRequest, Quorum, QuorumOptions, StaleIncarnation
 from ftlm.observe.metrics import make_metric
 
 log = logging.getLogger(__name__)
 
 MAX_POLL_SECONDS = 60.0  # longest a quorum long-poll may hold a connection
-DEAD_MEMORY_SECONDS = 60.0  # how long heartbeat answers keep listing a dead replica
 _START_TIMEOUT = 10.0
-REASON_TIMEOUT = "heartbeat timeout"
-REASON_REPLACED = "replaced by new incarnation"
 
 
 class _NoEvents:
@@ -85,15 +70,11 @@ class Coordinator:
         self.config = config
         self.events = events if events is not None else _NoEvents()
         self.options = QuorumOptions(config.min_replicas, config.join_timeout, config.heartbeat_timeout,
-                                     config.expected_groups)
+                                     config.expected_groups, progress_timeout=config.progress_timeout)
         self.metrics = _Metrics()
         self.dashboard = DashboardLog()
-        self._kill: set[str] = set()  # replica ids whose heartbeat answers say "kill"
-        self._state = CoordinatorState()
-        self._reason = "no member has asked for a quorum"
+        self.membership = Membership(self.options)
         self._waiters: dict[str, list[asyncio.Future[_Answer]]] = {}
-        self._dead: deque[tuple[float, str, str, str]] = deque()  # (monotonic time, replica id, group, reason)
-        self._last_emitted_id: int | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -187,6 +168,8 @@ class Coordinator:
         app.router.add_post("/v1/heartbeat", self._handle_heartbeat)
         app.router.add_post("/v1/quorum", self._handle_quorum)
         app.router.add_post("/v1/kill", self._handle_kill)
+        app.router.add_post("/v1/leave", self._handle_leave)
+        app.router.add_post("/v1/dead", self._handle_dead)
         app.router.add_get("/status", self._handle_status)
         app.router.add_get("/metrics", self._handle_metrics)
         app.router.add_get("/", self._handle_page)
@@ -216,30 +199,32 @@ class Coordinator:
 
     # ------------------------------------------------------------------ decisions (loop thread)
 
+    @property
+    def _state(self):
+        return self.membership.state
+
     def _evaluate(self, now: float) -> None:
-        for rid in expire(now, self._state, self.options):
-            self._mark_dead(now, rid, rid.split(":", 1)[0], REASON_TIMEOUT)
-        quorum, self._reason = compute_quorum(now, self._state, self.options)
-        if quorum is None:
-            return
-        started = self._state.round_started
-        commit_quorum(self._state, quorum)
-        self.metrics.quorum_issued(quorum, now - started if started is not None else 0.0)
-        self.dashboard.quorum_issued(quorum)
-        if quorum.quorum_id != self._last_emitted_id:
-            self._last_emitted_id = quorum.quorum_id
-            log.info("quorum %d at step %d: %s", quorum.quorum_id, quorum.step, quorum.reason)
-            self._emit(
-                "quorum",
-                quorum_id=quorum.quorum_id,
-                step=quorum.step,
-                participants=list(quorum.participants),
-                recovering=list(quorum.recovering),
-                reason=quorum.reason,
-            )
-        body = quorum.to_json()
-        for rid in quorum.replica_ids():
-            self._answer(rid, (200, body))
+        self._apply(self.membership.tick(now))
+
+    def _apply(self, outputs: list[Output]) -> None:
+        """Carry out what the membership state machine decided: answers, events, metrics."""
+        for o in outputs:
+            if isinstance(o, Answer):
+                self._answer(o.replica_id, (o.status, o.body))
+            elif isinstance(o, Event):
+                if o.kind == "member_dead":
+                    log.warning("member %s is dead: %s", o.fields["replica_id"], o.fields["reason"])
+                    self.metrics.member_failures.inc()
+                elif o.kind == "restore":
+                    log.warning("rollback from step %s to step %s: %s", o.fields["from_step"],
+                                o.fields["to_step"], o.fields["reason"])
+                elif o.kind == "quorum":
+                    log.info("quorum %d at step %d: %s", o.fields["quorum_id"], o.fields["step"],
+                             o.fields["reason"])
+                self._emit(o.kind, **o.fields)
+            elif isinstance(o, Issued):
+                self.metrics.quorum_issued(o.quorum, o.latency)
+                self.dashboard.quorum_issued(o.quorum)
 
     def report_dead(self, replica_id: str, reason: str = "process exited") -> None:
         """A supervisor saw the replica's process end: drop it now instead of waiting for its
@@ -247,26 +232,9 @@ class Coordinator:
         loop = self._loop
         if loop is None or not loop.is_running():
             return
-
-        def drop() -> None:
-            now = time.monotonic()
-            if self._state.heartbeats.pop(replica_id, None) is None:
-                return  # already expired, or never known
-            self._state.pending.pop(replica_id, None)
-            self._mark_dead(now, replica_id, replica_id.split(":", 1)[0], reason)
-            self._evaluate(now)
-
-        loop.call_soon_threadsafe(drop)
-
-    def _mark_dead(self, now: float, replica_id: str, group: str, reason: str) -> None:
-        log.warning("member %s is dead: %s", replica_id, reason)
-        self._dead.append((now, replica_id, group, reason))
-        self.metrics.member_failures.inc()
-        self._emit("member_dead", group=group, replica_id=replica_id, reason=reason)
-        if reason == REASON_REPLACED:
-            self._answer(replica_id, (409, {"error": f"{replica_id} was {reason}; this process must exit"}))
-        else:
-            self._answer(replica_id, (504, {"error": "quorum timeout", "reason": f"{replica_id}: {reason}"}))
+        group = replica_id.split(":", 1)[0]
+        loop.call_soon_threadsafe(
+            lambda: self._apply(self.membership.report_dead(time.monotonic(), replica_id, group, reason)))
 
     def _answer(self, replica_id: str, answer: _Answer) -> None:
         for fut in self._waiters.pop(replica_id, []):
@@ -278,11 +246,6 @@ class Coordinator:
             self.events.emit(kind, **fields)
         except Exception:  # noqa: BLE001 - a broken event sink must not take membership down
             log.exception("event sink failed on %s", kind)
-
-    def _recent_dead(self, now: float) -> list[str]:
-        while self._dead and now - self._dead[0][0] > DEAD_MEMORY_SECONDS:
-            self._dead.popleft()
-        return [rid for _, rid, _, _ in self._dead]
 
     # ------------------------------------------------------------------- handlers (loop thread)
 
@@ -312,39 +275,51 @@ class Coordinator:
 
     async def _handle_heartbeat(self, request: web.Request) -> web.Response:
         try:
-            group, incarnation, step, quorum_id = _parse_heartbeat(await self._read_json(request))
+            hb = _parse_heartbeat(await self._read_json(request))
         except ValueError as e:
             return web.json_response({"error": str(e)}, status=400)
         now = time.monotonic()
-        rid = f"{group}:{incarnation}"
+        rid = f"{hb.group}:{hb.incarnation}"
+        beat = Heartbeat(rid, hb.group, now, hb.step, hb.quorum_id, hb.chain, now - hb.progress_age)
         try:
-            replaced = record_heartbeat(self._state, Heartbeat(rid, group, now, step, quorum_id))
+            answer, outputs = self.membership.heartbeat(now, beat)
         except StaleIncarnation as e:
             return web.json_response({"error": str(e)}, status=409)
-        for old in replaced:
-            self._mark_dead(now, old, group, REASON_REPLACED)
-        self._evaluate(now)
-        answer = {
-            "quorum_id": self._state.quorum_id,
-            "alive": sorted(self._state.heartbeats),
-            "dead": self._recent_dead(now),
-        }
-        if self._kill:
-            self._kill.intersection_update(self._state.heartbeats)  # forget replicas already gone
-            if rid in self._kill:
-                answer["kill"] = True
+        self._apply(outputs)
         return web.json_response(answer)
+
+    async def _handle_leave(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._read_json(request)
+            group, incarnation = _name_field(body, "group"), _name_field(body, "incarnation")
+            reason = _text_field(body, "reason")
+        except ValueError as e:
+            return web.json_response({"error": str(e)}, status=400)
+        rid = f"{group}:{incarnation}"
+        log.info("member %s left: %s", rid, reason)
+        self._apply(self.membership.leave(time.monotonic(), rid, group, reason))
+        return web.json_response({"replica_id": rid, "left": True})
+
+    async def _handle_dead(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._read_json(request)
+            group, incarnation = _name_field(body, "group"), _name_field(body, "incarnation")
+            reason = _text_field(body, "reason")
+        except ValueError as e:
+            return web.json_response({"error": str(e)}, status=400)
+        rid = f"{group}:{incarnation}"
+        self._apply(self.membership.report_dead(time.monotonic(), rid, group, reason))
+        return web.json_response({"replica_id": rid, "dead": True})
 
     async def _handle_kill(self, request: web.Request) -> web.Response:
         try:
             group = _name_field(await self._read_json(request), "group")
         except ValueError as e:
             return web.json_response({"error": str(e)}, status=400)
-        targets = sorted(rid for rid, hb in self._state.heartbeats.items() if hb.group == group)
+        targets = self.membership.kill(group)
         if not targets:
             return web.json_response({"error": f"group {group!r} has no live replica to kill"}, status=404)
         log.warning("kill requested for group %s (%s)", group, ", ".join(targets))
-        self._kill.update(targets)
         self.metrics.kill_requests.inc()
         self.dashboard.kill_requested(group, targets)
         return web.json_response({"group": group, "replica_ids": targets})
@@ -356,20 +331,19 @@ class Coordinator:
             return web.json_response({"error": str(e)}, status=400)
         now = time.monotonic()
         rid = f"{body.group}:{body.incarnation}"
-        req = MemberRequest(rid, body.group, body.step, body.last_quorum_id, body.failed, body.meta, now)
+        req = MemberRequest(rid, body.group, body.step, body.last_quorum_id, body.failed, body.meta, now,
+                            body.chain)
+        fut: asyncio.Future[_Answer] = asyncio.get_running_loop().create_future()
         try:
-            replaced = record_request(self._state, req)
+            outputs = self.membership.request(now, req)
         except StaleIncarnation as e:
             return web.json_response({"error": str(e)}, status=409)
-        for old in replaced:
-            self._mark_dead(now, old, body.group, REASON_REPLACED)
-        fut: asyncio.Future[_Answer] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(rid, []).append(fut)
-        self._evaluate(now)
+        self._apply(outputs)
         try:
             status, answer = await asyncio.wait_for(fut, min(body.timeout, MAX_POLL_SECONDS))
         except asyncio.TimeoutError:
-            status, answer = 504, {"error": "quorum timeout", "reason": self._reason}
+            status, answer = 504, {"error": "quorum timeout", "reason": self.membership.reason}
         finally:
             waiting = self._waiters.get(rid, [])
             if fut in waiting:
@@ -378,7 +352,7 @@ class Coordinator:
                     del self._waiters[rid]
             if not fut.done() or fut.cancelled() or fut.result()[0] != 200:
                 # The asker is gone or told to ask again: do not issue it a quorum nobody receives.
-                withdraw_request(self._state, req)
+                self.membership.withdraw(req)
         return web.json_response(answer, status=status)
 
     def status(self, timeout: float = 5.0) -> dict[str, Any]:
@@ -412,13 +386,13 @@ class Coordinator:
         ]
         return {
             "quorum_id": self._state.quorum_id,
-            "reason": self._reason,
+            "reason": self.membership.reason,
+            "head_step": self._state.max_step,
             "members": members,
             "last_quorum": prev.to_json() if prev is not None else None,
             "dead": [
                 {"replica_id": rid, "group": g, "reason": why, "seconds_ago": round(now - t, 3)}
-                for t, rid, g, why in self._dead
-                if now - t <= DEAD_MEMORY_SECONDS
+                for t, rid, g, why in self.membership.recent_dead(now)
             ],
             "min_replicas": self.config.min_replicas,
             **self.dashboard.to_json(),
@@ -432,7 +406,7 @@ class Coordinator:
 
     async def _handle_metrics(self, request: web.Request) -> web.Response:
         now = time.monotonic()
-        self.metrics.refresh(now, self._state, len(self._recent_dead(now)))
+        self.metrics.refresh(now, self._state, len(self.membership.recent_dead(now)))
         body, content_type = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
@@ -457,6 +431,17 @@ class _QuorumBody:
     failed: bool
     meta: dict[str, Any]
     timeout: float
+    chain: str
+
+
+@dataclass
+class _HeartbeatBody:
+    group: str
+    incarnation: str
+    step: int
+    quorum_id: int
+    chain: str
+    progress_age: float
 
 
 def _field(body: Any, name: str) -> Any:
@@ -470,34 +455,54 @@ def _field(body: Any, name: str) -> Any:
 def _name_field(body: Any, name: str) -> str:
     value = _field(body, name)
     if not isinstance(value, str) or not _NAME.fullmatch(value):
-        raise ValueError(f"{name}={value!r} must be {_NAME_RULE}")
+        raise ValueError(f"{name}={str(value)[:80]!r} must be {_NAME_RULE}")
+    return value
+
+
+def _text_field(body: Any, name: str, default: str = "") -> str:
+    value = body.get(name, default) if isinstance(body, dict) else default
+    if not isinstance(value, str) or len(value) > 200:
+        raise ValueError(f"{name} must be a string of at most 200 characters")
     return value
 
 
 def _int_field(body: Any, name: str, lowest: int) -> int:
     value = _field(body, name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
-        raise ValueError(f"{name}={value!r} must be an integer >= {lowest}")
+    if not isinstance(value, int) or isinstance(value, bool) or not lowest <= value <= MAX_CLAIM:
+        raise ValueError(f"{name}={str(value)[:80]} must be an integer in [{lowest}, 2**53]")
     return value
 
 
-def _parse_heartbeat(body: Any) -> tuple[str, str, int, int]:
-    return (
+def _chain_field(body: Any) -> str:
+    from ftlm.ft.history import GENESIS
+    value = body.get("chain", GENESIS) if isinstance(body, dict) else GENESIS
+    if not is_chain(value):
+        raise ValueError(f"chain={str(value)[:80]!r} must be 64 lowercase hex digits")
+    return value
+
+
+def _parse_heartbeat(body: Any) -> _HeartbeatBody:
+    age = body.get("progress_age", 0.0) if isinstance(body, dict) else 0.0
+    if not isinstance(age, (int, float)) or isinstance(age, bool) or not 0 <= age < 1e9:
+        raise ValueError(f"progress_age={str(age)[:80]} must be a number of seconds >= 0")
+    return _HeartbeatBody(
         _name_field(body, "group"),
         _name_field(body, "incarnation"),
         _int_field(body, "step", 0),
         _int_field(body, "quorum_id", -1),
+        _chain_field(body),
+        float(age),
     )
 
 
 def _parse_quorum_request(body: Any) -> _QuorumBody:
     failed, meta, timeout = _field(body, "failed"), _field(body, "meta"), _field(body, "timeout")
     if not isinstance(failed, bool):
-        raise ValueError(f"failed={failed!r} must be true or false")
+        raise ValueError(f"failed={str(failed)[:80]!r} must be true or false")
     if not isinstance(meta, dict):
         raise ValueError(f"meta must be a JSON object, got {type(meta).__name__}")
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-        raise ValueError(f"timeout={timeout!r} must be a number of seconds > 0 (at most {MAX_POLL_SECONDS:g} used)")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < 1e9:
+        raise ValueError(f"timeout={str(timeout)[:80]} must be a number of seconds > 0 (at most {MAX_POLL_SECONDS:g} used)")
     return _QuorumBody(
         _name_field(body, "group"),
         _name_field(body, "incarnation"),
@@ -506,6 +511,7 @@ def _parse_quorum_request(body: Any) -> _QuorumBody:
         failed,
         meta,
         float(timeout),
+        _chain_field(body),
     )
 
 
@@ -538,7 +544,7 @@ class _Metrics:
         self.quorum_id.set(quorum.quorum_id)
         self.participants.set(len(quorum.participants))
 
-    def refresh(self, now: float, state: CoordinatorState, dead: int) -> None:
+    def refresh(self, now: float, state: Any, dead: int) -> None:
         """Set the gauges that derive from the state (called on each scrape); ``dead``: recent deaths."""
         self.members.set(len(state.heartbeats))
         counts = {"participating": 0, "recovering": 0, "joining": 0}

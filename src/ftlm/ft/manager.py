@@ -2,7 +2,8 @@
 
 Each step the ``Manager`` asks the coordinator for a quorum, (re)builds the cross-replica process
 group when the quorum id changed, averages gradients across the participating groups, and votes
-on whether the update may be applied. It serves CPU snapshots of its state to recovering groups
+on whether the update may be applied. The decisions are ``ftlm.ft.group.GroupProtocol``'s (the
+same code the protocol simulator runs); the manager carries them out with sockets and threads. It serves CPU snapshots of its state to recovering groups
 it is the source for, and, when its own group is recovering, pulls a peer's snapshot in the
 background. Errors on the data path are recorded and turned into a failed commit, never raised;
 only a run of ``max_consecutive_failures`` failed steps ends the process.
@@ -25,10 +26,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ftlm.errors import FtlmError
-from ftlm.ft.client import CoordinatorClient, CoordinatorUnavailable, Heartbeater, QuorumTimeout
+from ftlm.ft.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable, Heartbeater, QuorumTimeout
 from ftlm.ft.config import FTConfig
 from ftlm.ft.faults import FaultPlan
+from ftlm.ft.group import GroupProtocol, Role, TooManyFailures
 from ftlm.ft.process_group import CollectiveError, ReconfigurablePG
 from ftlm.ft.protocol import Recovered, SnapshotFn, StepPlan
 from ftlm.ft.quorum import Quorum
@@ -37,10 +38,6 @@ from ftlm.observe.metrics import NullMetrics
 from ftlm.ft.transport import SnapshotServer, TransferError, fetch_snapshot, snapshot_state
 
 log = logging.getLogger("ftlm.ft.manager")
-
-
-class TooManyFailures(FtlmError):
-    """The group failed too many steps in a row or could not get a quorum in time."""
 
 
 class _NoEvents:
@@ -73,10 +70,12 @@ class Manager:
 
     def __init__(self, config: FTConfig, group: str, incarnation: str, coordinator: str,
                  token: str = "", events: Any = None, device: torch.device | None = None,
-                 fault: FaultPlan | None = None):
+                 fault: FaultPlan | None = None, total_steps: int | None = None,
+                 expected_groups: int = 0):
         self.config = config
         self.token = token
         self.fault = fault
+        self.expected_groups = expected_groups
         self.metrics: Any = NullMetrics()  # the trainer hands over its metrics
         grouped = dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if grouped else 0
@@ -84,7 +83,9 @@ class Manager:
         self._fault_events = events or _NoEvents()
         self.events = self._fault_events if self.rank == 0 else _NoEvents()
         self.ranks = dist.get_world_size() if grouped else 1
+        self.group = group
         self.replica_id = f"{group}:{incarnation}"
+        self.proto = GroupProtocol(self.replica_id, config.max_consecutive_failures, total_steps)
         backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
         self.pg = ReconfigurablePG(backend, config.allreduce_timeout)
         # Other groups reach this one at ``host``: loopback locally, the pod/node IP on a cluster.
@@ -96,18 +97,9 @@ class Manager:
         self.transfer_urls = _gather_strings(self.server.url, self.ranks)
         self.abort = threading.Event()
         self.quorum: Quorum | None = None
-        self._qid = -1
-        self._pg_qid: int | None = None
-        self._step = 0
-        self._failed = False
-        self._failure = ""
-        self._report_failed = False
-        self._consecutive = 0
-        self._recover_request = 0
-        self._served: set[tuple[str, int]] = set()
-        self._published_step: int | None = None
+        self._progress_at = time.monotonic()
         self._fetch: _Fetch | None = None
-        self._seen_alive: set[str] = set()
+        self._left = False
         self.client: CoordinatorClient | None = None
         self.heartbeater: Heartbeater | None = None
         self.store: dist.TCPStore | None = None
@@ -115,33 +107,45 @@ class Manager:
             self.client = CoordinatorClient(coordinator, group, incarnation, token,
                                             timeout=max(1.0, config.heartbeat_timeout))
             self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
-            self.heartbeater = Heartbeater(self.client, config.heartbeat_interval,
-                                           lambda: (self._step, max(self._qid, 0)), self._on_alive,
-                                           on_kill=self._on_kill)
+            self.heartbeater = Heartbeater(self.client, config.heartbeat_interval, self._report,
+                                           self._on_answer, on_kill=self._on_kill)
+
+    def join(self, step: int, chain: str) -> None:
+        """Become known to the coordinator with the committed state ``(step, chain)`` (leader)."""
+        self.proto.sync(step, chain)
+        if self.heartbeater is not None:
             self.heartbeater.beat()  # be known as alive before the first quorum request
             self.heartbeater.start()
 
     # -- failure detection ---------------------------------------------------------------------------
-    def _on_alive(self, alive: set[str]) -> None:
-        """Abort the collective in flight when a member of our quorum stops heartbeating."""
+    def _report(self) -> tuple[int, int, str, float]:
+        """What each heartbeat says: committed state, last quorum id, seconds since progress."""
+        p = self.proto
+        return p.step, max(p.quorum_id, 0), p.chain, time.monotonic() - self._progress_at
+
+    def _progress(self) -> None:
+        self._progress_at = time.monotonic()
+
+    def _on_answer(self, answer: dict[str, Any]) -> None:
+        """Abort the collective in flight when a member of our quorum is reported dead."""
         q = self.quorum
-        self._seen_alive |= alive
-        if q is None:
+        if q is None or answer.get("rebuilding"):
             return
-        gone = [r for r in q.replica_ids() if r in self._seen_alive and r not in alive]
+        dead = answer.get("dead")
+        gone = [r for r in q.replica_ids() if isinstance(dead, list) and r in dead]
         if gone and not self.abort.is_set():
             log.warning("quorum %d member(s) %s reported dead: aborting", q.quorum_id, gone)
             self.abort.set()
 
     def _on_kill(self) -> None:
         """The coordinator relayed a kill request (the dashboard's chaos button): die like a crash."""
-        self._fault_events.emit("failure_injected", step=self._step, point="dashboard",
+        self._fault_events.emit("failure_injected", step=self.proto.step, point="dashboard",
                                 signal="SIGKILL")
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _fire(self, point: str) -> None:
         if self.fault is not None:
-            self.fault.maybe_fire(point, self._step, self._fault_events.emit)
+            self.fault.maybe_fire(point, self.proto.step, self._fault_events.emit)
 
     def _on_serve_chunk(self, step: int, index: int) -> None:
         self._fire("during_serve")
@@ -152,19 +156,17 @@ class Manager:
         self._fire(point)
 
     def _fail(self, reason: str) -> None:
-        if not self._failed:
-            log.warning("step %d failed in quorum %d: %s", self._step, self._qid, reason)
-        self._failed = True
-        self._failure = reason
+        if not self.proto.failed:
+            log.warning("step %d failed in quorum %d: %s", self.proto.step, self.proto.quorum_id, reason)
+        self.proto.fail(reason)
         self.pg.abort_current()
-        self._pg_qid = None
 
     # -- the step protocol ---------------------------------------------------------------------------
     def _meta(self) -> dict[str, Any]:
         return {"store": f"{self.host}:{self.store.port}", "transfer": self.transfer_urls,
-                "recover_request": self._recover_request}
+                "recover_request": self.proto.recover_request}
 
-    def _request_quorum(self, step: int) -> Quorum:
+    def _request_quorum(self) -> Quorum:
         deadline = time.monotonic() + self.config.quorum_timeout
         reason = "no answer yet"
         while True:
@@ -174,52 +176,61 @@ class Manager:
                     f"no quorum within ft.quorum_timeout={self.config.quorum_timeout} s "
                     f"(last reason: {reason}); is the coordinator running and are enough "
                     "groups up (ft.min_replicas)?")
+            self._progress()  # asking is progress: a group waiting for others is not hung
+            ask = self.proto.request()
             try:
-                return self.client.quorum(step, self._qid, self._report_failed, self._meta(),
-                                          timeout=min(remaining, 5.0))
+                return self.client.quorum(ask["step"], ask["last_quorum_id"], ask["failed"], self._meta(),
+                                          timeout=min(remaining, 5.0), chain=ask["chain"])
             except QuorumTimeout as e:
                 reason = e.reason
             except CoordinatorUnavailable as e:
                 reason = f"coordinator unavailable ({e})"
                 self.abort.wait(min(0.2, max(0.0, remaining)))
 
-    def start_step(self, step: int, cursor: int, snapshot: SnapshotFn) -> StepPlan:
-        self._step = step
-        self._failed = False
-        asked = time.monotonic()
+    def _next_quorum(self) -> Quorum:
+        """The leader asks; every rank of the group gets the same answer."""
         if self.rank == 0:
-            q = self._request_quorum(step)
+            q = self._request_quorum()
             _broadcast_json(q.to_json(), self.ranks)
-        else:
-            q = Quorum.from_json(_broadcast_json(None, self.ranks))
-        me = self.replica_id
+            return q
+        return Quorum.from_json(_broadcast_json(None, self.ranks))
+
+    def start_step(self, step: int, chain: str, snapshot: SnapshotFn) -> StepPlan:
+        self.proto.sync(step, chain)
+        asked = time.monotonic()
+        q = self._next_quorum()
+        self._progress()
+        role = self.proto.on_quorum(q)
         self.quorum = q
-        self._qid = q.quorum_id
         LOG_CONTEXT.update(quorum_id=q.quorum_id, step=step)
         self.metrics.on_quorum(q.quorum_id, len(q.participants), len(q.recovering),
                                time.monotonic() - asked)
         self.abort.clear()
-        if q.quorum_id != self._pg_qid:
+        if role.reconfigure:
             members = q.replica_ids()
             store = q.members[0].meta.get("store", "")
             try:
-                self.pg.configure(store, f"q{q.quorum_id}/r{self.rank}", members.index(me),
+                self.pg.configure(store, f"q{q.quorum_id}/r{self.rank}", members.index(self.replica_id),
                                   len(members), self.abort)
-                self._pg_qid = q.quorum_id
+                self.proto.process_group_ready()
             except CollectiveError as e:
                 self._fail(str(e))
-        self._serve(q, snapshot)
-        recovering = me in q.recovering
-        if recovering:
-            self._ensure_fetch(q)
-        return StepPlan(quorum_id=q.quorum_id, step=q.step,
-                        participant_index=q.participant_index(me),
-                        participants=len(q.participants), recovering=recovering,
-                        members=q.replica_ids())
+        if role.publish:
+            tensors, meta = snapshot()
+            self.server.publish(snapshot_state(tensors, meta, q.step))
+        if role.fetch_from is not None:
+            self._start_fetch(q, role.fetch_from)
+        return self._plan(role)
+
+    def _plan(self, role: Role) -> StepPlan:
+        q = role.quorum
+        return StepPlan(quorum_id=q.quorum_id, step=q.step, participant_index=role.participant_index,
+                        participants=role.participants, recovering=role.recovering,
+                        members=q.replica_ids(), drain=role.drain, quorum=q)
 
     def allreduce(self, tensors: list[torch.Tensor]) -> None:
         self._fire("before_allreduce")
-        if self._failed:
+        if self.proto.failed:
             return
         participants = len(self.quorum.participants) if self.quorum else 1
         started = time.monotonic()
@@ -230,6 +241,7 @@ class Manager:
                 self.pg.allreduce_mean(bucket, participants, self.abort)
         except CollectiveError as e:
             self._fail(str(e))
+        self._progress()
         self.metrics.on_allreduce(time.monotonic() - started)
         self._fire("after_allreduce")
 
@@ -248,47 +260,27 @@ class Manager:
             size += nbytes
         return buckets
 
+    def fail_step(self, reason: str) -> None:
+        """This group cannot take part in this step's update (e.g. a non-finite gradient)."""
+        self._fail(reason)
+
     def commit(self) -> bool:
         self._fire("before_commit")
-        ok = _group_all(not self._failed, self.ranks)
-        self._report_failed = not ok
-        if ok:
-            self._consecutive = 0
-            return True
-        self._consecutive += 1
-        if self._consecutive >= self.config.max_consecutive_failures:
-            raise TooManyFailures(
-                f"{self._consecutive} consecutive steps failed (ft.max_consecutive_failures="
-                f"{self.config.max_consecutive_failures}); last error: {self._failure}")
-        return False
+        ok = _group_all(not self.proto.failed, self.ranks)
+        self._progress()
+        return self.proto.on_outcome(ok)
 
     # -- live recovery -------------------------------------------------------------------------------
-    def _serve(self, q: Quorum, snapshot: SnapshotFn) -> None:
-        """Publish a snapshot of this step for each new recovery request assigned to us."""
-        for joiner, source in q.sources.items():
-            member = q.member(joiner)
-            if source != self.replica_id or member is None:
-                continue
-            request = (joiner, int(member.meta.get("recover_request", 0)))
-            if request in self._served:
-                continue
-            if self._published_step != q.step:
-                tensors, meta = snapshot()
-                self.server.publish(snapshot_state(tensors, meta, q.step))
-                self._published_step = q.step
-            self._served.add(request)
-
-    def _ensure_fetch(self, q: Quorum) -> None:
-        if self._fetch is not None:
-            return
-        source = q.sources.get(self.replica_id)
-        member = q.member(source) if source else None
+    def _start_fetch(self, q: Quorum, source: str) -> None:
+        member = q.member(source)
         urls = member.meta.get("transfer") if member is not None else None
-        if not isinstance(urls, list) or len(urls) != self.ranks:
-            return  # the source has another number of ranks: nobody to pull this shard from
+        if not isinstance(urls, list) or len(urls) != self.ranks or not isinstance(urls[self.rank], str):
+            # The source has another number of ranks: nobody to pull this shard from.
+            self.proto.fetch_finished()
+            return
         fetch = _Fetch(source=member.group, url=urls[self.rank], step=q.step)
         self._fetch = fetch
-        self.events.emit("recovery_start", step=self._step, source=member.group,
+        self.events.emit("recovery_start", step=self.proto.step, source=member.group,
                          snapshot_step=q.step, quorum_id=q.quorum_id)
 
         def progress(done: int, total: int) -> None:
@@ -304,6 +296,8 @@ class Manager:
                     wait_available=self.config.quorum_timeout, progress=progress)
             except TransferError as e:
                 fetch.error = str(e)
+            except Exception as e:  # noqa: BLE001 - a failed pull is retried, never fatal
+                fetch.error = f"{type(e).__name__}: {e}"
             finally:
                 fetch.done.set()
 
@@ -315,10 +309,10 @@ class Manager:
         if not _group_all(fetch is not None and fetch.done.is_set(), self.ranks):
             return None
         self._fetch = None
+        self.proto.fetch_finished()
         if not _group_all(not fetch.error and fetch.result is not None, self.ranks):
-            self.events.emit("recovery_end", step=self._step, ok=False, source=fetch.source,
+            self.events.emit("recovery_end", step=self.proto.step, ok=False, source=fetch.source,
                              error=fetch.error)
-            self._recover_request += 1
             return None
         tensors, meta = fetch.result
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -327,9 +321,51 @@ class Manager:
 
     def restart_recovery(self, reason: str) -> None:
         log.warning("restarting recovery: %s", reason)
-        self.events.emit("recovery_end", step=self._step, ok=False, error=reason)
-        self._fetch = None  # an in-flight pull finishes on its own and is ignored
-        self._recover_request += 1
+        self.events.emit("recovery_end", step=self.proto.step, ok=False, error=reason)
+        if self._fetch is not None:
+            self._fetch = None  # an in-flight pull finishes on its own and is ignored
+        self.proto.fetch_finished()
+
+    def caught_up(self, step: int, chain: str) -> None:
+        """The trainer replayed its way to the head: report that state from now on."""
+        self.proto.caught_up(step, chain)
+        self._progress()
+
+    # -- the end of the job --------------------------------------------------------------------------
+    def finish(self, step: int, chain: str, snapshot: SnapshotFn) -> None:
+        """Keep serving until every group of the job holds the final state, then leave the job.
+
+        A group that reached the last step is the only source left for a group still recovering
+        (or restarted near the end): it answers quorums at the final step, publishing its state
+        for them, until a quorum shows all ``expected_groups`` groups up to date, or no such
+        quorum came within ``quorum_timeout``.
+        """
+        deadline = time.monotonic() + self.config.quorum_timeout
+        while time.monotonic() < deadline:
+            try:
+                plan = self.start_step(step, chain, snapshot)
+            except TooManyFailures as e:
+                log.warning("stopped waiting for the other groups to finish: %s", e)
+                break
+            q = plan.quorum
+            if not q.recovering and len({m.group for m in q.members}) >= max(1, self.expected_groups):
+                break
+            if q.recovering:  # someone is pulling from us: stay for as long as that takes
+                deadline = time.monotonic() + self.config.quorum_timeout
+            self.abort.wait(0.25)
+        self.leave("finished")
+
+    def leave(self, reason: str) -> None:
+        """Tell the coordinator this group leaves on purpose (leader; once)."""
+        if self._left or self.client is None:
+            return
+        self._left = True
+        if self.heartbeater is not None:
+            self.heartbeater.stop()
+        try:
+            self.client.leave(reason)
+        except (CoordinatorError, OSError) as e:
+            log.warning("could not tell the coordinator that %s leaves: %s", self.replica_id, e)
 
     def close(self) -> None:
         if self.heartbeater is not None:

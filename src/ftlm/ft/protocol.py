@@ -1,9 +1,11 @@
 """What the trainer asks of fault tolerance each step, and the null object used without it.
 
-The trainer calls, once per step: ``start_step`` (join the quorum, learn whether this group
-trains data or recovers), ``allreduce`` (average gradients across participating groups),
-``commit`` (may the update be applied?). A recovering group also calls ``poll_recovery`` until
-the peer's snapshot has arrived. ``NoFaultTolerance`` answers for a lone group at no cost, so the
+The trainer calls ``join`` once with its committed state, then once per step: ``start_step``
+(join the quorum, learn whether this group trains data, recovers or drains at the end),
+``allreduce`` (average gradients across participating groups), ``commit`` (may the update be
+applied?). A recovering group also calls ``poll_recovery`` until the peer's snapshot has arrived
+and ``caught_up`` once its replay reached the head; at the last step ``finish`` serves late
+groups and leaves the job. ``NoFaultTolerance`` answers for a lone group at no cost, so the
 single-group path stays as fast as plain PyTorch.
 """
 
@@ -30,6 +32,10 @@ class StepPlan:
     """Number of groups training data this step (P); gradients are averaged over them."""
     recovering: bool = False
     members: list[str] = field(default_factory=list)
+    drain: bool = False
+    """The job reached its last step: nothing to train; a recovering group only catches up."""
+    quorum: Any = None
+    """The issued ``ftlm.ft.quorum.Quorum`` (None without fault tolerance)."""
 
     @property
     def participating(self) -> bool:
@@ -49,11 +55,16 @@ class Recovered:
 
 
 class FaultTolerance(Protocol):
-    def start_step(self, step: int, cursor: int, snapshot: SnapshotFn) -> StepPlan: ...
+    def join(self, step: int, chain: str) -> None: ...
+    def start_step(self, step: int, chain: str, snapshot: SnapshotFn) -> StepPlan: ...
     def allreduce(self, tensors: list[torch.Tensor]) -> None: ...
+    def fail_step(self, reason: str) -> None: ...
     def commit(self) -> bool: ...
     def poll_recovery(self) -> Recovered | None: ...
     def restart_recovery(self, reason: str) -> None: ...
+    def caught_up(self, step: int, chain: str) -> None: ...
+    def finish(self, step: int, chain: str, snapshot: SnapshotFn) -> None: ...
+    def leave(self, reason: str) -> None: ...
     def fire(self, point: str) -> None: ...
     def close(self) -> None: ...
 
@@ -61,14 +72,33 @@ class FaultTolerance(Protocol):
 class NoFaultTolerance:
     """A lone replica group: always participant 0 of 1, nothing to average, every step commits."""
 
-    def start_step(self, step: int, cursor: int, snapshot: SnapshotFn) -> StepPlan:
+    def __init__(self) -> None:
+        self._failed = False
+
+    def join(self, step: int, chain: str) -> None:
+        return None
+
+    def start_step(self, step: int, chain: str, snapshot: SnapshotFn) -> StepPlan:
+        self._failed = False
         return StepPlan(quorum_id=0, step=step, participant_index=0, participants=1)
 
     def allreduce(self, tensors: list[torch.Tensor]) -> None:
         return None
 
+    def fail_step(self, reason: str) -> None:
+        self._failed = True
+
     def commit(self) -> bool:
-        return True
+        return not self._failed
+
+    def caught_up(self, step: int, chain: str) -> None:
+        return None
+
+    def finish(self, step: int, chain: str, snapshot: SnapshotFn) -> None:
+        return None
+
+    def leave(self, reason: str) -> None:
+        return None
 
     def poll_recovery(self) -> Recovered | None:
         return None

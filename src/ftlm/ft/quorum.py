@@ -1,32 +1,49 @@
-"""Membership and the per-step quorum decision, as pure functions of the coordinator's state.
+"""Membership, the authoritative committed state, and the per-step quorum decision: pure functions.
 
-Responsible for: which replica groups are alive (heartbeats with the clock passed in), replacing an
-old incarnation of a group by a newer one, and deciding when to issue a quorum, who is in it, its
-id, who participates and who recovers from whom (DESIGN.md section 6). Every "not yet" comes with a
-human-readable reason.
+Responsible for: which replica groups are alive (heartbeats, progress, explicit leaves and reported
+deaths, with the clock passed in), replacing an old incarnation of a group by a newer one, which
+committed state is authoritative (the *head*: a step and the hash chain of its history, see
+``ftlm.ft.history``), explicit rollbacks when no live group holds the head, and deciding when to
+issue a quorum, who is in it, its id, who participates and who recovers from whom (DESIGN.md
+section 6). Every "not yet" comes with a human-readable reason.
 
-Not responsible for: sockets, threads, timers or the wall clock (``ftlm.ft.coordinator`` feeds
-these functions), nor for what members do with the answer (``ftlm.ft.manager``).
+Not responsible for: sockets, threads, timers or the wall clock (``ftlm.ft.membership`` wraps these
+functions into the coordinator's state machine, ``ftlm.ft.coordinator`` serves it), nor for what
+members do with the answer (``ftlm.ft.group``).
 
-Time values (``now``, ``last_seen``, ``asked_at``, ``issued_at``) are seconds on one monotonic clock
-chosen by the caller. A replica id is ``"<group>:<incarnation>"``; each group has at most one live
-incarnation.
+The rules that keep replicas identical:
+
+* the head only moves forward by one step, to a chain that extends the head through a quorum issued
+  at the head's step; any other claim (a step far ahead, a fork) is *stale*: that member recovers;
+* participants of a quorum are exactly the candidates holding the head; everyone else recovers from
+  one of them; a quorum is never issued while live groups hold the head but none of them asked;
+* when no live group has held the head for ``rollback_grace`` seconds, the job rolls back,
+  explicitly (a ``Restore`` the caller logs), to the newest state a live group holds;
+* after a coordinator restart nothing is decided until the members have reported for one
+  ``rebuild_grace`` (or every expected group reported).
+
+Time values are seconds on one monotonic clock chosen by the caller. A replica id is
+``"<group>:<incarnation>"``; each group has at most one live incarnation.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from ftlm.errors import FtlmError
+from ftlm.ft.history import GENESIS, extend_chain
 
 # Bound on remembered replaced incarnations (enough for thousands of restarts; memory stays small).
 _MAX_RETIRED = 4096
+MAX_CLAIM = 2**53
+"""Largest step or quorum id a member may claim (beyond it JSON numbers lose precision)."""
 
 
 class StaleIncarnation(FtlmError):
-    """A replica group incarnation was replaced by a newer one; the old process must exit."""
+    """A replica group incarnation was replaced or retired; the old process must exit."""
 
 
 @dataclass
@@ -40,17 +57,22 @@ class MemberRequest:
     failed: bool
     meta: dict[str, Any]
     asked_at: float
+    chain: str = GENESIS
+    """Hash chain of the group's committed history at ``step``."""
 
 
 @dataclass
 class Heartbeat:
-    """The latest sign of life of one replica."""
+    """The latest sign of life of one replica, with its committed state."""
 
     replica_id: str
     group: str
     last_seen: float
     step: int
     quorum_id: int = -1  # the last quorum id the replica knows; raises the state's id after a restart
+    chain: str = GENESIS
+    progress_at: float | None = None
+    """When the group last reached a protocol point (None: as ``last_seen``)."""
 
 
 @dataclass
@@ -61,6 +83,17 @@ class QuorumOptions:
     join_timeout: float
     heartbeat_timeout: float
     expected_groups: int = 0  # groups the job is launched with; the first quorum waits for them
+    progress_timeout: float = 0.0  # 0: a live heartbeat is enough (no hang detection by progress)
+    rebuild_grace: float | None = None  # None: one heartbeat timeout
+    rollback_grace: float | None = None  # None: two heartbeat timeouts
+
+    @property
+    def rebuild_seconds(self) -> float:
+        return self.heartbeat_timeout if self.rebuild_grace is None else self.rebuild_grace
+
+    @property
+    def rollback_seconds(self) -> float:
+        return 2 * self.heartbeat_timeout if self.rollback_grace is None else self.rollback_grace
 
 
 @dataclass
@@ -78,13 +111,14 @@ class Quorum:
     """An issued quorum: who is in it, who trains, who recovers and from whom."""
 
     quorum_id: int
-    step: int  # the highest step among members; participants are at this step
+    step: int  # the head's step; participants hold it
     members: list[Member]  # sorted by group
-    participants: list[str]  # replica ids at ``step``, sorted by group
-    recovering: list[str]  # replica ids behind ``step``, sorted by group
+    participants: list[str]  # replica ids holding the head, sorted by group
+    recovering: list[str]  # every other member, sorted by group
     sources: dict[str, str]  # recovering replica id -> participant replica id to pull state from
     issued_at: float
     reason: str = ""
+    chain: str = GENESIS  # the head's chain: what participants hold and recovering members reach
 
     def participant_index(self, replica_id: str) -> int | None:
         """Position of ``replica_id`` among the participants (its data slice), None if it is not one."""
@@ -99,11 +133,16 @@ class Quorum:
     def replica_ids(self) -> list[str]:
         return [m.replica_id for m in self.members]
 
+    def next_chain(self) -> str:
+        """The chain of a participant that commits this quorum's step."""
+        return extend_chain(self.chain, self.step, self.quorum_id, self.participants)
+
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict (``json.dumps`` it to send)."""
         return {
             "quorum_id": self.quorum_id,
             "step": self.step,
+            "chain": self.chain,
             "members": [
                 {"replica_id": m.replica_id, "group": m.group, "step": m.step, "meta": m.meta} for m in self.members
             ],
@@ -132,9 +171,21 @@ class Quorum:
                 sources={str(k): str(v) for k, v in data["sources"].items()},
                 issued_at=float(data["issued_at"]),
                 reason=str(data.get("reason", "")),
+                chain=str(data.get("chain", GENESIS)),
             )
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"not a quorum: {e!r} in {str(data)[:200]}") from e
+
+
+@dataclass(frozen=True)
+class Restore:
+    """An explicit rollback: no live group held the head, so the job continues from ``to_step``."""
+
+    from_step: int
+    to_step: int
+    chain: str
+    holders: tuple[str, ...]
+    reason: str
 
 
 @dataclass
@@ -146,8 +197,16 @@ class CoordinatorState:
     prev_quorum: Quorum | None = None
     quorum_id: int = 0  # the highest quorum id issued or reported; the next change issues id + 1
     round_started: float | None = None  # when the oldest pending request arrived
-    retired: dict[str, float] = field(default_factory=dict)  # replaced replica id -> when
-    max_step: int = 0  # the highest step any member has reported: the job's progress
+    retired: dict[str, float] = field(default_factory=dict)  # replaced or hung replica id -> when
+    head: tuple[int, str] | None = None  # (step, chain) of the authoritative committed state
+    head_quorums: list[tuple[int, list[str]]] = field(default_factory=list)  # issued at the head step
+    head_seen_at: float | None = None  # when a live member last held the head
+    started_at: float | None = None  # when this coordinator first heard from anyone
+
+    @property
+    def max_step(self) -> int:
+        """The job's progress: the head's step (0 before it is known)."""
+        return self.head[0] if self.head is not None else 0
 
 
 def _is_fresh(now: float, state: CoordinatorState, replica_id: str, options: QuorumOptions) -> bool:
@@ -155,103 +214,240 @@ def _is_fresh(now: float, state: CoordinatorState, replica_id: str, options: Quo
     return hb is not None and now - hb.last_seen < options.heartbeat_timeout
 
 
+def _retire(state: CoordinatorState, replica_id: str, now: float) -> None:
+    state.heartbeats.pop(replica_id, None)
+    state.pending.pop(replica_id, None)
+    state.retired[replica_id] = now
+    while len(state.retired) > _MAX_RETIRED:
+        state.retired.pop(next(iter(state.retired)))  # dicts keep insertion order: oldest first
+
+
 def _retire_other_incarnations(state: CoordinatorState, replica_id: str, group: str, now: float) -> list[str]:
     if replica_id in state.retired:
         raise StaleIncarnation(
-            f"replica {replica_id} was replaced by a newer incarnation of group {group}; this process must exit"
+            f"replica {replica_id} was replaced or declared hung; this process must exit"
         )
     old = [r for r, hb in state.heartbeats.items() if hb.group == group and r != replica_id]
     old += [r for r, req in state.pending.items() if req.group == group and r != replica_id and r not in old]
     for r in old:
-        state.heartbeats.pop(r, None)
-        state.pending.pop(r, None)
-        state.retired[r] = now
-    while len(state.retired) > _MAX_RETIRED:
-        state.retired.pop(next(iter(state.retired)))  # dicts keep insertion order: oldest first
+        _retire(state, r, now)
     return old
+
+
+def _sync_round(state: CoordinatorState) -> None:
+    state.round_started = min((req.asked_at for req in state.pending.values()), default=None)
 
 
 def record_heartbeat(state: CoordinatorState, hb: Heartbeat) -> list[str]:
     """Record a heartbeat; returns the older incarnations of its group that it replaced.
 
-    Raises StaleIncarnation if ``hb`` comes from an incarnation that was itself replaced.
+    Raises StaleIncarnation if ``hb`` comes from an incarnation that was itself replaced or retired.
+    Claims are bounded by the caller's validation (``MAX_CLAIM``); they never move the head here.
     """
     replaced = _retire_other_incarnations(state, hb.replica_id, hb.group, hb.last_seen)
+    if hb.progress_at is None:
+        hb.progress_at = hb.last_seen
     state.heartbeats[hb.replica_id] = hb
-    state.quorum_id = max(state.quorum_id, hb.quorum_id)
-    state.max_step = max(state.max_step, hb.step)
+    state.quorum_id = max(state.quorum_id, min(hb.quorum_id, MAX_CLAIM))
+    if state.started_at is None:
+        state.started_at = hb.last_seen
     return replaced
 
 
 def record_request(state: CoordinatorState, req: MemberRequest) -> list[str]:
-    """Record a quorum request (which counts as a heartbeat); returns the incarnations it replaced.
+    """Record a quorum request (a heartbeat and a sign of progress); returns replaced incarnations.
 
     A repeated request of the same replica overwrites its earlier one. Raises StaleIncarnation if
     ``req`` comes from an incarnation that was replaced.
     """
     prior = state.heartbeats.get(req.replica_id)
     known_id = max(req.last_quorum_id, prior.quorum_id if prior else -1)
-    replaced = record_heartbeat(state, Heartbeat(req.replica_id, req.group, req.asked_at, req.step, known_id))
+    replaced = record_heartbeat(state, Heartbeat(req.replica_id, req.group, req.asked_at, req.step, known_id,
+                                                 req.chain, req.asked_at))
     state.pending[req.replica_id] = req
     if state.round_started is None:
         state.round_started = req.asked_at
     return replaced
 
 
-def expire(now: float, state: CoordinatorState, options: QuorumOptions) -> list[str]:
-    """Remove replicas whose heartbeat is older than ``heartbeat_timeout``; returns their ids."""
-    dead = [r for r in state.heartbeats if not _is_fresh(now, state, r, options)]
-    for r in dead:
-        del state.heartbeats[r]
-        state.pending.pop(r, None)
-    if dead:
-        state.round_started = min((req.asked_at for req in state.pending.values()), default=None)
-    return dead
+def expire(now: float, state: CoordinatorState, options: QuorumOptions) -> list[tuple[str, str]]:
+    """Remove replicas that stopped heartbeating or stopped making progress.
+
+    Returns ``(replica id, reason)`` for each. A replica whose heartbeat lives while it makes no
+    progress (a hung rank, a wedged training thread) is retired: its next heartbeat is refused, so
+    that the process exits instead of coming back with a state nobody vouches for.
+    """
+    gone: list[tuple[str, str]] = []
+    for r, hb in list(state.heartbeats.items()):
+        if not _is_fresh(now, state, r, options):
+            gone.append((r, "heartbeat timeout"))
+            del state.heartbeats[r]
+            state.pending.pop(r, None)
+        elif (options.progress_timeout > 0 and r not in state.pending
+              and now - (hb.progress_at if hb.progress_at is not None else hb.last_seen) > options.progress_timeout):
+            idle = now - (hb.progress_at if hb.progress_at is not None else hb.last_seen)
+            gone.append((r, f"no progress for {idle:.0f} s (hung rank or training thread)"))
+            _retire(state, r, now)
+    if gone:
+        _sync_round(state)
+    return gone
+
+
+def remove_member(state: CoordinatorState, replica_id: str, now: float, retire: bool = True) -> bool:
+    """Drop a replica that left or whose process ended; returns whether it was known.
+
+    ``retire`` refuses the incarnation from then on (its process is gone or told to go).
+    """
+    known = replica_id in state.heartbeats or replica_id in state.pending
+    state.heartbeats.pop(replica_id, None)
+    state.pending.pop(replica_id, None)
+    if retire:
+        _retire(state, replica_id, now)
+    _sync_round(state)
+    return known
 
 
 def commit_quorum(state: CoordinatorState, quorum: Quorum) -> None:
     """Record ``quorum`` as issued: its members' requests are answered and a new round begins."""
     state.prev_quorum = quorum
     state.quorum_id = max(state.quorum_id, quorum.quorum_id)
+    if state.head is not None and quorum.step == state.head[0]:
+        state.head_quorums.append((quorum.quorum_id, list(quorum.participants)))
+        del state.head_quorums[:-64]  # retries of one step: only recent ones can still commit
     for r in quorum.replica_ids():
         state.pending.pop(r, None)
-    state.round_started = min((req.asked_at for req in state.pending.values()), default=None)
+    _sync_round(state)
 
 
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
+def _fresh_claims(now: float, state: CoordinatorState, options: QuorumOptions) -> dict[str, tuple[int, str]]:
+    return {r: (hb.step, hb.chain) for r, hb in state.heartbeats.items() if _is_fresh(now, state, r, options)}
+
+
+def _best(claims: dict[str, tuple[int, str]]) -> tuple[int, str]:
+    """The newest claimed state: highest step, then most holders, then the smaller chain."""
+    holders = Counter(claims.values())
+    return max(holders, key=lambda sc: (sc[0], holders[sc], [-ord(c) for c in sc[1]]))
+
+
+def _rebuilding(now: float, state: CoordinatorState, options: QuorumOptions,
+                claims: dict[str, tuple[int, str]]) -> str:
+    """Why the head cannot be chosen yet after a (re)start, or "" when it can."""
+    if all(c == (0, GENESIS) for c in claims.values()):
+        return ""  # a fresh job: everyone starts from the same empty history
+    groups = {state.heartbeats[r].group for r in claims}
+    if options.expected_groups and len(groups) >= options.expected_groups:
+        return ""
+    left = options.rebuild_seconds - (now - (state.started_at if state.started_at is not None else now))
+    if left <= 0:
+        return ""
+    return (f"rebuilding membership: {_plural(len(groups), 'group')} reported their committed "
+            f"state; deciding in {left:.1f} s")
+
+
+def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) -> tuple[list[Restore], str]:
+    """Move the head to what live members hold; returns explicit rollbacks and a "not yet" reason.
+
+    Call after ``expire`` and before ``compute_quorum``. The head is chosen from the members'
+    claims when unknown (a fresh or restarted coordinator), advances by one step when a member
+    reports a commit of a quorum issued at the head's step, and rolls back (a ``Restore``) when no
+    live member has held it for ``rollback_grace``.
+    """
+    claims = _fresh_claims(now, state, options)
+    if not claims:
+        return [], ""
+    if state.head is None:
+        why = _rebuilding(now, state, options, claims)
+        if why:
+            return [], why
+        state.head = _best(claims)
+        state.head_quorums = []
+        state.head_seen_at = now
+        return [], ""
+    step, chain = state.head
+    valid = {extend_chain(chain, step, qid, parts) for qid, parts in state.head_quorums}
+    ahead = [c for c in claims.values() if c[0] == step + 1 and c[1] in valid]
+    if ahead:
+        holders = Counter(ahead)
+        state.head = max(holders, key=lambda sc: (holders[sc], sc[1]))
+        state.head_quorums = []
+        state.head_seen_at = now
+        return [], ""
+    if state.head in claims.values():
+        state.head_seen_at = now
+        return [], ""
+    seen = state.head_seen_at if state.head_seen_at is not None else now
+    left = options.rollback_seconds - (now - seen)
+    if left > 0:
+        return [], (f"no live group holds the newest state (step {step}); rolling back to the "
+                    f"newest state a live group holds in {left:.1f} s unless a holder returns")
+    target = _best(claims)
+    holders = tuple(sorted(state.heartbeats[r].group for r, c in claims.items() if c == target))
+    restore = Restore(step, target[0], target[1], holders,
+                      f"every group holding step {step} is gone; continuing from step {target[0]} "
+                      f"held by {', '.join(holders)}")
+    state.head = target
+    state.head_quorums = []
+    state.head_seen_at = now
+    return [restore], ""
+
+
+def classify(state: CoordinatorState, replica_id: str) -> str:
+    """``up-to-date`` (holds the head), ``behind`` or ``stale`` (ahead of the head or forked)."""
+    hb = state.heartbeats.get(replica_id)
+    if hb is None or state.head is None:
+        return "unknown"
+    if (hb.step, hb.chain) == state.head:
+        return "up-to-date"
+    return "behind" if hb.step <= state.head[0] else "stale"
+
+
 def compute_quorum(now: float, state: CoordinatorState, options: QuorumOptions) -> tuple[Quorum | None, str]:
     """Decide whether to issue a quorum now (DESIGN.md section 6); never mutates ``state``.
 
     Returns ``(quorum, reason)``, or ``(None, reason)`` saying what is awaited. The caller records
-    an issued quorum with ``commit_quorum``.
+    an issued quorum with ``commit_quorum``. Needs the head (``advance_head``).
     """
     candidates = {r: req for r, req in state.pending.items() if _is_fresh(now, state, r, options)}
     if not candidates:
         return None, "no member has asked for a quorum"
-    alive_groups = sorted({hb.group for r, hb in state.heartbeats.items() if _is_fresh(now, state, r, options)})
+    if state.head is None:
+        return None, "rebuilding membership: waiting for members to report their committed state"
+    head_step = state.head[0]
+    alive = {r for r in state.heartbeats if _is_fresh(now, state, r, options)}
+    alive_groups = sorted({state.heartbeats[r].group for r in alive})
     asked_groups = sorted({req.group for req in candidates.values()})
     if len(candidates) < options.min_replicas:
         n = _plural(len(candidates), "healthy group")
         return None, f"only {n} asked, need min_replicas={options.min_replicas}"
 
-    # Progress must not silently go back: if every holder of the newest state died, the groups
-    # left cannot heal from anyone. One step behind is the normal case of a group that committed
-    # while the others failed that step; more is lost work that only a durable checkpoint restores.
-    newest = max(req.step for req in candidates.values())
-    if state.max_step - newest > 1:
-        return None, (f"the newest state (step {state.max_step}) is held by no live group; the "
-                      f"groups asking are at step {newest}: restore them from a durable checkpoint")
+    up = [r for r, req in candidates.items() if (req.step, req.chain) == state.head]
+    if not up:
+        holders = sorted(state.heartbeats[r].group for r in alive if classify(state, r) == "up-to-date")
+        if holders:
+            return None, (f"waiting for the holders of step {head_step} ({', '.join(holders)}) to ask; "
+                          f"the groups asking must recover from them")
+        return None, f"no live group holds the newest state (step {head_step}); waiting for the rollback"
 
     prev = state.prev_quorum
-    prev_alive = [m.replica_id for m in prev.members if _is_fresh(now, state, m.replica_id, options)] if prev else []
+    prev_alive = [m.replica_id for m in prev.members if m.replica_id in alive] if prev else []
     if prev is not None and prev_alive and all(r in candidates for r in prev_alive):
         joiners = len(candidates) - len(prev_alive)
         extra = f" (+{_plural(joiners, 'joiner')})" if joiners else ""
         reason = f"fast path: all {_plural(len(prev_alive), 'healthy member')} of quorum {prev.quorum_id} asked{extra}"
-        return _build(now, state, candidates, reason), reason
+        return _build(now, state, candidates, up, reason), reason
+
+    # A live participant of a quorum issued at this very step that has not asked again may have
+    # committed it: a quorum without it could commit the same step differently (a fork).
+    in_flight = {r for _, parts in state.head_quorums for r in parts}
+    unsettled = sorted(state.heartbeats[r].group for r in alive
+                       if r in in_flight and r not in candidates and classify(state, r) == "up-to-date")
+    if unsettled:
+        return None, (f"waiting for {', '.join(unsettled)}: it took part in step {head_step} and may "
+                      "have committed it (or it hangs: then progress_timeout declares it dead)")
 
     started = state.round_started
     if started is None:
@@ -264,7 +460,7 @@ def compute_quorum(now: float, state: CoordinatorState, options: QuorumOptions) 
                       f"groups asked; join timeout in {left:.1f} s")
     if len(asked_groups) == len(alive_groups):
         reason = f"all {_plural(len(alive_groups), 'heartbeating group')} asked"
-        return _build(now, state, candidates, reason), reason
+        return _build(now, state, candidates, up, reason), reason
     if 2 * len(asked_groups) <= len(alive_groups):
         return None, f"{len(asked_groups)} of {len(alive_groups)} heartbeating groups asked: not a majority"
     missing = ", ".join(g for g in alive_groups if g not in asked_groups)
@@ -273,23 +469,28 @@ def compute_quorum(now: float, state: CoordinatorState, options: QuorumOptions) 
             f"waiting for {missing} (asked {len(asked_groups)} of {len(alive_groups)}); join timeout in {left:.1f} s"
         )
     reason = f"join timeout passed: {len(asked_groups)} of {len(alive_groups)} heartbeating groups asked, not {missing}"
-    return _build(now, state, candidates, reason), reason
+    return _build(now, state, candidates, up, reason), reason
 
 
-def _build(now: float, state: CoordinatorState, candidates: dict[str, MemberRequest], reason: str) -> Quorum:
+def _build(now: float, state: CoordinatorState, candidates: dict[str, MemberRequest], up: list[str],
+           reason: str) -> Quorum:
+    assert state.head is not None
     reqs = sorted(candidates.values(), key=lambda q: (q.group, q.replica_id))
     members = [Member(q.replica_id, q.group, q.step, q.meta) for q in reqs]
-    top = max(m.step for m in members)
-    participants = [m.replica_id for m in members if m.step == top]
-    recovering = [m.replica_id for m in members if m.step != top]
+    participants = [m.replica_id for m in members if m.replica_id in up]
+    recovering = [m.replica_id for m in members if m.replica_id not in up]
     sources = {r: participants[i % len(participants)] for i, r in enumerate(recovering)}
 
-    base = max([state.quorum_id] + [q.last_quorum_id for q in reqs])
+    base = max([state.quorum_id] + [min(q.last_quorum_id, MAX_CLAIM) for q in reqs])
     prev = state.prev_quorum
-    changed = prev is None or set(prev.replica_ids()) != set(candidates)
+    # The id stays the same only while the same members step forward together; a retry of a step,
+    # a change of membership or a reported failure each get a fresh id (a fresh process group).
+    ordinary = (prev is not None and prev.step == state.head[0] - 1
+                and set(prev.replica_ids()) == set(candidates))
     failed = any(q.failed for q in reqs)
-    quorum_id = base + 1 if changed or failed else base
-    return Quorum(quorum_id, top, members, participants, recovering, sources, now, reason)
+    quorum_id = base if ordinary and not failed else base + 1
+    return Quorum(quorum_id, state.head[0], members, participants, recovering, sources, now, reason,
+                  state.head[1])
 
 
 def withdraw_request(state: CoordinatorState, req: MemberRequest) -> bool:
@@ -300,5 +501,5 @@ def withdraw_request(state: CoordinatorState, req: MemberRequest) -> bool:
     if state.pending.get(req.replica_id) is not req:
         return False
     del state.pending[req.replica_id]
-    state.round_started = min((r.asked_at for r in state.pending.values()), default=None)
+    _sync_round(state)
     return True

@@ -9,7 +9,7 @@ overflows the group drops it and asks for a fresher snapshot.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,9 @@ class BufferedUpdate:
     lr: float
     samples: int
     """How far the data cursor moved in this step (participants x batch size)."""
+    quorum_id: int = 0
+    participants: list[str] = field(default_factory=list)
+    """The quorum the update was averaged in: replaying it extends the history chain."""
 
 
 class CatchUpBuffer:
@@ -42,9 +45,10 @@ class CatchUpBuffer:
     def nbytes(self) -> int:
         return sum(u.grads.numel() * u.grads.element_size() for u in self._updates.values())
 
-    def record(self, step: int, grads: list[torch.Tensor], lr: float, samples: int) -> None:
+    def record(self, step: int, grads: list[torch.Tensor], lr: float, samples: int,
+               quorum_id: int = 0, participants: list[str] | None = None) -> None:
         flat = torch.cat([g.detach().reshape(-1).to("cpu", copy=True) for g in grads])
-        self._updates[step] = BufferedUpdate(step, flat, lr, samples)
+        self._updates[step] = BufferedUpdate(step, flat, lr, samples, quorum_id, list(participants or []))
 
     def clear(self) -> None:
         self._updates.clear()
@@ -53,7 +57,8 @@ class CatchUpBuffer:
         """The updates of steps ``step, step+1, ...`` in order, emptying the buffer.
 
         Returns None when a step in that run is missing (this group failed a step its peers
-        committed): the snapshot cannot be brought forward and a fresher one is needed.
+        committed): the snapshot cannot be brought forward and a fresher one is needed. Whether
+        the run reaches the head is checked by ``ftlm.ft.group.check_replay``.
         """
         later = sorted(s for s in self._updates if s >= step)
         if later != list(range(step, step + len(later))):

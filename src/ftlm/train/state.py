@@ -3,7 +3,9 @@
 Every up-to-date replica group holds bitwise the same ``TrainState``. It is one ``Stateful``
 object (``state_dict`` / ``load_state_dict``) for durable checkpoints (DCP), and it flattens to a
 ``dict[str, Tensor]`` plus a JSON-able dict for live recovery, which is all ``ftlm.ft`` ever sees.
-The LR schedule position is the step itself (``ftlm.train.schedule`` is a pure function of it).
+The committed history is a hash chain (``ftlm.ft.history``) kept next to the step: it travels
+with live recovery and durable checkpoints, so every holder of a state can say which history
+produced it. The LR schedule position is the step itself (``ftlm.train.schedule`` is a pure function of it).
 A training step draws no random numbers (no dropout; the data order is a function of the seed
 and the cursor), so the seed is the whole RNG state: the process-global torch generator is not
 replicated, because unrelated code may draw from it differently in each process.
@@ -15,6 +17,8 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ftlm.ft.history import GENESIS, is_chain
 
 _TENSOR = "__tensor__"
 
@@ -30,6 +34,7 @@ class TrainState:
         self.step = 0
         self.cursor = 0
         self.seed = seed
+        self.chain = GENESIS
         _init_optimizer_state(model, optimizer)
 
     # -- durable checkpoints (DCP Stateful protocol) -------------------------------------------
@@ -39,12 +44,15 @@ class TrainState:
             "model": model_sd,
             "optim": optim_sd,
             "progress": torch.tensor([self.step, self.cursor, self.seed], dtype=torch.int64),
+            "history": torch.tensor(list(bytes.fromhex(self.chain)), dtype=torch.uint8),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"],
                        optim_state_dict=sd["optim"])
         self.step, self.cursor, self.seed = (int(v) for v in sd["progress"].tolist())
+        history = sd.get("history")
+        self.chain = bytes(history.tolist()).hex() if history is not None else GENESIS
 
     # -- live recovery: tensors + JSON ---------------------------------------------------------
     def flat(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -55,12 +63,16 @@ class TrainState:
         """
         tensors: dict[str, torch.Tensor] = {}
         meta = _flatten(self.state_dict(), "", tensors)
-        return tensors, {"state": meta, "step": self.step, "cursor": self.cursor}
+        return tensors, {"state": meta, "step": self.step, "cursor": self.cursor, "chain": self.chain}
 
     def load_flat(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Load a state produced by ``flat()``; copies, so the source may be reused afterwards."""
         owned = {name: t.clone() for name, t in tensors.items()}
         self.load_state_dict(_unflatten(meta["state"], owned, self.mesh))
+        chain = meta.get("chain", GENESIS)
+        if not is_chain(chain):
+            raise ValueError(f"state meta has a malformed history chain {str(chain)[:80]!r}")
+        self.chain = chain
 
 
 def _init_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -1,0 +1,202 @@
+"""A replica group's side of the per-step protocol, as a sans-I/O state machine.
+
+Responsible for: what the group reports (its committed ``(step, chain)``, the last quorum id it
+knows, whether its last step failed, its recovery request number), what an issued quorum means for
+it (train a data slice, recover, drain at the end of the job; rebuild the cross-group process
+group; publish a snapshot for a recovering peer; start pulling one), whether an update may be
+applied, when repeated failures of its own end it, and whether a replayed catch-up reached the
+head (``check_replay``).
+
+Not responsible for: tensors, sockets, threads or clocks (``ftlm.ft.manager`` drives this class in
+production, ``ftlm.sim`` in the protocol simulation, so both run the same decisions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ftlm.errors import FtlmError
+from ftlm.ft.history import GENESIS, extend_chain
+from ftlm.ft.quorum import Quorum
+
+
+class TooManyFailures(FtlmError):
+    """The group failed too many steps in a row or could not get a quorum in time."""
+
+
+@dataclass
+class Role:
+    """What one issued quorum asks of this group."""
+
+    quorum: Quorum
+    participant_index: int | None
+    """Data slice among the participants; None while recovering."""
+    recovering: bool
+    drain: bool
+    """The job reached its last step: nothing is trained; finished groups serve late joiners."""
+    reconfigure: bool
+    """The quorum id changed: the cross-group process group must be rebuilt."""
+    publish: bool
+    """A recovering peer newly asked this group for its state: publish a snapshot of this step."""
+    fetch_from: str | None
+    """Start pulling the state from this replica id (a recovering group with no pull in flight)."""
+
+    @property
+    def participants(self) -> int:
+        return len(self.quorum.participants)
+
+
+@dataclass
+class ReplayCheck:
+    """Outcome of ``check_replay``: how many records to apply and the chain they lead to."""
+
+    ok: bool
+    apply: int
+    chain: str
+    reason: str = ""
+
+
+@dataclass
+class GroupProtocol:
+    """The step protocol of one replica group (one incarnation)."""
+
+    replica_id: str
+    max_consecutive_failures: int
+    total_steps: int | None = None
+    step: int = 0
+    """Committed steps (the step being worked on); reported with ``chain``."""
+    chain: str = GENESIS
+    quorum_id: int = -1
+    """The last quorum id this group knows."""
+    recover_request: int = 0
+    """Bumped after every pull (ok or not) so that a source serves the next request anew."""
+    failed: bool = False
+    """The step in progress failed (reported with the next request)."""
+    failure: str = ""
+    consecutive: int = 0
+    quorum: Quorum | None = None
+    role: Role | None = None
+    fetching: bool = False
+    _pg_quorum: int | None = None
+    _suspect: set[str] | None = None  # members of a failed step's quorum, judged at the next quorum
+    _served: set[tuple[str, int]] = field(default_factory=set)
+    _published_step: int | None = None
+
+    # -- asking ----------------------------------------------------------------------------------
+    def sync(self, step: int, chain: str) -> None:
+        """Adopt the trainer's committed state (after a catch-up or a checkpoint restore)."""
+        self.step, self.chain = step, chain
+
+    def request(self) -> dict:
+        """The fields of this group's next quorum request."""
+        return {"step": self.step, "chain": self.chain, "last_quorum_id": self.quorum_id,
+                "failed": self.failed, "recover_request": self.recover_request}
+
+    # -- an issued quorum ------------------------------------------------------------------------
+    def on_quorum(self, q: Quorum) -> Role:
+        """What ``q`` asks of this group. Raises TooManyFailures after too many own failures."""
+        if self._suspect is not None:
+            # A failed step counts against this group only if the same members came back: when a
+            # peer died or a joiner came and went, the failure was theirs, not this group's.
+            if set(q.replica_ids()) == self._suspect:
+                self.consecutive += 1
+            self._suspect = None
+            if self.consecutive >= self.max_consecutive_failures:
+                raise TooManyFailures(
+                    f"{self.consecutive} consecutive steps failed with the same members "
+                    f"(ft.max_consecutive_failures={self.max_consecutive_failures}); last error: "
+                    f"{self.failure}")
+        self.quorum = q
+        self.quorum_id = q.quorum_id
+        self.failed, self.failure = False, ""
+        me = self.replica_id
+        recovering = me in q.recovering
+        drain = self.total_steps is not None and q.step >= self.total_steps
+        reconfigure = not drain and q.quorum_id != self._pg_quorum
+        publish = False
+        for joiner, source in q.sources.items():
+            member = q.member(joiner)
+            if source != me or member is None:
+                continue
+            request = (joiner, int(member.meta.get("recover_request", 0)))
+            if request in self._served:
+                continue
+            self._served.add(request)
+            if self._published_step != q.step:
+                publish = True
+                self._published_step = q.step
+        fetch_from = None
+        if recovering and not self.fetching:
+            fetch_from = q.sources.get(me)
+            self.fetching = fetch_from is not None
+        self.role = Role(q, q.participant_index(me), recovering, drain, reconfigure, publish, fetch_from)
+        return self.role
+
+    def process_group_ready(self) -> None:
+        """The cross-group process group of the current quorum is built."""
+        self._pg_quorum = self.quorum_id
+
+    # -- the outcome of a step -------------------------------------------------------------------
+    def fail(self, reason: str) -> None:
+        """Record that this step failed here (collective error, abort, a local fault)."""
+        if not self.failed:
+            self.failure = reason
+        self.failed = True
+        self._pg_quorum = None  # the process group is aborted: rebuild it next time
+
+    def on_outcome(self, ok: bool) -> bool:
+        """The group-wide vote ``ok``; returns whether the update is applied (and advances).
+
+        A participant that commits moves to ``(step + 1, next chain)`` at once, so that its
+        heartbeats report the new committed state before it asks again. A recovering group's
+        update is buffered; its state moves when the replay is checked (``caught_up``).
+        """
+        role = self.role
+        assert role is not None, "on_outcome before on_quorum"
+        if not ok:
+            self.failed = True
+            self._suspect = set(role.quorum.replica_ids())
+            return False
+        self.consecutive = 0
+        if not role.recovering and not role.drain:
+            self.step, self.chain = role.quorum.step + 1, role.quorum.next_chain()
+        return True
+
+    # -- recovery --------------------------------------------------------------------------------
+    def fetch_finished(self) -> None:
+        """A pull ended (arrived, failed or abandoned): the next one is a new request."""
+        self.fetching = False
+        self.recover_request += 1
+
+    def caught_up(self, step: int, chain: str) -> None:
+        """The replayed state was checked against the head: report it from now on."""
+        self.step, self.chain = step, chain
+
+
+def check_replay(snapshot_step: int, snapshot_chain: str, records: list[tuple[int, int, list[str]]],
+                 quorum: Quorum, committed_now: bool) -> ReplayCheck:
+    """Whether a snapshot plus buffered updates reproduces the head, and how far to apply.
+
+    ``records`` are ``(step, quorum_id, participants)`` of the buffered updates from
+    ``snapshot_step`` on, in order and without gaps. Folding them over the snapshot's chain must
+    reach ``quorum.chain`` exactly at ``quorum.step`` (the head the participants hold); the record
+    of ``quorum.step`` itself is applied only when this step committed here (``committed_now``).
+    Anything else (a missing step, an update of a quorum whose step was redone elsewhere, a
+    snapshot newer than the head) means the pull must start over.
+    """
+    chain, step, applied = snapshot_chain, snapshot_step, 0
+    for rec_step, qid, participants in records:
+        if rec_step != step:
+            return ReplayCheck(False, 0, chain, f"buffered updates jump from step {step} to {rec_step}")
+        if step == quorum.step:
+            break
+        chain = extend_chain(chain, step, qid, participants)
+        step += 1
+        applied += 1
+    if step != quorum.step or chain != quorum.chain:
+        return ReplayCheck(False, 0, chain,
+                           f"snapshot of step {snapshot_step} plus {applied} buffered update(s) reaches "
+                           f"step {step} with another history than the head (step {quorum.step})")
+    if committed_now and records and records[-1][0] == quorum.step:
+        return ReplayCheck(True, applied + 1, quorum.next_chain())
+    return ReplayCheck(True, applied, chain)

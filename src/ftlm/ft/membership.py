@@ -1,0 +1,188 @@
+"""The coordinator as a sans-I/O state machine: inputs are messages and clock readings, outputs are
+answers to waiting members and events to log.
+
+Responsible for: feeding heartbeats, quorum requests, leaves, reported deaths and ticks into the
+pure rules of ``ftlm.ft.quorum`` in the right order (expire, advance the head, decide, record), and
+saying what must happen as a result: which waiting members get which answer, which events are
+logged. The aiohttp server (``ftlm.ft.coordinator``) and the protocol simulator (``ftlm.sim``) both
+drive this same class, so the simulator tests the code that runs in production.
+
+Not responsible for: sockets, futures, threads, timers, metrics or the dashboard (the shell does
+those from the outputs), nor for validating the wire format (the shell parses requests first).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftlm.ft.quorum import (
+    CoordinatorState,
+    Heartbeat,
+    MemberRequest,
+    Quorum,
+    QuorumOptions,
+    Restore,
+    StaleIncarnation,
+    advance_head,
+    commit_quorum,
+    compute_quorum,
+    expire,
+    record_heartbeat,
+    record_request,
+    remove_member,
+    withdraw_request,
+)
+
+DEAD_MEMORY_SECONDS = 60.0
+"""How long a dead replica is remembered (status page, abort pushes to its quorum peers)."""
+MAX_DEAD_LISTED = 256
+"""Most dead replicas one heartbeat answer names (answers stay small at any job size)."""
+REASON_REPLACED = "replaced by new incarnation"
+
+
+@dataclass
+class Answer:
+    """Wake the long-polls of ``replica_id`` with this HTTP status and JSON body."""
+
+    replica_id: str
+    status: int
+    body: dict[str, Any]
+
+
+@dataclass
+class Event:
+    """Log an event of ``kind`` (events.jsonl vocabulary, DESIGN.md section 10)."""
+
+    kind: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Issued:
+    """A quorum was issued, ``latency`` seconds after the round's first request."""
+
+    quorum: Quorum
+    latency: float
+    new_id: bool
+
+
+Output = Answer | Event | Issued
+
+
+class Membership:
+    """One job's membership and quorum state; every method takes ``now`` and returns outputs."""
+
+    def __init__(self, options: QuorumOptions) -> None:
+        self.options = options
+        self.state = CoordinatorState()
+        self.reason = "no member has asked for a quorum"
+        self.dead: deque[tuple[float, str, str, str]] = deque()  # (time, replica id, group, reason)
+        self.kill_requests: set[str] = set()
+        self._last_emitted_id: int | None = None
+
+    # -- inputs ----------------------------------------------------------------------------------
+    def heartbeat(self, now: float, hb: Heartbeat) -> tuple[dict[str, Any], list[Output]]:
+        """Record a heartbeat; returns the answer body and the outputs. Raises StaleIncarnation."""
+        out: list[Output] = []
+        for old in record_heartbeat(self.state, hb):
+            self._mark_dead(now, old, hb.group, REASON_REPLACED, out)
+        out += self.tick(now)
+        answer: dict[str, Any] = {"quorum_id": self.state.quorum_id, "dead": self.dead_peers(now),
+                                  "rebuilding": self.state.head is None}
+        if self.kill_requests:
+            self.kill_requests.intersection_update(self.state.heartbeats)  # forget replicas gone
+            if hb.replica_id in self.kill_requests:
+                answer["kill"] = True
+        return answer, out
+
+    def request(self, now: float, req: MemberRequest) -> list[Output]:
+        """Record a quorum request; the asker is answered through an ``Answer`` output (maybe later)."""
+        out: list[Output] = []
+        for old in record_request(self.state, req):
+            self._mark_dead(now, old, req.group, REASON_REPLACED, out)
+        return out + self.tick(now)
+
+    def withdraw(self, req: MemberRequest) -> None:
+        """The asker stopped waiting (timeout, disconnect): never issue it a quorum nobody receives."""
+        withdraw_request(self.state, req)
+
+    def leave(self, now: float, replica_id: str, group: str, reason: str) -> list[Output]:
+        """A group leaves on purpose (finished, preempted, stopped): not a failure."""
+        out: list[Output] = []
+        if remove_member(self.state, replica_id, now):
+            out.append(Event("member_left", {"group": group, "replica_id": replica_id, "reason": reason}))
+        out.append(Answer(replica_id, 409, {"error": f"{replica_id} left the job ({reason})"}))
+        return out + self.tick(now)
+
+    def report_dead(self, now: float, replica_id: str, group: str, reason: str) -> list[Output]:
+        """A supervisor saw the replica's process end: drop it now instead of waiting for its heartbeat."""
+        out: list[Output] = []
+        if remove_member(self.state, replica_id, now):
+            self._mark_dead(now, replica_id, group, reason, out)
+        return out + self.tick(now)
+
+    def kill(self, group: str) -> list[str]:
+        """Mark the live replica of ``group`` so its next heartbeat answer says ``kill`` (chaos drill)."""
+        targets = sorted(r for r, hb in self.state.heartbeats.items() if hb.group == group)
+        self.kill_requests.update(targets)
+        return targets
+
+    def tick(self, now: float) -> list[Output]:
+        """Re-evaluate: expire the silent and the hung, move the head, issue a quorum if due."""
+        out: list[Output] = []
+        for rid, why in expire(now, self.state, self.options):
+            self._mark_dead(now, rid, rid.split(":", 1)[0], why, out)
+        restores, waiting = advance_head(now, self.state, self.options)
+        for r in restores:
+            out.append(Event("restore", self._restore_fields(r)))
+        quorum, reason = compute_quorum(now, self.state, self.options)
+        self.reason = waiting if quorum is None and waiting else reason
+        if quorum is None:
+            return out
+        started = self.state.round_started
+        commit_quorum(self.state, quorum)
+        new_id = quorum.quorum_id != self._last_emitted_id
+        if new_id:
+            self._last_emitted_id = quorum.quorum_id
+            out.append(Event("quorum", {"quorum_id": quorum.quorum_id, "step": quorum.step,
+                                        "participants": list(quorum.participants),
+                                        "recovering": list(quorum.recovering), "reason": quorum.reason}))
+        out.append(Issued(quorum, now - started if started is not None else 0.0, new_id))
+        body = quorum.to_json()
+        out += [Answer(rid, 200, body) for rid in quorum.replica_ids()]
+        return out
+
+    # -- queries ---------------------------------------------------------------------------------
+    def recent_dead(self, now: float) -> list[tuple[float, str, str, str]]:
+        while self.dead and now - self.dead[0][0] > DEAD_MEMORY_SECONDS:
+            self.dead.popleft()
+        return list(self.dead)
+
+    def dead_peers(self, now: float) -> list[str]:
+        """Recently dead members of the quorums in flight: what a member must abort for (bounded)."""
+        in_flight: set[str] = set()
+        if self.state.prev_quorum is not None:
+            in_flight.update(self.state.prev_quorum.replica_ids())
+        for _, parts in self.state.head_quorums:
+            in_flight.update(parts)
+        dead = [rid for _, rid, _, _ in self.recent_dead(now) if rid in in_flight]
+        return dead[-MAX_DEAD_LISTED:]
+
+    # -- internals -------------------------------------------------------------------------------
+    def _mark_dead(self, now: float, replica_id: str, group: str, reason: str, out: list[Output]) -> None:
+        self.dead.append((now, replica_id, group, reason))
+        out.append(Event("member_dead", {"group": group, "replica_id": replica_id, "reason": reason}))
+        if reason == REASON_REPLACED:
+            out.append(Answer(replica_id, 409, {"error": f"{replica_id} was {reason}; this process must exit"}))
+        else:
+            out.append(Answer(replica_id, 504, {"error": "quorum timeout", "reason": f"{replica_id}: {reason}"}))
+
+    def _restore_fields(self, r: Restore) -> dict[str, Any]:
+        return {"step": r.to_step, "from_step": r.from_step, "to_step": r.to_step, "chain": r.chain,
+                "holders": list(r.holders), "reason": r.reason,
+                "source": "live" if r.to_step >= r.from_step - 1 else "checkpoint"}
+
+
+__all__ = ["Answer", "Event", "Issued", "Membership", "Output", "StaleIncarnation"]

@@ -1,9 +1,15 @@
-"""Durable checkpoints: atomic marker, rotation, refusal of bad checkpoints, bitwise stop/resume."""
+"""Durable checkpoints: atomic marker, rotation, integrity (manifest, HMAC, restricted unpickling),
+fallback to older checkpoints, bitwise stop/resume, and the sharded (2-rank) path."""
 
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import shutil
+import socket
+import subprocess
+import sys
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -12,11 +18,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+import ftlm.train.checkpoint as checkpoint_module
 from ftlm.config import build_config
 from ftlm.errors import CheckpointError
 from ftlm.ft.transport import state_digest
 from ftlm.observe.events import read_events
-from ftlm.train.checkpoint import MARKER, Checkpointer, checkpoint_dir, valid_checkpoints
+from ftlm.train.checkpoint import (MANIFEST, MARKER, Checkpointer, RejectedCheckpoint,
+                                   UnverifiableCheckpoint, VerifiedReader, checkpoint_dir,
+                                   load_verified, valid_checkpoints, verify, write_manifest)
 from ftlm.train.optim import apply_update, build_optimizer
 from ftlm.train.state import TrainState
 from ftlm.train.trainer import Trainer, build_model
@@ -53,6 +62,36 @@ def _steps_on_disk(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir())
 
 
+def _flip(file: Path, n: int = 64) -> None:
+    """Invert ``n`` bytes in the middle of ``file`` (what the outside testers did)."""
+    data = bytearray(file.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + n] = bytes(b ^ 0xFF for b in data[mid:mid + n])
+    file.write_bytes(bytes(data))
+
+
+def _distcp(path: Path) -> list[Path]:
+    files = sorted(p for p in path.iterdir() if p.suffix == ".distcp")
+    assert files
+    return files
+
+
+def _reseal(path: Path, key: bytes | None = None) -> None:
+    """What an attacker with write access and without the token can do: rewrite the manifest."""
+    marker = json.loads((path / MARKER).read_text())
+    write_manifest(path, marker["step"], marker["cursor"], key)
+
+
+class _Recorder:
+    """``on_rejected`` callback that remembers its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, Path, str]] = []
+
+    def __call__(self, step: int, path: Path, reason: str) -> None:
+        self.calls.append((step, path, reason))
+
+
 def test_due_every_n_steps_never_at_zero_and_never_when_disabled(tmp_path: Path) -> None:
     every4 = Checkpointer(tmp_path, every=4, keep=2)
     assert [s for s in range(13) if every4.due(s)] == [4, 8, 12]
@@ -60,8 +99,12 @@ def test_due_every_n_steps_never_at_zero_and_never_when_disabled(tmp_path: Path)
 
 
 @pytest.mark.parametrize("async_save", [False, True])
-def test_save_marks_complete_and_restore_gives_the_same_bits(tmp_path: Path,
-                                                             async_save: bool) -> None:
+def test_save_writes_manifest_then_marker_and_restore_gives_the_same_bits(
+        tmp_path: Path, async_save: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    written = []
+    atomic = checkpoint_module._write_atomic
+    monkeypatch.setattr(checkpoint_module, "_write_atomic",
+                        lambda path, data: (written.append(path.name), atomic(path, data)))
     state = _state()
     _advance(state, 3)
     saved = []
@@ -74,8 +117,13 @@ def test_save_marks_complete_and_restore_gives_the_same_bits(tmp_path: Path,
 
     path = checkpoint_dir(tmp_path, 3)
     assert saved == [(3, path)]
+    assert written == [MANIFEST, MARKER]  # the marker last: valid only once all is on disk
     marker = json.loads((path / MARKER).read_text())
     assert (marker["step"], marker["cursor"]) == (3, 12)
+    manifest = json.loads((path / MANIFEST).read_text())
+    # The manifest covers every file of the finished save, and nothing else.
+    assert sorted(manifest["files"]) == sorted(set(_steps_on_disk(path)) - {MANIFEST, MARKER})
+    assert ".metadata" in manifest["files"] and "hmac" not in manifest
     assert valid_checkpoints(tmp_path) == [(3, path)]
 
     fresh = _state(seed=5)
@@ -124,43 +172,241 @@ def test_restore_with_nothing_saved_returns_none(tmp_path: Path) -> None:
     assert _digest(state) == before
 
 
-def _saved_at_step_4(root: Path) -> Path:
+def _saved_at(root: Path, *steps: int, key: bytes | None = None) -> dict[int, str]:
+    """Save one state at each of ``steps``; the digest of each saved state."""
     state = _state()
-    _advance(state, 4)
-    Checkpointer(root, every=4, keep=1, async_save=False).save(state)
-    return checkpoint_dir(root, 4)
+    ck = Checkpointer(root, every=1, keep=len(steps), async_save=False, key=key)
+    digests = {}
+    for step in steps:
+        _advance(state, step - state.step)
+        ck.save(state)
+        digests[step] = _digest(state)
+    return digests
 
 
 def test_checkpoint_of_another_model_size_is_refused_naming_the_path(tmp_path: Path) -> None:
-    path = _saved_at_step_4(tmp_path)
+    _saved_at(tmp_path, 4)
     other = _state(dim=32, ffn_dim=64)
     with pytest.raises(CheckpointError) as err:
         Checkpointer(tmp_path, every=4, keep=1).restore_latest(other)
     msg = str(err.value)
-    assert str(path) in msg
+    assert str(checkpoint_dir(tmp_path, 4)) in msg
     assert "checkpoint.resume=false" in msg  # the way out
     assert "tok_embeddings" in msg  # the root cause: which tensor does not fit
     assert "\n" not in msg  # FtlmError messages are one line (no DCP traceback inside)
 
 
-def test_damaged_checkpoint_is_refused_naming_the_path(tmp_path: Path) -> None:
-    path = _saved_at_step_4(tmp_path)
-    data_files = [p for p in path.iterdir() if p.suffix == ".distcp"]
-    assert data_files
-    for p in data_files:
-        p.write_bytes(b"\0garbage" * 16)
-    with pytest.raises(CheckpointError) as err:
-        Checkpointer(tmp_path, every=4, keep=1).restore_latest(_state())
-    assert str(path) in str(err.value)
-    assert "\n" not in str(err.value)
+# -- integrity: damage is detected before loading, and an older checkpoint is used ---------------
+
+def test_flipped_bytes_in_distcp_fall_back_to_the_previous_checkpoint(tmp_path: Path) -> None:
+    digests = _saved_at(tmp_path, 4, 8)
+    _flip(_distcp(checkpoint_dir(tmp_path, 8))[0])
+    rejected = _Recorder()
+    fresh = _state(seed=3)
+    assert Checkpointer(tmp_path, every=4, keep=2, on_rejected=rejected).restore_latest(fresh) == 4
+    assert _digest(fresh) == digests[4]
+    [(step, path, reason)] = rejected.calls
+    assert (step, path) == (8, checkpoint_dir(tmp_path, 8))
+    assert "__0_0.distcp" in reason and "sha256" in reason and "\n" not in reason
+    # Moved aside, kept for inspection: rotation can no longer weigh it against new saves.
+    assert _steps_on_disk(tmp_path) == ["rejected-step-00000008", "step-00000004"]
 
 
-def test_checkpoint_holding_another_step_than_its_name_is_refused(tmp_path: Path) -> None:
-    path = _saved_at_step_4(tmp_path)
-    renamed = path.rename(checkpoint_dir(tmp_path, 8))
-    with pytest.raises(CheckpointError) as err:
-        Checkpointer(tmp_path, every=4, keep=1).restore_latest(_state())
-    assert str(renamed) in str(err.value) and "step 4" in str(err.value)
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "missing", "unlisted", "renamed"])
+def test_damaged_checkpoint_is_rejected_with_a_reason(tmp_path: Path, damage: str) -> None:
+    _saved_at(tmp_path, 4)
+    path = checkpoint_dir(tmp_path, 4)
+    data = _distcp(path)[0]
+    if damage == "garbage":
+        data.write_bytes(b"\0garbage" * 16)
+    elif damage == "truncated":
+        data.write_bytes(data.read_bytes()[:-1])
+    elif damage == "missing":
+        data.unlink()
+    elif damage == "unlisted":
+        shutil.copy(data, path / "__1_0.distcp")
+    else:
+        path = path.rename(checkpoint_dir(tmp_path, 8))
+    with pytest.raises(RejectedCheckpoint) as err:
+        verify(path)
+    reason = err.value.reason
+    expected = {"garbage": "bytes", "truncated": "bytes", "missing": "missing",
+                "unlisted": "__1_0.distcp is not in its manifest", "renamed": "step 4"}[damage]
+    assert expected in reason and str(path) in str(err.value)
+    rejected = _Recorder()
+    state = _state(seed=2)
+    before = _digest(state)
+    ck = Checkpointer(tmp_path, every=4, keep=1, on_rejected=rejected)
+    assert ck.restore_latest(state) is None
+    assert [(s, p) for s, p, _ in rejected.calls] == [(int(path.name[5:]), path)]
+    assert _digest(state) == before  # nothing of it was loaded
+
+
+def test_checkpoint_without_manifest_is_refused_saying_how_to_proceed(tmp_path: Path) -> None:
+    """An earlier ftlm version's checkpoint (no manifest): neither trusted nor skipped silently."""
+    _saved_at(tmp_path, 4, 8)
+    (checkpoint_dir(tmp_path, 8) / MANIFEST).unlink()
+    state = _state(seed=2)
+    with pytest.raises(UnverifiableCheckpoint) as err:
+        Checkpointer(tmp_path, every=4, keep=2).restore_latest(state)
+    msg = str(err.value)
+    assert str(checkpoint_dir(tmp_path, 8)) in msg and MANIFEST in msg
+    assert "delete it" in msg and "checkpoint.resume=false" in msg and "\n" not in msg
+    assert state.step == 0
+
+
+# -- integrity: authentication with the job token ------------------------------------------------
+
+def test_manifest_under_another_token_is_refused(tmp_path: Path) -> None:
+    _saved_at(tmp_path, 4, key=b"token-a")
+    assert "hmac" in json.loads((checkpoint_dir(tmp_path, 4) / MANIFEST).read_text())
+    rejected = _Recorder()
+    state = _state(seed=2)
+    before = _digest(state)
+    ck = Checkpointer(tmp_path, every=4, keep=1, key=b"token-b", on_rejected=rejected)
+    assert ck.restore_latest(state) is None
+    assert _digest(state) == before
+    [(step, _, reason)] = rejected.calls
+    assert step == 4 and "HMAC" in reason and "another token" in reason
+
+
+def test_right_token_restores_and_a_resealed_manifest_is_refused(tmp_path: Path) -> None:
+    digests = _saved_at(tmp_path, 4, 8, key=b"token-a")
+    # Without the token, an attacker can change a file and recompute its hash, not the HMAC.
+    _flip(_distcp(checkpoint_dir(tmp_path, 8))[0])
+    _reseal(checkpoint_dir(tmp_path, 8))
+    rejected = _Recorder()
+    state = _state(seed=2)
+    ck = Checkpointer(tmp_path, every=4, keep=2, key=b"token-a", on_rejected=rejected)
+    assert ck.restore_latest(state) == 4
+    assert _digest(state) == digests[4]
+    assert [s for s, _, r in rejected.calls if "carries no HMAC" in r] == [8]
+
+
+def test_checkpoint_without_hmac_is_refused_when_a_token_is_set(tmp_path: Path) -> None:
+    _saved_at(tmp_path, 4)
+    rejected = _Recorder()
+    ck = Checkpointer(tmp_path, every=4, keep=1, key=b"token", on_rejected=rejected)
+    assert ck.restore_latest(_state()) is None
+    assert "no HMAC" in rejected.calls[0][2]
+
+
+# -- integrity: no code runs from a crafted checkpoint, with or without a token -------------------
+
+class _Payload:
+    """A pickled object that runs a shell command when unpickled (creates ``proof``)."""
+
+    def __init__(self, proof: Path):
+        self.proof = proof
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.proof}",)
+
+
+def test_the_payload_is_live(tmp_path: Path) -> None:
+    """The tests below would fail if a crafted file were unpickled: prove the payload works."""
+    pickle.loads(pickle.dumps(_Payload(tmp_path / "proof")))
+    assert (tmp_path / "proof").exists()
+
+
+def test_crafted_metadata_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    digests = _saved_at(tmp_path, 4, 8)
+    proof = tmp_path / "pwned"
+    path = checkpoint_dir(tmp_path, 8)
+    (path / ".metadata").write_bytes(pickle.dumps(_Payload(proof)))
+    _reseal(path)  # no token set: the manifest cannot stop this, the unpickler must
+    rejected = _Recorder()
+    state = _state(seed=2)
+    assert Checkpointer(tmp_path, every=4, keep=2, on_rejected=rejected).restore_latest(state) == 4
+    assert not proof.exists()
+    assert _digest(state) == digests[4]
+    [(step, _, reason)] = rejected.calls
+    assert step == 8 and "system" in reason and "refused to unpickle" in reason
+    # DCP itself, through the reader ftlm plugs in, refuses it as well.
+    with pytest.raises((CheckpointError, CheckpointException)) as err:
+        dcp.load({"train": state},
+                 storage_reader=VerifiedReader(tmp_path / "rejected-step-00000008"))
+    assert "refused to unpickle" in str(err.value)
+    assert not proof.exists()
+
+
+def test_crafted_value_in_distcp_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    """DCP stores non-tensor values as pickles in .distcp files and, by default, loads them with
+    ``torch.load(weights_only=False)``: a second way to run code that the loader must close."""
+    proof = tmp_path / "pwned"
+    path = checkpoint_dir(tmp_path, 1)
+    dcp.save({"value": _Payload(proof)}, checkpoint_id=str(path), no_dist=True)
+    write_manifest(path, 1, 0)
+    assert not proof.exists()
+    checkpoint = verify(path)  # intact: it is exactly what was written
+    with pytest.raises((CheckpointError, CheckpointException)) as err:
+        load_verified(checkpoint, {"value": None})
+    assert "not plain data" in str(err.value) and "system" in str(err.value)
+    assert not proof.exists()
+
+
+# -- whole-trainer: fallback with events, from scratch when nothing is intact ---------------------
+
+def _commits(run_dir: Path) -> dict[int, dict]:
+    return {e["step"]: e for e in read_events(run_dir / "events.jsonl") if e["kind"] == "commit"}
+
+
+def _rejections(run_dir: Path) -> list[dict]:
+    return [e for e in read_events(run_dir / "events.jsonl") if e["kind"] == "checkpoint_rejected"]
+
+
+def test_trainer_resumes_from_the_previous_checkpoint_when_the_latest_is_damaged(
+        tiny_config) -> None:
+    sections = dict(train={"steps": 8}, checkpoint={"every": 4, "keep": 2})
+    clean = Trainer(tiny_config(**sections))
+    clean.train()
+    ckpts = clean.run_dir / "checkpoints"
+    _flip(_distcp(checkpoint_dir(ckpts, 8))[0])
+
+    resumed = Trainer(tiny_config(**sections))
+    summary = resumed.train()
+    [event] = _rejections(resumed.run_dir)
+    assert event["step"] == 8 and event["path"] == str(checkpoint_dir(ckpts, 8))
+    assert "sha256" in event["reason"]
+    # Resumed at step 4 and trained 4..7 again: the very losses of the clean run, not garbage.
+    assert resumed.losses == clean.losses[4:]
+    assert summary["final_loss"] == clean.losses[-1]
+    assert _steps_on_disk(ckpts) == ["rejected-step-00000008", "step-00000004", "step-00000008"]
+    verify(checkpoint_dir(ckpts, 8))  # saved again, intact
+
+
+def test_trainer_starts_from_scratch_when_no_checkpoint_is_intact(tiny_config) -> None:
+    sections = dict(train={"steps": 8}, checkpoint={"every": 4, "keep": 2})
+    first = Trainer(tiny_config(**sections))
+    first.train()
+    ckpts = first.run_dir / "checkpoints"
+    for step in (4, 8):
+        _flip(_distcp(checkpoint_dir(ckpts, step))[0])
+
+    again = Trainer(tiny_config(**sections))
+    again.train()
+    assert [e["step"] for e in _rejections(again.run_dir)] == [8, 4]
+    assert again.losses == first.losses  # from scratch: the same eight steps again
+    # The new saves survive rotation: the rejected ones were moved out of its way.
+    assert [s for s, _ in valid_checkpoints(ckpts)] == [4, 8]
+    assert sorted(p.name for p in ckpts.glob("rejected-*")) == [
+        "rejected-step-00000004", "rejected-step-00000008"]
+
+
+def test_trainer_authenticates_checkpoints_with_the_job_token(
+        tiny_config, monkeypatch: pytest.MonkeyPatch) -> None:
+    sections = dict(train={"steps": 4}, checkpoint={"every": 4})
+    monkeypatch.setenv("FTLM_TOKEN", "job-1")
+    first = Trainer(tiny_config(**sections))
+    first.train()
+    path = checkpoint_dir(first.run_dir / "checkpoints", 4)
+    assert "hmac" in json.loads((path / MANIFEST).read_text())
+    monkeypatch.setenv("FTLM_TOKEN", "job-2")
+    other = Trainer(tiny_config(**sections))
+    other.train()
+    [event] = _rejections(other.run_dir)
+    assert event["step"] == 4 and "HMAC" in event["reason"]
+    assert other.losses == first.losses  # nothing loaded: trained from scratch
 
 
 def test_failed_background_write_is_a_checkpoint_error_naming_the_path(
@@ -181,13 +427,10 @@ def test_failed_background_write_is_a_checkpoint_error_naming_the_path(
     assert str(checkpoint_dir(tmp_path, 1)) in str(err.value)
     assert "No space left on device" in str(err.value)
     assert valid_checkpoints(tmp_path) == []
+    assert not (checkpoint_dir(tmp_path, 1) / MANIFEST).exists()
 
 
 # -- whole-trainer stop / resume ---------------------------------------------------------------
-
-def _commits(run_dir: Path) -> dict[int, dict]:
-    return {e["step"]: e for e in read_events(run_dir / "events.jsonl") if e["kind"] == "commit"}
-
 
 @pytest.fixture(scope="module")
 def stop_resume(make_tiny_config, tmp_path_factory):
@@ -235,6 +478,7 @@ def test_stop_and_resume_is_bitwise_identical_to_an_uninterrupted_run(stop_resum
     assert resumed.losses == a.losses[8:]
     assert resumed.state_hash() == a.state_hash()
     assert _steps_on_disk(b.run_dir / "checkpoints") == ["step-00000008", "step-00000012"]
+    assert _rejections(b.run_dir) == []
 
 
 def test_summary_after_resume_covers_the_whole_run(stop_resume) -> None:
@@ -259,3 +503,112 @@ def test_resume_false_ignores_existing_checkpoints(tiny_config, tmp_path: Path) 
     again = Trainer(tiny_config(train={"steps": 4}, checkpoint={"every": 4, "resume": False}))
     again.train()
     assert again.losses == first.losses  # trained from scratch: the same four steps again
+
+
+# -- sharded: FSDP2 over 2 ranks (gloo), each rank hashing its share ----------------------------
+
+_RANK_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+from ftlm.config import build_config
+from ftlm.ft.transport import state_digest
+from ftlm.train.checkpoint import Checkpointer, checkpoint_dir
+from ftlm.train.optim import apply_update, build_optimizer
+from ftlm.train.parallelize import group_mesh, parallelize
+from ftlm.train.state import TrainState
+from ftlm.train.trainer import build_model
+
+root, out, model = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
+rank = dist.get_rank()
+mesh = group_mesh(torch.device("cpu"))
+pg = dist.new_group(backend="gloo")
+rejected = []
+
+def sharded_state(seed):
+    cfg = build_config({"model": model, "run": {"seed": seed}})
+    m = build_model(cfg, torch.device("cpu"))
+    parallelize(m, mesh, activation_checkpointing=False, compile=False)
+    return TrainState(m, build_optimizer(m, cfg.train), seed, mesh=mesh)
+
+def checkpointer():
+    return Checkpointer(root, every=1, keep=3, async_save=True, process_group=pg,
+                        writer=rank == 0, key=b"job",
+                        on_rejected=lambda step, path, reason: rejected.append([step, reason]))
+
+def digest(state):
+    tensors, meta = state.flat()
+    return state_digest(tensors, {"step": meta["step"], "cursor": meta["cursor"]})
+
+state, ck, saved = sharded_state(0), checkpointer(), {}
+params = list(state.model.parameters())
+for _ in range(2):
+    for p in params:
+        p.grad = p.detach() * 0.01 + 0.001
+    apply_update(params, state.optimizer, 1e-3, 1.0)
+    state.step += 1
+    state.cursor += 4
+    ck.save(state)
+    saved[state.step] = digest(state)
+ck.wait()
+dist.barrier(group=pg)
+files = sorted(json.loads((checkpoint_dir(root, 2) / "MANIFEST.json").read_text())["files"])
+if rank == 0:  # damage the file that only rank 1 hashes
+    data = bytearray((checkpoint_dir(root, 2) / "__1_0.distcp").read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+    (checkpoint_dir(root, 2) / "__1_0.distcp").write_bytes(bytes(data))
+dist.barrier(group=pg)
+fresh = sharded_state(1)
+step = checkpointer().restore_latest(fresh)
+out.write_text(json.dumps({"saved": saved[1], "step": step, "restored": digest(fresh),
+                           "rejected": rejected, "files": files}))
+dist.barrier(group=pg)
+dist.destroy_process_group()
+"""
+
+
+def _run_ranks(tmp_path: Path, root: Path, ranks: int = 2) -> list[dict]:
+    """Run ``_RANK_SCRIPT`` as the ``ranks`` ranks of one group (torchrun environment)."""
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs, outs = [], []
+    for rank in range(ranks):
+        out = tmp_path / f"rank-{rank}.json"
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(
+            [sys.executable, str(script), str(root), str(out), json.dumps(TINY)], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        outs.append(out)
+    try:
+        for p in procs:
+            log, _ = p.communicate(timeout=180)
+            assert p.returncode == 0, log.decode()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [json.loads(o.read_text()) for o in outs]
+
+
+def test_sharded_checkpoint_damaged_in_one_ranks_share_falls_back_on_every_rank(
+        tmp_path: Path) -> None:
+    """2 ranks, FSDP2 (DTensor shards), async saves with a token. Rank 1 alone hashes
+    ``__1_0.distcp``; damage there must make *both* ranks skip step 2 and load step 1."""
+    root = tmp_path / "ckpt"
+    ranks = _run_ranks(tmp_path, root)
+    for r in ranks:
+        assert r["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        assert r["step"] == 1
+        assert r["restored"] == r["saved"]  # this rank's shard of step 1, bit for bit
+        assert [step for step, _ in r["rejected"]] == [2]
+    assert "__1_0.distcp" in ranks[1]["rejected"][0][1]
+    assert "another rank" in ranks[0]["rejected"][0][1]
+    assert (root / "rejected-step-00000002").is_dir()
+    assert [s for s, _ in valid_checkpoints(root)] == [1]

@@ -143,7 +143,9 @@ class Trainer:
         self.checkpointer = Checkpointer(
             Path(ck.dir) if ck.dir else self.run_dir / "checkpoints", ck.every, ck.keep,
             ck.async_save, process_group=ckpt_pg, on_saved=self._on_checkpoint_saved,
-            writer=self.rank == 0)
+            writer=self.rank == 0, on_rejected=self._on_checkpoint_rejected,
+            # The job token authenticates checkpoint manifests (HMAC); none without a token.
+            key=(os.environ.get("FTLM_TOKEN", "") or config.ft.read_token()).encode() or None)
         self.catchup = CatchUpBuffer(config.ft.catchup_max_steps)
         self.metrics = self._start_metrics()
         self.tokens_per_sample = config.data.seq_len
@@ -293,6 +295,9 @@ class Trainer:
 
     def _on_checkpoint_saved(self, step: int, path: Path, seconds: float) -> None:
         self.events.emit("checkpoint_saved", step=step, path=str(path), seconds=seconds)
+
+    def _on_checkpoint_rejected(self, step: int, path: Path, reason: str) -> None:
+        self.events.emit("checkpoint_rejected", step=step, path=str(path), reason=reason)
 
     # -- the loop --------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:

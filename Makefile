@@ -46,8 +46,9 @@ system-deps-cluster:
 	echo "system-deps-cluster: installing slurm-wlm munge shellcheck (missing:$$missing)"; \
 	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge shellcheck
 
+# The slow tier (long real-process chaos tests) runs with `$(BIN)/python -m pytest -m slow`.
 test: setup system-deps system-deps-cluster
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: setup
 	$(BIN)/python -m bench

@@ -11,10 +11,10 @@ import sys
 import time
 import traceback
 
-from bench import ft_overhead, ft_vs_torchft, hsdp, train_throughput
+from bench import ft_overhead, ft_vs_torchft, hsdp, soak, train_throughput
 
 BENCHMARKS = {"train_throughput": train_throughput.main, "ft_overhead": ft_overhead.main,
-              "hsdp": hsdp.main, "ft_vs_torchft": ft_vs_torchft.main}
+              "hsdp": hsdp.main, "ft_vs_torchft": ft_vs_torchft.main, "soak": soak.main}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         print(f"== bench {name} {' '.join(flags)}".rstrip(), flush=True)
         try:
-            BENCHMARKS[name](flags)
+            if BENCHMARKS[name](flags):  # a non-zero status: it ran, and its checks failed
+                failed.append(name)
         except Exception:  # noqa: BLE001 - report it and run the next benchmark
             traceback.print_exc()
             failed.append(name)

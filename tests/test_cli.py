@@ -183,3 +183,54 @@ def test_data_prepare_of_missing_input_is_a_one_line_error(tmp_path: Path,
                          str(tmp_path / "out"), "--tokenizer", str(demo_data / "tokenizer.json")])
     assert code == 2
     assert err.startswith("ftlm: error:") and str(tmp_path / "nothing") in err
+
+
+def test_coordinator_command_serves_with_the_token_and_appends_its_events(tmp_path: Path) -> None:
+    """``ftlm coordinator CONFIG --events PATH``: what ``launch local`` runs as its own process."""
+    import signal
+    import time
+    import urllib.error
+    import urllib.request
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[ft]\nheartbeat_interval = 0.05\nheartbeat_timeout = 0.5\n"
+                   "allreduce_timeout = 1.0\nquorum_timeout = 5.0\ngive_up_seconds = 10.0\n")
+    events = tmp_path / "events.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "ftlm.cli", "coordinator", str(cfg), "--port", "0",
+                             "--events", str(events)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "FTLM_TOKEN": "s3cret"})
+    try:
+        line = proc.stdout.readline()  # "ftlm coordinator listening on http://127.0.0.1:PORT ..."
+        url = line.split(" on ")[1].split()[0]
+
+        def call(path: str, body: dict | None = None, token: str = "s3cret") -> tuple[int, dict]:
+            req = urllib.request.Request(url + path, data=json.dumps(body).encode() if body else None,
+                                         headers={"Authorization": f"Bearer {token}",
+                                                  "Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    return resp.status, json.loads(resp.read())
+            except urllib.error.HTTPError as e:
+                return e.code, {}
+
+        assert call("/status", token="wrong")[0] == 401
+        assert call("/v1/heartbeat", {"group": "g0", "incarnation": "a1", "step": 0,
+                                      "quorum_id": -1})[0] == 200
+        code, status = call("/status")
+        assert code == 200 and [m["replica_id"] for m in status["members"]] == ["g0:a1"]
+        # g0 stops heartbeating: the coordinator declares it dead, in the run's event log.
+        deadline = time.monotonic() + 30
+        dead: list[dict] = []
+        while not dead and time.monotonic() < deadline:
+            time.sleep(0.1)
+            if events.is_file():
+                dead = [json.loads(x) for x in events.read_text().splitlines()
+                        if '"member_dead"' in x]
+        assert dead and dead[0]["group"] == "coordinator" and dead[0]["target"] == "g0"
+        assert dead[0]["replica_id"] == "g0:a1"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -100,8 +100,13 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from ftlm.config import load_config
     from ftlm.ft.coordinator import Coordinator
     config = load_config(args.config, args.overrides)
+    events = None
+    if args.events:
+        from ftlm.launch.coordinator_process import CoordinatorEvents
+        from ftlm.observe.events import EventLog
+        events = CoordinatorEvents(EventLog(Path(args.events), group="coordinator"))
     coordinator = Coordinator(config.ft.coordinator_config(
-        host=args.host, port=args.port, token=os.environ.get("FTLM_TOKEN", "")))
+        host=args.host, port=args.port, token=os.environ.get("FTLM_TOKEN", "")), events=events)
     coordinator.serve_forever()
     return 0
 
@@ -111,9 +116,14 @@ def cmd_launch_local(args: argparse.Namespace) -> int:
     from ftlm.launch.local import LocalLauncher
     config = load_config(args.config, args.overrides)
     summary = LocalLauncher(config, groups=args.groups, ranks_per_group=args.ranks_per_group,
-                            chaos_mtbf=args.chaos_mtbf,
-                            chaos_hang=args.chaos_hang, chaos_seed=args.chaos_seed).run()
-    return 0 if summary.get("replicas_identical") else 1
+                            chaos_mtbf=args.chaos_mtbf, chaos_hang=args.chaos_hang,
+                            chaos_seed=args.chaos_seed,
+                            chaos_coordinator=args.chaos_coordinator).run()
+    # The run proves fault-tolerant training only with n identical final states of n groups and
+    # every sample trained exactly once.
+    for problem in summary.get("problems", []):
+        print(f"ftlm: run failed its checks: {problem}", file=sys.stderr)
+    return 1 if summary.get("problems") else 0
 
 
 def cmd_launch_cluster(args: argparse.Namespace) -> int:
@@ -167,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, required=False)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=29510, help="port (default 29510; 0 = any free port)")
+    p.add_argument("--events", default="", metavar="PATH",
+                   help="append the coordinator's events (quorums, deaths, rollbacks) to this "
+                        "events.jsonl; the token comes from the FTLM_TOKEN environment variable")
     p.set_defaults(fn=cmd_coordinator)
 
     p = sub.add_parser("launch", help="launch a fault-tolerant job")
@@ -178,8 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ranks (processes) per group; the model is sharded over them with FSDP2")
     lp.add_argument("--chaos-mtbf", type=float, default=0.0,
                     help="mean seconds between failures injected with SIGKILL (0: no chaos)")
-    lp.add_argument("--chaos-hang", action="store_true", help="use SIGSTOP (a hang) for some failures")
+    lp.add_argument("--chaos-hang", action="store_true",
+                    help="use SIGSTOP (a hang) for half the failures of groups, on any rank")
     lp.add_argument("--chaos-seed", type=int, default=0, help="seed of the failure schedule")
+    lp.add_argument("--chaos-coordinator", action="store_true",
+                    help="chaos also SIGKILLs the coordinator process (one more target, drawn like "
+                         "a group); the supervisor restarts it on the same port")
     lp.set_defaults(fn=cmd_launch_local)
     for target, what in (("k8s", "Kubernetes manifests (coordinator, JobSet / Jobs / TrainJob, monitoring)"),
                          ("slurm", "Slurm batch scripts (coordinator, one requeueable job per group, watcher)")):

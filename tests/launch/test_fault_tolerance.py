@@ -1,15 +1,19 @@
 """End-to-end fault tolerance: real group processes, a real coordinator, injected failures.
 
-Each scenario runs the local launcher (coordinator in-process, groups as subprocesses over gloo)
-and ends by checking the invariants of DESIGN.md section 11: the surviving groups kept training
-while the failed one was down, every group ends with identical state, no sample was trained twice
-or skipped, no committed step was lost, and quorum ids never went backwards.
+Each scenario runs the local launcher (the coordinator and the groups as subprocesses, gloo
+between groups) and ends by checking the invariants of DESIGN.md section 11: the surviving groups
+kept training while the failed one was down, every group ends with identical state, no sample was
+trained twice or skipped, no committed step was lost, quorum ids never went backwards, no group
+crashed on its own, and a group that finished left instead of being declared dead.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from ftlm.config import build_config
+from ftlm.errors import FtlmError
 from ftlm.launch.local import LocalLauncher
 from ftlm.observe.events import read_events
 from ftlm.train.trainer import Trainer
@@ -57,6 +62,14 @@ def check_invariants(summary: dict, events: list[dict], groups: int, steps: int 
     assert committed == set(range(steps)), "a committed step was lost"
     ids = [e["quorum_id"] for e in sorted(events, key=lambda e: e["ts"]) if e["kind"] == "quorum"]
     assert ids == sorted(ids), f"quorum ids went backwards: {ids}"
+    assert summary["crashes"] == [], "a group failed that no fault was injected into"
+    assert summary["problems"] == [], summary["problems"]
+    # A group that finished left the job: it was not declared dead afterwards.
+    finished = {f"{e['target']}:{e['incarnation']}" for e in events
+                if e["kind"] == "group_exit" and e.get("ok") is True and e.get("target")}
+    dead = [e["replica_id"] for e in events if e["kind"] == "member_dead"
+            and e.get("replica_id") in finished]
+    assert dead == [], f"finished groups declared dead: {dead}"
 
 
 def commits_while_down(events: list[dict], victim: str) -> int:
@@ -137,27 +150,101 @@ def test_late_joiner_catches_up(tmp_path, demo_data):
     check_invariants(summary, events, 3)
 
 
-def test_coordinator_restarted_mid_run(tmp_path, demo_data):
+def commits(path: Path) -> int:
+    return path.read_text().count('"commit"') if path.exists() else 0
+
+
+def test_coordinator_process_restarted_and_killed_mid_run(tmp_path, demo_data):
     config = make_config(tmp_path / "run", demo_data)
     launcher = LocalLauncher(config, groups=2, progress=False)
     events_path = config.run.path / "events.jsonl"
-    restarted = threading.Event()
+    done = threading.Event()
 
-    def restart_when_training() -> None:
-        # Wait (bounded) for a few commits, then take the coordinator down and bring it back.
-        for _ in range(600):
-            if restarted.wait(0.1):
+    def break_coordinator_when_training() -> None:
+        # After some commits, restart the coordinator; after some more, SIGKILL its process
+        # as a crash would (the supervisor must notice and restart it). Bounded waits.
+        first = None
+        for _ in range(1800):
+            if done.wait(0.1):
                 return
-            if events_path.exists() and events_path.read_text().count('"commit"') >= 40:
+            if first is None and commits(events_path) >= 40:
                 launcher.restart_coordinator()
-                restarted.set()
+                first = commits(events_path)
+            elif first is not None and commits(events_path) >= first + 40:
+                assert launcher.coordinator.pid != os.getpid()  # its own process
+                os.kill(launcher.coordinator.pid, signal.SIGKILL)
                 return
 
-    thread = threading.Thread(target=restart_when_training, daemon=True)
+    thread = threading.Thread(target=break_coordinator_when_training, daemon=True)
     thread.start()
     summary = launcher.run()
-    restarted.set()
+    done.set()
     thread.join(timeout=10)
     events = read_events(events_path)
-    assert any(e["kind"] == "coordinator_restart" for e in events)
+    restarts = [e for e in events if e["kind"] == "coordinator_restart"]
+    assert [e["code"] for e in restarts] == [-9, -9]  # restart_coordinator kills it too
+    assert summary["failures_injected"] == 1 and summary["failures_detected"] == 2
+    # The coordinator's own events reach the run's log from its process.
+    assert any(e["kind"] == "quorum" and e["group"] == "coordinator" for e in events)
     check_invariants(summary, events, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_group_hung_before_its_first_heartbeat_is_killed_and_restarts(tmp_path, demo_data):
+    """SIGSTOP g1 right after it was spawned: it never registers, so no heartbeat can expire;
+    the start-up watchdog must kill it after ft.startup_timeout, and it restarts and catches up."""
+    config = make_config(tmp_path / "run", demo_data, steps=LONG, ft={"startup_timeout": 20.0})
+    launcher = LocalLauncher(config, groups=2, progress=False)
+    done = threading.Event()
+
+    def stop_g1_at_birth() -> None:
+        while not done.wait(0.005):
+            procs = launcher.groups[1].procs
+            if procs:  # the interpreter is still starting: long before its first heartbeat
+                os.kill(procs[0].pid, signal.SIGSTOP)
+                return
+
+    thread = threading.Thread(target=stop_g1_at_birth, daemon=True)
+    thread.start()
+    summary = launcher.run()
+    done.set()
+    thread.join(timeout=10)
+    events = read_events(config.run.path / "events.jsonl")
+    killed = [e for e in events if e["kind"] == "member_killed" and e["target"] == "g1"]
+    assert [e["reason"] for e in killed] == ["start-up timeout"]
+    assert summary["restarts"]["g1"] == 1
+    assert recovered(events, "g1"), "the restarted group never caught up"
+    check_invariants(summary, events, 2, steps=LONG)
+
+
+def test_group_that_cannot_start_stops_the_launch_with_its_own_error(tmp_path):
+    config = make_config(tmp_path / "run", tmp_path / "no-data", steps=20)
+    started = time.monotonic()
+    with pytest.raises(FtlmError, match=r"group g\d cannot start \(exit status 2\): data folder "
+                                         r".*no-data \(data.dir\) does not exist"):
+        LocalLauncher(config, groups=2, progress=False).run()
+    assert time.monotonic() - started < config.ft.give_up_seconds  # not restarted until give-up
+    summary = json.loads((config.run.path / "summary.json").read_text())
+    assert summary["problems"][0].startswith("group g")
+
+
+def test_crash_looping_group_stops_the_launch(tmp_path, demo_data):
+    config = make_config(tmp_path / "run", demo_data, steps=20,
+                         ft={"crash_loop_restarts": 3, "crash_loop_seconds": 60.0})
+    # Every group process dies at interpreter start-up (exit status 1, not the CLI's 2).
+    with pytest.raises(FtlmError, match=r"crash-looping: 3 exits within 60 s .*status 1: "):
+        LocalLauncher(config, groups=2, progress=False,
+                      extra_env={"PYTHONHOME": str(tmp_path / "nowhere")}).run()
+
+
+def test_group_killed_near_the_end_restarts_and_finishes(tmp_path, demo_data):
+    """g1 dies 3 steps before the end: g0 reaches the last step and keeps serving until g1,
+    restarted, has caught up from it; both end with the same state."""
+    steps = 200
+    summary, events = run_job(tmp_path, demo_data, groups=2, steps=steps,
+                              faults={"g1": [f"before_allreduce@{steps - 3}"]})
+    assert summary["restarts"]["g1"] == 1
+    assert recovered(events, "g1"), "the restarted group never caught up"
+    assert summary["final_steps"] == {"g0": steps, "g1": steps}
+    check_invariants(summary, events, 2, steps=steps)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -79,6 +82,38 @@ def test_hsdp_rank_killed_group_restarts_and_recovers_shard_by_shard(tmp_path, d
     check_invariants(summary, events, 2, steps=400)
     # Every rank's shard equals its peer's: the group hash is over both ranks' hashes.
     assert summary["state_hashes"]["g0"] == summary["state_hashes"]["g1"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_hung_non_leader_rank_is_detected_by_lack_of_progress_and_its_group_restarts(tmp_path,
+                                                                                   demo_data):
+    """SIGSTOP rank 1 of g1: rank 0 keeps heartbeating while it waits for rank 1 forever, so only
+    the progress timeout can tell; the supervisor must then kill both ranks and restart g1."""
+    config = make_config(tmp_path / "run", demo_data, steps=600, ft={"progress_timeout": 10.0})
+    launcher = LocalLauncher(config, groups=2, ranks_per_group=2, progress=False)
+    events_path = config.run.path / "events.jsonl"
+    done = threading.Event()
+
+    def hang_rank_1_of_g1() -> None:
+        for _ in range(3000):  # bounded: 300 s
+            if done.wait(0.1):
+                return
+            if events_path.exists() and events_path.read_text().count('"commit"') >= 40:
+                os.kill(launcher.groups[1].procs[1].pid, signal.SIGSTOP)
+                return
+
+    thread = threading.Thread(target=hang_rank_1_of_g1, daemon=True)
+    thread.start()
+    summary = launcher.run()
+    done.set()
+    thread.join(timeout=10)
+    events = read_events(events_path)
+    dead = [e for e in events if e["kind"] == "member_dead" and e.get("target") == "g1"]
+    assert dead and "progress" in dead[0]["reason"], dead
+    assert summary["restarts"]["g1"] == 1
+    assert recovered(events, "g1"), "the restarted group never caught up"
+    check_invariants(summary, events, 2, steps=600)
 
 
 def test_sharded_checkpoint_save_and_restore_with_2_ranks_is_bitwise(tmp_path, demo_data):

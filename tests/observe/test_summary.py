@@ -289,7 +289,7 @@ def test_a_hang_detected_late_is_one_failure_injected_and_detected(runs):
     assert (summary["failures_injected"], summary["failures_detected"],
             summary["failures_undetected"]) == (1, 1, 0)
     assert [(f.kind, f.how) for f in failure_events(events)] == [("failure_injected", "hung")]
-    assert summary["crashes"] == []
+    assert summary["crashes"] == [] and summary["failures_unexplained"] == 0
 
 
 def test_a_clean_leave_is_not_a_failure_and_a_kill_seen_twice_is_one(runs):
@@ -341,6 +341,7 @@ def test_crashes_are_exits_nobody_caused(runs):
                           ok=False, code=-9, cause="chaos")]
     summary = build_summary(events, wall_seconds=3.0, state_hashes={}, config={}, groups=["A", "B"])
     assert summary["crashes"] == [{"group": "B", "incarnation": "b1", "code": 1}]
+    assert summary["failures_unexplained"] == 2
     assert [f.group for f in failure_ledger(events).unexplained] == ["B", "A"]
 
 

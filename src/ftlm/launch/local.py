@@ -1,11 +1,19 @@
-"""Local launcher and supervisor: a coordinator plus N replica groups as processes on this machine.
+"""Local launcher and supervisor: a coordinator process plus N replica groups on this machine.
 
-It starts the coordinator in-process and each group as ``ftlm train`` in a subprocess with the
-environment of DESIGN.md section 10, restarts a group whose process exits as a new incarnation,
-kills a group whose heartbeat stopped (a hang) so that it can be restarted, optionally injects
-failures (chaos: SIGKILL or SIGSTOP at exponentially distributed times, seeded), and at the end
-writes ``summary.json`` and ``report.md``. On Ctrl-C or SIGTERM it stops every process it started
-and still writes the summary. It does not train and does not decide quorums.
+It starts the coordinator as its own process (``ftlm coordinator``, restarted on the same port
+when it dies) and each group as ``ftlm train`` processes (one per rank) with the environment of
+DESIGN.md section 10. It restarts a group whose process exits as a new incarnation and reports
+the death to the coordinator (``POST /v1/dead``); kills a group that is hung so that it restarts:
+one that never registered within ``ft.startup_timeout``, one whose heartbeat stopped, one the
+coordinator declared dead (it made no progress); stops the launch with the group's own error when
+a group cannot start (exit status 2 before registering) or crash-loops (``ft.crash_loop_*``);
+optionally injects failures (``ftlm.launch.chaos``) until a group reaches the last step. At the
+end it waits until every group has exited with its final state (bounded by ``ft.give_up_seconds``
+without progress), restarting groups that die near the end (they recover from a finished group),
+and writes ``summary.json`` and ``report.md``. On Ctrl-C or SIGTERM it stops every process it
+started and still writes the summary.
+
+It does not train, decide quorums or judge the run (``ftlm.observe.summary.proof_problems`` does).
 """
 
 from __future__ import annotations
@@ -13,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import secrets
 import signal
 import subprocess
@@ -23,29 +30,20 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from ftlm.config import RunConfig, save_config
-from ftlm.errors import ConfigError
-from ftlm.ft.coordinator import Coordinator
+from ftlm.errors import ConfigError, FtlmError
+from ftlm.launch.chaos import COORDINATOR, Chaos
+from ftlm.launch.console import ConsoleView
+from ftlm.launch.coordinator_process import (CoordinatorProcess, CoordinatorUnreachable,
+                                             error_line)
 from ftlm.observe.events import EventLog, read_events
 from ftlm.observe.report import format_summary, write_report
-from ftlm.observe.summary import build_summary, write_summary
+from ftlm.observe.summary import build_summary, proof_problems, write_summary
 
 RESULT_PREFIX = "FTLM_RESULT "
-
-
-class _CoordinatorEvents:
-    """Adapts the coordinator's events (about other groups) to the run's event log."""
-
-    def __init__(self, log: EventLog):
-        self.log = log
-
-    def emit(self, kind: str, **fields: Any) -> None:
-        step = fields.pop("step", -1)
-        if "group" in fields:
-            fields["target"] = fields.pop("group")
-        self.log.emit(kind, step=step if isinstance(step, int) else -1, **fields)
+EXIT_USAGE = 2
+"""Exit status of ``ftlm`` after its one-line ``FtlmError`` (bad config, missing data...)."""
 
 
 @dataclass
@@ -59,8 +57,16 @@ class GroupProcess:
     restarts: int = 0
     restart_at: float | None = None
     finished: bool = False
-    stopped: bool = False  # SIGSTOPped by chaos, waiting to be detected and killed
+    lost: bool = False  # died when every other group had finished: nobody to recover from
+    stopped: bool = False  # a rank was SIGSTOPped by chaos, waiting to be detected and killed
     result: dict = field(default_factory=dict)
+    registered: bool = False  # the current incarnation appeared in the coordinator's members
+    first_step: int | None = None  # its step when it first appeared there
+    progressed: bool = False  # its step changed since: it committed or recovered
+    absent_since: float | None = None  # registered, but missing from the members since then
+    cause: str = ""  # why the current incarnation may die: "chaos", "hung", "fault", or ""
+    crash_times: list[float] = field(default_factory=list)  # exits without progress
+    log_offsets: list[int] = field(default_factory=list)  # where this incarnation's logs begin
 
     @property
     def replica_id(self) -> str:
@@ -82,10 +88,15 @@ class GroupProcess:
 
 
 class LocalLauncher:
-    """Runs a fault-tolerant job on this machine; ``run()`` returns the summary."""
+    """Runs a fault-tolerant job on this machine; ``run()`` returns the summary.
+
+    ``chaos_coordinator`` puts the coordinator process in the chaos mix (one more target, drawn
+    like a group, always SIGKILL). ``run()`` raises ``FtlmError`` (after writing the summary) when
+    a group cannot start or crash-loops, or the coordinator cannot be (re)started.
+    """
 
     def __init__(self, config: RunConfig, groups: int, chaos_mtbf: float = 0.0,
-                 chaos_hang: bool = False, chaos_seed: int = 0,
+                 chaos_hang: bool = False, chaos_seed: int = 0, chaos_coordinator: bool = False,
                  faults: dict[str, list[str]] | None = None,
                  start_delays: dict[str, float] | None = None, ranks_per_group: int = 1,
                  kill_hung: bool = True,
@@ -100,9 +111,7 @@ class LocalLauncher:
         self.n = groups
         self.ranks = ranks_per_group
         self.kill_hung = kill_hung  # off: a hung group stays stopped until someone resumes it
-        self.chaos_mtbf = chaos_mtbf
-        self.chaos_hang = chaos_hang
-        self.rng = random.Random(chaos_seed)
+        self.chaos = Chaos(chaos_mtbf, chaos_seed, hang=chaos_hang, coordinator=chaos_coordinator)
         # Named-point failures per group, one entry per incarnation (see ftlm.ft.faults).
         self.faults = faults or {}
         # Groups started this many seconds after the job's first committed step (late joiners).
@@ -113,8 +122,13 @@ class LocalLauncher:
         self.groups = [GroupProcess(f"g{i}") for i in range(groups)]
         self.token = secrets.token_hex(16)
         self._stop = threading.Event()
-        self.coordinator: Coordinator | None = None
+        self._coordinator_lock = threading.Lock()
+        self.coordinator: CoordinatorProcess | None = None
+        self.events: EventLog | None = None
+        self.fatal = ""  # why the launch stopped early (a group that cannot start...)
         self.metrics_targets: dict[tuple[str, int], int] = {}
+        self._best = (-1, -1)  # high-water mark of the job's progress (see _progress_key)
+        self._declared_dead: set[str] = set()  # replica ids the coordinator lists as dead
 
     # -- set-up ----------------------------------------------------------------------------------
     def _prepare_run_dir(self) -> Path:
@@ -125,6 +139,7 @@ class LocalLauncher:
             (self.run_dir / name).unlink(missing_ok=True)
         for log in (self.run_dir / "logs").glob("*.log"):
             log.unlink()
+        self.config.ft.groups = self.n  # the coordinator's first quorum waits for all of them
         config_file = self.run_dir / "config.toml"
         save_config(self.config, config_file)
         return config_file
@@ -135,7 +150,7 @@ class LocalLauncher:
         master_port = _free_port()
         cmd = [sys.executable, "-m", "ftlm.cli", "train", str(config_file),
                "--set", "observe.progress=false"]
-        g.procs = []
+        g.procs, g.log_offsets, g.cause = [], [], ""
         for rank in range(self.ranks):
             env = dict(os.environ)
             env.update({
@@ -156,14 +171,18 @@ class LocalLauncher:
             planned = self.faults.get(g.name if rank == 0 else f"{g.name}.r{rank}", [])
             if g.restarts < len(planned) and planned[g.restarts]:
                 env["FTLM_FAULT"] = planned[g.restarts]
-            with open(g.log(self.run_dir, rank), "ab") as log:
+                g.cause = "fault"
+            log_path = g.log(self.run_dir, rank)
+            g.log_offsets.append(log_path.stat().st_size if log_path.is_file() else 0)
+            with open(log_path, "ab") as log:
                 g.procs.append(subprocess.Popen(cmd, env=env, stdout=log,
                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         if self.config.observe.metrics:
             self._write_targets()
         g.started = time.time()
         g.restart_at = None
-        g.stopped = False
+        g.stopped = g.registered = g.progressed = False
+        g.first_step = g.absent_since = None
 
     def _write_targets(self) -> None:
         """Prometheus file_sd targets of every rank's metrics endpoint (rewritten on restarts)."""
@@ -178,17 +197,20 @@ class LocalLauncher:
     # -- the supervisor loop ---------------------------------------------------------------------
     def run(self) -> dict:
         config_file = self._prepare_run_dir()
-        events = EventLog(self.run_dir / "events.jsonl", group="supervisor")
-        self.config.ft.groups = self.n
-        self.coordinator = Coordinator(self.config.ft.coordinator_config(token=self.token),
-                                       events=_CoordinatorEvents(events))
-        url = self.coordinator.start()
+        events = self.events = EventLog(self.run_dir / "events.jsonl", group="supervisor")
+        self.coordinator = CoordinatorProcess(config_file, _free_port(), self.token,
+                                              self.run_dir / "events.jsonl",
+                                              self.run_dir / "logs" / "coordinator.log")
+        self.coordinator.start(self.config.ft.startup_timeout)
+        url = self.coordinator.url
         events.emit("run_start", step=-1, groups=self.n, coordinator=url,
-                    chaos_mtbf=self.chaos_mtbf)
+                    chaos_mtbf=self.chaos.mtbf, coordinator_pid=self.coordinator.pid)
         wall0 = time.time()
         handlers = self._install_signals()
-        view = _ConsoleView(self.config.train.steps, self.groups, self.progress)
-        next_chaos = self._next_chaos_time()
+        view = ConsoleView(self.config.train.steps, self.groups, bool(self.progress))
+        gap = self.chaos.next_gap()
+        next_chaos = None if gap is None else time.time() + gap
+        status: dict | None = None
         try:
             late = dict(self.start_delays)  # late joiners: started once training is under way
             for g in self.groups:
@@ -196,70 +218,117 @@ class LocalLauncher:
                     g.restarts = -1
                 else:
                     self._spawn(g, config_file, url)
-            last_progress, best_step = time.time(), 0
-            while not self._stop.is_set() and not all(g.finished for g in self.groups):
+            last_progress = time.time()
+            while not self._stop.is_set() and not all(g.finished or g.lost for g in self.groups):
                 now = time.time()
-                try:
-                    status = self.coordinator.status_snapshot()
-                except Exception:  # noqa: BLE001 - the coordinator is being restarted
-                    self._stop.wait(0.1)
-                    continue
-                step = max((m["step"] for m in status["members"]), default=0)
+                self._watch_coordinator(events)
+                status = self._poll_status()
+                if status is not None:
+                    self._observe(status, now)
+                self._reap(events, now)
+                if self.fatal:
+                    break
+                if status is not None and self.kill_hung:
+                    self._watchdog(status, events, now)
                 for name, delay in list(late.items()):
-                    if best_step > 0:  # the others committed a step: the delay counts from here
+                    if self._best[0] > 0:  # the others committed a step: the delay counts from here
                         self.groups[[x.name for x in self.groups].index(name)].restart_at = now + delay
                         del late[name]
-                if step > best_step:
-                    best_step, last_progress = step, now
+                self._restart_due(events, config_file, url, now)
+                if self._progress_key(status) > self._best:
+                    self._best, last_progress = self._progress_key(status), now
                 elif now - last_progress > self.config.ft.give_up_seconds:
-                    events.emit("run_end", step=best_step, ok=False, reason="no progress")
-                    print(f"ftlm: no step committed for {self.config.ft.give_up_seconds:.0f} s "
+                    events.emit("run_end", step=self._best[0], ok=False, reason="no progress")
+                    print(f"ftlm: no progress for {self.config.ft.give_up_seconds:.0f} s "
                           "(ft.give_up_seconds); stopping the job", file=sys.stderr)
                     break
-                self._reap(events, now)
-                if self.kill_hung:
-                    self._kill_hung(status, events)
-                ending = any(g.finished for g in self.groups)
-                if ending:
-                    self._stop_stragglers(status)
-                for g in self.groups:
-                    if g.restart_at is not None and ending:
-                        # The others reached the last step: there is nothing left to rejoin.
-                        g.finished, g.restart_at = True, None
-                    elif g.restart_at is not None and now >= g.restart_at:
-                        g.restarts += 1
-                        self._spawn(g, config_file, url)
-                if next_chaos is not None and now >= next_chaos and not ending:
-                    self._inject(events, status)
-                    next_chaos = self._next_chaos_time()
+                if next_chaos is not None and now >= next_chaos:
+                    if self._ending(status):
+                        next_chaos = None  # a group reached the last step: no more failures
+                    else:
+                        self._inject(events, status)
+                        next_chaos = time.time() + self.chaos.next_gap()
                 view.update(status)
                 self._stop.wait(0.1)
         finally:
+            view.update(status)
             view.close()
             self._terminate_all()
             self._restore_signals(handlers)
             self.coordinator.stop()
-        wall = time.time() - wall0
-        return self._finish(events, wall)
+        summary = self._finish(events, time.time() - wall0)
+        if self.fatal:
+            raise FtlmError(self.fatal)
+        return summary
+
+    def _poll_status(self) -> dict | None:
+        try:
+            return self.coordinator.status()
+        except CoordinatorUnreachable:
+            return None  # it is being restarted, or busy: try again on the next tick
+
+    def _progress_key(self, status: dict | None) -> tuple[int, int]:
+        """(highest step, groups at it or finished): grows when the job commits a step, a group
+        catches up or a group finishes; a group killed and restored again is no progress."""
+        steps = [m["step"] for m in (status or {}).get("members", [])]
+        done = [g.result.get("step", 0) for g in self.groups if g.finished]
+        top = max(steps + done, default=0)
+        return top, sum(1 for s in steps + done if s == top)
+
+    def _ending(self, status: dict | None) -> bool:
+        """Whether any group reached the last step (chaos stops: the job is finishing)."""
+        steps = [m["step"] for m in (status or {}).get("members", [])]
+        return any(g.finished for g in self.groups) or \
+            max(steps, default=0) >= self.config.train.steps
+
+    def _observe(self, status: dict, now: float) -> None:
+        """Registration and progress of each group's current incarnation, from the status."""
+        members = {m["replica_id"]: m for m in status.get("members", [])}
+        self._declared_dead = {d["replica_id"] for d in status.get("dead", [])}
+        for g in self.groups:
+            m = members.get(g.replica_id)
+            if m is not None:
+                if not g.registered:
+                    g.registered, g.first_step = True, m["step"]
+                elif m["step"] != g.first_step:
+                    g.progressed = True
+                g.absent_since = None
+            elif g.registered and g.absent_since is None and g.running():
+                g.absent_since = now
+
+    # -- the coordinator -------------------------------------------------------------------------
+    def _watch_coordinator(self, events: EventLog) -> None:
+        """Restart the coordinator process on its port when it died (chaos or a crash)."""
+        with self._coordinator_lock:
+            if self.coordinator.running():
+                return
+            code, down = self.coordinator.exit_code(), time.time()
+            try:
+                self.coordinator.start(self.config.ft.startup_timeout)
+            except FtlmError as e:
+                self.fatal = str(e)
+                return
+            events.emit("coordinator_restart", step=-1, port=self.coordinator.port, code=code,
+                        seconds=round(time.time() - down, 3), pid=self.coordinator.pid)
 
     def restart_coordinator(self) -> None:
-        """Stop the coordinator and start a fresh one on the same port (a coordinator failure).
+        """Kill the coordinator process and start a fresh one on the same port (a coordinator
+        failure). The new one holds no state: it rebuilds membership from the next heartbeats and
+        continues quorum ids above those the members report. Safe to call from another thread."""
+        with self._coordinator_lock:
+            self.events.emit("failure_injected", step=-1, target=COORDINATOR, target_rank=0,
+                             signal="SIGKILL", pid=self.coordinator.pid)
+            self.coordinator.kill()
+            down = time.time()
+            self.coordinator.start(self.config.ft.startup_timeout)
+            self.events.emit("coordinator_restart", step=-1, port=self.coordinator.port,
+                             code=-signal.SIGKILL, seconds=round(time.time() - down, 3),
+                             pid=self.coordinator.pid)
 
-        The new one holds no state: it rebuilds membership from the next heartbeats and continues
-        quorum ids above those the members report. Safe to call from another thread.
-        """
-        old = self.coordinator
-        port = old.port
-        old.stop()
-        self.coordinator = Coordinator(
-            self.config.ft.coordinator_config(port=port, token=self.token),
-            events=old.events)
-        self.coordinator.start()
-        old.events.log.emit("coordinator_restart", step=-1, port=port)
-
+    # -- groups: exits, hangs, restarts ----------------------------------------------------------
     def _reap(self, events: EventLog, now: float) -> None:
         for g in self.groups:
-            if not g.procs or g.finished or g.restart_at is not None:
+            if not g.procs or g.finished or g.lost or g.restart_at is not None:
                 continue
             codes = [p.poll() for p in g.procs]
             failed = [c for c in codes if c not in (None, 0)]
@@ -268,16 +337,56 @@ class LocalLauncher:
                     results = self._results(g)
                     if results is not None:
                         g.finished, g.result = True, results
+                        events.emit("group_exit", step=-1, target=g.name, ok=True,
+                                    incarnation=g.incarnation, final_step=results["step"])
                         continue
                     failed = [0]  # exited without a final result: treat as a failure
                 else:
                     continue  # ranks still finishing
             # Any rank failing takes the whole group down; the group restarts as a new incarnation.
             g.kill()
-            self.coordinator.report_dead(g.replica_id)
-            events.emit("group_exit", step=-1, target=g.name, ok=False, code=failed[0],
+            # A group the coordinator declared dead (no progress: a hung rank) may exit on its
+            # own when its heartbeat is refused: that is the hang, detected, not a crash.
+            code = failed[0]
+            cause = g.cause or ("hung" if g.replica_id in self._declared_dead else "crash")
+            events.emit("group_exit", step=-1, target=g.name, ok=False, code=code, cause=cause,
                         incarnation=g.incarnation)
+            self.coordinator.report_dead(g.name, g.incarnation, f"process exited with status {code}")
+            if cause not in ("chaos", "hung"):
+                self._check_start(g, code, now)
             g.restart_at = now + self.config.ft.restart_delay
+
+    def _check_start(self, g: GroupProcess, code: int, now: float) -> None:
+        """Stop the launch when a group cannot start: the CLI's one-line error (status 2) before
+        it registered, or ``ft.crash_loop_restarts`` exits without progress within
+        ``ft.crash_loop_seconds``. Restarting either would fail the same way forever."""
+        ft = self.config.ft
+        if code == EXIT_USAGE and not g.registered:
+            self.fatal = f"group {g.name} cannot start (exit status {code}): {self._why(g)}"
+            return
+        if g.progressed:
+            return
+        g.crash_times = [t for t in g.crash_times if now - t <= ft.crash_loop_seconds] + [now]
+        if len(g.crash_times) >= ft.crash_loop_restarts:
+            self.fatal = (f"group {g.name} is crash-looping: {len(g.crash_times)} exits within "
+                          f"{ft.crash_loop_seconds:g} s without committing a step "
+                          f"(ft.crash_loop_restarts, ft.crash_loop_seconds); last exit status "
+                          f"{code}: {self._why(g)}")
+
+    def _why(self, g: GroupProcess) -> str:
+        """The group's own error line from this incarnation's logs (a rank's ``ftlm: error:``
+        line first, else rank 0's last line)."""
+        for rank, offset in enumerate(g.log_offsets):
+            log = g.log(self.run_dir, rank)
+            try:
+                with open(log, "rb") as f:
+                    f.seek(offset)
+                    if b"ftlm: error: " in f.read():
+                        return error_line(log, offset)
+            except OSError:
+                continue
+        line = error_line(g.log(self.run_dir), g.log_offsets[0] if g.log_offsets else 0)
+        return line or f"no output; see {g.log(self.run_dir)}"
 
     def _results(self, g: GroupProcess) -> dict | None:
         """The group's final result: its step and one hash over every rank's state shard."""
@@ -289,62 +398,90 @@ class LocalLauncher:
                 "step": results[0]["step"], "incarnation": g.incarnation,
                 "rank_hashes": [r["state_hash"] for r in results]}
 
-    def _kill_hung(self, status: dict, events: EventLog) -> None:
-        """A group whose heartbeat stopped while its process lives is hung: kill it so it restarts.
+    def _watchdog(self, status: dict, events: EventLog, now: float) -> None:
+        """Kill hung groups so that they restart. A group is hung when:
 
-        The quorum drops it after the heartbeat timeout already (the healthy groups do not wait);
-        killing waits a few timeouts more, so that a process that was only starved of CPU for a
-        moment can come back and rejoin instead of being restarted.
+        * it has not registered within ``ft.startup_timeout`` of its start (or of the coordinator's
+          last restart: it cannot register while the coordinator is down);
+        * it registered, but has been missing from the coordinator's members for ``grace`` seconds:
+          the coordinator dropped it (its heartbeat stopped, or it made no progress for
+          ``ft.progress_timeout`` while its heartbeat lived: a hung non-leader rank or a wedged
+          training thread), or it never came back to a restarted coordinator.
+
+        The quorum drops a dead group at once (the healthy groups do not wait); the grace of a few
+        heartbeat timeouts lets a process that was only starved of CPU come back and rejoin.
         """
-        grace = 3 * self.config.ft.heartbeat_timeout
-        alive = {m["replica_id"] for m in status.get("members", [])
-                 if m.get("heartbeat_age_seconds", 0) < self.config.ft.heartbeat_timeout}
-        dead = {d["replica_id"] for d in status.get("dead", []) if d["seconds_ago"] >= grace}
+        ft = self.config.ft
+        grace = 3 * ft.heartbeat_timeout
+        since_coordinator = self.coordinator.started
+        dead = {d["replica_id"]: d for d in status.get("dead", [])}
         for g in self.groups:
-            if (g.running() and g.replica_id in dead and g.replica_id not in alive
-                    and not self._has_result(g)):
-                events.emit("member_killed", step=-1, target=g.name, reason="heartbeat lost")
+            if not g.running() or g.finished or g.restart_at is not None:
+                continue
+            reason = ""
+            if not g.registered:
+                if now - max(g.started, since_coordinator) > ft.startup_timeout:
+                    reason = "start-up timeout"
+            elif g.absent_since is not None and now - max(g.absent_since, since_coordinator) > grace:
+                entry = dead.get(g.replica_id)
+                reason = f"declared dead: {entry['reason']}" if entry else "heartbeat lost"
+            if reason and not self._has_result(g):
+                events.emit("member_killed", step=-1, target=g.name, incarnation=g.incarnation,
+                            reason=reason, stopped=g.stopped)
+                g.cause = g.cause if g.cause == "chaos" else "hung"
                 g.kill()
 
-    def _stop_stragglers(self, status: dict) -> None:
-        """Once a group has reached the last step, a group that is not an up-to-date participant
-        has nobody left to heal from: stop it instead of letting it train alone from scratch."""
-        last = status.get("last_quorum") or {}
-        participants = set(last.get("participants", []))
+    def _restart_due(self, events: EventLog, config_file: Path, url: str, now: float) -> None:
         for g in self.groups:
-            if g.running() and not g.finished and g.replica_id not in participants:
-                g.kill()
-                g.finished = True
+            if g.restart_at is None or now < g.restart_at:
+                continue
+            others = [x for x in self.groups if x is not g]
+            if (others and any(x.finished for x in others)
+                    and not any(x.running() or x.restart_at is not None for x in others)):
+                # Every other group finished and left: a new incarnation would have nobody to
+                # recover from and would train alone from scratch.
+                g.lost, g.restart_at = True, None
+                events.emit("group_lost", step=-1, target=g.name,
+                            reason="died after every other group had finished")
+                continue
+            g.restarts += 1
+            self._spawn(g, config_file, url)
 
     def _has_result(self, g: GroupProcess) -> bool:
         """Whether the group's current incarnation has printed its final result (it is exiting)."""
         result = _read_result(g.log(self.run_dir))
         return bool(result) and result.get("incarnation") == g.incarnation
 
-    def _next_chaos_time(self) -> float | None:
-        if not self.chaos_mtbf:
-            return None
-        return time.time() + self.rng.expovariate(1.0 / self.chaos_mtbf)
-
-    def _inject(self, events: EventLog, status: dict) -> None:
-        last = status.get("last_quorum") or {}
-        healthy = {r for r in last.get("participants", [])}
-        live = [g for g in self.groups if g.running() and not g.stopped and not g.finished]
-        g = self.rng.choice(live) if live else None
-        # Never take down the last up-to-date group: nobody would be left to heal from.
-        if g is None or not any(r in healthy for r in (x.replica_id for x in live if x is not g)):
+    # -- chaos -----------------------------------------------------------------------------------
+    def _inject(self, events: EventLog, status: dict | None) -> None:
+        """Break one process. A group may be hit unless it is the last up-to-date one (a healthy
+        participant of the last quorum with no other such group alive): starting and recovering
+        groups are fair game, before the first quorum too."""
+        last = (status or {}).get("last_quorum") or {}
+        healthy = set(last.get("participants", []))
+        live = [g for g in self.groups if g.running() and not g.stopped and not g.finished
+                and g.restart_at is None]
+        candidates = [g.name for g in live if g.replica_id not in healthy
+                      or any(x.replica_id in healthy for x in live if x is not g)]
+        fault = self.chaos.choose(candidates, self.ranks, self.coordinator.running())
+        if fault is None:
             return
-        hang = self.chaos_hang and self.rng.random() < 0.5
-        # A hang is injected into the leader, whose heartbeat then stops; a kill hits any rank.
-        rank = 0 if hang else self.rng.randrange(self.ranks)
-        events.emit("failure_injected", step=-1, target=g.name, target_rank=rank,
-                    signal="SIGSTOP" if hang else "SIGKILL", incarnation=g.incarnation)
-        if hang:
+        if fault.target == COORDINATOR:
+            events.emit("failure_injected", step=-1, target=COORDINATOR, target_rank=0,
+                        signal=fault.signal, pid=self.coordinator.pid)
+            self.coordinator.kill()  # _watch_coordinator restarts it on the next tick
+            return
+        g = next(x for x in self.groups if x.name == fault.target)
+        events.emit("failure_injected", step=-1, target=g.name, target_rank=fault.rank,
+                    signal=fault.signal, incarnation=g.incarnation, registered=g.registered)
+        g.cause = "chaos"
+        if fault.signal == "SIGSTOP":
             g.stopped = True
-            os.kill(g.procs[rank].pid, signal.SIGSTOP)
+            os.kill(g.procs[fault.rank].pid, signal.SIGSTOP)
         else:
-            g.procs[rank].kill()
+            g.procs[fault.rank].kill()
 
+    # -- the end ---------------------------------------------------------------------------------
     def _terminate_all(self) -> None:
         procs = [p for g in self.groups for p in g.procs if p.poll() is None]
         for p in procs:
@@ -376,17 +513,18 @@ class LocalLauncher:
             signal.signal(signal.SIGINT, handlers[0])
             signal.signal(signal.SIGTERM, handlers[1])
 
-    # -- the end ---------------------------------------------------------------------------------
     def _finish(self, events: EventLog, wall: float) -> dict:
         events.emit("run_end", step=-1, wall_seconds=wall)
         hashes = {g.name: g.result["state_hash"] for g in self.groups if g.result.get("state_hash")}
-        summary = build_summary(read_events(self.run_dir / "events.jsonl"), wall_seconds=wall,
-                                state_hashes=hashes, config=self.config.to_dict(),
-                                groups=[g.name for g in self.groups])
+        recorded = read_events(self.run_dir / "events.jsonl")
+        summary = build_summary(recorded, wall_seconds=wall, state_hashes=hashes,
+                                config=self.config.to_dict(), groups=[g.name for g in self.groups])
         summary["restarts"] = {g.name: g.restarts for g in self.groups}
         summary["final_steps"] = {g.name: g.result.get("step") for g in self.groups}
+        summary["lost_groups"] = [g.name for g in self.groups if g.lost]
+        summary["problems"] = ([self.fatal] if self.fatal else []) + proof_problems(summary)
         write_summary(self.run_dir / "summary.json", summary)
-        write_report(self.run_dir, summary, read_events(self.run_dir / "events.jsonl"))
+        write_report(self.run_dir, summary, recorded)
         if self.progress is not False:
             print(format_summary(summary))
         return summary
@@ -413,42 +551,3 @@ def _read_result(log: Path) -> dict | None:
                 except ValueError:
                     continue
     return result
-
-
-class _ConsoleView:
-    """A progress bar of committed steps and one status word per group."""
-
-    def __init__(self, total: int, groups: list[GroupProcess], enabled: bool):
-        self.groups = groups
-        self.bar = None
-        if enabled:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
-
-    def update(self, status: dict) -> None:
-        if self.bar is None:
-            return
-        members = {m["group"]: m for m in status["members"]}
-        last = status.get("last_quorum") or {}
-        participants = {r.split(":")[0] for r in last.get("participants", [])}
-        parts = []
-        for g in self.groups:
-            m = members.get(g.name)
-            if g.finished:
-                word = "done"
-            elif g.stopped:
-                word = "hung"
-            elif not g.running() or m is None:
-                word = "down"
-            else:
-                word = "train" if g.name in participants else "recover"
-            parts.append(f"{g.name}:{word}@{m['step'] if m else '-'}")
-        step = max((m["step"] for m in members.values()), default=0)
-        self.bar.n = max(self.bar.n, min(step, self.bar.total))  # groups that exit report nothing
-        self.bar.set_postfix_str(f"q{status.get('quorum_id', 0)} P={len(participants)} "
-                                 + " ".join(parts), refresh=False)
-        self.bar.refresh()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

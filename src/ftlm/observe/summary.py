@@ -452,6 +452,7 @@ def build_summary(events: list[dict], *, wall_seconds: float, state_hashes: dict
                   config: dict, groups: list[str]) -> dict:
     """Every field of ``summary.json`` (DESIGN.md section 10), plus ``median_step_seconds``,
     ``steady_tokens_per_second``, ``failures_undetected`` (injected failures nobody noticed),
+    ``failures_unexplained`` (detected failures nobody injected: crashes, false hang alarms),
     ``crashes`` (group processes that failed on their own) and ``problems`` (``proof_problems``).
 
     Commits a ``restore`` superseded are left out of every figure (``final_history``);
@@ -474,6 +475,7 @@ def build_summary(events: list[dict], *, wall_seconds: float, state_hashes: dict
         "failures_injected": len(ledger.injected),
         "failures_detected": len(ledger.detected),
         "failures_undetected": len(ledger.undetected),
+        "failures_unexplained": len(ledger.unexplained),
         "crashes": [{"group": affected_group(e), "incarnation": e.get("incarnation"),
                      "code": e.get("code")} for e in crashed_exits(events)],
         "recoveries": sum(1 for e in events

@@ -1,0 +1,62 @@
+"""Chaos: which process the local supervisor breaks next, how, and when (seeded).
+
+Responsible for: the draws of the failure schedule: exponentially distributed times between
+failures, the target (a replica group, or the coordinator when it is in the mix), the rank of a
+multi-rank group and the signal (SIGKILL, or SIGSTOP for a hang). The same seed gives the same
+draws.
+
+Not responsible for: which groups may be hit right now (the supervisor passes the candidates:
+never the last up-to-date group, nothing once a group reached the last step), sending the signal,
+or recording it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+COORDINATOR = "coordinator"
+"""The target name of the coordinator process."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One failure to inject."""
+
+    target: str
+    """A group name, or ``COORDINATOR``."""
+    rank: int
+    """Rank of the group to signal (0 for the coordinator)."""
+    signal: str
+    """``SIGKILL`` (a crash) or ``SIGSTOP`` (a hang)."""
+
+
+class Chaos:
+    """The seeded failure schedule of one job.
+
+    ``hang``: half the failures of groups are SIGSTOPs, on any rank (a hung non-leader rank keeps
+    its group's heartbeat alive: only the progress timeout catches it). ``coordinator``: the
+    coordinator is one more target, drawn like a group (SIGKILL only: it holds only soft state).
+    """
+
+    def __init__(self, mtbf: float, seed: int, hang: bool = False, coordinator: bool = False):
+        self.mtbf = mtbf
+        self.hang = hang
+        self.coordinator = coordinator
+        self.rng = random.Random(seed)
+
+    def next_gap(self) -> float | None:
+        """Seconds until the next failure; None when chaos is off."""
+        return self.rng.expovariate(1.0 / self.mtbf) if self.mtbf > 0 else None
+
+    def choose(self, groups: list[str], ranks: int, coordinator_up: bool) -> Fault | None:
+        """The next failure among ``groups`` (and the coordinator when it is in the mix and up);
+        None when there is no target."""
+        targets = list(groups) + ([COORDINATOR] if self.coordinator and coordinator_up else [])
+        if not targets:
+            return None
+        target = self.rng.choice(targets)
+        if target == COORDINATOR:
+            return Fault(COORDINATOR, 0, "SIGKILL")
+        hang = self.hang and self.rng.random() < 0.5
+        return Fault(target, self.rng.randrange(ranks), "SIGSTOP" if hang else "SIGKILL")

@@ -1,0 +1,174 @@
+"""The job's coordinator as a supervised process, and the supervisor's side of its HTTP API.
+
+Responsible for: starting ``ftlm coordinator`` on a fixed port (so that a restarted one comes back
+where the groups look for it), waiting until it answers, killing it (chaos, a restart), and the
+calls the supervisor makes with the job token: ``GET /status`` and ``POST /v1/dead``. Also the
+adapter that writes the coordinator's events into the run's ``events.jsonl``.
+
+Not responsible for: deciding when to restart it (``ftlm.launch.local`` does), or anything the
+coordinator decides (``ftlm.ft.coordinator``).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ftlm.errors import FtlmError
+from ftlm.observe.events import EventLog
+
+ERROR_PREFIX = "ftlm: error: "
+"""How the CLI starts the one line it prints for an ``FtlmError`` (exit status 2)."""
+
+
+class CoordinatorUnreachable(Exception):
+    """The coordinator did not answer (it is down, restarting or overloaded)."""
+
+
+class CoordinatorEvents:
+    """Adapts the coordinator's events to the run's event log: the group an event is about is
+    written as ``target`` (the record's ``group`` is the emitting process, ``coordinator``)."""
+
+    def __init__(self, log: EventLog):
+        self.log = log
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        step = fields.pop("step", -1)
+        if "group" in fields:
+            fields["target"] = fields.pop("group")
+        self.log.emit(kind, step=step if isinstance(step, int) else -1, **fields)
+
+
+def error_line(log: Path, offset: int = 0) -> str:
+    """The reason a process printed before it failed: its last ``ftlm: error:`` line (without
+    the prefix), else its last non-empty line, read from ``offset`` of ``log``; "" if none."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(offset)
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [line for line in lines if line.startswith(ERROR_PREFIX)]
+    if errors:
+        return errors[-1][len(ERROR_PREFIX):].strip()
+    text = [line.strip() for line in lines if line.strip()]
+    return text[-1] if text else ""
+
+
+class CoordinatorProcess:
+    """``ftlm coordinator`` for one job, started (and restarted) by the supervisor."""
+
+    def __init__(self, config_file: Path, port: int, token: str, events: Path, log: Path,
+                 host: str = "127.0.0.1"):
+        self.config_file = Path(config_file)
+        self.host = host
+        self.port = port
+        self.token = token
+        self.events = Path(events)
+        self.log = Path(log)
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0  # when the current process began answering
+        self._log_offset = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else None
+
+    def start(self, ready_timeout: float) -> None:
+        """Start the process and wait (at most ``ready_timeout`` s) until ``/status`` answers;
+        ``FtlmError`` with its own error line when it exits or never answers."""
+        cmd = [sys.executable, "-m", "ftlm.cli", "coordinator", str(self.config_file),
+               "--host", self.host, "--port", str(self.port), "--events", str(self.events)]
+        env = dict(os.environ, FTLM_TOKEN=self.token, PYTHONUNBUFFERED="1")
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self._log_offset = self.log.stat().st_size if self.log.is_file() else 0
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                why = error_line(self.log, self._log_offset) or f"see {self.log}"
+                raise FtlmError(f"the coordinator exited with status {code} at start: {why}")
+            try:
+                self.status(timeout=1.0)
+                break
+            except CoordinatorUnreachable:
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise FtlmError(f"the coordinator did not answer on {self.url} within "
+                                    f"{ready_timeout:.0f} s (ft.startup_timeout); see {self.log}")
+                time.sleep(0.1)
+        self.started = time.time()
+
+    def kill(self) -> None:
+        """SIGKILL the process (a coordinator failure) and reap it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait(timeout=10)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (it closes its server and exits), SIGKILL after ``timeout`` s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    # -- HTTP -------------------------------------------------------------------------------------
+    def status(self, timeout: float = 2.0) -> dict:
+        """``GET /status``; ``CoordinatorUnreachable`` when there is no answer."""
+        code, body = self._request("GET", "/status", None, timeout)
+        if code != 200 or not isinstance(body, dict):
+            raise CoordinatorUnreachable(f"GET /status answered {code}: {body}")
+        return body
+
+    def report_dead(self, group: str, incarnation: str, reason: str, timeout: float = 2.0) -> bool:
+        """``POST /v1/dead``: the replica's process ended, drop it now instead of waiting for its
+        heartbeat to expire. False when the coordinator could not be told (it is restarting: the
+        new one never knew the replica, or learns from its missing heartbeat)."""
+        try:
+            code, _ = self._request("POST", "/v1/dead", {"group": group, "incarnation": incarnation,
+                                                         "reason": reason}, timeout)
+        except CoordinatorUnreachable:
+            return False
+        return code == 200
+
+    def _request(self, method: str, path: str, body: dict | None, timeout: float) -> tuple[int, Any]:
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            conn.request(method, path, body=json.dumps(body).encode() if body is not None else None,
+                         headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        except (OSError, http.client.HTTPException) as e:
+            raise CoordinatorUnreachable(f"{method} {path}: {e!r}") from e
+        finally:
+            conn.close()
+        try:
+            return resp.status, json.loads(raw) if raw else {}
+        except ValueError:
+            return resp.status, raw[:200].decode(errors="replace")

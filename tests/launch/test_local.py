@@ -1,0 +1,307 @@
+"""The local supervisor's decisions, on stand-in processes (``sleep``, ``sh``) instead of groups.
+
+Each test drives one decision of ``LocalLauncher`` (the start-up watchdog, the hang killer, what a
+failed exit means, chaos targets, the end of a run) or of the console view, in well under a second
+per test; the end-to-end behaviour with real groups is in ``test_fault_tolerance.py``.
+"""
+
+from __future__ import annotations
+
+import io
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from ftlm.config import build_config
+from ftlm.errors import FtlmError
+from ftlm.launch.chaos import COORDINATOR, Chaos
+from ftlm.launch.console import ConsoleView
+from ftlm.launch.local import GroupProcess, LocalLauncher
+from ftlm.observe.events import EventLog, read_events
+
+
+class FakeCoordinator:
+    """What the supervisor's decisions need from its coordinator process: when it last came
+    up, whether it runs, and a sink for ``POST /v1/dead``."""
+
+    def __init__(self, started: float = 0.0):
+        self.started = started
+        self.dead: list[tuple[str, str, str]] = []
+        self.pid = None
+
+    def running(self) -> bool:
+        return True
+
+    def report_dead(self, group: str, incarnation: str, reason: str) -> bool:
+        self.dead.append((group, incarnation, reason))
+        return True
+
+
+@pytest.fixture
+def launcher(tmp_path):
+    """A launcher of 3 groups whose processes the test provides; stops them at the end."""
+    config = build_config({"run": {"dir": str(tmp_path / "run")}, "train": {"steps": 100},
+                           "ft": {"startup_timeout": 5.0, "heartbeat_timeout": 1.0,
+                                  "crash_loop_restarts": 3, "crash_loop_seconds": 60.0}})
+    la = LocalLauncher(config, groups=3, progress=False, chaos_mtbf=1.0, chaos_seed=1)
+    (la.run_dir / "logs").mkdir(parents=True)
+    la.coordinator = FakeCoordinator()
+    la.events = EventLog(la.run_dir / "events.jsonl", group="supervisor")
+    yield la
+    for g in la.groups:
+        for p in g.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+                p.wait()
+
+
+def start(la: LocalLauncher, g: GroupProcess, script: str = "sleep 60", ranks: int = 1) -> None:
+    """Give ``g`` a new incarnation made of ``ranks`` shell processes writing to its logs."""
+    g.incarnation = f"inc{g.restarts}"
+    g.procs, g.log_offsets = [], []
+    for rank in range(ranks):
+        log = g.log(la.run_dir, rank)
+        g.log_offsets.append(log.stat().st_size if log.is_file() else 0)
+        with open(log, "ab") as f:
+            g.procs.append(subprocess.Popen(["sh", "-c", script], stdout=f, stderr=subprocess.STDOUT))
+    g.started, g.restart_at, g.cause = time.time(), None, ""
+    g.registered = g.stopped = g.progressed = False
+    g.first_step = g.absent_since = None
+
+
+def member(g: GroupProcess, step: int = 0) -> dict:
+    return {"group": g.name, "replica_id": g.replica_id, "step": step, "heartbeat_age_seconds": 0.1}
+
+
+def wait_exit(g: GroupProcess) -> None:
+    for p in g.procs:
+        p.wait(timeout=10)
+
+
+def kinds(la: LocalLauncher, kind: str) -> list[dict]:
+    return [e for e in read_events(la.run_dir / "events.jsonl") if e["kind"] == kind]
+
+
+# -- start-up watchdog and hang killer ------------------------------------------------------------
+
+def test_group_that_never_registers_is_killed_after_the_startup_timeout(launcher):
+    g0, g1, g2 = launcher.groups
+    for g in launcher.groups:
+        start(launcher, g)
+    now = time.time()
+    g1.started = now - 6.0  # SIGSTOPped before its first heartbeat, 6 s ago (timeout 5 s)
+    g2.started = now - 2.0  # still starting, within the timeout
+    status = {"members": [member(g0)], "dead": []}
+    launcher._observe(status, now)
+    launcher._watchdog(status, launcher.events, now)
+    assert not g1.running() and g0.running() and g2.running()
+    killed = kinds(launcher, "member_killed")
+    assert [(e["target"], e["reason"], e["incarnation"]) for e in killed] == \
+        [("g1", "start-up timeout", g1.incarnation)]
+    # Its exit is then a failure the supervisor caused, not a crash, and it restarts.
+    launcher._reap(launcher.events, time.time())
+    exit_ = kinds(launcher, "group_exit")[-1]
+    assert (exit_["target"], exit_["ok"], exit_["cause"]) == ("g1", False, "hung")
+    assert g1.restart_at is not None and launcher.fatal == ""
+    assert launcher.coordinator.dead[-1][:2] == ("g1", g1.incarnation)
+
+
+def test_startup_clock_restarts_with_the_coordinator(launcher):
+    g = launcher.groups[0]
+    start(launcher, g)
+    now = time.time()
+    g.started = now - 60.0
+    launcher.coordinator.started = now - 1.0  # nobody could register while it was down
+    launcher._watchdog({"members": [], "dead": []}, launcher.events, now)
+    assert g.running()
+
+
+def test_registered_group_missing_from_the_members_is_killed_after_the_grace(launcher):
+    g0, g1, _ = launcher.groups
+    start(launcher, g0)
+    start(launcher, g1)
+    t0 = time.time()
+    launcher._observe({"members": [member(g0), member(g1)]}, t0)
+    # g1 hangs (a non-leader rank: the coordinator retires it for lack of progress).
+    status = {"members": [member(g0)],
+              "dead": [{"replica_id": g1.replica_id, "group": "g1", "seconds_ago": 0.5,
+                        "reason": "no progress for 20 s (hung rank or training thread)"}]}
+    launcher._observe(status, t0 + 0.1)
+    launcher._watchdog(status, launcher.events, t0 + 1.0)
+    assert g1.running(), "killed before the grace of 3 heartbeat timeouts"
+    launcher._watchdog(status, launcher.events, t0 + 3.5)
+    assert not g1.running() and g0.running()
+    assert kinds(launcher, "member_killed")[0]["reason"].startswith("declared dead: no progress")
+
+
+def test_group_that_comes_back_within_the_grace_is_not_killed(launcher):
+    g = launcher.groups[0]
+    start(launcher, g)
+    t0 = time.time()
+    launcher._observe({"members": [member(g)]}, t0)
+    launcher._observe({"members": []}, t0 + 0.1)  # starved of CPU for a moment
+    launcher._observe({"members": [member(g)]}, t0 + 2.0)
+    launcher._watchdog({"members": [member(g)], "dead": []}, launcher.events, t0 + 10.0)
+    assert g.running()
+
+
+# -- what an exit means ---------------------------------------------------------------------------
+
+def test_exit_status_2_before_registering_stops_the_launch_with_the_groups_error(launcher):
+    g = launcher.groups[1]
+    start(launcher, g, "echo 'loading data'; echo 'ftlm: error: data.dir=/nope has no "
+                       "manifest.json; run ftlm data prepare first' >&2; exit 2")
+    wait_exit(g)
+    launcher._reap(launcher.events, time.time())
+    assert launcher.fatal == ("group g1 cannot start (exit status 2): data.dir=/nope has no "
+                              "manifest.json; run ftlm data prepare first")
+
+
+def test_crash_loop_stops_the_launch_after_n_exits_without_progress(launcher):
+    g = launcher.groups[0]
+    for i in range(3):
+        start(launcher, g, f"echo 'Fatal Python error: attempt {i}'; exit 1")
+        wait_exit(g)
+        launcher._reap(launcher.events, time.time())
+        assert (launcher.fatal == "") == (i < 2), launcher.fatal
+        g.restarts += 1
+    assert "crash-looping: 3 exits within 60 s" in launcher.fatal
+    assert launcher.fatal.endswith("last exit status 1: Fatal Python error: attempt 2")
+
+
+def test_exits_caused_by_chaos_or_after_progress_are_not_a_crash_loop(launcher):
+    g = launcher.groups[0]
+    for i in range(5):
+        start(launcher, g)
+        if i % 2:
+            g.cause = "chaos"
+        else:
+            g.registered, g.progressed = True, True  # it committed before it died
+        g.procs[0].kill()
+        wait_exit(g)
+        launcher._reap(launcher.events, time.time())
+        g.restarts += 1
+    assert launcher.fatal == ""
+    causes = [e["cause"] for e in kinds(launcher, "group_exit")]
+    assert causes == ["crash", "chaos", "crash", "chaos", "crash"]
+
+
+# -- chaos ----------------------------------------------------------------------------------------
+
+def test_chaos_stops_once_a_group_reached_the_last_step(launcher):
+    g0 = launcher.groups[0]
+    start(launcher, g0)
+    assert not launcher._ending({"members": [member(g0, 99)]})
+    assert launcher._ending({"members": [member(g0, 100)]})
+    g0.finished = True
+    assert launcher._ending({"members": []})
+
+
+def test_chaos_hits_starting_groups_but_never_the_last_up_to_date_one(launcher):
+    g0, g1, g2 = launcher.groups
+    for g in launcher.groups:
+        start(launcher, g)
+    # g0 is the only participant; g1 is starting (never registered), g2 recovering.
+    status = {"members": [member(g0, 10), member(g2, 0)],
+              "last_quorum": {"participants": [g0.replica_id], "recovering": [g2.replica_id]}}
+    for _ in range(12):
+        launcher._inject(launcher.events, status)
+        for g in (g1, g2):
+            if g.cause == "chaos":  # hit: the next incarnation takes its place
+                g.kill()
+                start(launcher, g)
+        assert g0.running() and not g0.stopped and g0.cause == ""
+    injected = kinds(launcher, "failure_injected")
+    assert {e["target"] for e in injected} == {"g1", "g2"}
+    assert any(e["registered"] is False for e in injected)
+
+
+def test_chaos_draws_hang_non_leader_ranks_and_the_coordinator():
+    chaos = Chaos(mtbf=1.0, seed=0, hang=True, coordinator=True)
+    draws = [chaos.choose(["g0", "g1"], ranks=2, coordinator_up=True) for _ in range(300)]
+    assert {(f.target, f.rank, f.signal) for f in draws if f.target != COORDINATOR} == \
+        {(g, r, s) for g in ("g0", "g1") for r in (0, 1) for s in ("SIGKILL", "SIGSTOP")}
+    assert 50 < sum(f.target == COORDINATOR for f in draws) < 150  # one target in three
+    assert all(f.signal == "SIGKILL" for f in draws if f.target == COORDINATOR)
+    plain = Chaos(mtbf=1.0, seed=0)
+    assert all(plain.choose(["g0"], 2, True).signal == "SIGKILL" for _ in range(50))
+    assert plain.choose([], 2, True) is None
+    assert Chaos(mtbf=0.0, seed=0).next_gap() is None
+
+
+# -- the end of a run -----------------------------------------------------------------------------
+
+def test_group_dying_near_the_end_restarts_while_another_group_is_still_there(launcher, monkeypatch):
+    g0, g1, g2 = launcher.groups
+    spawned = []
+    monkeypatch.setattr(launcher, "_spawn", lambda g, *_: spawned.append(g.name))
+    g0.finished, g0.result = True, {"step": 100, "state_hash": "h"}
+    start(launcher, g2)  # still running: g1 can recover from it or from g0 while g0 serves
+    g1.restart_at = time.time() - 1
+    launcher._restart_due(launcher.events, Path("config.toml"), "http://x", time.time())
+    assert spawned == ["g1"] and not g1.lost
+
+
+def test_group_dying_after_every_other_group_left_is_lost_not_restarted(launcher, monkeypatch):
+    g0, g1, g2 = launcher.groups
+    spawned = []
+    monkeypatch.setattr(launcher, "_spawn", lambda g, *_: spawned.append(g.name))
+    for g in (g0, g2):
+        g.finished, g.result = True, {"step": 100, "state_hash": "h"}
+    g1.restart_at = time.time() - 1
+    launcher._restart_due(launcher.events, Path("config.toml"), "http://x", time.time())
+    assert spawned == [] and g1.lost
+    assert kinds(launcher, "group_lost")[0]["target"] == "g1"
+
+
+# -- the console ----------------------------------------------------------------------------------
+
+def test_console_off_a_terminal_writes_a_plain_line_every_few_seconds():
+    stream, now = io.StringIO(), [0.0]
+    g = GroupProcess("g0", procs=[SimpleNamespace(poll=lambda: None)])
+    view = ConsoleView(100, [g], enabled=True, stream=stream, clock=lambda: now[0], interval=5.0)
+    for i in range(200):  # 20 s of supervisor ticks
+        now[0] = i * 0.1
+        view.update({"quorum_id": 3, "members": [{"group": "g0", "replica_id": "g0:a", "step": i // 2}],
+                     "last_quorum": {"participants": ["g0:a"]}})
+    g.finished, g.result = True, {"step": 100}
+    view.update({"members": []})
+    view.close()
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue()
+    assert 4 <= len(lines) <= 6, lines
+    assert lines[0] == "step 0/100 q3 P=1 g0:train@0"
+    assert lines[-1].startswith("step 100/100") and "g0:done@100" in lines[-1]
+
+
+def test_console_bar_on_a_terminal_reaches_the_last_step():
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    g = GroupProcess("g0", procs=[SimpleNamespace(poll=lambda: 0)])
+    view = ConsoleView(100, [g], enabled=True, stream=Tty())
+    view.update({"members": [{"group": "g0", "replica_id": "g0:a", "step": 99}]})
+    g.finished, g.result = True, {"step": 100}  # it committed the last step and left
+    view.update({"members": []})
+    assert view.bar.n == 100
+    view.close()
+
+
+def test_coordinator_that_cannot_start_is_a_one_line_error(tmp_path):
+    from ftlm.launch.coordinator_process import CoordinatorProcess
+    config = tmp_path / "bad.toml"
+    config.write_text("[ft]\nheartbeat_timeout = -1\n")
+    coordinator = CoordinatorProcess(config, 0, "t", tmp_path / "events.jsonl", tmp_path / "c.log")
+    with pytest.raises(FtlmError, match=r"exited with status 2 at start: ft.heartbeat_timeout=-1"):
+        coordinator.start(ready_timeout=60)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

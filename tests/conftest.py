@@ -5,9 +5,42 @@ Keep each fixture small and documented; put fixtures used by one package in its 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+
+def _register_hypothesis_profiles() -> None:
+    """Hypothesis settings shared by the property-based and fuzz tests (DESIGN.md section 11).
+
+    * Profile ``ftlm`` (loaded for every test): no per-example deadline, since timings on a loaded
+      CI machine mean nothing; failing examples are kept under .pytest_cache (ignored by git)
+      and replayed first on the next run.
+    * Profile ``fuzz``: what fuzz tests inherit with
+      ``@settings(parent=settings.get_profile("fuzz"))``. Examples per test come from
+      ``FTLM_FUZZ_EXAMPLES`` (default 2000, sized for the default run); a release runs a long
+      fuzz with e.g. ``FTLM_FUZZ_EXAMPLES=200000 .venv/bin/python -m pytest -q -k fuzz``.
+    """
+    try:
+        from hypothesis import HealthCheck, settings
+        from hypothesis.database import DirectoryBasedExampleDatabase
+    except ImportError:  # the `test` extra is not installed; property tests fail on import
+        return
+    raw = os.environ.get("FTLM_FUZZ_EXAMPLES", "2000")
+    if not (raw.isascii() and raw.isdigit() and int(raw) >= 1):
+        raise pytest.UsageError(f"FTLM_FUZZ_EXAMPLES={raw!r} must be a positive integer "
+                                f"(examples per fuzz test; unset means 2000)")
+    database = DirectoryBasedExampleDatabase(Path(__file__).parent.parent / ".pytest_cache"
+                                             / "hypothesis")
+    settings.register_profile("ftlm", deadline=None, database=database)
+    settings.register_profile("fuzz", parent=settings.get_profile("ftlm"),
+                              max_examples=int(raw),
+                              suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile("ftlm")
+
+
+_register_hypothesis_profiles()
 
 DEMO_SEQ_LEN = 64
 DEMO_VOCAB = 1024

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import http.server
+import json
 import threading
 import time
 import urllib.error
@@ -11,9 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from ftlm.ft import transport
 from ftlm.ft.framing import DTYPES, FramingError, parse_header
+from ftlm.ft.tls import client_context, server_context
 from ftlm.ft.transport import (
-    SnapshotServer, TransferError, fetch_snapshot, list_snapshots, snapshot_state, state_digest,
+    SnapshotServer, TransferError, expected_layout, fetch_snapshot, list_snapshots,
+    snapshot_state, state_digest,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -335,3 +340,264 @@ def test_cuda_snapshot_goes_through_pinned_memory(make_server):
     tensors, meta = fetch_snapshot(server.url, 7, timeout=5)
     assert_bitwise_equal(tensors, cpu_state)
     assert state_digest(tensors, meta) == state_digest(cpu_state, META)
+
+
+# ---------------------------------------------------------------------------------------------
+# A lying peer: what it can make a receiver allocate is bounded by the receiver's own state
+
+
+class LyingPeer:
+    """A stdlib HTTP server that answers every request with fixed bytes and status."""
+
+    def __init__(self, body: bytes, status: int = 200) -> None:
+        peer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+                peer.paths.append(self.path)
+                self.send_response(peer.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(peer.body)))
+                self.end_headers()
+                self.wfile.write(peer.body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.body, self.status, self.paths = body, status, []
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,),
+                                       daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+@pytest.fixture
+def lying_peer():
+    peers: list[LyingPeer] = []
+
+    def make(body: bytes | dict, status: int = 200) -> LyingPeer:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        peers.append(LyingPeer(raw, status))
+        return peers[-1]
+
+    yield make
+    for peer in peers:
+        peer.close()
+
+
+def claim(nbytes: int, name: str = "w", step: int = 7) -> dict:
+    """A well-formed header for one uint8 tensor of `nbytes` bytes in one chunk."""
+    return {"step": step, "meta": {}, "total_bytes": nbytes,
+            "tensors": [{"name": name, "dtype": "uint8", "shape": [nbytes], "offset": 0,
+                         "nbytes": nbytes}],
+            "chunks": [{"index": 0, "offset": 0, "nbytes": nbytes, "sha256": "0" * 64}]
+            if nbytes else []}
+
+
+OWN_STATE = {"w": torch.zeros(1000, dtype=torch.uint8)}
+
+
+def test_header_claiming_a_tebibyte_hits_the_hard_cap_not_memory_error(lying_peer):
+    peer = lying_peer(claim(1 << 40))
+    assert len(peer.body) < 320  # "a 300-byte header"
+
+    with pytest.raises(TransferError, match=r"total_bytes=1099511627776 exceeds the limit") as e:
+        fetch_snapshot(peer.url, 7, timeout=5, wait_available=0)
+    assert peer.url in str(e.value) and "\n" not in str(e.value)
+    assert not any("/chunk/" in path for path in peer.paths)
+
+
+def test_header_claiming_a_tebibyte_is_refused_by_the_receivers_own_layout(lying_peer):
+    peer = lying_peer(claim(1 << 40))
+
+    with pytest.raises(TransferError, match=r"does not match this group's: header.total_bytes="
+                                            r"1099511627776 but this receiver expects at most "
+                                            r"1007 bytes") as e:
+        fetch_snapshot(peer.url, 7, timeout=5, wait_available=0,
+                       expected=expected_layout(OWN_STATE))
+    assert peer.url in str(e.value)
+
+
+@pytest.mark.parametrize("lie, problem", [
+    (claim(1001), r"expects at most 1007 bytes|'w' is uint8 \[1001\]"),  # within padding slack
+    (claim(2000), "expects at most 1007 bytes"),
+    (claim(1000, name="v"), "'v' is not part of this receiver's state"),
+    ({**claim(1000), "tensors": [{**claim(1000)["tensors"][0], "dtype": "int8"}]},
+     r"'w' is int8 \[1000\] in the header but uint8 \[1000\] in this receiver"),
+    ({**claim(1000), "tensors": []}, "describes 0 tensors but this receiver expects 1"),
+])
+def test_a_header_unlike_the_receivers_state_is_refused_before_allocating(
+        lying_peer, monkeypatch, lie, problem):
+    allocations: list[int] = []
+    real_allocate = transport._allocate
+    monkeypatch.setattr(transport, "_allocate",
+                        lambda n: allocations.append(n) or real_allocate(n))
+    peer = lying_peer(lie)
+
+    with pytest.raises(TransferError, match=problem):
+        fetch_snapshot(peer.url, 7, timeout=5, wait_available=0,
+                       expected=expected_layout(OWN_STATE))
+    assert allocations == []
+
+
+def _deep(depth: int) -> dict:
+    value: object = 0
+    for _ in range(depth):
+        value = [value]
+    return {**claim(8), "meta": {"deep": value}}
+
+
+MALFORMED = {
+    "not utf-8": b"\xff\xfe{\x00\x00}",
+    "not json": b"<html>gateway timeout</html>",
+    "NaN": json.dumps({**claim(8), "meta": {"lr": float("nan")}}).encode(),
+    "nested past the decoder": b"[" * 200_000 + b"]" * 200_000,
+    "nested past the meta limit": _deep(500),
+    "int of 5000 digits": b'{"step": ' + b"9" * 5000 + b"}",
+    "a list": [1, 2, 3],
+    "missing fields": {},
+    "missing shape": {**claim(8), "tensors": [{"name": "w", "dtype": "uint8", "offset": 0,
+                                               "nbytes": 8}]},
+    "dtype a list": {**claim(8), "tensors": [{**claim(8)["tensors"][0], "dtype": ["uint8"]}]},
+    "dtype an object": {**claim(8), "tensors": [{**claim(8)["tensors"][0], "dtype": {}}]},
+    "total a string": {**claim(8), "total_bytes": "8"},
+    "negative total": {**claim(8), "total_bytes": -8},
+    "negative nbytes": {**claim(8), "chunks": [{**claim(8)["chunks"][0], "nbytes": -8}]},
+    "shape overflowing int64": {**claim(0), "tensors": [{**claim(0)["tensors"][0],
+                                                        "shape": [2**70, 0]}]},
+    "shape overflowing strides": {**claim(0), "tensors": [{**claim(0)["tensors"][0],
+                                                          "shape": [2**40, 2**40, 0]}]},
+    "too many dims": {**claim(0), "tensors": [{**claim(0)["tensors"][0], "shape": [0] * 65}]},
+    "chunks past the end": {**claim(8), "chunks": [{**claim(8)["chunks"][0], "nbytes": 2**70}]},
+    "another step": claim(8, step=8),
+}
+
+
+@pytest.mark.parametrize("body", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_headers_raise_transfer_error_with_and_without_expected(lying_peer, body):
+    peer = lying_peer(body)
+    for expected in (None, expected_layout({"w": torch.zeros(8, dtype=torch.uint8)})):
+        with pytest.raises(TransferError) as e:
+            fetch_snapshot(peer.url, 7, timeout=5, wait_available=0, expected=expected)
+        message = str(e.value)
+        assert peer.url in message and "step 7" in message and "\n" not in message
+        assert len(message) < 600
+
+
+@pytest.mark.parametrize("status, body", [
+    (404, b"[" * 200_000), (500, b"\xff" * 100), (401, b'{"error": ["not", "a", "string"]}'),
+    (404, b'{"error": "multi\\nline\\r\\nmessage"}'),
+], ids=["deep json", "not utf-8", "error not a string", "multi-line error"])
+def test_malformed_error_answers_raise_transfer_error(lying_peer, status, body):
+    peer = lying_peer(body, status=status)
+    with pytest.raises(TransferError, match=f"HTTP {status}") as e:
+        fetch_snapshot(peer.url, 7, timeout=5, wait_available=0)
+    assert "\n" not in str(e.value)
+
+
+def test_a_header_larger_than_the_header_limit_is_refused(lying_peer, monkeypatch):
+    monkeypatch.setattr(transport, "_MAX_HEADER_BYTES", 1 << 20)
+    peer = lying_peer({**claim(8), "meta": {"pad": "x" * (2 << 20)}})
+    with pytest.raises(TransferError, match="exceeds 1048576 bytes"):
+        fetch_snapshot(peer.url, 7, timeout=5, wait_available=0)
+
+
+def test_the_receivers_own_layout_accepts_the_peers_snapshot(make_server):
+    state = mixed_state()
+    server = make_server(chunk_bytes=128)
+    server.publish(snapshot_state(state, META, step=7))
+    own = {name: torch.empty_like(t) for name, t in reversed(state.items())}  # order is free
+
+    tensors, meta = fetch_snapshot(server.url, 7, timeout=5, expected=expected_layout(own))
+    assert_bitwise_equal(tensors, state)
+    assert meta == META
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda s: s.update(extra=torch.zeros(1)), "describes 14 tensors but this receiver expects 15"),
+    (lambda s: s.pop("empty"), "describes 14 tensors but this receiver expects 13"),
+    (lambda s: s.update({"w.float32": torch.zeros(17, 33)}),
+     r"'w.float32' is float32 \[33, 17\] in the header but float32 \[17, 33\]"),
+    (lambda s: s.update({"n.int8": torch.zeros(2, 2, dtype=torch.uint8)}), "'n.int8' is int8"),
+])
+def test_a_peer_with_another_model_is_refused_before_any_chunk(make_server, change, problem):
+    served: list[int] = []
+    server = make_server(on_chunk=lambda step, index: served.append(index))
+    server.publish(snapshot_state(mixed_state(), META, step=7))
+    own = mixed_state()
+    change(own)
+
+    with pytest.raises(TransferError, match="does not match this group's") as e:
+        fetch_snapshot(server.url, 7, timeout=5, expected=expected_layout(own))
+    assert e.match(problem)
+    assert served == []
+
+
+# ---------------------------------------------------------------------------------------------
+# TLS
+
+
+def test_transfer_over_tls_round_trips(make_server, tls_files):
+    state = mixed_state()
+    server = make_server(token="s3cret", chunk_bytes=256,
+                         ssl_context=server_context(tls_files.cert, tls_files.key))
+    server.publish(snapshot_state(state, META, step=7))
+    assert server.url.startswith("https://127.0.0.1:")
+    client = client_context(tls_files.ca)
+
+    tensors, meta = fetch_snapshot(server.url, 7, token="s3cret", timeout=5, ssl_context=client,
+                                   expected=expected_layout(state))
+    assert_bitwise_equal(tensors, state)
+    assert meta == META
+    assert list_snapshots(server.url, token="s3cret", ssl_context=client) == [7]
+
+
+def test_client_without_the_ca_fails_with_a_clear_error(make_server, tls_files):
+    server = make_server(ssl_context=server_context(tls_files.cert, tls_files.key))
+    server.publish(snapshot_state(mixed_state(), META, step=7))
+
+    for context in (None, client_context(tls_files.other_ca)):  # the system's CAs, another CA
+        with pytest.raises(TransferError, match=r"certificate did not verify .*ft.tls_ca") as e:
+            fetch_snapshot(server.url, 7, timeout=5, wait_available=0, ssl_context=context)
+        assert server.url in str(e.value)
+
+
+def test_plain_http_client_against_a_tls_server_fails_clearly(make_server, tls_files):
+    server = make_server(ssl_context=server_context(tls_files.cert, tls_files.key))
+    server.publish(snapshot_state(mixed_state(), META, step=7))
+    plain = server.url.replace("https://", "http://")
+
+    start = time.monotonic()
+    with pytest.raises(TransferError, match=r"without answering.*use its https:// URL"):
+        fetch_snapshot(plain, 7, timeout=5, wait_available=0)
+    assert time.monotonic() - start < 5  # refused at once, not after the read timeout
+
+
+def test_tls_client_refuses_a_plain_source_instead_of_downgrading(make_server, tls_files):
+    server = make_server()
+    server.publish(snapshot_state(mixed_state(), META, step=7))
+    client = client_context(tls_files.ca)
+
+    with pytest.raises(TransferError, match="requires TLS .*plain http://"):
+        fetch_snapshot(server.url, 7, timeout=5, ssl_context=client)
+    https = server.url.replace("http://", "https://")
+    with pytest.raises(TransferError, match="TLS handshake failed"):
+        fetch_snapshot(https, 7, timeout=5, wait_available=0, ssl_context=client)
+
+
+def test_hostname_is_checked_unless_the_client_opts_out(make_server, tls_files):
+    server = make_server(ssl_context=server_context(tls_files.cert_without_ip, tls_files.key))
+    server.publish(snapshot_state(mixed_state(), META, step=7))
+
+    with pytest.raises(TransferError, match="certificate did not verify .*127.0.0.1"):
+        fetch_snapshot(server.url, 7, timeout=5, wait_available=0,
+                       ssl_context=client_context(tls_files.ca))
+    tensors, _ = fetch_snapshot(server.url, 7, timeout=5,
+                                ssl_context=client_context(tls_files.ca, check_hostname=False))
+    assert_bitwise_equal(tensors, mixed_state())

@@ -8,7 +8,11 @@ Not responsible for: taking snapshots, sockets, HTTP or retries (see `ftlm.ft.tr
 
 The format is safetensors-like: every tensor is `{name, dtype, shape, offset, nbytes}` into one
 buffer, so nothing is ever unpickled; a header from a peer is validated field by field before any
-number in it is used to allocate or slice memory.
+number in it is used to allocate or slice memory. A receiver that describes its own state
+(`ExpectedLayout`) refuses any header that describes other tensors or another size, so what a
+peer can make it allocate is bounded by what it holds itself. Every malformed input raises
+FramingError (never MemoryError, TypeError, KeyError or RecursionError): the fuzz tests in
+tests/ft/test_framing_fuzz.py hold that property over arbitrary bytes and JSON.
 """
 
 from __future__ import annotations
@@ -42,9 +46,25 @@ _NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 ALIGN = 8
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
+MAX_HEADER_BYTES = 64 << 20
+"""Largest encoded header accepted (a 4 MiB-chunk table of ~500 GiB is ~17 MB)."""
+DEFAULT_MAX_TOTAL_BYTES = 1 << 40
+"""Hard cap on a snapshot's size when the caller gives none."""
+MAX_NDIM = 64
+"""Most dimensions a tensor may have on the wire."""
+MAX_META_DEPTH = 64
+"""Deepest nesting of lists and objects accepted in `meta` (a trainer's is below 10)."""
+# Bound on the product of a shape's non-zero dimensions: torch cannot even describe (strides)
+# an empty tensor whose other dimensions overflow int64.
+_MAX_SHAPE_PRODUCT = 1 << 48
+
 
 class FramingError(ValueError):
     """A header or buffer does not follow the wire format (the message says which field)."""
+
+
+class LayoutMismatch(FramingError):
+    """A well-formed header describes other tensors than the receiver expects to load."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +113,34 @@ class Header:
                 for c in self.chunks
             ],
         }
+
+
+@dataclass(frozen=True)
+class ExpectedLayout:
+    """What a receiver is prepared to load, built from its own state: dtype and shape per name.
+
+    Only names, wire dtypes and shapes: no tensor data. `parse_header(..., expected=)` refuses a
+    header that describes anything else, before a byte of the snapshot is allocated.
+    """
+
+    tensors: Mapping[str, tuple[str, tuple[int, ...]]]  # name -> (wire dtype, shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data, without alignment padding."""
+        return sum(math.prod(shape) * DTYPES[dtype].itemsize
+                   for dtype, shape in self.tensors.values())
+
+    @property
+    def max_total_bytes(self) -> int:
+        """Largest buffer these tensors can need in any order (data plus worst-case padding)."""
+        return self.nbytes + (ALIGN - 1) * len(self.tensors)
+
+
+def expected_layout(tensors: Mapping[str, torch.Tensor]) -> ExpectedLayout:
+    """The `ExpectedLayout` of `tensors` (reads dtypes and shapes only, never the data)."""
+    entries, _ = layout(tensors)
+    return ExpectedLayout({e.name: (e.dtype, e.shape) for e in entries})
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -155,59 +203,123 @@ def _int(obj: Mapping[str, Any], key: str, where: str, minimum: int = 0) -> int:
     value = obj.get(key)
     # bool is an int subclass in Python; on the wire it is a different type.
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise FramingError(f"{where}.{key} must be an integer >= {minimum}, got {value!r}")
+        raise FramingError(f"{where}.{key} must be an integer >= {minimum}, got {value!r:.80}")
     return value
 
 
-def parse_header(obj: Any, max_total_bytes: int = 1 << 40) -> Header:
+def _shape(raw: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(raw, (list, tuple)) or len(raw) > MAX_NDIM or not all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _MAX_SHAPE_PRODUCT
+        for d in raw
+    ) or math.prod(max(d, 1) for d in raw) > _MAX_SHAPE_PRODUCT:
+        raise FramingError(f"{where}.shape must be a list of at most {MAX_NDIM} integers >= 0 "
+                           f"whose non-zero product is <= 2^48, got {raw!r:.80}")
+    return tuple(raw)
+
+
+def _check_meta(meta: Any) -> None:
+    """Refuse meta nested deeper than MAX_META_DEPTH or holding a non-finite float.
+
+    Iterative, so that no depth a JSON decoder accepted can exhaust the Python stack here or
+    in whoever walks the meta later (canonical_json, the trainer).
+    """
+    stack = [(meta, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise FramingError(f"header.meta holds the non-finite number {value}; meta is JSON "
+                               f"data with finite numbers")
+        if isinstance(value, (dict, list)):
+            if depth > MAX_META_DEPTH:
+                raise FramingError(f"header.meta is nested deeper than {MAX_META_DEPTH} levels")
+            children = value.values() if isinstance(value, dict) else value
+            stack.extend((child, depth + 1) for child in children)
+
+
+def _dense_size(tensors: list[TensorEntry]) -> int:
+    """Bytes that `layout` needs for these tensors in this order."""
+    end = 0
+    for t in tensors:
+        end = -(-end // ALIGN) * ALIGN + t.nbytes
+    return end
+
+
+def _describe_tensor(dtype: str, shape: tuple[int, ...]) -> str:
+    return f"{dtype} {list(shape)}"
+
+
+def parse_header(obj: Any, max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
+                 expected: ExpectedLayout | None = None) -> Header:
     """Validate a header decoded from JSON and return it; raise FramingError naming the field.
 
     Checks: types; known dtypes; unique names; nbytes == prod(shape) * itemsize; tensors inside
     the buffer and not overlapping; chunks contiguous from 0 to total_bytes in index order with a
-    well-formed sha256 each; total_bytes below `max_total_bytes`.
+    well-formed sha256 each; total_bytes at most `max_total_bytes`; meta is finite JSON data
+    nested at most MAX_META_DEPTH deep. With `expected`, also (LayoutMismatch): the same tensor
+    names with the same dtypes and shapes, and total_bytes equal to their dense layout; the
+    total is checked first, before anything proportional to the header's claims is built.
     """
     if not isinstance(obj, dict):
         raise FramingError(f"header must be a JSON object, got {type(obj).__name__}")
     step = _int(obj, "step", "header")
     total = _int(obj, "total_bytes", "header")
+    if expected is not None and total > expected.max_total_bytes:
+        raise LayoutMismatch(
+            f"header.total_bytes={total} but this receiver expects at most "
+            f"{expected.max_total_bytes} bytes ({len(expected.tensors)} tensors of its own state)")
     if total > max_total_bytes:
         raise FramingError(f"header.total_bytes={total} exceeds the limit {max_total_bytes}")
     meta = obj.get("meta")
     if not isinstance(meta, dict):
         raise FramingError(f"header.meta must be a JSON object, got {type(meta).__name__}")
+    _check_meta(meta)
     raw_tensors, raw_chunks = obj.get("tensors"), obj.get("chunks")
     if not isinstance(raw_tensors, list) or not isinstance(raw_chunks, list):
         raise FramingError("header.tensors and header.chunks must be lists")
+    if expected is not None and len(raw_tensors) != len(expected.tensors):
+        raise LayoutMismatch(f"the header describes {len(raw_tensors)} tensors but this "
+                             f"receiver expects {len(expected.tensors)}")
 
     tensors, names = [], set()
     for i, t in enumerate(raw_tensors):
         where = f"tensors[{i}]"
         if not isinstance(t, dict):
             raise FramingError(f"{where} must be an object")
-        name, dtype, shape = t.get("name"), t.get("dtype"), t.get("shape")
+        name, dtype = t.get("name"), t.get("dtype")
         if not isinstance(name, str) or not name or name in names:
-            raise FramingError(f"{where}.name must be a non-empty unique string, got {name!r}")
+            raise FramingError(f"{where}.name must be a non-empty unique string, "
+                               f"got {name!r:.80}")
         names.add(name)
-        if dtype not in DTYPES:
-            raise FramingError(f"{where}.dtype {dtype!r} unknown; supported: {', '.join(DTYPES)}")
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
-            raise FramingError(f"{where}.shape must be a list of integers >= 0, got {shape!r}")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise FramingError(f"{where}.dtype {dtype!r:.40} unknown; "
+                               f"supported: {', '.join(DTYPES)}")
+        shape = _shape(t.get("shape"), where)
+        if expected is not None:
+            if name not in expected.tensors:
+                raise LayoutMismatch(f"{where}: tensor {name!r:.80} is not part of this "
+                                     f"receiver's state")
+            if (dtype, shape) != expected.tensors[name]:
+                raise LayoutMismatch(
+                    f"{where}: tensor {name!r:.80} is {_describe_tensor(dtype, shape)} in the "
+                    f"header but {_describe_tensor(*expected.tensors[name])} in this receiver")
         offset, nbytes = _int(t, "offset", where), _int(t, "nbytes", where)
-        expected = math.prod(shape) * DTYPES[dtype].itemsize
-        if nbytes != expected:
+        size = math.prod(shape) * DTYPES[dtype].itemsize
+        if nbytes != size:
             raise FramingError(
-                f"{where} ({name}): nbytes={nbytes} but shape {shape} of {dtype} needs {expected}"
-            )
+                f"{where} ({name}): nbytes={nbytes} but shape {list(shape)} of {dtype} needs "
+                f"{size}")
         if offset + nbytes > total:
             raise FramingError(f"{where} ({name}): bytes [{offset}, {offset + nbytes}) "
                                f"lie outside the buffer of {total} bytes")
-        tensors.append(TensorEntry(name, dtype, tuple(shape), offset, nbytes))
+        tensors.append(TensorEntry(name, dtype, shape, offset, nbytes))
+    if expected is not None and total != _dense_size(tensors):
+        raise LayoutMismatch(f"header.total_bytes={total} but its tensors need "
+                             f"{_dense_size(tensors)} bytes (this receiver expects a dense "
+                             f"layout)")
     end = 0
     for t in sorted((t for t in tensors if t.nbytes), key=lambda t: t.offset):
         if t.offset < end:
-            raise FramingError(f"tensor {t.name!r} overlaps the tensor before it")
+            raise FramingError(f"tensor {t.name!r:.80} overlaps the tensor before it")
         end = t.offset + t.nbytes
 
     chunks, expected_offset = [], 0
@@ -221,21 +333,61 @@ def parse_header(obj: Any, max_total_bytes: int = 1 << 40) -> Header:
             raise FramingError(f"{where}: chunks must be in order and contiguous; expected "
                                f"index {i} at offset {expected_offset}, got {index} at {offset}")
         if not isinstance(sha, str) or not _SHA256_HEX.fullmatch(sha):
-            raise FramingError(f"{where}.sha256 must be 64 lowercase hex digits, got {sha!r}")
+            raise FramingError(f"{where}.sha256 must be 64 lowercase hex digits, "
+                               f"got {sha!r:.80}")
         chunks.append(ChunkEntry(index, offset, nbytes, sha))
         expected_offset += nbytes
+        if expected_offset > total:
+            raise FramingError(f"{where}: chunks reach byte {expected_offset}, past "
+                               f"total_bytes={total}")
     if expected_offset != total:
         raise FramingError(f"chunks cover {expected_offset} bytes but total_bytes is {total}")
     return Header(step, meta, total, tuple(tensors), tuple(chunks))
 
 
+def _reject_constant(name: str) -> Any:
+    raise FramingError(f"header holds {name}, which is not JSON")
+
+
+def decode_header(data: bytes, max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
+                  expected: ExpectedLayout | None = None) -> Header:
+    """Decode the encoded header `data` (JSON, UTF-8) and validate it with `parse_header`.
+
+    Any malformed input, whatever its bytes, raises FramingError: oversized (MAX_HEADER_BYTES),
+    not UTF-8, not JSON, NaN or Infinity, nesting deeper than the decoder allows, or a header
+    that `parse_header` refuses.
+    """
+    if len(data) > MAX_HEADER_BYTES:
+        raise FramingError(f"header is {len(data)} bytes; the limit is {MAX_HEADER_BYTES}")
+    try:
+        obj = json.loads(data, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        if isinstance(e, FramingError):
+            raise
+        # (the first clause: Python's advice on its own int limit is no advice to a receiver)
+        reason = str(e).split(";")[0][:200]
+        raise FramingError(f"header is not valid UTF-8 JSON: {reason}") from None
+    return parse_header(obj, max_total_bytes, expected)
+
+
 def tensors_from_buffer(
     buffer: bytes | bytearray | memoryview, entries: tuple[TensorEntry, ...]
 ) -> dict[str, torch.Tensor]:
-    """Rebuild tensors from `buffer`; each result owns its memory (no view into `buffer`)."""
+    """Rebuild tensors from `buffer`; each result owns its memory (no view into `buffer`).
+
+    Raises FramingError if an entry does not describe bytes inside `buffer`; `entries` from
+    `parse_header` over a buffer of its `total_bytes` always do.
+    """
+    size = memoryview(buffer).nbytes
     out: dict[str, torch.Tensor] = {}
     for e in entries:
-        dtype = DTYPES[e.dtype]
+        dtype = DTYPES.get(e.dtype)
+        shape = _shape(e.shape, e.name)
+        if (dtype is None or e.offset < 0 or e.offset + e.nbytes > size
+                or e.nbytes != math.prod(shape) * dtype.itemsize):
+            raise FramingError(f"tensor {e.name!r:.80} ({e.dtype} {list(e.shape)} at "
+                               f"[{e.offset}, {e.offset + e.nbytes})) does not fit the "
+                               f"{size}-byte buffer")
         if e.nbytes == 0:  # torch.frombuffer rejects count=0
             out[e.name] = torch.empty(e.shape, dtype=dtype)
             continue

@@ -10,9 +10,19 @@ thread (started by `publish`), so the training thread pays only for the memory c
 requests wait for the hashes. A snapshot's buffer is never written after `snapshot_state`
 returns, so lazy hashes and served bytes are always consistent.
 
+A receiver bounds what a peer can make it allocate: `fetch_snapshot(..., expected=)` takes the
+`ExpectedLayout` of the receiver's own state (`expected_layout(tensors)`) and refuses a header
+that describes other tensors or another size before allocating the snapshot buffer; a hard cap
+(`default_max_bytes`) applies always. Every failure, however malformed the peer's answer,
+surfaces as one TransferError naming the source.
+
+TLS is optional: a server given an `ssl.SSLContext` (`ftlm.ft.tls.server_context`) serves
+https://, and `fetch_snapshot` verifies such a source with a client context
+(`ftlm.ft.tls.client_context`); without TLS, bind to 127.0.0.1 or a trusted network. The job
+token guards every request either way.
+
 Not responsible for: choosing the source peer, deciding the step to fetch, buffering gradients or
-replaying them (the manager and `ftlm.ft.catchup` do that), or TLS (bind to 127.0.0.1 or a
-trusted network; the job token guards every request).
+replaying them (the manager and `ftlm.ft.catchup` do that), or making certificates.
 """
 
 from __future__ import annotations
@@ -23,7 +33,9 @@ import hashlib
 import hmac
 import http.client
 import json
+import os
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -36,14 +48,16 @@ from aiohttp import web
 
 from ftlm.errors import ConfigError, FtlmError
 from ftlm.ft.framing import (
-    ChunkEntry, FramingError, Header, TensorEntry, canonical_json, chunk_table, layout,
-    parse_header, state_digest, tensors_from_buffer,
+    DEFAULT_MAX_TOTAL_BYTES, MAX_HEADER_BYTES, ChunkEntry, ExpectedLayout, FramingError, Header,
+    LayoutMismatch, TensorEntry, canonical_json, chunk_table, decode_header, expected_layout,
+    layout, state_digest, tensors_from_buffer,
 )
 
-__all__ = ["Snapshot", "SnapshotServer", "TransferError", "fetch_snapshot", "list_snapshots",
-           "snapshot_state", "state_digest"]
+__all__ = ["ExpectedLayout", "Snapshot", "SnapshotServer", "TransferError", "default_max_bytes",
+           "expected_layout", "fetch_snapshot", "list_snapshots", "snapshot_state",
+           "state_digest"]
 
-_MAX_HEADER_BYTES = 64 << 20
+_MAX_HEADER_BYTES = MAX_HEADER_BYTES
 _WRITE_PIECE = 256 << 10  # bytes per socket write; small enough for smooth throttling
 
 
@@ -121,7 +135,7 @@ def _parse_index(text: str) -> int | None:
 
 
 class SnapshotServer:
-    """Serves published snapshots over HTTP from a background thread with its own event loop.
+    """Serves published snapshots over HTTP(S) from a background thread with its own event loop.
 
     Endpoints: `GET /v1/snapshots`, `GET /v1/snapshot/{step}/header`,
     `GET /v1/snapshot/{step}/chunk/{index}`. Single use: `start()` once, `stop()` once or more.
@@ -131,7 +145,8 @@ class SnapshotServer:
                  chunk_bytes: int = 4 << 20, keep: int = 2,
                  throttle_bytes_per_s: float | None = None,
                  on_chunk: Callable[[int, int], None] | None = None,
-                 shutdown_grace_s: float = 0.5) -> None:
+                 shutdown_grace_s: float = 0.5,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         if chunk_bytes < 1:
             raise ConfigError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         if keep < 1:
@@ -143,6 +158,7 @@ class SnapshotServer:
         self.chunk_bytes, self.keep = chunk_bytes, keep
         self.throttle_bytes_per_s = throttle_bytes_per_s
         self.on_chunk = on_chunk  # test hook: called (step, index) before serving each chunk
+        self.ssl_context = ssl_context  # serves https:// when set (ftlm.ft.tls.server_context)
         self._grace = shutdown_grace_s
         self._lock = threading.Lock()
         self._published: dict[int, _Published] = {}
@@ -229,9 +245,10 @@ class SnapshotServer:
         runner = web.AppRunner(app, shutdown_timeout=self._grace, access_log=None)
         try:
             await runner.setup()
-            await web.TCPSite(runner, self.host, self.port).start()
+            await web.TCPSite(runner, self.host, self.port, ssl_context=self.ssl_context).start()
             host, port = runner.addresses[0][:2]
-            self._url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+            scheme = "https" if self.ssl_context is not None else "http"
+            self._url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
         except Exception as e:  # reported to start() in the caller's thread
             self._start_error = e
             self._started.set()
@@ -348,20 +365,33 @@ class _Source:
     base: str
     token: str
     timeout: float
+    ssl_context: ssl.SSLContext | None  # set exactly when the URL is https://
 
     @classmethod
-    def parse(cls, url: str, token: str, timeout: float) -> _Source:
+    def parse(cls, url: str, token: str, timeout: float,
+              ssl_context: ssl.SSLContext | None) -> _Source:
         parts = urllib.parse.urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise _Problem(f"source URL must look like http://host:port, got {url!r}")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise _Problem(f"source URL must look like http(s)://host:port, got {url!r}")
+        if parts.scheme == "http" and ssl_context is not None:
+            # Never fall back to plain text when this group was told to use TLS.
+            raise _Problem("this group requires TLS (a client TLS context is set) but the source "
+                           "URL is plain http://; give the source group ft.tls_cert and "
+                           "ft.tls_key so that it serves https://")
+        if parts.scheme == "https" and ssl_context is None:
+            ssl_context = ssl.create_default_context()  # the system's CAs, hostname checked
         try:
-            port = parts.port or 80
+            port = parts.port or (443 if parts.scheme == "https" else 80)
         except ValueError as e:
             raise _Problem(f"source URL {url!r} has a bad port: {e}") from None
-        return cls(parts.hostname, port, parts.path.rstrip("/"), token, timeout)
+        return cls(parts.hostname, port, parts.path.rstrip("/"), token, timeout, ssl_context)
 
     def connect(self) -> http.client.HTTPConnection:
-        # The timeout bounds the connect and every single read, so no wait below is unbounded.
+        # The timeout bounds the connect, the TLS handshake and every single read, so no wait
+        # below is unbounded.
+        if self.ssl_context is not None:
+            return http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout,
+                                               context=self.ssl_context)
         return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
 
     def get(self, conn: http.client.HTTPConnection, path: str) -> http.client.HTTPResponse:
@@ -380,45 +410,77 @@ def _read_small(response: http.client.HTTPResponse, limit: int) -> bytes:
 def _status_problem(status: int, body: bytes) -> _Problem:
     try:
         message = json.loads(body)["error"]
-    except (ValueError, KeyError, TypeError):
+        if not isinstance(message, str):
+            raise TypeError
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError):
         message = body[:200].decode("utf-8", "replace")
+    message = " ".join(message.split())[:300]  # one line, whatever the peer sent
     if status == 401:
         return _Problem(f"HTTP 401 Unauthorized: the source rejected the token ({message}); "
                         f"give both groups the same job token (FTLM_TOKEN)")
     return _Problem(f"HTTP {status}: {message}")
 
 
-def _get_json(source: _Source, conn: http.client.HTTPConnection, path: str) -> tuple[int, Any]:
+def _get(source: _Source, conn: http.client.HTTPConnection, path: str) -> tuple[int, bytes]:
     response = source.get(conn, path)
-    body = _read_small(response, _MAX_HEADER_BYTES)
-    if response.status != 200:
-        return response.status, body
+    return response.status, _read_small(response, _MAX_HEADER_BYTES)
+
+
+def _get_json(source: _Source, conn: http.client.HTTPConnection, path: str) -> tuple[int, Any]:
+    status, body = _get(source, conn, path)
+    if status != 200:
+        return status, body
     try:
         return 200, json.loads(body)
     except (ValueError, RecursionError) as e:
-        raise _Problem(f"{path} did not return valid JSON: {e}") from None
+        raise _Problem(f"{path} did not return valid JSON: {str(e)[:200]}") from None
 
 
-def _describe(error: BaseException, timeout: float) -> str:
+def _describe(error: BaseException, timeout: float, plain_http: bool) -> str:
     if isinstance(error, _Problem):
         return str(error)
+    if isinstance(error, LayoutMismatch):
+        return f"the source's state does not match this group's: {error}"
     if isinstance(error, FramingError):
         return f"invalid header from the source: {error}"
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return (f"TLS: the source's certificate did not verify ({error.verify_message}); give "
+                f"this group the CA that signed the source's certificate (ft.tls_ca)")
+    if isinstance(error, ssl.SSLError):
+        return (f"TLS handshake failed ({error.reason or error}); is the source serving plain "
+                f"http:// rather than https://?")
     if isinstance(error, (socket.timeout, TimeoutError)):
         return f"timed out: no progress for {timeout}s"
     if isinstance(error, ConnectionRefusedError):
         return "connection refused (no SnapshotServer listening at that address)"
     if isinstance(error, http.client.IncompleteRead):
         return "truncated body: the connection closed before all bytes arrived"
+    if isinstance(error, http.client.RemoteDisconnected) and plain_http:
+        return ("the source closed the connection without answering; a source that serves "
+                "https:// does that to plain http:// requests: use its https:// URL and a CA")
     if isinstance(error, (ConnectionError, http.client.RemoteDisconnected)):
         return f"connection closed by the source mid-transfer ({type(error).__name__})"
-    return f"{type(error).__name__}: {error}"
+    return f"{type(error).__name__}: {str(error)[:200]}"
 
 
-def list_snapshots(url: str, token: str = "", timeout: float = 10.0) -> list[int]:
+def default_max_bytes() -> int:
+    """Hard cap on a snapshot's size: DEFAULT_MAX_TOTAL_BYTES or this host's memory if smaller.
+
+    A buffer larger than physical memory can never be received, so a header that claims one is
+    refused outright instead of failing (or swapping) in the allocation.
+    """
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not a POSIX system that reports it
+        return DEFAULT_MAX_TOTAL_BYTES
+    return min(DEFAULT_MAX_TOTAL_BYTES, physical) if physical > 0 else DEFAULT_MAX_TOTAL_BYTES
+
+
+def list_snapshots(url: str, token: str = "", timeout: float = 10.0,
+                   ssl_context: ssl.SSLContext | None = None) -> list[int]:
     """Steps that the SnapshotServer at `url` can serve now, ascending."""
     try:
-        source = _Source.parse(url, token, timeout)
+        source = _Source.parse(url, token, timeout, ssl_context)
         conn = source.connect()
         try:
             status, body = _get_json(source, conn, "/v1/snapshots")
@@ -431,19 +493,22 @@ def list_snapshots(url: str, token: str = "", timeout: float = 10.0) -> list[int
             raise _Problem(f"/v1/snapshots returned no list of integer steps: {body!r:.200}")
         return steps
     except (_Problem, OSError, http.client.HTTPException) as e:
-        raise TransferError(f"listing snapshots at {url} failed: {_describe(e, timeout)}") from e
+        plain = url.startswith("http:")
+        raise TransferError(f"listing snapshots at {url} failed: "
+                            f"{_describe(e, timeout, plain)}") from e
 
 
-def _wait_for_header(source: _Source, step: int, wait_available: float) -> Header:
+def _wait_for_header(source: _Source, step: int, wait_available: float, max_bytes: int,
+                     expected: ExpectedLayout | None) -> Header:
     """Poll the header until the source has published `step` or `wait_available` runs out."""
     deadline = time.monotonic() + wait_available
     delay = 0.02
     conn = source.connect()
     try:
         while True:
-            status, body = _get_json(source, conn, f"/v1/snapshot/{step}/header")
+            status, body = _get(source, conn, f"/v1/snapshot/{step}/header")
             if status == 200:
-                header = parse_header(body)
+                header = decode_header(body, max_bytes, expected)
                 if header.step != step:
                     raise _Problem(f"asked for step {step}, the header describes {header.step}")
                 return header
@@ -528,9 +593,25 @@ def _download(source: _Source, header: Header, buffer: memoryview, parallel: int
         raise _Problem(f"received {done[0]} bytes, expected {header.total_bytes}")
 
 
+def _allocate(nbytes: int) -> memoryview:
+    """An uninitialised host buffer (every byte is written by a verified chunk before use).
+
+    torch.empty rather than bytearray: no zero-fill pass, so pages are committed as chunks
+    arrive; an allocation the host cannot make becomes a _Problem, not a MemoryError.
+    """
+    try:
+        return memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy())
+    except (MemoryError, RuntimeError) as e:
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise _Problem(f"cannot allocate {nbytes} bytes for the snapshot ({reason})") from None
+
+
 def fetch_snapshot(url: str, step: int, token: str = "", parallel: int = 4,
                    timeout: float = 30.0, wait_available: float = 10.0,
                    progress: Callable[[int, int], None] | None = None,
+                   *, expected: ExpectedLayout | None = None,
+                   ssl_context: ssl.SSLContext | None = None,
+                   max_bytes: int | None = None,
                    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Download, verify and rebuild the snapshot of `step` served at `url`.
 
@@ -538,16 +619,31 @@ def fetch_snapshot(url: str, step: int, token: str = "", parallel: int = 4,
     connect and read; `progress(bytes_done, total_bytes)` is called from worker threads after each
     verified chunk. Returns CPU tensors that own their memory, and the meta dict. Any failure
     raises TransferError and returns nothing partial.
+
+    `expected` (`expected_layout` of the receiver's own tensors) makes the receiver refuse a
+    header whose tensor names, dtypes, shapes or total size differ from its own state, before it
+    allocates anything; without it only the hard cap `max_bytes` (default `default_max_bytes()`)
+    bounds the allocation. `ssl_context` (`ftlm.ft.tls.client_context`) verifies an https://
+    source; with it, a plain http:// URL is refused rather than used without TLS.
     """
     if parallel < 1 or not timeout > 0 or wait_available < 0:
         raise ValueError(f"need parallel >= 1, timeout > 0, wait_available >= 0; got "
                          f"{parallel}, {timeout}, {wait_available}")
+    if expected is not None and not isinstance(expected, ExpectedLayout):
+        raise TypeError(f"expected must be an ExpectedLayout (see expected_layout), got "
+                        f"{type(expected).__name__}")
+    cap = default_max_bytes() if max_bytes is None else max_bytes
     try:
-        source = _Source.parse(url, token, timeout)
-        header = _wait_for_header(source, step, wait_available)
-        buffer = bytearray(header.total_bytes)
-        _download(source, header, memoryview(buffer), parallel, progress)
-        return tensors_from_buffer(buffer, header.tensors), header.meta
+        source = _Source.parse(url, token, timeout, ssl_context)
+        header = _wait_for_header(source, step, wait_available, cap, expected)
+        buffer = _allocate(header.total_bytes)
+        _download(source, header, buffer, parallel, progress)
+        try:
+            return tensors_from_buffer(buffer, header.tensors), header.meta
+        except (MemoryError, RuntimeError) as e:
+            raise _Problem(f"cannot rebuild {len(header.tensors)} tensors of "
+                           f"{header.total_bytes} bytes ({type(e).__name__})") from None
     except (_Problem, FramingError, OSError, http.client.HTTPException) as e:
+        plain = url.startswith("http:")
         raise TransferError(f"fetching the snapshot of step {step} from {url} failed: "
-                            f"{_describe(e, timeout)}") from e
+                            f"{_describe(e, timeout, plain)}") from e

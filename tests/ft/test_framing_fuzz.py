@@ -1,0 +1,239 @@
+"""Fuzzing the transfer's wire decoder: whatever a peer sends, framing answers with a Header or a
+FramingError, never another exception (MemoryError, TypeError, KeyError, RecursionError, ...).
+
+Each test draws `FTLM_FUZZ_EXAMPLES` examples (default 2000; see the ``fuzz`` profile in
+tests/conftest.py): five tests, at least 10,000 cases per default run, in about ten seconds on one
+core. A release fuzzes longer with ``FTLM_FUZZ_EXAMPLES=200000 .venv/bin/python -m pytest -q
+tests/ft/test_framing_fuzz.py``. A failure prints the smallest input that triggers it; keep it
+as an explicit example (``@example``) once fixed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from ftlm.ft.framing import (
+    ALIGN, DTYPES, ExpectedLayout, FramingError, Header, LayoutMismatch, decode_header,
+    expected_layout, layout, parse_header, tensors_from_buffer,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+FUZZ = settings(parent=settings.get_profile("fuzz"))
+
+# -- strategies --------------------------------------------------------------------------------
+
+SMALL_INTS = st.one_of(st.integers(-3, 70), st.sampled_from([2**31, 2**40, 2**48 + 1, 2**63,
+                                                             2**64, -2**63, 10**30]))
+JSON_SCALARS = st.one_of(st.none(), st.booleans(), SMALL_INTS,
+                         st.floats(allow_nan=False, allow_infinity=False),
+                         st.text(max_size=8), st.sampled_from(list(DTYPES) + ["complex64"]))
+HEADER_KEYS = ["step", "meta", "total_bytes", "tensors", "chunks",
+               "name", "dtype", "shape", "offset", "nbytes", "index", "sha256"]
+
+
+def nest(inner: st.SearchStrategy, keys: st.SearchStrategy) -> st.SearchStrategy:
+    """`inner`, or a short list or object of it: one level more of JSON nesting.
+
+    Fixed depth rather than st.recursive, which costs several times more per example.
+    """
+    return st.one_of(inner, st.lists(inner, max_size=4), st.dictionaries(keys, inner, max_size=4))
+
+
+JSON_VALUES = nest(nest(JSON_SCALARS, st.text(max_size=6)), st.text(max_size=6))
+# JSON whose keys are the header's own, so the parser gets past its first checks more often.
+HEADERISH = nest(nest(nest(JSON_SCALARS, st.sampled_from(HEADER_KEYS)),
+                      st.sampled_from(HEADER_KEYS)), st.sampled_from(HEADER_KEYS))
+
+# Drawn from fixed menus: a few sampled_from draws are several times cheaper than lists of ints.
+SHAPES = st.sampled_from([(), (0,), (1,), (3,), (7,), (2, 3), (4, 0, 2), (1, 1, 1), (2, 2, 2)])
+NAMES = st.sampled_from(["w", "b", "model.layers.0.attention.wq.weight", "optim.state.0.exp_avg",
+                         "é", "step"])
+STATES = st.lists(st.tuples(NAMES, st.sampled_from(list(DTYPES)), SHAPES), max_size=4).map(
+    lambda entries: {name: (dtype, shape) for name, dtype, shape in entries})
+
+
+def state_tensors(spec: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+    return {name: torch.zeros(shape, dtype=DTYPES[dtype]) for name, (dtype, shape) in spec.items()}
+
+
+def valid_header(spec: dict, step: int, chunks: int) -> dict[str, Any]:
+    """The header a SnapshotServer would send for a state of this spec (`chunks` chunks at most).
+
+    Computed in plain Python (the layout rules of framing.layout) to keep each example cheap;
+    the round-trip tests of test_transport.py cover the real layout and hashes.
+    """
+    tensors, end = [], 0
+    for name, (dtype, shape) in spec.items():
+        offset = -(-end // ALIGN) * ALIGN
+        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        tensors.append({"name": name, "dtype": dtype, "shape": list(shape), "offset": offset,
+                        "nbytes": nbytes})
+        end = offset + nbytes
+    size = max(1, -(-end // chunks))
+    table = [{"index": i, "offset": offset, "nbytes": min(size, end - offset),
+              "sha256": f"{i:064x}"} for i, offset in enumerate(range(0, end, size))]
+    return {"step": step, "meta": {"step": step, "cursor": [step, 4]}, "total_bytes": end,
+            "tensors": tensors, "chunks": table}
+
+
+VALID_HEADERS = st.builds(valid_header, STATES, st.integers(0, 2**40), st.integers(1, 4))
+
+
+def paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
+    """Every place inside a JSON value (as a tuple of keys and indices)."""
+    out = [prefix]
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            out += paths(value, prefix + (key,))
+    elif isinstance(obj, list):
+        for i, value in enumerate(obj):
+            out += paths(value, prefix + (i,))
+    return out
+
+
+def mutate(header: dict, data: st.DataObject) -> dict:
+    """Replace, delete or nudge one field of a valid header, or add a stray key."""
+    where = data.draw(st.sampled_from(paths(header)[1:]))  # never the root itself
+    parent = header
+    for key in where[:-1]:
+        parent = parent[key]
+    key, old = where[-1], parent[where[-1]]
+    action = data.draw(st.sampled_from(["replace", "delete", "nudge", "stray"]))
+    if action == "delete" and isinstance(parent, dict):
+        del parent[key]
+    elif action == "nudge" and isinstance(old, int) and not isinstance(old, bool):
+        parent[key] = old + data.draw(st.sampled_from([-1, 1, -old - 1, 2**40, 2**64, ALIGN]))
+    elif action == "stray" and isinstance(parent, dict):
+        parent[data.draw(st.text(max_size=4))] = data.draw(JSON_VALUES)
+    else:
+        parent[key] = data.draw(st.one_of(JSON_VALUES, HEADERISH))
+    return header
+
+
+# -- checks ------------------------------------------------------------------------------------
+
+
+def check_parsed(header: Header, expected: ExpectedLayout | None = None) -> None:
+    """What a successful parse promises to the transport."""
+    assert header.total_bytes >= 0
+    assert sum(c.nbytes for c in header.chunks) == header.total_bytes
+    for t in header.tensors:
+        assert 0 <= t.offset and t.offset + t.nbytes <= header.total_bytes
+        assert t.nbytes == math.prod(t.shape) * DTYPES[t.dtype].itemsize
+    if expected is not None:
+        assert header.total_bytes <= expected.max_total_bytes
+        assert {t.name: (t.dtype, t.shape) for t in header.tensors} == dict(expected.tensors)
+
+
+def parse_or_framing_error(obj: Any, expected: ExpectedLayout | None = None) -> Header | None:
+    try:
+        header = parse_header(obj, max_total_bytes=1 << 30, expected=expected)
+    except FramingError:
+        return None
+    check_parsed(header, expected)
+    return header
+
+
+def decode_or_framing_error(data: bytes, expected: ExpectedLayout | None = None) -> Header | None:
+    try:
+        header = decode_header(data, max_total_bytes=1 << 30, expected=expected)
+    except FramingError:
+        return None
+    check_parsed(header, expected)
+    return header
+
+
+OWN = expected_layout({"w": torch.zeros(2, 3), "step": torch.zeros((), dtype=torch.int64)})
+
+
+# -- fuzz tests --------------------------------------------------------------------------------
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=300),
+                 JSON_VALUES.map(lambda v: json.dumps(v).encode()),
+                 st.integers(0, 100_000).map(lambda n: b"[" * n + b"]" * n),
+                 st.sampled_from([b"NaN", b'{"step": Infinity}', b"1e999", b"\xff\xfe{}",
+                                  b'{"a": "\xed\xa0\x80"}', b"9" * 5000])))
+@example(json.dumps({"step": 1, "meta": {}, "total_bytes": 2**40, "tensors": [],
+                     "chunks": [{"index": 0, "offset": 0, "nbytes": 2**40,
+                                 "sha256": "0" * 64}]}).encode())
+def test_fuzz_arbitrary_bytes_decode_to_a_header_or_framing_error(data: bytes):
+    decode_or_framing_error(data)
+    decode_or_framing_error(data, OWN)
+
+
+@FUZZ
+@given(st.one_of(JSON_VALUES, HEADERISH))
+def test_fuzz_arbitrary_json_parses_to_a_header_or_framing_error(obj: Any):
+    parse_or_framing_error(obj)
+    parse_or_framing_error(obj, OWN)
+
+
+@FUZZ
+@given(VALID_HEADERS, st.data())
+def test_fuzz_mutated_valid_headers_parse_or_raise_framing_error(header: dict, data):
+    spec = {t["name"]: (t["dtype"], tuple(t["shape"])) for t in header["tensors"]}
+    own = ExpectedLayout(spec)
+    assert parse_or_framing_error(header, own) is not None  # the unmutated header is accepted
+    mutated = mutate(header, data)
+    parse_or_framing_error(mutated)
+    parse_or_framing_error(mutated, own)
+
+
+EDITS = st.lists(st.tuples(st.integers(0, 1 << 16), st.sampled_from(["flip", "insert", "delete",
+                                                                    "truncate"]),
+                           st.binary(min_size=1, max_size=4)), min_size=1, max_size=2)
+
+
+@FUZZ
+@given(VALID_HEADERS, EDITS)
+def test_fuzz_corrupted_encoded_headers_decode_or_raise_framing_error(header: dict, edits):
+    raw = bytearray(json.dumps(header).encode())
+    for position, action, piece in edits:
+        at = position % (len(raw) + 1)
+        if action == "flip" and at < len(raw):
+            raw[at] ^= piece[0] or 1
+        elif action == "insert":
+            raw[at:at] = piece
+        elif action == "delete":
+            del raw[at:at + len(piece)]
+        else:
+            del raw[at:]
+    decode_or_framing_error(bytes(raw))
+    decode_or_framing_error(bytes(raw), expected_layout(state_tensors(
+        {t["name"]: (t["dtype"], tuple(t["shape"])) for t in header["tensors"]})))
+
+
+@FUZZ
+@given(VALID_HEADERS, st.binary(max_size=600))
+def test_fuzz_buffers_rebuild_tensors_or_raise_framing_error(header: dict, buffer: bytes):
+    parsed = parse_header(header)
+    try:
+        tensors = tensors_from_buffer(bytearray(buffer), parsed.tensors)
+    except FramingError:
+        assert len(buffer) < max((t.offset + t.nbytes for t in parsed.tensors), default=0)
+        return
+    assert [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()] == [
+        (t.name, DTYPES[t.dtype], t.shape) for t in parsed.tensors]
+
+
+def test_layout_mismatch_is_a_framing_error():
+    # The transport reports both as a bad header; the fuzz tests rely on the subclass relation.
+    assert issubclass(LayoutMismatch, FramingError)
+
+
+def test_the_fuzzers_valid_header_is_what_a_server_sends():
+    spec = {"w": ("float32", (3, 2)), "m": ("bool", (3,)), "s": ("int64", ())}
+    entries, total = layout(state_tensors(spec))
+    header = parse_header(valid_header(spec, step=5, chunks=3))
+    assert header.tensors == entries and header.total_bytes == total
+    assert len(header.chunks) == 3

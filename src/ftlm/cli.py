@@ -87,7 +87,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Join the job only once the model and data are ready: from the first heartbeat on, the
     # other groups count on this one answering within the heartbeat timeout.
     trainer.ft = Manager(config.ft, group, incarnation, coordinator, token=token, events=events,
-                         device=resolve_device(config.train.device), fault=fault_from_env())
+                         device=resolve_device(config.train.device), fault=fault_from_env(),
+                         total_steps=config.train.steps, expected_groups=groups)
     trainer.ft.metrics = trainer.metrics
     result = trainer.train()
     result["incarnation"] = incarnation
@@ -155,6 +156,25 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from ftlm.demo import run_demo
     return run_demo(args)
+
+
+def cmd_sim_check(args: argparse.Namespace) -> int:
+    from ftlm.errors import ConfigError
+    from ftlm.sim.check import check, format_report
+    from ftlm.sim.protocol import FAULTS, SimConfig
+    faults = tuple(f.strip() for f in args.faults.split(",") if f.strip()) if args.faults else FAULTS
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown:
+        raise ConfigError(f"--faults: unknown {', '.join(unknown)}; valid: {', '.join(FAULTS)}")
+    for name in ("seeds", "steps", "groups", "jobs"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name}={getattr(args, name)} must be at least 1")
+    if args.fault_mtbf < 0:
+        raise ConfigError(f"--fault-mtbf={args.fault_mtbf} must be >= 0 (0: no faults)")
+    config = SimConfig(groups=args.groups, steps=args.steps, fault_mtbf=args.fault_mtbf, faults=faults)
+    report = check(args.seeds, config, start=args.start, jobs=args.jobs, progress=True)
+    print(format_report(report, config))
+    return 0 if report.ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -226,6 +246,20 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--field", default="text", help="JSONL field holding the text (default text)")
     tp.add_argument("--column", default="text", help="Parquet column holding the text (default text)")
     tp.set_defaults(fn=cmd_tokenizer_train)
+
+    p = sub.add_parser("sim", help="protocol simulation: the real FT protocol under seeded faults")
+    ssub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    sp = ssub.add_parser("check", help="simulate many seeded jobs with faults at every protocol point "
+                                       "and check the invariants after every event")
+    sp.add_argument("--seeds", type=int, default=1000, help="number of seeds (default 1000)")
+    sp.add_argument("--start", type=int, default=0, help="first seed (default 0); replay one with --seeds 1")
+    sp.add_argument("--steps", type=int, default=200, help="steps per simulated job (default 200)")
+    sp.add_argument("--groups", type=int, default=3, help="replica groups per job (default 3)")
+    sp.add_argument("--fault-mtbf", type=float, default=4.0,
+                    help="mean simulated seconds between faults (default 4)")
+    sp.add_argument("--faults", default="", help="comma-separated fault kinds (default: all)")
+    sp.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
+    sp.set_defaults(fn=cmd_sim_check)
 
     p = sub.add_parser("report", help="(re)write report.md of a run directory and print its headline")
     p.add_argument("run_dir", help="run directory, e.g. runs/demo")

@@ -80,14 +80,16 @@ class CoordinatorClient:
     def replica_id(self) -> str:
         return f"{self.group}:{self.incarnation}"
 
-    def heartbeat(self, step: int, quorum_id: int, chain: str = GENESIS, progress_age: float = 0.0) -> dict[str, Any]:
+    def heartbeat(self, step: int, quorum_id: int, chain: str = GENESIS, progress_age: float = 0.0,
+                  known_head: int = 0) -> dict[str, Any]:
         """Report liveness, the committed state ``(step, chain)`` and seconds since the last progress.
 
         Returns ``{"quorum_id", "dead": [recently dead replica ids of the quorums in flight],
         "rebuilding": bool}`` (and ``"kill": true`` for a chaos drill).
         """
         body = {"group": self.group, "incarnation": self.incarnation, "step": step, "quorum_id": quorum_id,
-                "chain": chain, "progress_age": round(max(0.0, progress_age), 3)}
+                "chain": chain, "progress_age": round(max(0.0, progress_age), 3),
+                "known_head": max(known_head, step)}
         _, answer = self._request("POST", "/v1/heartbeat", body, self.timeout)
         return answer
 
@@ -203,7 +205,8 @@ class CoordinatorClient:
 class Heartbeater:
     """A daemon thread that heartbeats every ``interval`` seconds until stopped.
 
-    ``get_state()`` returns ``(step, quorum_id)`` or ``(step, quorum_id, chain, progress_age)`` to
+    ``get_state()`` returns ``(step, quorum_id)`` or ``(step, quorum_id, chain, progress_age[,
+    known_head])`` to
     report; ``on_answer(answer)`` receives each answer (the manager aborts an all-reduce when a
     member of its quorum is listed dead).
     An unreachable coordinator is retried quietly (one log line when it goes away and one when it

@@ -280,7 +280,8 @@ class Coordinator:
             return web.json_response({"error": str(e)}, status=400)
         now = time.monotonic()
         rid = f"{hb.group}:{hb.incarnation}"
-        beat = Heartbeat(rid, hb.group, now, hb.step, hb.quorum_id, hb.chain, now - hb.progress_age)
+        beat = Heartbeat(rid, hb.group, now, hb.step, hb.quorum_id, hb.chain, now - hb.progress_age,
+                         hb.known_head)
         try:
             answer, outputs = self.membership.heartbeat(now, beat)
         except StaleIncarnation as e:
@@ -442,6 +443,7 @@ class _HeartbeatBody:
     quorum_id: int
     chain: str
     progress_age: float
+    known_head: int
 
 
 def _field(body: Any, name: str) -> Any:
@@ -492,6 +494,7 @@ def _parse_heartbeat(body: Any) -> _HeartbeatBody:
         _int_field(body, "quorum_id", -1),
         _chain_field(body),
         float(age),
+        _int_field(body, "known_head", 0) if isinstance(body, dict) and "known_head" in body else 0,
     )
 
 

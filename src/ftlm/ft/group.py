@@ -77,7 +77,9 @@ class GroupProtocol:
     quorum: Quorum | None = None
     role: Role | None = None
     fetching: bool = False
-    _pg_quorum: int | None = None
+    known_head: int = 0
+    """The highest step this group saw the job reach (reported in heartbeats)."""
+    _pg_quorum: tuple[str, int] | None = None
     _suspect: set[str] | None = None  # members of a failed step's quorum, judged at the next quorum
     _served: set[tuple[str, int]] = field(default_factory=set)
     _published_step: int | None = None
@@ -86,6 +88,7 @@ class GroupProtocol:
     def sync(self, step: int, chain: str) -> None:
         """Adopt the trainer's committed state (after a catch-up or a checkpoint restore)."""
         self.step, self.chain = step, chain
+        self.known_head = max(self.known_head, step)
 
     def request(self) -> dict:
         """The fields of this group's next quorum request."""
@@ -108,11 +111,12 @@ class GroupProtocol:
                     f"{self.failure}")
         self.quorum = q
         self.quorum_id = q.quorum_id
+        self.known_head = max(self.known_head, q.step, self.step)
         self.failed, self.failure = False, ""
         me = self.replica_id
         recovering = me in q.recovering
         drain = self.total_steps is not None and q.step >= self.total_steps
-        reconfigure = not drain and q.quorum_id != self._pg_quorum
+        reconfigure = not drain and (q.epoch, q.quorum_id) != self._pg_quorum
         publish = False
         for joiner, source in q.sources.items():
             member = q.member(joiner)
@@ -134,7 +138,8 @@ class GroupProtocol:
 
     def process_group_ready(self) -> None:
         """The cross-group process group of the current quorum is built."""
-        self._pg_quorum = self.quorum_id
+        q = self.quorum
+        self._pg_quorum = (q.epoch, q.quorum_id) if q is not None else None
 
     # -- the outcome of a step -------------------------------------------------------------------
     def fail(self, reason: str) -> None:
@@ -160,6 +165,7 @@ class GroupProtocol:
         self.consecutive = 0
         if not role.recovering and not role.drain:
             self.step, self.chain = role.quorum.step + 1, role.quorum.next_chain()
+            self.known_head = max(self.known_head, self.step)
         return True
 
     # -- recovery --------------------------------------------------------------------------------

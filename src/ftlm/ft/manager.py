@@ -118,10 +118,11 @@ class Manager:
             self.heartbeater.start()
 
     # -- failure detection ---------------------------------------------------------------------------
-    def _report(self) -> tuple[int, int, str, float]:
-        """What each heartbeat says: committed state, last quorum id, seconds since progress."""
+    def _report(self) -> tuple[int, int, str, float, int]:
+        """What each heartbeat says: committed state, last quorum id, seconds since progress,
+        and the highest step this group saw the job reach."""
         p = self.proto
-        return p.step, max(p.quorum_id, 0), p.chain, time.monotonic() - self._progress_at
+        return p.step, max(p.quorum_id, 0), p.chain, time.monotonic() - self._progress_at, p.known_head
 
     def _progress(self) -> None:
         self._progress_at = time.monotonic()
@@ -210,7 +211,7 @@ class Manager:
             members = q.replica_ids()
             store = q.members[0].meta.get("store", "")
             try:
-                self.pg.configure(store, f"q{q.quorum_id}/r{self.rank}", members.index(self.replica_id),
+                self.pg.configure(store, f"q{q.quorum_id}.{q.epoch}/r{self.rank}", members.index(self.replica_id),
                                   len(members), self.abort)
                 self.proto.process_group_ready()
             except CollectiveError as e:

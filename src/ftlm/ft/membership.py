@@ -13,6 +13,7 @@ those from the outputs), nor for validating the wire format (the shell parses re
 
 from __future__ import annotations
 
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,9 +75,9 @@ Output = Answer | Event | Issued
 class Membership:
     """One job's membership and quorum state; every method takes ``now`` and returns outputs."""
 
-    def __init__(self, options: QuorumOptions) -> None:
+    def __init__(self, options: QuorumOptions, epoch: str | None = None) -> None:
         self.options = options
-        self.state = CoordinatorState()
+        self.state = CoordinatorState(epoch=epoch if epoch is not None else uuid.uuid4().hex[:12])
         self.reason = "no member has asked for a quorum"
         self.dead: deque[tuple[float, str, str, str]] = deque()  # (time, replica id, group, reason)
         self.kill_requests: set[str] = set()

@@ -73,6 +73,9 @@ class Heartbeat:
     chain: str = GENESIS
     progress_at: float | None = None
     """When the group last reached a protocol point (None: as ``last_seen``)."""
+    known_head: int = 0
+    """The highest step the group saw the job reach (its own or a quorum's): lets a restarted
+    coordinator notice progress that died with its holders while it was down."""
 
 
 @dataclass
@@ -119,6 +122,7 @@ class Quorum:
     issued_at: float
     reason: str = ""
     chain: str = GENESIS  # the head's chain: what participants hold and recovering members reach
+    epoch: str = ""  # the issuing coordinator's start nonce: (epoch, id) names a process group
 
     def participant_index(self, replica_id: str) -> int | None:
         """Position of ``replica_id`` among the participants (its data slice), None if it is not one."""
@@ -151,6 +155,7 @@ class Quorum:
             "sources": dict(self.sources),
             "issued_at": self.issued_at,
             "reason": self.reason,
+            "epoch": self.epoch,
         }
 
     @classmethod
@@ -172,6 +177,7 @@ class Quorum:
                 issued_at=float(data["issued_at"]),
                 reason=str(data.get("reason", "")),
                 chain=str(data.get("chain", GENESIS)),
+                epoch=str(data.get("epoch", "")),
             )
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"not a quorum: {e!r} in {str(data)[:200]}") from e
@@ -202,6 +208,8 @@ class CoordinatorState:
     head_quorums: list[tuple[int, list[str]]] = field(default_factory=list)  # issued at the head step
     head_seen_at: float | None = None  # when a live member last held the head
     started_at: float | None = None  # when this coordinator first heard from anyone
+    known_head: int = 0  # the highest step members say the job reached (bounded by MAX_CLAIM)
+    epoch: str = ""  # this coordinator's start nonce, stamped on every quorum it issues
 
     @property
     def max_step(self) -> int:
@@ -248,7 +256,11 @@ def record_heartbeat(state: CoordinatorState, hb: Heartbeat) -> list[str]:
     if hb.progress_at is None:
         hb.progress_at = hb.last_seen
     state.heartbeats[hb.replica_id] = hb
-    state.quorum_id = max(state.quorum_id, min(hb.quorum_id, MAX_CLAIM))
+    if state.head is None:
+        # While rebuilding, members tell where the ids and the job stood; afterwards a claim above
+        # what this coordinator issued is implausible and never stored.
+        state.quorum_id = max(state.quorum_id, min(hb.quorum_id, MAX_CLAIM))
+        state.known_head = max(state.known_head, min(hb.known_head, MAX_CLAIM))
     if state.started_at is None:
         state.started_at = hb.last_seen
     return replaced
@@ -263,7 +275,7 @@ def record_request(state: CoordinatorState, req: MemberRequest) -> list[str]:
     prior = state.heartbeats.get(req.replica_id)
     known_id = max(req.last_quorum_id, prior.quorum_id if prior else -1)
     replaced = record_heartbeat(state, Heartbeat(req.replica_id, req.group, req.asked_at, req.step, known_id,
-                                                 req.chain, req.asked_at))
+                                                 req.chain, req.asked_at, prior.known_head if prior else 0))
     state.pending[req.replica_id] = req
     if state.round_started is None:
         state.round_started = req.asked_at
@@ -336,8 +348,8 @@ def _best(claims: dict[str, tuple[int, str]]) -> tuple[int, str]:
 def _rebuilding(now: float, state: CoordinatorState, options: QuorumOptions,
                 claims: dict[str, tuple[int, str]]) -> str:
     """Why the head cannot be chosen yet after a (re)start, or "" when it can."""
-    if all(c == (0, GENESIS) for c in claims.values()):
-        return ""  # a fresh job: everyone starts from the same empty history
+    if all(c == (0, GENESIS) for c in claims.values()) and state.quorum_id <= 0:
+        return ""  # a fresh job: everyone starts from the same empty history, no quorum known
     groups = {state.heartbeats[r].group for r in claims}
     if options.expected_groups and len(groups) >= options.expected_groups:
         return ""
@@ -363,9 +375,15 @@ def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
         why = _rebuilding(now, state, options, claims)
         if why:
             return [], why
-        state.head = _best(claims)
+        state.head = best = _best(claims)
         state.head_quorums = []
         state.head_seen_at = now
+        if best[0] < state.known_head:
+            # The job had reached further, but whoever held that died while nobody coordinated.
+            holders = tuple(sorted(state.heartbeats[r].group for r, c in claims.items() if c == best))
+            return [Restore(state.known_head, best[0], best[1], holders,
+                            f"after a coordinator restart no live group holds step {state.known_head}; "
+                            f"continuing from step {best[0]} held by {', '.join(holders)}")], ""
         return [], ""
     step, chain = state.head
     valid = {extend_chain(chain, step, qid, parts) for qid, parts in state.head_quorums}
@@ -481,7 +499,7 @@ def _build(now: float, state: CoordinatorState, candidates: dict[str, MemberRequ
     recovering = [m.replica_id for m in members if m.replica_id not in up]
     sources = {r: participants[i % len(participants)] for i, r in enumerate(recovering)}
 
-    base = max([state.quorum_id] + [min(q.last_quorum_id, MAX_CLAIM) for q in reqs])
+    base = state.quorum_id
     prev = state.prev_quorum
     # The id stays the same only while the same members step forward together; a retry of a step,
     # a change of membership or a reported failure each get a fresh id (a fresh process group).
@@ -490,7 +508,7 @@ def _build(now: float, state: CoordinatorState, candidates: dict[str, MemberRequ
     failed = any(q.failed for q in reqs)
     quorum_id = base if ordinary and not failed else base + 1
     return Quorum(quorum_id, state.head[0], members, participants, recovering, sources, now, reason,
-                  state.head[1])
+                  state.head[1], state.epoch)
 
 
 def withdraw_request(state: CoordinatorState, req: MemberRequest) -> bool:

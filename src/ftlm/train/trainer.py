@@ -27,6 +27,9 @@ from ftlm.data.loader import Loader, PackedDataset
 from ftlm.data.split import split_heldout
 from ftlm.data.tokenizer import Tokenizer
 from ftlm.errors import ConfigError, DataError
+from ftlm.errors import FtlmError
+from ftlm.ft.group import check_replay
+from ftlm.ft.history import extend_chain
 from ftlm.ft.protocol import FaultTolerance, NoFaultTolerance, Recovered, StepPlan
 from ftlm.model import Transformer, flops_per_token
 from ftlm.observe.events import EventLog, NullEvents, read_events
@@ -44,6 +47,14 @@ from ftlm.ft.transport import state_digest
 
 
 log = logging.getLogger("ftlm.train")
+
+NONFINITE_LIMIT = 3
+"""Attempts in a row with a non-finite loss or gradient after which training stops: the data and
+the state are deterministic, so a retry sees the same numbers."""
+
+
+class TrainingDiverged(FtlmError):
+    """The loss or gradient stayed non-finite: training cannot continue from this state."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -70,6 +81,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def load_data(config: RunConfig) -> tuple[Tokenizer, PackedDataset]:
     """The tokenizer and the prepared dataset, checked against each other and the config."""
     data_dir = Path(config.data.dir)
+    # The folder first: a missing data.dir is not a missing tokenizer.
+    if not data_dir.is_dir():
+        raise DataError(f"data folder {data_dir} (data.dir) does not exist; prepare one with "
+                        f"`ftlm data prepare INPUT --out {data_dir} --tokenizer TOKENIZER` or set "
+                        "data.dir to a prepared folder")
+    if not (data_dir / "manifest.json").is_file():
+        raise DataError(f"data folder {data_dir} (data.dir) holds no manifest.json, so it is not "
+                        f"prepared data; run `ftlm data prepare INPUT --out {data_dir} "
+                        "--tokenizer TOKENIZER` or set data.dir to a prepared folder")
     tok_path = Path(config.data.tokenizer) if config.data.tokenizer else data_dir / "tokenizer.json"
     if not tok_path.is_file():
         raise DataError(f"tokenizer {tok_path} not found; run `ftlm data prepare` or set "
@@ -152,6 +172,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(config.model, config.data.seq_len)
         self.losses: list[float] = []
         self._stalled = False  # a step failed since the last commit
+        self._nonfinite = 0  # attempts in a row with a non-finite loss or gradient
         self._last_commit: float | None = None
         self._stop = False
 
@@ -198,7 +219,10 @@ class Trainer:
         """Run one step of the protocol; the state advances only if the step commits."""
         state, tc = self.state, self.config.train
         t0 = time.perf_counter()
-        plan = self.ft.start_step(state.step, state.cursor, state.flat)
+        plan = self.ft.start_step(state.step, state.chain, state.flat)
+        if plan.drain:
+            self._drain_step(plan)
+            return
         if plan.participating:
             batch = self.loader.batch(state.cursor, plan.participant_index, plan.participants,
                                       tc.batch_size)
@@ -209,12 +233,22 @@ class Trainer:
             for p in self.params:
                 p.grad = torch.zeros_like(p)
             loss = torch.zeros((), device=self.device)
-        loss_buf = loss.reshape(1).float()
+        grads = [_local(p.grad) for p in self.params]
+        # A non-finite gradient must not reach any replica: contribute zeros, raise the flag that
+        # travels with the loss, and every group fails this step together.
+        finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(g).all()) for g in grads)
+        if not finite:
+            for g in grads:
+                g.zero_()
+        loss_buf = torch.stack([torch.nan_to_num(loss.float(), nan=0.0, posinf=0.0, neginf=0.0),
+                                torch.tensor(0.0 if finite else 1.0, device=loss.device)])
         if self.mesh is not None:  # the group's loss: FSDP already averaged the gradients
             dist.all_reduce(loss_buf)
             loss_buf /= self.ranks
-        grads = [_local(p.grad) for p in self.params]
         self.ft.allreduce(grads + [loss_buf])
+        nonfinite = bool(loss_buf[1] > 0)
+        if nonfinite:
+            self.ft.fail_step("non-finite loss or gradient")
         ok = self.ft.commit()
         lr = self._lr(plan)
         samples = plan.participants * tc.batch_size
@@ -223,21 +257,32 @@ class Trainer:
             return
         if not ok:
             self.state.optimizer.zero_grad(set_to_none=True)
-            self.events.emit("step_failed", step=state.step, quorum_id=plan.quorum_id)
+            reason = "non-finite loss or gradient" if nonfinite else "collective or vote failed"
+            self.events.emit("step_failed", step=state.step, quorum_id=plan.quorum_id, reason=reason)
             self.metrics.on_step_failed()
             self._stalled = True
+            self._nonfinite = self._nonfinite + 1 if nonfinite else 0
+            if self._nonfinite >= NONFINITE_LIMIT:
+                raise TrainingDiverged(
+                    f"the loss or gradient was not finite in {self._nonfinite} attempts in a row at "
+                    f"step {state.step} (no update was applied); lower train.lr, raise "
+                    "train.warmup_steps or set train.grad_clip, then resume from a checkpoint")
             return
-        start = state.cursor
+        self._nonfinite = 0
+        start, parent = state.cursor, state.chain
         grad_norm = apply_update(self.params, state.optimizer, lr, tc.grad_clip)
         state.step += 1
         state.cursor += samples
-        global_loss = float(loss_buf)
+        state.chain = (plan.quorum.next_chain() if plan.quorum is not None
+                       else extend_chain(parent, plan.step, plan.quorum_id, [self.group]))
+        global_loss = float(loss_buf[0])
         self.losses.append(global_loss)
         seconds = time.perf_counter() - t0
         self.events.emit("commit", step=plan.step, quorum_id=plan.quorum_id,
                          participants=plan.participants, samples=[start, start + samples],
                          loss=global_loss, tokens=samples * self.tokens_per_sample, lr=lr,
-                         grad_norm=grad_norm, step_seconds=seconds)
+                         grad_norm=grad_norm, step_seconds=seconds, chain=state.chain,
+                         parent=parent)
         now = time.monotonic()
         if self._stalled and self._last_commit is not None:
             # Time this healthy group lost to a failure: the gap since its previous commit,
@@ -260,37 +305,53 @@ class Trainer:
     def _recovering_step(self, plan: StepPlan, ok: bool, grads: list[torch.Tensor], lr: float,
                          samples: int) -> None:
         if ok:
-            self.catchup.record(plan.step, grads, lr, samples)
+            self.catchup.record(plan.step, grads, lr, samples, plan.quorum_id,
+                                plan.quorum.participants if plan.quorum is not None else [])
         self.metrics.on_catchup_lag(len(self.catchup))
         for p in self.params:
             p.grad = None
         recovered = self.ft.poll_recovery()
         if recovered is not None:
-            self._catch_up(recovered)
+            self._catch_up(recovered, plan, ok)
         elif self.catchup.overflowing:
             self.catchup.clear()
             self.ft.restart_recovery(f"catch-up buffer exceeded {self.catchup.max_steps} steps")
 
-    def _catch_up(self, rec: Recovered) -> None:
-        """Load a peer's snapshot and replay the buffered updates that came after it."""
+    def _drain_step(self, plan: StepPlan) -> None:
+        """The job reached its last step: a recovering group only catches up, nobody trains."""
+        if plan.recovering:
+            recovered = self.ft.poll_recovery()
+            if recovered is not None:
+                self._catch_up(recovered, plan, committed_now=False)
+                return
+        time.sleep(0.1)  # the snapshot is on its way; ask again shortly
+
+    def _catch_up(self, rec: Recovered, plan: StepPlan, committed_now: bool) -> None:
+        """Load a peer's snapshot and replay the buffered updates up to the head, checked."""
         state = self.state
         state.load_flat(rec.tensors, rec.meta)
-        updates = self.catchup.take_from(rec.step)
-        if updates is None:
-            self.ft.restart_recovery("a step committed by the peers is missing from the buffer")
+        updates = self.catchup.take_from(rec.step) or []
+        check = check_replay(rec.step, state.chain,
+                             [(u.step, u.quorum_id, u.participants) for u in updates],
+                             plan.quorum, committed_now)
+        if not check.ok:
+            # The snapshot stays loaded; the group reports its step and recovers again.
+            self.ft.restart_recovery(check.reason)
             return
         t0 = time.perf_counter()
-        for u in updates:
+        for u in updates[:check.apply]:
             unflatten_into(u.grads, self.params)
             apply_update(self.params, state.optimizer, u.lr, self.config.train.grad_clip)
             state.step += 1
             state.cursor += u.samples
             self.ft.fire("during_replay")
+        state.chain = check.chain
+        self.ft.caught_up(state.step, state.chain)
         self.metrics.on_recovery(rec.seconds, rec.nbytes)
         self.metrics.on_catchup_lag(0)
         self.events.emit("recovery_end", step=state.step, ok=True, source=rec.source,
-                         snapshot_step=rec.step, replayed=len(updates), bytes=rec.nbytes,
-                         transfer_seconds=rec.seconds,
+                         snapshot_step=rec.step, replayed=check.apply, bytes=rec.nbytes,
+                         transfer_seconds=rec.seconds, chain=state.chain,
                          replay_seconds=time.perf_counter() - t0)
 
     def _on_checkpoint_saved(self, step: int, path: Path, seconds: float) -> None:
@@ -310,6 +371,7 @@ class Trainer:
             log.info("resumed from checkpoint at step %d", step)
         self.events.emit("group_start", step=self.state.step,
                          metrics_port=getattr(self, "metrics_port", None))
+        self.ft.join(self.state.step, self.state.chain)
         wall0 = time.time()
         bar = self._progress()
         old = signal.signal(signal.SIGTERM, self.request_stop) if _main_thread() else None
@@ -323,12 +385,18 @@ class Trainer:
                     bar.update(self.state.step - before, self)
         except KeyboardInterrupt:
             log.warning("interrupted at step %d", self.state.step)
+            self._stop = True
         finally:
             bar.close()
             if old is not None:
                 signal.signal(signal.SIGTERM, old)
             self.checkpointer.wait()
             self.loader.close()
+        if self.state.step >= tc.steps:
+            # Serve the groups still catching up, then leave the job (not a failure).
+            self.ft.finish(self.state.step, self.state.chain, self.state.flat)
+        else:
+            self.ft.leave("stopped")
         try:
             # Finish while still heartbeating, so the end of a run is not mistaken for a hang.
             return self._finish(time.time() - wall0)

@@ -1,0 +1,1 @@
+"""Simulation: the real fault-tolerance protocol under a seeded scheduler (``ftlm.sim.protocol``)."""

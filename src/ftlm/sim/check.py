@@ -1,0 +1,95 @@
+"""``ftlm sim check``: run the protocol simulation over many seeds and report invariant violations.
+
+Responsible for: spreading seeds over worker processes, progress output, the summary (faults
+injected by kind, rollbacks, simulated time) and, for a failing seed, its error, its last events
+and the command that replays it. Not responsible for the simulation itself (``ftlm.sim.protocol``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from ftlm.sim.protocol import SimConfig, SimResult, run
+
+
+@dataclass
+class CheckReport:
+    """What a batch of seeds showed."""
+
+    seeds: int
+    steps: int
+    failures: list[SimResult] = field(default_factory=list)
+    faults: Counter = field(default_factory=Counter)
+    restores: int = 0
+    simulated_seconds: float = 0.0
+    wall_seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def _run_range(args: tuple[int, int, dict]) -> list[SimResult]:
+    start, stop, config = args
+    c = SimConfig(**config)
+    return [run(seed, c) for seed in range(start, stop)]
+
+
+def check(seeds: int, config: SimConfig, start: int = 0, jobs: int = 1, progress: bool = False,
+          chunk: int = 50) -> CheckReport:
+    """Simulate seeds ``start .. start + seeds - 1``; deterministic whatever ``jobs`` is."""
+    report = CheckReport(seeds, config.steps)
+    t0 = time.perf_counter()
+    ranges = [(s, min(s + chunk, start + seeds), asdict(config)) for s in range(start, start + seeds, chunk)]
+    done = 0
+
+    def take(results: list[SimResult]) -> None:
+        nonlocal done
+        for r in results:
+            done += 1
+            report.faults.update({k: v for k, v in r.faults.items() if not k.startswith("_")})
+            report.restores += r.restores
+            report.simulated_seconds += r.seconds
+            if not r.ok:
+                report.failures.append(r)
+        if progress:
+            print(f"\rsim check: {done}/{seeds} seeds, {sum(report.faults.values())} faults, "
+                  f"{len(report.failures)} violation(s)", end="", file=sys.stderr, flush=True)
+
+    if jobs <= 1:
+        for r in ranges:
+            take(_run_range(r))
+    else:
+        with ProcessPoolExecutor(jobs) as pool:
+            for results in pool.map(_run_range, ranges):
+                take(results)
+    if progress:
+        print(file=sys.stderr)
+    report.failures.sort(key=lambda r: r.seed)
+    report.wall_seconds = time.perf_counter() - t0
+    return report
+
+
+def format_report(report: CheckReport, config: SimConfig, show: int = 3) -> str:
+    lines = [f"{report.seeds} seeds x {report.steps} steps, {config.groups} groups: "
+             f"{sum(report.faults.values())} faults injected, {report.restores} explicit rollbacks, "
+             f"{report.simulated_seconds:,.0f} simulated s in {report.wall_seconds:.1f} s: "
+             f"{len(report.failures)} invariant violation(s)"]
+    if report.faults:
+        lines.append("faults: " + ", ".join(f"{k} {v}" for k, v in sorted(report.faults.items())))
+    for r in report.failures[:show]:
+        lines.append("")
+        lines.append(f"VIOLATION {r.error}")
+        lines.extend(f"  {t}" for t in r.trace[-30:])
+        lines.append(f"  replay: ftlm sim check --start {r.seed} --seeds 1 --steps {report.steps} "
+                     f"--groups {config.groups}")
+    return "\n".join(lines)
+
+
+def default_jobs() -> int:
+    return max(1, min(4, os.cpu_count() or 1))

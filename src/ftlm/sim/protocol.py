@@ -1,0 +1,721 @@
+"""Deterministic simulation of a fault-tolerant job: the real protocol code, a seeded scheduler,
+a simulated clock, and faults at any moment.
+
+What runs for real: the coordinator's state machine (``ftlm.ft.membership.Membership``, with the
+quorum rules of ``ftlm.ft.quorum``), each group's step protocol (``ftlm.ft.group.GroupProtocol``)
+and the catch-up check (``ftlm.ft.group.check_replay``): the same objects the aiohttp server and
+the manager drive in production. What is simulated: the network (latency, loss, reordering), the
+processes (start-up, crashes, hangs of a whole group or of its training thread only), the
+all-reduce (which can complete for some members and fail for others), the state transfer (slow,
+failing, source dying mid-way), durable checkpoints, the local supervisor, and a group's model,
+reduced to what the invariants need: its step, history chain, data cursor and the sample ranges
+of its history.
+
+After every event the simulator checks the invariants of DESIGN.md section 3b; a violation stops
+the run with the seed and the trace of events that led to it, so ``run(seed)`` replays it
+exactly. Not responsible for: timing or cost at scale (that is the goodput model), nor tensors.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ftlm.ft.group import GroupProtocol, TooManyFailures, check_replay
+from ftlm.ft.history import GENESIS, extend_chain
+from ftlm.ft.membership import Answer, Event, Issued, Membership
+from ftlm.ft.quorum import Heartbeat, MemberRequest, Quorum, QuorumOptions, StaleIncarnation
+
+FAULTS = ("crash", "hang", "hang_resume", "hang_training", "crash_starting", "hang_starting", "coordinator_crash",
+          "lag", "slow_transfer", "source_crash_mid_transfer", "bogus_claim", "partition_drop",
+          "old_checkpoint")
+"""Kinds of fault the simulator injects (a seed picks which, where and when)."""
+
+
+@dataclass
+class SimConfig:
+    """One simulated job: its size, timing, and how often faults strike."""
+
+    groups: int = 3
+    steps: int = 200
+    batch: int = 4
+    fault_mtbf: float = 4.0
+    """Mean simulated seconds between injected faults (0: none)."""
+    faults: tuple[str, ...] = FAULTS
+    faults_until_step: float = 0.8
+    """Faults stop once the job reached this fraction of its steps (then liveness is judged)."""
+    loss: float = 0.01
+    """Probability that one message is lost."""
+    latency: tuple[float, float] = (0.001, 0.02)
+    step_seconds: tuple[float, float] = (0.02, 0.06)
+    startup_seconds: tuple[float, float] = (0.2, 1.0)
+    checkpoint_every: int = 10
+    heartbeat_interval: float = 0.1
+    heartbeat_timeout: float = 0.5
+    join_timeout: float = 1.0
+    allreduce_timeout: float = 2.0
+    progress_timeout: float = 3.0
+    poll_timeout: float = 2.5
+    restart_delay: float = 0.3
+    startup_timeout: float = 5.0
+    max_consecutive_failures: int = 50
+    liveness_seconds: float = 120.0
+    """After the last fault, the job must finish within this many simulated seconds."""
+    max_seconds: float = 3600.0
+
+
+class Violation(AssertionError):
+    """An invariant failed; the message names it, the seed and the recent events."""
+
+
+@dataclass
+class State:
+    """A group's replicated state as far as the invariants care."""
+
+    step: int = 0
+    chain: str = GENESIS
+    cursor: int = 0
+    ranges: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass
+class Incarnation:
+    """One process of one group (one rank: the group is the unit of failure)."""
+
+    group: str
+    inc: str
+    proto: GroupProtocol
+    state: State
+    alive: bool = True
+    hung: bool = False  # SIGSTOP: nothing runs
+    hung_training: bool = False  # the heartbeat thread lives, the training thread does not
+    registered: bool = False
+    started_at: float = 0.0
+    injected: bool = False  # a fault was injected into this process
+    finished: bool = False
+    phase: str = "starting"
+    request: MemberRequest | None = None
+    request_seq: int = 0
+    quorum: Quorum | None = None
+    buffer: dict[int, tuple[int, list[str], int]] = field(default_factory=dict)
+    published: dict[int, State] = field(default_factory=dict)
+    fetch: dict[str, Any] | None = None
+    draining_since: float | None = None
+    lag_once: bool = False
+    lagged: bool = False
+    progress_at: float = 0.0  # the last protocol point the training thread reached
+    absent_since: float | None = None  # not a live member of the coordinator since
+
+    @property
+    def replica_id(self) -> str:
+        return f"{self.group}:{self.inc}"
+
+    @property
+    def running(self) -> bool:
+        return self.alive and not self.hung
+
+
+@dataclass
+class Collective:
+    """One all-reduce of one quorum: who entered with what, and how it ends."""
+
+    quorum: Quorum
+    entered: dict[str, tuple[int | None, int, str]] = field(default_factory=dict)  # rid -> (slice, step, chain)
+    done: bool = False
+    failed_members: set[str] = field(default_factory=set)
+
+
+@dataclass
+class SimResult:
+    seed: int
+    ok: bool
+    steps: int
+    faults: dict[str, int]
+    restores: int
+    seconds: float
+    error: str = ""
+    trace: list[str] = field(default_factory=list)
+
+
+class Simulation:
+    """One seeded run; ``run()`` returns a ``SimResult`` (``ok`` False on a violation)."""
+
+    def __init__(self, seed: int, config: SimConfig | None = None, trace_len: int = 60) -> None:
+        self.seed = seed
+        self.c = config or SimConfig()
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self._queue: list[tuple[float, int, Callable[[], None], str]] = []
+        self._seq = 0
+        self.options = QuorumOptions(1, self.c.join_timeout, self.c.heartbeat_timeout, self.c.groups,
+                                     progress_timeout=self.c.progress_timeout)
+        self.coordinator: Membership | None = Membership(self.options, self._epoch())
+        self.coordinator_epoch = 0
+        self.groups: dict[str, Incarnation | None] = {f"g{i}": None for i in range(self.c.groups)}
+        self.disk: dict[int, State] = {}
+        self.collectives: dict[tuple[int, int], Collective] = {}
+        self.trace: list[str] = []
+        self._trace_len = trace_len
+        self.faults: dict[str, int] = {}
+        self.restores = 0
+        self.last_fault = 0.0
+        self.max_issued_id: dict[str, int] = {}  # per coordinator epoch
+        self.head: tuple[int, str] | None = None
+        self.seen_states: dict[str, State] = {}  # chain -> state (same chain, same history)
+        self.pending_hung: dict[str, tuple[float, str]] = {}  # replica id -> (since, kind)
+        self.finished: dict[str, State] = {}
+        self._inc_seq = 0
+        self.loss = self.c.loss
+        self.slow_next = False
+        self.kill_source_next = False
+
+    def _epoch(self) -> str:
+        return f"e{self.rng.getrandbits(32):08x}"
+
+    # -- the scheduler ---------------------------------------------------------------------------
+    def at(self, delay: float, fn: Callable[[], None], what: str) -> None:
+        self._seq += 1
+        heapq.heappush(self._queue, (self.now + max(0.0, delay), self._seq, fn, what))
+
+    def log(self, text: str) -> None:
+        self.trace.append(f"{self.now:9.3f} {text}")
+        if len(self.trace) > self._trace_len:
+            del self.trace[0]
+
+    def fail(self, text: str) -> None:
+        raise Violation(f"seed {self.seed}: {text}")
+
+    def latency(self) -> float:
+        lo, hi = self.c.latency
+        return self.rng.uniform(lo, hi)
+
+    def lost(self) -> bool:
+        return self.rng.random() < self.loss
+
+    def run(self) -> SimResult:
+        try:
+            for g in self.groups:
+                self.spawn(g, delay=self.rng.uniform(0.0, 0.3))
+            self.at(0.05, self.tick, "tick")
+            if self.c.fault_mtbf > 0:
+                self.at(self.rng.expovariate(1 / self.c.fault_mtbf), self.inject, "fault")
+            while self._queue and len(self.finished) < self.c.groups:
+                self.now, _, fn, what = heapq.heappop(self._queue)
+                if self.now > self.c.max_seconds:
+                    self.fail("the run did not finish within max_seconds")
+                fn()
+                self.check(what)
+            if len(self.finished) < self.c.groups:
+                self.fail(f"the run stalled: {sorted(self.finished)} finished of {self.c.groups}")
+            self.check_end()
+            return SimResult(self.seed, True, self.c.steps, self.faults, self.restores, self.now)
+        except Violation as e:
+            return SimResult(self.seed, False, self.c.steps, self.faults, self.restores, self.now, str(e),
+                             list(self.trace))
+
+    # -- processes (the supervisor's view) -------------------------------------------------------
+    def spawn(self, group: str, delay: float) -> None:
+        def start() -> None:
+            self._inc_seq += 1
+            inc = Incarnation(group, f"i{self._inc_seq}", GroupProtocol(
+                f"{group}:i{self._inc_seq}", self.c.max_consecutive_failures, self.c.steps), State(),
+                started_at=self.now)
+            self.groups[group] = inc
+            self.log(f"spawn {inc.replica_id}")
+            lo, hi = self.c.startup_seconds
+            self.at(self.rng.uniform(lo, hi), lambda: self.boot(inc), f"boot {inc.replica_id}")
+            self.at(self.c.startup_timeout, lambda: self.startup_watchdog(inc), "watchdog")
+        self.at(delay, start, f"start {group}")
+
+    def boot(self, inc: Incarnation) -> None:
+        if not inc.running:
+            return
+        # Resume from the newest durable checkpoint, as `ftlm train` does with checkpoint.resume.
+        steps = sorted(self.disk)
+        if steps:
+            pick = steps[-1]
+            if inc.lag_once and len(steps) > 1:  # restored from an older checkpoint on purpose
+                pick = steps[self.rng.randrange(len(steps) - 1)]
+            inc.state = _copy(self.disk[pick])
+        inc.proto.sync(inc.state.step, inc.state.chain)
+        inc.phase = "idle"
+        self.log(f"boot {inc.replica_id} at step {inc.state.step}")
+        self.heartbeat(inc)
+        self.ask(inc)
+
+    def die(self, inc: Incarnation, why: str, restart: bool = True) -> None:
+        if not inc.alive:
+            return
+        inc.alive = False
+        self.log(f"exit {inc.replica_id}: {why}")
+        if self.groups.get(inc.group) is inc and restart:
+            if self.coordinator is not None:
+                self.deliver_outputs(self.coordinator.report_dead(self.now, inc.replica_id, inc.group, why))
+            self.spawn(inc.group, self.c.restart_delay)
+
+    def startup_watchdog(self, inc: Incarnation) -> None:
+        if inc.alive and not inc.registered:
+            if not inc.injected:
+                self.fail(f"{inc.replica_id} did not register within the start-up timeout without a fault")
+            self.die(inc, "start-up timeout")
+
+    def supervise(self) -> None:
+        """Kill hung processes the coordinator declared dead (as the local supervisor does)."""
+        if self.coordinator is None:
+            return
+        dead = {rid for t, rid, _, _ in self.coordinator.recent_dead(self.now) if self.now - t >= 0.5}
+        members = self.coordinator.state.heartbeats
+        for inc in list(self.groups.values()):
+            if inc is None or not inc.alive or inc.phase == "starting":
+                continue
+            if inc.replica_id in dead and (inc.hung or inc.hung_training):
+                self.die(inc, "killed: declared dead while hung")
+            # Not a live member for a start-up timeout (hung before registering, or silent since
+            # the coordinator restarted): hung.
+            inc.absent_since = None if inc.replica_id in members else (inc.absent_since or self.now)
+            if inc.absent_since is not None and self.now - inc.absent_since > self.c.startup_timeout:
+                if not inc.injected:
+                    self.fail(f"{inc.replica_id} was not a live member for {self.c.startup_timeout} s "
+                              "without a fault")
+                self.die(inc, "killed: not a live member")
+        for rid, (since, kind) in list(self.pending_hung.items()):
+            inc = self.groups.get(rid.split(":")[0])
+            if inc is None or inc.replica_id != rid or not inc.alive:
+                del self.pending_hung[rid]
+            elif self.now - since > 30.0:
+                self.fail(f"fault {kind} of {rid} was never detected")
+
+    # -- the coordinator -------------------------------------------------------------------------
+    def tick(self) -> None:
+        if self.coordinator is not None:
+            self.deliver_outputs(self.coordinator.tick(self.now))
+        self.supervise()
+        self.at(0.05, self.tick, "tick")
+
+    def deliver_outputs(self, outputs: list) -> None:
+        for o in outputs:
+            if isinstance(o, Answer):
+                self.send_answer(o)
+            elif isinstance(o, Issued):
+                q = o.quorum
+                if o.new_id:
+                    self.log(f"quorum {q.quorum_id} step {q.step} P={q.participants} R={q.recovering}")
+                last = self.max_issued_id.get(q.epoch, -1)
+                if q.quorum_id < last:
+                    self.fail(f"quorum id went back: {q.quorum_id} after {last}")
+                self.max_issued_id[q.epoch] = q.quorum_id
+            elif isinstance(o, Event):
+                if o.kind == "restore":
+                    self.restores += 1
+                    self.log(f"restore {o.fields['from_step']} -> {o.fields['to_step']}")
+                    self.head = None  # an explicit rollback: the next head is judged afresh
+        self.check_head()
+
+    def check_head(self) -> None:
+        """The coordinator's head moves forward one step at a time, or back only by a restore."""
+        if self.coordinator is None or self.coordinator.state.head is None:
+            return
+        head = self.coordinator.state.head
+        if self.head is not None and head != self.head:
+            step, chain = self.head
+            if head[0] < step:
+                self.fail(f"the head went back from step {step} to {head[0]} without a restore")
+            if head[0] == step:
+                self.fail(f"the head changed history at step {step} without a restore")
+        self.head = head
+
+    def send_answer(self, answer: Answer) -> None:
+        inc = self.groups.get(answer.replica_id.split(":")[0])
+        if inc is None or inc.replica_id != answer.replica_id or self.lost():
+            return
+        seq = inc.request_seq
+        self.at(self.latency(), lambda: self.on_answer(inc, seq, answer), f"answer {answer.replica_id}")
+
+    def coordinator_crash(self) -> None:
+        self.log("coordinator crash")
+        self.coordinator = None
+        self.coordinator_epoch += 1
+        epoch = self.coordinator_epoch
+        self.head = None
+
+        def restart() -> None:
+            if self.coordinator_epoch == epoch:
+                self.coordinator = Membership(self.options, self._epoch())
+                self.log("coordinator restart")
+        self.at(self.rng.uniform(0.2, 1.5), restart, "coordinator restart")
+
+    # -- a group's loop --------------------------------------------------------------------------
+    def heartbeat(self, inc: Incarnation) -> None:
+        if not inc.alive:
+            return
+        if not inc.hung:
+            p = inc.proto
+            beat = Heartbeat(inc.replica_id, inc.group, 0.0, p.step, max(p.quorum_id, 0), p.chain,
+                             known_head=p.known_head)
+
+            def arrive() -> None:
+                if self.coordinator is None or not inc.alive:
+                    return
+                beat.last_seen = self.now
+                beat.progress_at = inc.progress_at
+                try:
+                    answer, outputs = self.coordinator.heartbeat(self.now, beat)
+                except StaleIncarnation:
+                    self.at(self.latency(), lambda: self.die(inc, "stale incarnation"), "stale")
+                    return
+                inc.registered = True
+                self.deliver_outputs(outputs)
+                if not self.lost():
+                    self.at(self.latency(), lambda: self.on_heartbeat_answer(inc, answer), "hb answer")
+            if not self.lost():
+                self.at(self.latency(), arrive, f"heartbeat {inc.replica_id}")
+        self.at(self.c.heartbeat_interval, lambda: self.heartbeat(inc), "hb")
+
+    def on_heartbeat_answer(self, inc: Incarnation, answer: dict) -> None:
+        if not inc.running or answer.get("rebuilding") or inc.quorum is None:
+            return
+        dead = set(answer.get("dead", []))
+        if dead & set(inc.quorum.replica_ids()) and inc.phase == "collective":
+            self.abort(inc, "a quorum member was reported dead")
+
+    def ask(self, inc: Incarnation) -> None:
+        if not inc.running or inc.hung_training:
+            return
+        inc.phase = "asking"
+        inc.progress_at = self.now
+        if inc.lag_once and inc.proto.step > 0 and not inc.lagged:
+            inc.lagged = True
+            self.at(self.c.join_timeout * self.rng.uniform(1.0, 3.0), lambda: self.ask(inc), "lagging ask")
+            return
+        inc.proto.sync(inc.state.step, inc.state.chain)  # as Manager.start_step does
+        fields = inc.proto.request()
+        inc.request_seq += 1
+        seq = inc.request_seq
+        req = MemberRequest(inc.replica_id, inc.group, fields["step"], fields["last_quorum_id"], fields["failed"],
+                            {"recover_request": fields["recover_request"]}, 0.0, fields["chain"])
+        inc.request = req
+
+        def arrive() -> None:
+            if self.coordinator is None or not inc.alive:
+                return
+            req.asked_at = self.now
+            try:
+                outputs = self.coordinator.request(self.now, req)
+            except StaleIncarnation:
+                self.at(self.latency(), lambda: self.die(inc, "stale incarnation"), "stale")
+                return
+            inc.registered = True
+            self.deliver_outputs(outputs)
+        if not self.lost():
+            self.at(self.latency(), arrive, f"request {inc.replica_id} step {fields['step']}")
+
+        def poll_timeout() -> None:
+            if inc.running and inc.phase == "asking" and inc.request_seq == seq:
+                if self.coordinator is not None:
+                    self.coordinator.withdraw(req)
+                self.ask(inc)
+        self.at(self.c.poll_timeout, poll_timeout, "poll timeout")
+
+    def on_answer(self, inc: Incarnation, seq: int, answer: Answer) -> None:
+        if not inc.running or inc.hung_training or inc.phase != "asking" or inc.request_seq != seq:
+            return
+        if answer.status == 409:
+            self.die(inc, "stale incarnation")
+            return
+        if answer.status != 200:
+            self.at(0.01, lambda: self.ask(inc), "re-ask")
+            return
+        q = Quorum.from_json(answer.body)
+        try:
+            role = inc.proto.on_quorum(q)
+        except TooManyFailures as e:
+            if not inc.injected:
+                self.fail(f"healthy group {inc.replica_id} gave up: {e}")
+            self.die(inc, f"too many failures: {e}")
+            return
+        inc.quorum = q
+        inc.progress_at = self.now
+        me = inc.replica_id
+        if role.participant_index is not None and (inc.state.step, inc.state.chain) != (q.step, q.chain):
+            self.fail(f"{me} is a participant of quorum {q.quorum_id} at step {q.step} but holds step "
+                      f"{inc.state.step} with another history")
+        if role.publish:
+            inc.published[q.step] = _copy(inc.state)
+        if role.fetch_from is not None:
+            self.start_fetch(inc, q, role.fetch_from)
+        if role.drain:
+            self.drain(inc, q, role)
+            return
+        inc.phase = "training"
+        lo, hi = self.c.step_seconds
+        self.at(self.rng.uniform(lo, hi), lambda: self.enter_collective(inc, q), f"train {me}")
+
+    def drain(self, inc: Incarnation, q: Quorum, role: Any) -> None:
+        if role.recovering:
+            inc.phase = "idle"
+            self.poll_fetch(inc, q, committed_now=False)
+            self.at(0.1, lambda: self.ask(inc), "drain ask")
+            return
+        groups = {m.group for m in q.members}
+        if not q.recovering and len(groups) >= self.c.groups:
+            self.finish(inc)
+            return
+        if inc.draining_since is None or q.recovering:
+            inc.draining_since = self.now
+        if self.now - inc.draining_since > 60.0:
+            self.finish(inc)
+            return
+        inc.phase = "idle"
+        self.at(0.25, lambda: self.ask(inc), "drain ask")
+
+    def finish(self, inc: Incarnation) -> None:
+        inc.finished = True
+        inc.phase = "done"
+        self.finished[inc.group] = _copy(inc.state)
+        self.log(f"finished {inc.replica_id} at step {inc.state.step}")
+        if self.coordinator is not None:
+            self.deliver_outputs(self.coordinator.leave(self.now, inc.replica_id, inc.group, "finished"))
+        inc.alive = False
+
+    # -- the all-reduce and the vote -------------------------------------------------------------
+    def enter_collective(self, inc: Incarnation, q: Quorum) -> None:
+        if not inc.running or inc.hung_training or inc.phase != "training" or inc.quorum is not q:
+            return
+        inc.phase = "collective"
+        inc.progress_at = self.now
+        key = (q.epoch, q.quorum_id, q.step)
+        coll = self.collectives.setdefault(key, Collective(q))
+        if coll.quorum.replica_ids() != q.replica_ids():
+            self.fail(f"two different quorums share id {q.quorum_id} at step {q.step}")
+        index = q.participant_index(inc.replica_id)
+        coll.entered[inc.replica_id] = (index, inc.state.step, inc.state.chain)
+        if coll.done:
+            self.at(self.latency(), lambda: self.outcome(inc, q, False), "late to collective")
+            return
+        if set(coll.entered) == set(q.replica_ids()):
+            coll.done = True
+            # Worst moment: the result reaches some members while others fail.
+            partial = self.rng.random() < 0.05 and len(coll.entered) > 1
+            for rid in coll.entered:
+                member = self.groups.get(rid.split(":")[0])
+                if member is None or member.replica_id != rid:
+                    continue
+                ok = not (partial and self.rng.random() < 0.5)
+                self.at(self.latency(), lambda m=member, ok=ok: self.outcome(m, m.quorum, ok), f"allreduce {rid}")
+            return
+        self.at(self.c.allreduce_timeout, lambda: self.collective_timeout(inc, q, coll), "allreduce timeout")
+
+    def collective_timeout(self, inc: Incarnation, q: Quorum, coll: Collective) -> None:
+        if inc.running and inc.phase == "collective" and inc.quorum is q:
+            self.abort(inc, "all-reduce timeout")
+
+    def abort(self, inc: Incarnation, why: str) -> None:
+        q = inc.quorum
+        coll = self.collectives.get((q.epoch, q.quorum_id, q.step)) if q is not None else None
+        if coll is not None:
+            coll.done = True  # an aborted collective completes for nobody
+        self.outcome(inc, q, False, why)
+
+    def outcome(self, inc: Incarnation, q: Quorum | None, ok: bool, why: str = "") -> None:
+        if (not inc.running or inc.hung_training or inc.phase != "collective" or q is None
+                or inc.quorum is None
+                or (inc.quorum.epoch, inc.quorum.quorum_id, inc.quorum.step) != (q.epoch, q.quorum_id, q.step)):
+            return
+        if not ok:
+            inc.proto.fail(why or "collective failed")
+        coll = self.collectives.get((q.epoch, q.quorum_id, q.step))
+        committed = inc.proto.on_outcome(ok)
+        inc.progress_at = self.now
+        samples = len(q.participants) * self.c.batch
+        role = inc.proto.role
+        if committed and not role.recovering:
+            slices = sorted(i for i, _, _ in coll.entered.values() if i is not None)
+            if slices != list(range(len(q.participants))):
+                self.fail(f"{inc.replica_id} committed step {q.step} of quorum {q.quorum_id} without every "
+                          f"participant's slice (got {slices})")
+            for rid, (i, step, chain) in coll.entered.items():
+                if i is not None and (step, chain) != (q.step, q.chain):
+                    self.fail(f"{rid} contributed a slice to step {q.step} from another state")
+            st = inc.state
+            inc.state = State(st.step + 1, q.next_chain(), st.cursor + samples,
+                              st.ranges + ((st.cursor, st.cursor + samples),))
+            if (inc.proto.step, inc.proto.chain) != (inc.state.step, inc.state.chain):
+                self.fail(f"{inc.replica_id}: protocol and state disagree after a commit")
+            self.remember(inc.state)
+            if role.participant_index == 0 and inc.state.step % self.c.checkpoint_every == 0:
+                self.disk[inc.state.step] = _copy(inc.state)
+        elif committed and role.recovering:
+            inc.buffer[q.step] = (q.quorum_id, list(q.participants), samples)
+        if role.recovering:
+            self.poll_fetch(inc, q, committed_now=committed)
+        inc.phase = "idle"
+        self.at(0.0, lambda: self.ask(inc), "next step")
+
+    # -- live recovery ---------------------------------------------------------------------------
+    def start_fetch(self, inc: Incarnation, q: Quorum, source: str) -> None:
+        fetch = {"source": source, "step": q.step, "done": False, "result": None}
+        inc.fetch = fetch
+        seconds = self.rng.uniform(0.05, 0.5) * (20 if self.slow_next else 1)
+        self.slow_next = False
+        src = self.groups.get(source.split(":")[0])
+        if self.kill_source_next and src is not None and src.replica_id == source:
+            self.kill_source_next = False
+            src.injected = True
+            self.at(seconds / 2, lambda: self.die(src, "killed mid-transfer"), "source crash")
+
+        def arrive() -> None:
+            s = self.groups.get(source.split(":")[0])
+            if s is not None and s.replica_id == source and s.running and q.step in s.published:
+                fetch["result"] = _copy(s.published[q.step])
+            fetch["done"] = True
+        self.at(seconds, arrive, f"transfer to {inc.replica_id}")
+
+    def poll_fetch(self, inc: Incarnation, q: Quorum, committed_now: bool) -> None:
+        fetch = inc.fetch
+        if fetch is None or not fetch["done"]:
+            return
+        inc.fetch = None
+        inc.proto.fetch_finished()
+        snap = fetch["result"]
+        if snap is None:
+            return  # the pull failed: the next quorum assigns a source again
+        records, step = [], snap.step
+        while step in inc.buffer:
+            qid, parts, samples = inc.buffer[step]
+            records.append((step, qid, parts, samples))
+            step += 1
+        check = check_replay(snap.step, snap.chain, [(s, qi, p) for s, qi, p, _ in records], q, committed_now)
+        inc.buffer = {}
+        if not check.ok:
+            inc.state = snap
+            inc.proto.fetch_finished()
+            self.log(f"{inc.replica_id} replay rejected: {check.reason}")
+            return
+        st = snap
+        for s, qid, parts, samples in records[:check.apply]:
+            st = State(st.step + 1, extend_chain(st.chain, s, qid, parts), st.cursor + samples,
+                       st.ranges + ((st.cursor, st.cursor + samples),))
+        if st.chain != check.chain:
+            self.fail(f"{inc.replica_id}: replayed chain differs from the checked one")
+        inc.state = st
+        inc.proto.caught_up(st.step, st.chain)
+        self.remember(st)
+        self.log(f"{inc.replica_id} caught up to step {st.step}")
+
+    # -- faults ----------------------------------------------------------------------------------
+    def inject(self) -> None:
+        best = max((g.state.step for g in self.groups.values() if g is not None), default=0)
+        if best >= self.c.faults_until_step * self.c.steps or self.finished:
+            return
+        kind = self.rng.choice(self.c.faults)
+        self.faults[kind] = self.faults.get(kind, 0) + 1
+        self.last_fault = self.now
+        live = [g for g in self.groups.values() if g is not None and g.alive]
+        target = self.rng.choice(live) if live else None
+        self.log(f"fault {kind} -> {target.replica_id if target else '-'}")
+        if kind == "coordinator_crash":
+            self.coordinator_crash()
+        elif target is None:
+            pass
+        elif kind in ("crash", "crash_starting"):
+            if kind == "crash" or not target.registered:
+                target.injected = True
+                self.die(target, "SIGKILL")
+        elif kind in ("hang", "hang_starting"):
+            if kind == "hang" or not target.registered:
+                target.injected = True
+                target.hung = True
+                self.pending_hung[target.replica_id] = (self.now, kind)
+        elif kind == "hang_resume":
+            # SIGSTOP, then SIGCONT a moment later: back with whatever state it held, perhaps
+            # after the others declared it dead and moved on (or rolled back without it).
+            target.injected = True
+            target.hung = True
+
+            def resume(t: Incarnation = target) -> None:
+                if t.alive and t.hung:
+                    t.hung = False
+                    self.log(f"resume {t.replica_id}")
+                    if t.phase == "asking":
+                        self.ask(t)
+                    elif t.phase == "collective" and t.quorum is not None:
+                        self.at(self.c.allreduce_timeout, lambda: self.collective_timeout(t, t.quorum, None),
+                                "allreduce timeout")
+                    elif t.phase == "training" and t.quorum is not None:
+                        self.enter_collective(t, t.quorum)
+                    elif t.phase == "idle":
+                        self.ask(t)
+            self.at(self.rng.uniform(0.2, 3.0), resume, "SIGCONT")
+        elif kind == "hang_training":
+            target.injected = True
+            target.hung_training = True
+            target.phase = "hung-training"
+            self.pending_hung[target.replica_id] = (self.now, kind)
+        elif kind == "lag":
+            target.lag_once = True
+        elif kind == "old_checkpoint":
+            target.injected = True
+            self.die(target, "SIGKILL (restarts from an older checkpoint)")
+            self.at(self.c.restart_delay + 0.01, lambda: _mark_lag(self.groups.get(target.group)), "old ckpt")
+        elif kind == "slow_transfer":
+            self.slow_next = True
+        elif kind == "source_crash_mid_transfer":
+            self.kill_source_next = True
+        elif kind == "bogus_claim" and self.coordinator is not None:
+            beat = Heartbeat(f"{target.group}:bogus{self._seq}", target.group, self.now,
+                             self.rng.choice([10**15, 2**53]), 2**53, "f" * 64)
+            try:
+                _, outputs = self.coordinator.heartbeat(self.now, beat)
+                self.deliver_outputs(outputs)
+            except StaleIncarnation:
+                pass
+            # The bogus claim replaced the group's real incarnation: that process exits and restarts.
+            target.injected = True
+        elif kind == "partition_drop":
+            target.injected = True
+            self.loss = 0.5
+            self.at(self.rng.uniform(0.2, 1.0), lambda: setattr(self, "loss", self.c.loss), "heal partition")
+        self.at(self.rng.expovariate(1 / self.c.fault_mtbf), self.inject, "fault")
+
+    # -- invariants ------------------------------------------------------------------------------
+    def remember(self, st: State) -> None:
+        """Same chain, same history: two states with one chain must have one cursor and one data."""
+        seen = self.seen_states.get(st.chain)
+        if seen is None:
+            self.seen_states[st.chain] = _copy(st)
+        elif (seen.step, seen.cursor, seen.ranges) != (st.step, st.cursor, st.ranges):
+            self.fail(f"two states share history {st.chain[:12]} but differ (step {seen.step}/{st.step}, "
+                      f"cursor {seen.cursor}/{st.cursor})")
+        if st.ranges and (st.ranges[0][0] != 0 or any(a[1] != b[0] for a, b in zip(st.ranges, st.ranges[1:]))
+                          or st.ranges[-1][1] != st.cursor):
+            self.fail(f"state at step {st.step} trained samples not exactly once: {st.ranges[:4]}...")
+
+    def check(self, what: str) -> None:
+        if self.c.fault_mtbf and self.now - self.last_fault > self.c.liveness_seconds:
+            best = max((g.state.step for g in self.groups.values() if g is not None), default=0)
+            self.fail(f"no liveness: {self.c.liveness_seconds:g} s after the last fault the job is at "
+                      f"step {best} of {self.c.steps}")
+
+    def check_end(self) -> None:
+        states = {g: (s.step, s.chain) for g, s in self.finished.items()}
+        if len(set(states.values())) != 1:
+            self.fail(f"groups finished with different states: {states}")
+        (step, chain), = set(states.values())
+        if step != self.c.steps:
+            self.fail(f"groups finished at step {step}, not {self.c.steps}")
+
+
+def _copy(st: State) -> State:
+    return State(st.step, st.chain, st.cursor, st.ranges)
+
+
+def _mark_lag(inc: Incarnation | None) -> None:
+    if inc is not None:
+        inc.lag_once = True
+
+
+def run(seed: int, config: SimConfig | None = None) -> SimResult:
+    """Simulate one job with ``seed``; the same seed replays the same run exactly."""
+    return Simulation(seed, config).run()

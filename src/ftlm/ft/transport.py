@@ -421,13 +421,22 @@ def _status_problem(status: int, body: bytes) -> _Problem:
     return _Problem(f"HTTP {status}: {message}")
 
 
-def _get(source: _Source, conn: http.client.HTTPConnection, path: str) -> tuple[int, bytes]:
-    response = source.get(conn, path)
+def _get(source: _Source, conn: http.client.HTTPConnection, path: str,
+         first: bool = False) -> tuple[int, bytes]:
+    """GET a small answer; `first`: the first request to this source, which names a TLS mix-up."""
+    try:
+        response = source.get(conn, path)
+    except (http.client.RemoteDisconnected, ConnectionResetError) as e:
+        if not first or source.ssl_context is not None:
+            raise
+        raise _Problem(f"the source closed the connection without answering "
+                       f"({type(e).__name__}); a source that serves https:// does that to "
+                       f"plain http:// requests: use its https:// URL and a CA") from None
     return response.status, _read_small(response, _MAX_HEADER_BYTES)
 
 
 def _get_json(source: _Source, conn: http.client.HTTPConnection, path: str) -> tuple[int, Any]:
-    status, body = _get(source, conn, path)
+    status, body = _get(source, conn, path, first=True)
     if status != 200:
         return status, body
     try:
@@ -436,7 +445,7 @@ def _get_json(source: _Source, conn: http.client.HTTPConnection, path: str) -> t
         raise _Problem(f"{path} did not return valid JSON: {str(e)[:200]}") from None
 
 
-def _describe(error: BaseException, timeout: float, plain_http: bool) -> str:
+def _describe(error: BaseException, timeout: float) -> str:
     if isinstance(error, _Problem):
         return str(error)
     if isinstance(error, LayoutMismatch):
@@ -455,9 +464,6 @@ def _describe(error: BaseException, timeout: float, plain_http: bool) -> str:
         return "connection refused (no SnapshotServer listening at that address)"
     if isinstance(error, http.client.IncompleteRead):
         return "truncated body: the connection closed before all bytes arrived"
-    if isinstance(error, http.client.RemoteDisconnected) and plain_http:
-        return ("the source closed the connection without answering; a source that serves "
-                "https:// does that to plain http:// requests: use its https:// URL and a CA")
     if isinstance(error, (ConnectionError, http.client.RemoteDisconnected)):
         return f"connection closed by the source mid-transfer ({type(error).__name__})"
     return f"{type(error).__name__}: {str(error)[:200]}"
@@ -493,9 +499,7 @@ def list_snapshots(url: str, token: str = "", timeout: float = 10.0,
             raise _Problem(f"/v1/snapshots returned no list of integer steps: {body!r:.200}")
         return steps
     except (_Problem, OSError, http.client.HTTPException) as e:
-        plain = url.startswith("http:")
-        raise TransferError(f"listing snapshots at {url} failed: "
-                            f"{_describe(e, timeout, plain)}") from e
+        raise TransferError(f"listing snapshots at {url} failed: {_describe(e, timeout)}") from e
 
 
 def _wait_for_header(source: _Source, step: int, wait_available: float, max_bytes: int,
@@ -504,9 +508,11 @@ def _wait_for_header(source: _Source, step: int, wait_available: float, max_byte
     deadline = time.monotonic() + wait_available
     delay = 0.02
     conn = source.connect()
+    first = True
     try:
         while True:
-            status, body = _get(source, conn, f"/v1/snapshot/{step}/header")
+            status, body = _get(source, conn, f"/v1/snapshot/{step}/header", first)
+            first = False
             if status == 200:
                 header = decode_header(body, max_bytes, expected)
                 if header.step != step:
@@ -644,6 +650,5 @@ def fetch_snapshot(url: str, step: int, token: str = "", parallel: int = 4,
             raise _Problem(f"cannot rebuild {len(header.tensors)} tensors of "
                            f"{header.total_bytes} bytes ({type(e).__name__})") from None
     except (_Problem, FramingError, OSError, http.client.HTTPException) as e:
-        plain = url.startswith("http:")
         raise TransferError(f"fetching the snapshot of step {step} from {url} failed: "
-                            f"{_describe(e, timeout, plain)}") from e
+                            f"{_describe(e, timeout)}") from e

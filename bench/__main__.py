@@ -11,10 +11,11 @@ import sys
 import time
 import traceback
 
-from bench import ft_overhead, ft_vs_torchft, hsdp, soak, train_throughput
+from bench import convergence, ft_overhead, ft_vs_torchft, hsdp, soak, train_throughput
 
 BENCHMARKS = {"train_throughput": train_throughput.main, "ft_overhead": ft_overhead.main,
-              "hsdp": hsdp.main, "ft_vs_torchft": ft_vs_torchft.main, "soak": soak.main}
+              "hsdp": hsdp.main, "ft_vs_torchft": ft_vs_torchft.main, "soak": soak.main,
+              "convergence": convergence.main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,6 +72,7 @@ class Case:
     beats: dict[str, float] = field(default_factory=dict)  # heartbeats after the asks: group -> last_seen
     prev: list[str] | None = None  # groups of the previous quorum (id 5, step 0, all committed)
     quorum_id: int = 0  # the state's id (5 when prev is given)
+    fresh: bool = False  # a coordinator that just (re)started: it learns the head from the members
     expect: list[str] | None = None  # groups of the issued quorum; None: nothing issued
     expect_id: int | None = None
     reason: str = ""
@@ -178,8 +179,9 @@ CASES = [
     ),
     Case(
         "restarted_coordinator_continues_above_reported_ids",
-        [ask("g0", last=7), ask("g1", last=6)],
-        0.0,
+        [ask("g0", last=7, at=0.55), ask("g1", last=6, at=0.55)],
+        0.6,
+        fresh=True,
         expect=["g0", "g1"],
         expect_id=8,
     ),
@@ -211,7 +213,8 @@ CASES = [
 
 
 def build(case: Case) -> CoordinatorState:
-    state = CoordinatorState(quorum_id=case.quorum_id, head=(0, GENESIS), started_at=0.0, head_seen_at=0.0)
+    state = CoordinatorState(quorum_id=case.quorum_id, head=None if case.fresh else (0, GENESIS),
+                             started_at=0.0, head_seen_at=0.0)
     if case.prev is not None:  # quorum 5 was issued at step 0 and its members committed it
         state.prev_quorum = prev_quorum(case.prev, 5)
         state.quorum_id = max(state.quorum_id, 5)
@@ -508,3 +511,80 @@ def test_ids_never_go_backwards_over_failures_restarts_and_rollbacks() -> None:
             break
     assert q is not None and q.step == 4
     assert job.ids == sorted(job.ids) and job.ids[0] == 1 and len(set(job.ids)) >= 4
+
+
+# -- properties over random membership histories (hypothesis) --------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+GROUPS = ["g0", "g1", "g2", "g3"]
+CHAIN_POOL = [GENESIS, "a" * 64, "b" * 64]
+
+_action = st.one_of(
+    st.tuples(st.just("ask"), st.sampled_from(GROUPS), st.integers(0, 4), st.sampled_from(CHAIN_POOL),
+              st.booleans()),
+    st.tuples(st.just("beat"), st.sampled_from(GROUPS), st.integers(0, 4), st.sampled_from(CHAIN_POOL),
+              st.integers(-1, 2**53)),
+    st.tuples(st.just("commit"), st.sampled_from(GROUPS)),
+    st.tuples(st.just("wait"), st.floats(0.0, 1.5)),
+    st.tuples(st.just("restart"), st.sampled_from(GROUPS)),
+)
+
+
+@settings(deadline=None, max_examples=600)
+@given(st.lists(_action, max_size=40), st.integers(1, 2), st.integers(0, 4))
+def test_quorum_rules_hold_over_random_histories(actions, min_replicas, expected) -> None:
+    """Whatever members claim and however time passes: participants hold the head, everyone else
+    recovers from a participant, ids never go back, the head moves one step at a time (or back only
+    by an explicit restore), and deciding never mutates the state."""
+    o = QuorumOptions(min_replicas=min_replicas, join_timeout=JOIN, heartbeat_timeout=HB_TIMEOUT,
+                      expected_groups=expected, progress_timeout=3.0)
+    state = CoordinatorState()
+    now, incarnation = 0.0, {g: 0 for g in GROUPS}
+    held: dict[str, tuple[int, str]] = {}
+    last_id, last_head = 0, None
+    for action in actions:
+        kind = action[0]
+        rid_of = lambda g: f"{g}:{incarnation[g]}"  # noqa: E731
+        try:
+            if kind == "ask":
+                _, g, step, chain, failed = action
+                step, chain = held.get(g, (step, chain))
+                record_request(state, MemberRequest(rid_of(g), g, step, last_id, failed, {}, now, chain))
+            elif kind == "beat":
+                _, g, step, chain, qid = action
+                record_heartbeat(state, Heartbeat(rid_of(g), g, now, step, qid, chain))
+            elif kind == "commit" and state.prev_quorum is not None:
+                q = state.prev_quorum
+                r = rid_of(action[1])
+                if r in q.participants:
+                    held[action[1]] = (q.step + 1, q.next_chain())
+            elif kind == "wait":
+                now += action[1]
+            elif kind == "restart":
+                incarnation[action[1]] += 1
+                held.pop(action[1], None)
+        except StaleIncarnation:
+            continue
+        expire(now, state, o)
+        restores, _ = advance_head(now, state, o)
+        if last_head is not None and state.head is not None and state.head != last_head and not restores:
+            assert state.head[0] == last_head[0] + 1, "the head jumped without a restore"
+        last_head = state.head if state.head is not None else last_head
+        before = copy.deepcopy(state)
+        quorum, reason = compute_quorum(now, state, o)
+        assert state == before and reason
+        if quorum is None:
+            continue
+        assert quorum.quorum_id >= last_id and quorum.quorum_id >= 1
+        assert (quorum.step, quorum.chain) == state.head
+        by_id = {r: state.pending[r] for r in quorum.replica_ids()}  # what each member asked with
+        assert quorum.participants and all((by_id[r].step, by_id[r].chain) == state.head
+                                           for r in quorum.participants)
+        assert all((by_id[r].step, by_id[r].chain) != state.head for r in quorum.recovering)
+        assert set(quorum.sources) == set(quorum.recovering)
+        assert set(quorum.sources.values()) <= set(quorum.participants)
+        assert len(quorum.members) >= min_replicas
+        commit_quorum(state, quorum)
+        last_id = quorum.quorum_id

@@ -1,0 +1,103 @@
+"""A group's side of the step protocol (``GroupProtocol``) and the catch-up check, hand-driven."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftlm.ft.group import GroupProtocol, TooManyFailures, check_replay
+from ftlm.ft.history import GENESIS, extend_chain
+from ftlm.ft.quorum import Member, Quorum
+
+
+def quorum(qid: int, step: int, chain: str, participants: list[str], recovering: list[str] = (),
+           sources: dict[str, str] | None = None, meta: dict[str, dict] | None = None) -> Quorum:
+    meta = meta or {}
+    ids = sorted(list(participants) + list(recovering))
+    members = [Member(r, r.split(":")[0], step, meta.get(r, {})) for r in ids]
+    return Quorum(qid, step, members, list(participants), list(recovering),
+                  sources if sources is not None else {r: participants[0] for r in recovering}, 0.0,
+                  chain=chain, epoch="e1")
+
+
+def test_a_source_serves_every_new_recovery_of_the_same_incarnation() -> None:
+    """Issue 10, defect 4: the second recovery of one incarnation waited for a timeout because the
+    source skipped a (joiner, request) pair it had served and the counter only moved on failure."""
+    source = GroupProtocol("A:a", 5)
+    joiner = GroupProtocol("B:b", 5)
+    q1 = quorum(1, 3, "3" * 64, ["A:a"], ["B:b"], meta={"B:b": joiner.request()})
+    assert source.on_quorum(q1).publish
+    assert joiner.on_quorum(q1).fetch_from == "A:a"
+    joiner.fetch_finished()  # the first pull arrived; the joiner caught up ...
+    joiner.caught_up(4, "4" * 64)
+    # ... and later fell behind again (it failed a step the others committed): a new request.
+    q2 = quorum(2, 9, "9" * 64, ["A:a"], ["B:b"], meta={"B:b": joiner.request()})
+    assert source.on_quorum(q2).publish
+    assert joiner.on_quorum(q2).fetch_from == "A:a"
+    # While that pull runs, later quorums neither re-publish nor start a second pull.
+    q3 = quorum(2, 10, "a" * 64, ["A:a"], ["B:b"], meta={"B:b": joiner.request()})
+    assert not source.on_quorum(q3).publish
+    assert joiner.on_quorum(q3).fetch_from is None
+
+
+def test_replay_that_does_not_reach_the_head_is_rejected() -> None:
+    """Issue 10, defect 5: recovery could finish in a step the participants failed and leave the
+    joiner ahead with another history; a missing last step went unnoticed."""
+    c5 = "5" * 64
+    head6 = extend_chain(c5, 5, 7, ["A:a"])
+    q = quorum(8, 6, head6, ["A:a"], ["B:b"])
+    # Snapshot of step 5 + the update of step 5 in quorum 7 reaches the head: apply both it and
+    # this step's own update (committed here).
+    ok = check_replay(5, c5, [(5, 7, ["A:a"]), (6, 8, ["A:a"])], q, committed_now=True)
+    assert ok.ok and ok.apply == 2 and ok.chain == q.next_chain()
+    # The same, but this step failed here: stop at the head.
+    ok = check_replay(5, c5, [(5, 7, ["A:a"]), (6, 8, ["A:a"])], q, committed_now=False)
+    assert ok.ok and ok.apply == 1 and ok.chain == head6
+    # The buffered update of step 5 came from a quorum whose step the participants redid.
+    bad = check_replay(5, c5, [(5, 6, ["A:a", "C:c"])], q, committed_now=False)
+    assert not bad.ok and "another history" in bad.reason
+    # The update of step 5 is missing (this group failed that step while the others committed).
+    bad = check_replay(5, c5, [], q, committed_now=False)
+    assert not bad.ok
+    bad = check_replay(5, c5, [(6, 8, ["A:a"])], q, committed_now=True)
+    assert not bad.ok and "jump" in bad.reason
+
+
+def test_commit_moves_the_reported_state_at_once_and_recovering_groups_wait_for_the_check() -> None:
+    g = GroupProtocol("A:a", 5)
+    q = quorum(1, 0, GENESIS, ["A:a", "B:b"])
+    role = g.on_quorum(q)
+    assert role.participant_index == 0 and role.reconfigure and not role.recovering
+    g.process_group_ready()
+    assert g.on_outcome(True)
+    assert (g.step, g.chain) == (1, q.next_chain())  # heartbeats report the commit right away
+    assert g.request()["step"] == 1 and not g.request()["failed"]
+    q2 = quorum(1, 1, q.next_chain(), ["A:a", "B:b"])
+    assert not g.on_quorum(q2).reconfigure  # same epoch and id: the process group is kept
+    j = GroupProtocol("C:c", 5)
+    role = j.on_quorum(quorum(2, 1, q.next_chain(), ["A:a"], ["C:c"]))
+    assert role.recovering and role.fetch_from == "A:a"
+    assert j.on_outcome(True) and (j.step, j.chain) == (0, GENESIS)
+
+
+def test_only_failures_with_the_same_members_count_and_the_limit_names_the_error() -> None:
+    g = GroupProtocol("A:a", 2)
+    q = quorum(1, 0, GENESIS, ["A:a", "B:b"])
+    g.on_quorum(q)
+    g.fail("collective timed out")
+    assert not g.on_outcome(False)
+    assert g.request()["failed"]
+    g.on_quorum(quorum(2, 0, GENESIS, ["A:a"]))  # B died: not this group's failure
+    assert g.consecutive == 0
+    g.fail("again")
+    g.on_outcome(False)
+    g.on_quorum(quorum(3, 0, GENESIS, ["A:a"]))
+    g.fail("and again")
+    g.on_outcome(False)
+    with pytest.raises(TooManyFailures, match="2 consecutive steps failed with the same members.*and again"):
+        g.on_quorum(quorum(4, 0, GENESIS, ["A:a"]))
+
+
+def test_the_last_step_drains_without_training() -> None:
+    g = GroupProtocol("A:a", 5, total_steps=10)
+    role = g.on_quorum(quorum(9, 10, "f" * 64, ["A:a"], ["B:b"], meta={"B:b": {"recover_request": 0}}))
+    assert role.drain and not role.reconfigure and role.publish

@@ -35,6 +35,8 @@ from ftlm.ft.protocol import Recovered, SnapshotFn, StepPlan
 from ftlm.ft.quorum import Quorum
 from ftlm.observe.logs import CONTEXT as LOG_CONTEXT
 from ftlm.observe.metrics import NullMetrics
+from ftlm.ft.framing import ExpectedLayout, expected_layout
+from ftlm.ft.tls import client_context, server_context
 from ftlm.ft.transport import SnapshotServer, TransferError, fetch_snapshot, snapshot_state
 
 log = logging.getLogger("ftlm.ft.manager")
@@ -90,15 +92,19 @@ class Manager:
         self.pg = ReconfigurablePG(backend, config.allreduce_timeout)
         # Other groups reach this one at ``host``: loopback locally, the pod/node IP on a cluster.
         self.host = os.environ.get("FTLM_HOST") or config.host
+        # TLS for the live state transfer when [ft] tls_cert/tls_key (and tls_ca to verify) are set.
+        self._server_tls = server_context(config.tls_cert, config.tls_key) if config.tls_cert else None
+        self._client_tls = client_context(config.tls_ca) if config.tls_ca else None
         self.server = SnapshotServer(host=self.host, token=token,
                                      chunk_bytes=config.transfer_chunk_bytes, keep=4,
-                                     on_chunk=self._on_serve_chunk)
+                                     on_chunk=self._on_serve_chunk, ssl_context=self._server_tls)
         self.server.start()
         self.transfer_urls = _gather_strings(self.server.url, self.ranks)
         self.abort = threading.Event()
         self.quorum: Quorum | None = None
         self._progress_at = time.monotonic()
         self._fetch: _Fetch | None = None
+        self._expected: ExpectedLayout | None = None  # what a pulled snapshot must look like
         self._left = False
         self.client: CoordinatorClient | None = None
         self.heartbeater: Heartbeater | None = None
@@ -220,6 +226,10 @@ class Manager:
             tensors, meta = snapshot()
             self.server.publish(snapshot_state(tensors, meta, q.step))
         if role.fetch_from is not None:
+            if self._expected is None:
+                # A peer's snapshot must have exactly this rank's own tensor layout: nothing it
+                # claims beyond that is ever allocated.
+                self._expected = expected_layout(snapshot()[0])
             self._start_fetch(q, role.fetch_from)
         return self._plan(role)
 
@@ -294,7 +304,8 @@ class Manager:
                     fetch.url, fetch.step, token=self.token,
                     parallel=self.config.transfer_parallel,
                     timeout=self.config.allreduce_timeout,
-                    wait_available=self.config.quorum_timeout, progress=progress)
+                    wait_available=self.config.quorum_timeout, progress=progress,
+                    expected=self._expected, ssl_context=self._client_tls)
             except TransferError as e:
                 fetch.error = str(e)
             except Exception as e:  # noqa: BLE001 - a failed pull is retried, never fatal

@@ -1,0 +1,66 @@
+"""Fault paths of the step protocol that only real processes walk (issue 10, defects 3 and 9).
+
+The protocol simulation (tests/sim) visits thousands of fault schedules; these tests check that
+the processes, signals and timeouts around it agree with it: a rank that hangs while its leader's
+heartbeat lives is declared hung by progress, and a job whose every group died resumes from its
+newest durable checkpoint through an explicit, logged restore.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ftlm.config import build_config
+from ftlm.launch.local import LocalLauncher
+from ftlm.observe.events import read_events
+
+
+def config(run_dir: Path, data_dir: Path, steps: int, ft: dict | None = None, **sections: dict):
+    raw = {
+        "run": {"name": "proto", "dir": str(run_dir), "seed": 5},
+        "model": {"size": "tiny", "vocab_size": 1024, "dim": 64, "n_layers": 2, "n_heads": 4,
+                  "n_kv_heads": 2, "ffn_dim": 128, "max_seq_len": 64},
+        "data": {"dir": str(data_dir), "seq_len": 64, "prefetch": 2},
+        "train": {"steps": steps, "batch_size": 4, "lr": 3e-3, "warmup_steps": 5, "threads": 1},
+        "ft": {"heartbeat_interval": 0.1, "heartbeat_timeout": 1.0, "join_timeout": 2.0,
+               "allreduce_timeout": 4.0, "progress_timeout": 8.0, "quorum_timeout": 40.0,
+               "give_up_seconds": 120.0, "restart_delay": 0.2, "bucket_bytes": 65536, **(ft or {})},
+        "observe": {"progress": False},
+    }
+    for name, body in sections.items():
+        raw.setdefault(name, {}).update(body)
+    return build_config(raw)
+
+
+def test_a_hung_non_leader_rank_is_declared_hung_and_the_healthy_group_goes_on(tmp_path, demo_data):
+    """Defect 3: rank 1 of g1 stops inside the commit vote; g1's leader keeps heartbeating while
+    it waits for that rank. Before, "1 of 2, not a majority" repeated until the healthy group gave
+    up. Now the coordinator declares g1 hung after ft.progress_timeout, g0 trains on, the
+    supervisor kills g1 and its new incarnation catches up."""
+    cfg = config(tmp_path / "run", demo_data, steps=80)
+    summary = LocalLauncher(cfg, groups=2, ranks_per_group=2, progress=False,
+                            faults={"g1.r1": ["hang:before_commit@8"]}).run()
+    events = read_events(cfg.run.path / "events.jsonl")
+    hung = [e for e in events if e["kind"] == "member_dead" and "no progress" in e.get("reason", "")]
+    assert hung and hung[0]["target"] == "g1", [e for e in events if e["kind"] == "member_dead"]
+    # g0 committed steps while g1 was hung, before g1's next incarnation came back.
+    declared = hung[0]["ts"]
+    back = min(e["ts"] for e in events if e["kind"] == "recovery_end" and e.get("ok") and e["group"] == "g1")
+    assert any(e["kind"] == "commit" and e["group"] == "g0" and declared < e["ts"] < back for e in events)
+    assert summary["replicas_identical"] and len(summary["state_hashes"]) == 2, summary["state_hashes"]
+    assert summary["data"]["duplicates"] == 0 and summary["data"]["gaps"] == 0, summary["data"]
+
+
+def test_every_group_dead_resumes_from_the_newest_durable_checkpoint(tmp_path, demo_data):
+    """Defect 9: when no live group holds the newest state the job rolls back, explicitly, to the
+    newest intact durable checkpoint the restarted groups loaded, with exactly-once data from its
+    cursor, instead of refusing to go on."""
+    cfg = config(tmp_path / "run", demo_data, steps=40, checkpoint={"every": 5, "keep": 3, "async_save": False})
+    summary = LocalLauncher(cfg, groups=2, progress=False,
+                            faults={"g0": ["before_commit@12"], "g1": ["before_commit@12"]}).run()
+    events = read_events(cfg.run.path / "events.jsonl")
+    restores = [e for e in events if e["kind"] == "restore"]
+    assert [(r["from_step"], r["to_step"]) for r in restores] == [(12, 10)], restores
+    assert summary["replicas_identical"] and len(summary["state_hashes"]) == 2, summary["state_hashes"]
+    assert summary["data"]["duplicates"] == 0 and summary["data"]["gaps"] == 0, summary["data"]
+    assert summary["steps_committed"] == 40

@@ -28,13 +28,21 @@ Kinds used across ftlm and their fields:
   ``recovering``).
 * ``commit``: a group applied step ``step`` (``quorum_id``, ``participants`` (count), ``samples``
   (``[start, end)``, the *global* sample range of the step, which every committing group agrees
-  on), ``loss``, ``tokens`` (global tokens of the step), ``lr``, ``step_seconds``).
+  on), ``loss``, ``tokens`` (global tokens of the step), ``lr``, ``step_seconds``, ``chain`` (the
+  history chain after the step, ``ftlm.ft.history``) and ``parent`` (the chain before it)).
 * ``step_failed``: a group voted not to commit step ``step`` (``quorum_id``, ``reason``).
 * ``failure_injected``: chaos killed, stopped or broke ``target`` (``how``).
-* ``member_dead``: the coordinator declared ``target`` dead (missed heartbeats).
+* ``member_dead``: the coordinator declared ``target`` dead (``reason``: missed heartbeats, no
+  progress while heartbeating, process exited, replaced by a new incarnation).
+* ``member_left``: ``target`` left the job on purpose (``reason``: finished, stopped).
+* ``restore``: an explicit rollback: no live group held the newest committed state, so the job
+  continues from ``to_step`` (``from_step``, ``holders``, ``reason``, ``source``). Commits of steps
+  ``>= to_step`` made before it are not part of the final history.
 * ``recovery_start`` / ``recovery_end``: a (re)started group began / finished catching up from a
   peer (``source``; ``recovery_end`` has ``ok`` and ``seconds``).
 * ``checkpoint_saved``: a durable checkpoint of ``step`` became valid (``path``, ``seconds``).
+* ``checkpoint_rejected``: a checkpoint failed verification and was skipped (``path``, ``reason``).
+* ``eval``: held-out loss after step ``step`` (``loss``, ``tokens``, ``seconds``).
 * ``coordinator_restart``: the coordinator came back and rebuilt its soft state.
 """
 
@@ -52,8 +60,8 @@ from ftlm.errors import DataError
 
 KINDS: tuple[str, ...] = (
     "run_start", "run_end", "group_start", "group_exit", "quorum", "commit", "step_failed",
-    "failure_injected", "member_dead", "recovery_start", "recovery_end", "checkpoint_saved",
-    "coordinator_restart",
+    "failure_injected", "member_dead", "member_left", "recovery_start", "recovery_end",
+    "checkpoint_saved", "checkpoint_rejected", "coordinator_restart", "restore", "eval",
 )
 """Event kinds ftlm emits (documented above); ``emit`` accepts others for forward compatibility."""
 

@@ -137,7 +137,7 @@ def test_values_of_the_wrong_type_are_refused(raw, overrides, needles) -> None:
     ("train.schedule=linear", ["train.schedule='linear'", "cosine"]),
     ("train.decay_fraction=0", ["train.decay_fraction=0.0", "(0, 1]"]),
     ("train.min_lr_ratio=1.5", ["train.min_lr_ratio=1.5", "[0, 1]"]),
-    ("train.beta2=1.0", ["train.beta2=1.0", "< 1"]),
+    ("train.beta2=1.0", ["train.beta2=1.0", "[0, 1)"]),
     ("train.device=tpu", ["train.device='tpu'", "cuda"]),
     ("train.dtype=float16", ["train.dtype='float16'", "bfloat16"]),
     ("train.max_seconds=-1", ["train.max_seconds=-1.0"]),
@@ -222,3 +222,78 @@ def test_default_config_round_trips(tmp_path: Path) -> None:
     cfg = RunConfig()
     save_config(cfg, tmp_path / "c.toml")
     assert load_config(tmp_path / "c.toml") == cfg
+
+
+# --- non-finite and out-of-range numbers (issue 15) ------------------------------------------
+
+@pytest.mark.parametrize("override, needles", [
+    ("train.lr=inf", ["train.lr=inf", "finite", "> 0"]),
+    ("train.lr=nan", ["train.lr=nan", "finite"]),
+    ("train.lr=-inf", ["train.lr=-inf", "finite"]),
+    ("train.eps=inf", ["train.eps=inf", "finite", "> 0"]),
+    ("train.eps=nan", ["train.eps=nan", "finite"]),
+    ("train.weight_decay=inf", ["train.weight_decay=inf", "finite", ">= 0"]),
+    ("train.weight_decay=nan", ["train.weight_decay=nan", "finite"]),
+    ("train.grad_clip=inf", ["train.grad_clip=inf", "finite", "0 disables"]),
+    ("train.grad_clip=-1", ["train.grad_clip=-1.0", ">= 0"]),
+    ("train.max_seconds=inf", ["train.max_seconds=inf", "finite", "0 means no limit"]),
+    ("train.min_lr_ratio=nan", ["train.min_lr_ratio=nan", "[0, 1]"]),
+    ("train.min_lr_ratio=-0.5", ["train.min_lr_ratio=-0.5", "[0, 1]"]),
+    ("train.decay_fraction=nan", ["train.decay_fraction=nan", "(0, 1]"]),
+    ("train.beta1=nan", ["train.beta1=nan", "[0, 1)"]),
+    ("train.beta1=1", ["train.beta1=1.0", "[0, 1)"]),
+    ("train.beta2=-0.1", ["train.beta2=-0.1", "[0, 1)"]),
+    ("train.beta2=inf", ["train.beta2=inf", "[0, 1)"]),
+    ("model.norm_eps=inf", ["model.norm_eps=inf", "finite", "> 0"]),
+    ("model.norm_eps=nan", ["model.norm_eps=nan", "finite"]),
+    ("model.rope_theta=inf", ["model.rope_theta=inf", "finite"]),
+    ("model.rope_theta=1", ["model.rope_theta=1.0", "> 1"]),
+    ("model.init_std=nan", ["model.init_std=nan", "finite"]),
+    ("ft.heartbeat_interval=inf", ["ft.heartbeat_interval=inf", "finite"]),
+    ("ft.allreduce_timeout=nan", ["ft.allreduce_timeout=nan", "finite"]),
+    ("ft.join_timeout=inf", ["ft.join_timeout=inf", "finite", ">= 0"]),
+    ("ft.restart_delay=nan", ["ft.restart_delay=nan", "finite"]),
+])
+def test_non_finite_and_out_of_range_floats_are_refused(override: str,
+                                                         needles: list[str]) -> None:
+    with pytest.raises(ConfigError) as err:
+        build_config({}, [override])
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+
+
+def test_toml_inf_and_nan_literals_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "inf.toml"
+    path.write_text("[train]\nlr = inf\n")
+    with pytest.raises(ConfigError, match=r"train\.lr=inf must be a finite number > 0"):
+        load_config(path)
+    path.write_text("[train]\neps = nan\n")
+    with pytest.raises(ConfigError, match=r"train\.eps=nan must be a finite number > 0"):
+        load_config(path)
+
+
+def test_valid_edge_values_are_still_accepted() -> None:
+    cfg = build_config({}, ["train.beta1=0", "train.grad_clip=0", "train.min_lr_ratio=1",
+                            "train.weight_decay=0", "train.max_seconds=0",
+                            "train.decay_fraction=1", "ft.join_timeout=0"])
+    assert cfg.train.beta1 == 0.0 and cfg.train.grad_clip == 0.0
+
+
+def test_an_integer_too_large_for_a_float_field_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"train\.lr=1{400}.*finite"):
+        build_config({"train": {"lr": int("1" * 400)}})
+
+
+def test_non_utf8_config_file_names_the_file_the_line_and_the_fix(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.toml"
+    path.write_bytes("[run]\nname = \"ok\"\n# caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert "latin1.toml" in msg and "line 3" in msg and "UTF-8" in msg, msg
+    assert "\n" not in msg
+
+
+def test_unreadable_config_path_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path)  # a folder, not a file

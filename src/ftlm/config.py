@@ -2,13 +2,15 @@
 
 Each component owns its ``Config`` dataclass (``ModelConfig`` in ``ftlm.model``, ``DataConfig`` in
 ``ftlm.data``, ...); this module only composes them, coerces override strings to the field types,
-refuses unknown keys and writes the resolved config next to the run. It does not validate values:
-each section's ``__post_init__`` does.
+refuses unknown keys, text no file can hold (NUL, undecodable bytes) and config files that are not
+UTF-8, and writes the resolved config next to the run. It does not validate values: each
+section's ``__post_init__`` does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
 import types
 import typing
@@ -74,14 +76,53 @@ def _section_dict(section: Any) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(section).items() if v is not None}
 
 
+@functools.cache
 def _section_types() -> dict[str, type]:
     hints = typing.get_type_hints(RunConfig)
     return {f.name: hints[f.name] for f in dataclasses.fields(RunConfig)}
 
 
+@functools.cache
+def _field_hints(cls: type) -> dict[str, Any]:
+    """Type hints of a section's fields (resolved once: ``get_type_hints`` is slow)."""
+    return typing.get_type_hints(cls)
+
+
+def _name(text: str) -> str:
+    """A section or key name as typed when it is plain, else quoted: error messages stay one line."""
+    return text if text.isprintable() else repr(text)
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _check_text(where: str, value: Any) -> None:
+    """Refuse strings (also inside lists and tables) no file or path can hold: NUL characters,
+    and lone surrogates (what Python makes of undecodable bytes in command-line arguments)."""
+    if isinstance(value, str):
+        if "\0" in value:
+            raise ConfigError(f"{where}: contains a NUL character; remove it")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"{where}: is not valid UTF-8 text (undecodable bytes); pass "
+                              "UTF-8 text") from None
+    elif isinstance(value, list):
+        for item in value:
+            _check_text(where, item)
+    elif isinstance(value, dict):
+        for k, item in value.items():
+            _check_text(where, k)
+            _check_text(where, item)
+
+
 def _coerce(section: str, key: str, hint: Any, value: Any, from_string: bool) -> Any:
     """Convert ``value`` to the field's type; strings from ``--set`` are parsed."""
-    where = f"{section}.{key}={value!r}"
+    where = f"{section}.{key}={_shown(value)}"
+    _check_text(where, value)
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     allowed = [t for t in options if t is not type(None)]
     if value is None or (from_string and value in ("none", "None") and type(None) in options):
@@ -104,7 +145,10 @@ def _coerce(section: str, key: str, hint: Any, value: Any, from_string: bool) ->
                     pass
         elif t is float:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
+                try:
+                    return float(value)
+                except OverflowError:  # an int beyond the float range: let the section refuse it
+                    return value
             if from_string:
                 try:
                     return float(value)
@@ -133,27 +177,30 @@ def build_config(raw: dict[str, Any], overrides: list[str] | None = None) -> Run
     values: dict[str, dict[str, Any]] = {name: {} for name in sections}
     for name, body in raw.items():
         if name not in sections:
-            raise ConfigError(f"unknown config section [{name}]; valid: {', '.join(sections)}")
+            raise ConfigError(f"unknown config section [{_name(name)}]; valid: "
+                              f"{', '.join(sections)}")
         if not isinstance(body, dict):
-            raise ConfigError(f"config section [{name}] must be a table, got {body!r}")
+            raise ConfigError(f"config section [{name}] must be a table, got {_shown(body)}")
         for key, value in body.items():
             values[name][key] = (value, False)
     for item in overrides or []:
         dotted, sep, value = item.partition("=")
         name, dot, key = dotted.strip().partition(".")
         if not sep or not dot or not key:
-            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.steps=100")
+            raise ConfigError(f"--set {_shown(item)}: expected section.key=value, e.g. "
+                              "train.steps=100")
         if name not in sections:
-            raise ConfigError(f"--set {item!r}: unknown section {name!r}; valid: {', '.join(sections)}")
+            raise ConfigError(f"--set {_shown(item)}: unknown section {_shown(name)}; valid: "
+                              f"{', '.join(sections)}")
         values[name][key] = (value.strip(), True)
     built = {}
     for name, cls in sections.items():
-        hints = typing.get_type_hints(cls)
+        hints = _field_hints(cls)
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs = {}
         for key, (value, from_string) in values[name].items():
             if key not in known:
-                raise ConfigError(f"unknown key {name}.{key}; valid keys of [{name}]: "
+                raise ConfigError(f"unknown key {name}.{_name(key)}; valid keys of [{name}]: "
                                   f"{', '.join(sorted(known))}")
             kwargs[key] = _coerce(name, key, hints[key], value, from_string)
         built[name] = cls(**kwargs)
@@ -168,7 +215,19 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist; see configs/ for examples")
         try:
-            raw = tomllib.loads(path.read_text())
+            data = path.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path} ({e.strerror or e}); check its "
+                              "permissions") from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise ConfigError(f"config file {path} is not UTF-8 text (byte 0x{data[e.start]:02x} "
+                              f"on line {line}); TOML files must be UTF-8: re-save it as UTF-8"
+                              ) from None
+        try:
+            raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     return build_config(raw, overrides)

@@ -6,7 +6,8 @@ so ``--set model.size=small`` is enough and ``--set model.dim=96`` overrides one
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from dataclasses import dataclass
 
 from ftlm.errors import ConfigError
 
@@ -23,6 +24,19 @@ SIZES: dict[str, dict] = {
     "8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                max_seq_len=8192, tie_embeddings=False),
 }
+
+
+_INT_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len")
+
+
+def _finite(value: object) -> bool:
+    # Infinity and NaN mean nothing for a norm epsilon, an init scale or a rotary base.
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 @dataclass
@@ -55,18 +69,23 @@ class ModelConfig:
     """Standard deviation of the normal initialisation of linear and embedding weights."""
 
     def __post_init__(self) -> None:
-        if self.size not in SIZES:
+        if not isinstance(self.size, str) or self.size not in SIZES:
             raise ConfigError(
                 f"model.size={self.size!r} is not a known size; valid: {', '.join(SIZES)}")
         for key, value in SIZES[self.size].items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in ("size", "tie_embeddings"):
-                continue
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"model.{f.name}={value!r} must be a positive number")
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model.{name}={value!r} must be a positive integer")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ConfigError(f"model.tie_embeddings={self.tie_embeddings!r} must be true or false")
+        for name, low in (("norm_eps", 0.0), ("init_std", 0.0), ("rope_theta", 1.0)):
+            value = getattr(self, name)
+            if not (_finite(value) and value > low):
+                what = "positive number (> 0)" if low == 0 else f"number > {low:g}"
+                raise ConfigError(f"model.{name}={value!r} must be a finite {what}")
         if self.dim % self.n_heads:
             raise ConfigError(
                 f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ftlm.errors import ConfigError
@@ -11,12 +12,40 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")
 
 
-def _positive(section: str, name: str, value, allow_zero: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{section}.{name}={value!r} must be a number {bound}")
+def is_finite_number(value: object) -> bool:
+    """Whether ``value`` is an int or float (not a bool) that is finite as a float."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int beyond the float range
+        return False
+
+
+def _count(name: str, value: object, *, positive: bool) -> None:
+    """An integer field of ``[train]``: > 0 or >= 0."""
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if not (ok and (value > 0 if positive else value >= 0)):
+        raise ConfigError(f"train.{name}={value!r} must be an integer {'> 0' if positive else '>= 0'}")
+
+
+def _real(name: str, value: object, low: float, high: float = math.inf, *,
+          low_closed: bool = False, high_closed: bool = False, note: str = "") -> None:
+    """A float field of ``[train]``: finite and inside the interval ``low .. high``.
+
+    Infinity and NaN are refused everywhere: no field of the training loop means anything
+    with them (an infinite learning rate trains to NaN, a NaN range check passes silently).
+    """
+    ok = is_finite_number(value)
+    ok = ok and (low <= value if low_closed else low < value)
+    ok = ok and (value <= high if high_closed else value < high)
+    if ok:
+        return
+    if math.isinf(high):
+        bound = f"{'>=' if low_closed else '>'} {low:g}"
+    else:
+        bound = f"in {'[' if low_closed else '('}{low:g}, {high:g}{']' if high_closed else ')'}"
+    raise ConfigError(f"train.{name}={value!r} must be a finite number {bound}{note}")
 
 
 @dataclass
@@ -67,14 +96,19 @@ class TrainConfig:
     """Batches of batch_size held-out samples per evaluation; at most data.eval_samples samples."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum", "lr", "beta1", "beta2", "eps"):
-            _positive("train", name, getattr(self, name))
-        for name in ("warmup_steps", "weight_decay", "grad_clip", "max_seconds", "threads",
-                     "min_lr_ratio"):
-            _positive("train", name, getattr(self, name), allow_zero=True)
-        for name in ("steps", "batch_size", "grad_accum", "warmup_steps", "threads"):
-            if not isinstance(getattr(self, name), int):
-                raise ConfigError(f"train.{name}={getattr(self, name)!r} must be an integer")
+        for name in ("steps", "batch_size", "grad_accum"):
+            _count(name, getattr(self, name), positive=True)
+        for name in ("warmup_steps", "threads"):
+            _count(name, getattr(self, name), positive=False)
+        _real("lr", self.lr, 0)
+        _real("min_lr_ratio", self.min_lr_ratio, 0, 1, low_closed=True, high_closed=True)
+        _real("decay_fraction", self.decay_fraction, 0, 1, high_closed=True)
+        _real("weight_decay", self.weight_decay, 0, low_closed=True)
+        _real("beta1", self.beta1, 0, 1, low_closed=True)
+        _real("beta2", self.beta2, 0, 1, low_closed=True)
+        _real("eps", self.eps, 0)
+        _real("grad_clip", self.grad_clip, 0, low_closed=True, note=" (0 disables clipping)")
+        _real("max_seconds", self.max_seconds, 0, low_closed=True, note=" (0 means no limit)")
         if self.batch_size % self.grad_accum:
             raise ConfigError(f"train.batch_size={self.batch_size} must be divisible by "
                               f"train.grad_accum={self.grad_accum}")
@@ -84,16 +118,11 @@ class TrainConfig:
             raise ConfigError(f"train.device={self.device!r}; valid: {', '.join(DEVICES)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"train.dtype={self.dtype!r}; valid: {', '.join(DTYPES)}")
-        if not 0 < self.decay_fraction <= 1:
-            raise ConfigError(f"train.decay_fraction={self.decay_fraction!r} must be in (0, 1]")
-        if self.min_lr_ratio > 1:
-            raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
-        if not (self.beta1 < 1 and self.beta2 < 1):
-            raise ConfigError(f"train.beta1={self.beta1} and train.beta2={self.beta2} must be < 1")
+        for name in ("compile", "activation_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"train.{name}={getattr(self, name)!r} must be true or false")
         for name in ("eval_every", "eval_batches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"train.{name}={value!r} must be an integer >= 0")
+            _count(name, getattr(self, name), positive=False)
         if self.eval_every and not self.eval_batches:
             raise ConfigError(f"train.eval_batches=0 with train.eval_every={self.eval_every}: "
                               "set eval_batches >= 1, or eval_every=0 to turn evaluation off")

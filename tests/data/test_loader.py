@@ -250,3 +250,96 @@ def test_dataset_errors_reach_the_caller() -> None:
             with pytest.raises(DataError, match="shard gone"):
                 loader.batch(cursor, 0, 1, 2)
     assert not loader.alive
+
+
+# --- malformed manifests (issue 15): one-line DataErrors, shards confined to the folder -------
+
+def _edit_manifest(folder: Path, edit) -> None:
+    path = folder / "manifest.json"
+    m = json.loads(path.read_text())
+    edit(m)
+    path.write_text(json.dumps(m))
+
+
+def _refused(folder: Path, *needles: str) -> str:
+    with pytest.raises(DataError) as err:
+        PackedDataset(folder, SEQ)
+    msg = str(err.value)
+    assert "\n" not in msg, msg
+    assert str(folder / "manifest.json") in msg or str(folder / "shard-00000.parquet") in msg, msg
+    for needle in needles:
+        assert needle in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize("edit, needles", [
+    (lambda m: m.pop("shards"), ["shards=None", "non-empty list"]),
+    (lambda m: m.pop("seq_len"), ["seq_len is missing"]),
+    (lambda m: m.pop("num_samples"), ["num_samples is missing"]),
+    (lambda m: m.update(seq_len="64"), ["seq_len='64'", "integer"]),
+    (lambda m: m.update(seq_len=64.0), ["seq_len=64.0", "integer"]),
+    (lambda m: m.update(num_samples=None), ["num_samples=None", "integer"]),
+    (lambda m: m.update(shards={"file": "x"}), ["shards=", "non-empty list"]),
+    (lambda m: m.update(shards=[]), ["shards=[]", "non-empty list"]),
+    (lambda m: m["shards"].__setitem__(0, "shard-00000.parquet"), ["shards[0]", "found a string"]),
+    (lambda m: m["shards"][0].pop("file"), ["shards[0].file=None", "relative path"]),
+    (lambda m: m["shards"][0].pop("rows"), ["shards[0].rows is missing"]),
+    (lambda m: m["shards"][0].update(rows=True), ["shards[0].rows=True", "integer"]),
+    (lambda m: m["shards"][0].update(rows=-3), ["shards[0].rows=-3", "integer"]),
+    (lambda m: m["shards"][0].pop("sha256"), ["shards[0].sha256=None", "hex"]),
+    (lambda m: m["shards"][0].update(sha256=7), ["shards[0].sha256=7", "hex"]),
+    (lambda m: m.update(tokenizer_fingerprint=[1]), ["tokenizer_fingerprint=[1]", "string"]),
+    (lambda m: m.update(format_version="1"), ["format_version '1'", "reads 1"]),
+    (lambda m: m["shards"].append(dict(m["shards"][0])), ["listed twice"]),
+])
+def test_malformed_manifest_fields_are_one_line_data_errors(copy: Path, edit, needles) -> None:
+    _edit_manifest(copy, edit)
+    _refused(copy, *needles, "ftlm data prepare")
+
+
+@pytest.mark.parametrize("text, needle", [
+    (b"[1, 2]", "must hold a JSON object, found a list"),
+    (b"{\"format_version\": 1,", "not valid JSON"),
+    (b"\xff\xfe{}", "not UTF-8"),
+    (b"[" * 100_000, "not readable JSON"),
+    (b"{\"format_version\": " + b"9" * 5000 + b"}", "not readable JSON"),
+])
+def test_unparseable_manifest_is_a_one_line_data_error(copy: Path, text: bytes, needle) -> None:
+    (copy / "manifest.json").write_bytes(text)
+    _refused(copy, needle)
+
+
+@pytest.mark.parametrize("file", ["../../etc/passwd", "/etc/passwd", "sub/../../x.parquet"])
+def test_shard_paths_outside_the_folder_are_refused(copy: Path, file: str) -> None:
+    _edit_manifest(copy, lambda m: m["shards"][0].update(file=file))
+    _refused(copy, f"file={file!r}", "relative path inside the data folder")
+
+
+def test_symlinked_shard_leading_outside_is_refused(copy: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside.parquet"
+    shard = copy / "shard-00000.parquet"
+    shard.rename(outside)
+    shard.symlink_to(outside)
+    msg = _refused(copy, "leads outside the data folder")
+    assert str(outside) in msg
+    # A symlink that stays inside the folder is fine.
+    shard.unlink()
+    outside.rename(copy / "real.parquet")
+    shard.symlink_to(copy / "real.parquet")
+    assert len(PackedDataset(copy, SEQ)) > 0
+
+
+def test_shard_of_the_wrong_column_type_is_a_data_error(copy: Path) -> None:
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    bad = copy / "shard-00000.parquet"
+    rows = json.loads((copy / "manifest.json").read_text())["shards"][0]["rows"]
+    pq.write_table(pa.table({"tokens": list(range(rows))}), bad)
+    _edit_manifest(copy, lambda m: m["shards"][0].update(
+        sha256=hashlib.sha256(bad.read_bytes()).hexdigest()))
+    ds = PackedDataset(copy, SEQ)
+    with pytest.raises(DataError, match=r"tokens column of type int64, expected a list"):
+        ds[0]

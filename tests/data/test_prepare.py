@@ -163,3 +163,66 @@ def test_each_bad_input_gets_its_error(tmp_path, tok_path) -> None:
     _expect(r"no column 'text'; its columns are \['body', 'id'\]", parquet, out, tok_path)
     _expect(r"tokenizer file .*none\.json does not exist", tmp_path / "tiny", out,
             tmp_path / "none.json")
+
+
+# --- malformed text (issue 15): one-line errors naming the file and line, nothing left behind ---
+
+def test_latin1_bytes_in_jsonl_name_the_line(tmp_path, tok_path) -> None:
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    _expect(r"latin1\.jsonl:2: not valid UTF-8 \(byte 0xe9 at column 14\); re-encode the file "
+            r"as UTF-8", bad, tmp_path / "out", tok_path)
+
+
+def test_lone_surrogate_in_jsonl_names_the_line(tmp_path, tok_path) -> None:
+    bad = tmp_path / "surrogate.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": "half \\ud800 a pair"}\n', encoding="utf-8")
+    _expect(r"surrogate\.jsonl:2: field 'text' holds a lone surrogate \(\\ud800\).*UTF-8",
+            bad, tmp_path / "out", tok_path)
+
+
+def test_deeply_nested_jsonl_line_is_a_data_error(tmp_path, tok_path) -> None:
+    bad = tmp_path / "deep.jsonl"
+    bad.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    _expect(r"deep\.jsonl:1: .*nested too deeply", bad, tmp_path / "out", tok_path)
+
+
+def test_invalid_utf8_in_parquet_names_the_row(tmp_path, tok_path) -> None:
+    raw = pa.array([b"fine", b"also fine", b"caf\xe9"], type=pa.binary()).view(pa.string())
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"text": raw}), bad)
+    _expect(r"bad\.parquet: row 2 of column 'text' is not valid UTF-8", bad, tmp_path / "out",
+            tok_path)
+
+
+def test_empty_folder_is_refused_before_anything_is_created(tmp_path, tok_path, capsys) -> None:
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "out"
+    with pytest.raises(DataError, match=r"no \.txt files found in .*empty"):
+        prepare(tmp_path / "empty", out, tok_path, SEQ, progress=True)
+    assert not out.exists()
+    assert capsys.readouterr().err == ""  # no empty progress bar either
+
+
+def test_failed_prepare_removes_the_output_folder_it_created(tmp_path, tok_path) -> None:
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "a.txt").write_text("hi")
+    out = tmp_path / "new" / "out"
+    with pytest.raises(DataError, match="too small"):
+        prepare(tmp_path / "tiny", out, tok_path, 1000, progress=False)
+    assert not out.exists()
+    # A folder that was there before is kept (it may hold other things), only emptied of shards.
+    out.mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match="too small"):
+        prepare(tmp_path / "tiny", out, tok_path, 1000, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_output_that_is_a_file_is_refused(tmp_path, docs, tok_path) -> None:
+    folder = _inputs(tmp_path / "in", docs)["txt"]
+    out = tmp_path / "out.txt"
+    out.write_text("not a folder")
+    with pytest.raises(DataError, match=r"out\.txt exists and is not a folder"):
+        prepare(folder, out, tok_path, SEQ, progress=False)
+    assert out.read_text() == "not a folder"

@@ -127,3 +127,15 @@ def test_load_errors_name_the_path_and_the_fix(tmp_path: Path) -> None:
     bad.write_text("{not json")
     with pytest.raises(DataError, match=r"cannot read tokenizer file .*bad\.json"):
         Tokenizer.load(bad)
+
+
+def test_train_on_malformed_jsonl_is_a_one_line_data_error(tmp_path: Path) -> None:
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1\.jsonl:1: not valid UTF-8"):
+        train_tokenizer([latin1], tmp_path / "t.json", vocab_size=300)
+    surrogate = tmp_path / "surrogate.jsonl"
+    surrogate.write_text('{"text": "ok"}\n{"text": "\\udc80"}\n')
+    with pytest.raises(DataError, match=r"surrogate\.jsonl:2: field 'text' holds a lone surrogate"):
+        train_tokenizer([surrogate], tmp_path / "t.json", vocab_size=300)
+    assert not (tmp_path / "t.json").exists()

@@ -8,8 +8,12 @@ time, never the whole corpus in memory):
 * a ``.jsonl`` file: one JSON object per line, the document in field ``text_field``;
 * a ``.parquet`` file: the document in string column ``column``.
 
+Text must be UTF-8 (a ``.jsonl`` may start with a byte-order mark); a string with no UTF-8 form
+(a lone surrogate from a ``\\ud800`` JSON escape) is refused rather than passed to the tokenizer.
+
 This module does not tokenise, pack or write training data (see ``prepare``); it only yields text
-and reports malformed input as :class:`~ftlm.errors.DataError` naming the file, line or column.
+and reports malformed input as :class:`~ftlm.errors.DataError` naming the file and the line, row
+or column.
 """
 
 from __future__ import annotations
@@ -33,21 +37,32 @@ _EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
 _CORPUS_MARKER = "corpus.json"
 
 
-def iter_documents(path: Path, text_field: str = "text", column: str = "text") -> Iterator[str]:
-    """Yield the documents of one input (see the module docstring), in a deterministic order."""
+def check_input(path: Path) -> None:
+    """Refuse an input that cannot yield documents, before anything reads or writes: a missing
+    path, an unsupported file type or a folder without ``.txt`` files."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"input {path} does not exist; pass {SUPPORTED}")
     if path.is_dir():
-        yield from _iter_txt_folder(path)
+        if not _txt_files(path):
+            raise DataError(f"no .txt files found in {path}; add some, or pass {SUPPORTED}")
+    elif path.suffix not in (".txt", ".jsonl", ".parquet"):
+        raise DataError(f"unsupported input file type {path.suffix!r} ({path}); pass {SUPPORTED}")
+
+
+def iter_documents(path: Path, text_field: str = "text", column: str = "text") -> Iterator[str]:
+    """Yield the documents of one input (see the module docstring), in a deterministic order."""
+    path = Path(path)
+    check_input(path)
+    if path.is_dir():
+        for file in _txt_files(path):
+            yield _read_txt(file)
     elif path.suffix == ".txt":
         yield _read_txt(path)
     elif path.suffix == ".jsonl":
         yield from _iter_jsonl(path, text_field)
-    elif path.suffix == ".parquet":
-        yield from _iter_parquet(path, column)
     else:
-        raise DataError(f"unsupported input file type {path.suffix!r} ({path}); pass {SUPPORTED}")
+        yield from _iter_parquet(path, column)
 
 
 def count_documents(path: Path, column: str = "text") -> int | None:
@@ -70,31 +85,56 @@ def _txt_files(folder: Path) -> list[Path]:
                   key=lambda p: p.relative_to(folder).as_posix())
 
 
-def _iter_txt_folder(folder: Path) -> Iterator[str]:
-    files = _txt_files(folder)
-    if not files:
-        raise DataError(f"folder {folder} contains no .txt files; add some or pass {SUPPORTED}")
-    for file in files:
-        yield _read_txt(file)
-
-
 def _read_txt(file: Path) -> str:
     try:
-        return file.read_text(encoding="utf-8")
+        data = file.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read {file} ({e.strerror or e}); check that it is a readable "
+                        "file") from None
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{file} is not valid UTF-8 (byte {e.start}); re-encode it as UTF-8") from e
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{file}: not valid UTF-8 (byte 0x{data[e.start]:02x} on line {line}); "
+                        "re-encode the file as UTF-8") from None
+
+
+def _require_utf8(text: str, where: str) -> None:
+    """Refuse a string that has no UTF-8 form: JSON's ``\\ud800`` escapes can produce lone
+    surrogates, which the tokenizer cannot encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{where} holds a lone surrogate (\\u{ord(text[e.start]):04x}) at "
+                        f"character {e.start}, which is not valid UTF-8 text; fix the program "
+                        "that wrote the file or drop the line") from None
 
 
 def _iter_jsonl(file: Path, field: str) -> Iterator[str]:
-    with file.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    try:
+        f = file.open("rb")
+    except OSError as e:
+        raise DataError(f"cannot read {file} ({e.strerror or e}); check that it is a readable "
+                        "file") from None
+    with f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                bom = 3 if lineno == 1 and raw.startswith(b"\xef\xbb\xbf") else 0
+                raise DataError(f"{file}:{lineno}: not valid UTF-8 (byte 0x{raw[bom + e.start]:02x} "
+                                f"at column {bom + e.start + 1}); re-encode the file as UTF-8"
+                                ) from None
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{file}:{lineno}: not valid JSON ({e.msg}); each line must be a "
-                                f"JSON object with a {field!r} field") from e
+                                f"JSON object with a {field!r} field") from None
+            except RecursionError:
+                raise DataError(f"{file}:{lineno}: JSON nested too deeply to read; each line must "
+                                f"be a JSON object with a {field!r} field") from None
             if not isinstance(obj, dict) or field not in obj:
                 keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
                 raise DataError(f"{file}:{lineno}: no field {field!r} (found {keys}); set the "
@@ -103,6 +143,7 @@ def _iter_jsonl(file: Path, field: str) -> Iterator[str]:
             if not isinstance(value, str):
                 raise DataError(f"{file}:{lineno}: field {field!r} is a {type(value).__name__}, "
                                 f"expected a string")
+            _require_utf8(value, f"{file}:{lineno}: field {field!r}")
             yield value
 
 
@@ -118,10 +159,27 @@ def _iter_parquet(file: Path, column: str) -> Iterator[str]:
     kind = schema.field(column).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise DataError(f"column {column!r} of {file} has type {kind}, expected string")
+    row = 0
     for batch in pf.iter_batches(columns=[column], batch_size=1024):
-        for value in batch.column(0).to_pylist():
+        values = batch.column(0)
+        try:
+            texts = values.to_pylist()
+        except UnicodeDecodeError:  # Parquet does not check UTF-8 on write: find the row
+            bad = next(i for i in range(len(values)) if not _decodes(values, i))
+            raise DataError(f"{file}: row {row + bad} of column {column!r} is not valid UTF-8; "
+                            "re-write the column as UTF-8 strings") from None
+        for value in texts:
             if value is not None:  # a null row is an absent document, not an error
                 yield value
+        row += len(values)
+
+
+def _decodes(values: pa.Array, i: int) -> bool:
+    try:
+        values[i].as_py()
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 def build_demo_corpus(out_dir: Path, max_bytes: int = 8_000_000) -> Path:

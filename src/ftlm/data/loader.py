@@ -5,7 +5,8 @@ Three pieces, from pure to stateful:
 * :class:`GlobalOrder` (pure): global position ``p`` (a cursor that grows forever across epochs)
   maps to sample ``perm(seed, epoch = p // N)[p % N]``, a seeded permutation per epoch.
 * :class:`PackedDataset`: random access to the samples of a folder written by ``prepare``, after
-  checking its manifest against the run (seq_len, tokenizer) and its shards against their sha256.
+  checking its manifest (``manifest``: every field, shard paths kept inside the folder) against
+  the run (seq_len, tokenizer) and its shards against their sha256.
 * :class:`Loader`: participant ``i`` of ``P`` with per-participant batch ``b`` at ``cursor`` gets
   the samples at positions ``[cursor + i*b, cursor + (i+1)*b)``. A background thread prefetches
   the batches that follow; the result never depends on it.
@@ -17,7 +18,6 @@ trainer's job, not this module's.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import OrderedDict
@@ -30,10 +30,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from ftlm.data.prepare import FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, sha256_file
+from ftlm.data.manifest import RERUN as _RERUN, read_manifest, shard_path
+from ftlm.data.prepare import TOKENIZER_FILE, sha256_file
 from ftlm.errors import DataError
 
-_RERUN = "re-run `ftlm data prepare`"
 _BUSY_WAIT_S = 60.0  # longest wait for the thread's in-flight batch before recomputing it
 
 
@@ -50,39 +50,26 @@ class PackedDataset:
     def __init__(self, dir: Path, seq_len: int, tokenizer_fingerprint: str | None = None,
                  verify: bool = True, cache_bytes: int = 1 << 30) -> None:
         self.dir = Path(dir)
-        path = self.dir / MANIFEST
-        if not path.is_file():
-            raise DataError(f"{path} not found; run `ftlm data prepare` first")
-        try:
-            self.manifest = json.loads(path.read_text(encoding="utf-8"))
-            shards = self.manifest["shards"]
-            manifest_seq_len = int(self.manifest["seq_len"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise DataError(f"{path} is not a valid manifest ({e!r}); {_RERUN}") from e
-        if self.manifest.get("format_version") != FORMAT_VERSION:
-            raise DataError(f"{path} has format_version {self.manifest.get('format_version')!r}, "
-                            f"this ftlm reads {FORMAT_VERSION}; {_RERUN}")
-        if manifest_seq_len != seq_len:
-            raise DataError(f"data in {self.dir} was prepared with seq_len={manifest_seq_len}, "
+        manifest = read_manifest(self.dir)
+        self.manifest = manifest.fields
+        if manifest.seq_len != seq_len:
+            raise DataError(f"data in {self.dir} was prepared with seq_len={manifest.seq_len}, "
                             f"but the run asks for seq_len={seq_len}; set data.seq_len="
-                            f"{manifest_seq_len} or {_RERUN} with --seq-len {seq_len}")
-        found = self.manifest.get("tokenizer_fingerprint")
+                            f"{manifest.seq_len} or {_RERUN} with --seq-len {seq_len}")
+        found = manifest.tokenizer_fingerprint
         if tokenizer_fingerprint is not None and found != tokenizer_fingerprint:
             raise DataError(f"data in {self.dir} was prepared with another tokenizer (fingerprint "
                             f"{str(found)[:12]}, the run's is {tokenizer_fingerprint[:12]}); "
                             f"{_RERUN} with the run's tokenizer")
         self.seq_len = seq_len
         self.width = seq_len + 1
-        self._files = [self.dir / s["file"] for s in shards]
-        self._rows = [int(s["rows"]) for s in shards]
+        self._files = [shard_path(self.dir, s.file) for s in manifest.shards]
+        self._rows = [s.rows for s in manifest.shards]
         # _starts[k] is the global index of shard k's first sample; the last entry is len(self).
         self._starts = np.concatenate([[0], np.cumsum(self._rows, dtype=np.int64)])
-        if self._starts[-1] != self.manifest.get("num_samples"):
-            raise DataError(f"{path}: shard rows add up to {self._starts[-1]}, not num_samples="
-                            f"{self.manifest.get('num_samples')}; {_RERUN}")
         if verify:
-            for file, shard in zip(self._files, shards):
-                self._verify(file, shard["sha256"])
+            for file, shard in zip(self._files, manifest.shards):
+                self._verify(file, shard.sha256)
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self._cache_bytes = cache_bytes
         self._lock = threading.Lock()  # the prefetch thread and the trainer share the cache
@@ -137,6 +124,10 @@ class PackedDataset:
         file = self._files[k]
         try:
             column = pq.read_table(file, columns=["tokens"]).column("tokens").combine_chunks()
+            if not (pa.types.is_list(column.type) or pa.types.is_fixed_size_list(column.type)) \
+                    or not pa.types.is_integer(column.type.value_type):
+                raise DataError(f"shard {file} has a tokens column of type {column.type}, "
+                                f"expected a list of integers; {_RERUN}")
             flat = column.flatten().to_numpy(zero_copy_only=False)
         except (OSError, KeyError, pa.ArrowException) as e:
             raise DataError(f"cannot read shard {file} ({e}); {_RERUN}") from e

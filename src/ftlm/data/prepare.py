@@ -12,6 +12,10 @@ Output folder::
     tokenizer.json            copy of the tokenizer used
     manifest.json             written last and atomically; its presence means "complete"
 
+The input is checked before anything is written (a missing path, an unsupported type or a folder
+without ``.txt`` files creates no output folder), and a run that fails midway removes the folder
+it created, or, in a folder that existed, the manifest and shards it was writing.
+
 Tokenisation uses ``Tokenizer.encode_batch`` by default (``workers=0``): the Rust side already
 runs on all cores and releases the GIL. ``workers > 1`` uses a pool of forked processes, each
 encoding single-threaded, so that reading and packing in Python overlap with tokenisation. On a
@@ -19,7 +23,8 @@ shared 2-core machine the two were within noise of each other (8 MB stdlib corpu
 median 6.3 s vs 6.0 s over three runs), so the default avoids the extra processes; the pool is for
 many-core machines where the Python side becomes the bottleneck.
 
-This module does not read training batches (``loader``) or train the tokenizer (``tokenizer``).
+This module does not read training batches (``loader``), check manifests (``manifest``) or train
+the tokenizer (``tokenizer``).
 """
 
 from __future__ import annotations
@@ -39,12 +44,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from ftlm.data.corpus import count_documents, iter_documents
+from ftlm.data.corpus import check_input, count_documents, iter_documents
+from ftlm.data.manifest import FORMAT_VERSION, MANIFEST
 from ftlm.data.tokenizer import Tokenizer
 from ftlm.errors import DataError
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 _DOCS_PER_BATCH = 256  # documents per encode_batch call: large enough to keep all cores busy
 
@@ -58,14 +62,33 @@ def prepare(input: Path, out_dir: Path, tokenizer: Path, seq_len: int, text_fiel
         raise DataError(f"seq_len={seq_len!r} must be a positive integer")
     if not isinstance(rows_per_shard, int) or rows_per_shard < 1:
         raise DataError(f"rows_per_shard={rows_per_shard!r} must be a positive integer")
-    if not input.exists():
-        raise DataError(f"input {input} does not exist; pass a folder of .txt files, "
-                        f"a .jsonl or a .parquet file")
+    check_input(input)  # before anything is created: an empty folder leaves no trace
     tok = Tokenizer.load(Path(tokenizer))
-    width = seq_len + 1
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _clear_previous_output(out_dir)
+    created = not out_dir.exists()
+    if not created and not out_dir.is_dir():
+        raise DataError(f"output {out_dir} exists and is not a folder; choose a folder for --out")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot create output folder {out_dir} ({e.strerror or e}); choose a "
+                        "writable folder for --out") from None
+    try:
+        return _prepare(input, out_dir, tok, seq_len, text_field, column, rows_per_shard,
+                        workers, progress)
+    except BaseException:
+        # A failed run leaves no half-written data: a folder it made goes, a folder that was
+        # already there loses only what prepare writes (manifest, shards).
+        if created:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        else:
+            _clear_previous_output(out_dir)
+        raise
 
+
+def _prepare(input: Path, out_dir: Path, tok: Tokenizer, seq_len: int, text_field: str,
+             column: str, rows_per_shard: int, workers: int, progress: bool) -> dict:
+    width = seq_len + 1
+    _clear_previous_output(out_dir)
     bar = tqdm(total=count_documents(input, column=column), unit="doc", file=sys.stderr,
                disable=not progress, desc=f"prepare {input.name}")
     docs = _counted(iter_documents(input, text_field=text_field, column=column), bar)
@@ -117,8 +140,9 @@ def _clear_previous_output(out_dir: Path) -> None:
     # The manifest goes first: from now until the new one is written the folder reads as
     # "not prepared", never as a valid manifest pointing at half-rewritten shards.
     (out_dir / MANIFEST).unlink(missing_ok=True)
-    for old in out_dir.glob("shard-*.parquet"):
-        old.unlink()
+    for pattern in ("shard-*.parquet", "shard-*.parquet.tmp"):
+        for old in out_dir.glob(pattern):
+            old.unlink()
 
 
 def _counted(docs: Iterator[str], bar: tqdm) -> Iterator[str]:

@@ -87,9 +87,9 @@ def load_data(config: RunConfig) -> tuple[Tokenizer, PackedDataset]:
                         f"`ftlm data prepare INPUT --out {data_dir} --tokenizer TOKENIZER` or set "
                         "data.dir to a prepared folder")
     if not (data_dir / "manifest.json").is_file():
-        raise DataError(f"data folder {data_dir} (data.dir) holds no manifest.json, so it is not "
-                        f"prepared data; run `ftlm data prepare INPUT --out {data_dir} "
-                        "--tokenizer TOKENIZER` or set data.dir to a prepared folder")
+        raise DataError(f"{data_dir / 'manifest.json'} not found: data folder {data_dir} "
+                        f"(data.dir) is not prepared data; run `ftlm data prepare INPUT --out "
+                        f"{data_dir} --tokenizer TOKENIZER` or set data.dir to a prepared folder")
     tok_path = Path(config.data.tokenizer) if config.data.tokenizer else data_dir / "tokenizer.json"
     if not tok_path.is_file():
         raise DataError(f"tokenizer {tok_path} not found; run `ftlm data prepare` or set "

@@ -44,8 +44,11 @@ DETECTION_KINDS = ("member_dead", "member_killed", "group_exit", "coordinator_re
 """Events by which the supervisor or the coordinator notice a failure."""
 COORDINATOR = "coordinator"
 """The ``target`` of a failure injected into the coordinator process."""
-DISTURBANCE_KINDS = FAILURE_KINDS + ("recovery_end", "step_failed", "coordinator_restart")
-"""Events whose neighbourhood is excluded from the steady token rate."""
+DISTURBANCE_KINDS = FAILURE_KINDS + ("recovery_end", "step_failed", "coordinator_restart",
+                                     "run_start", "group_start")
+"""Events whose neighbourhood is excluded from the steady token rate. A (re)start is one: a
+resumed run's record holds several incarnations, and no window may span the downtime between
+them."""
 SAME_FAILURE_SECONDS = 5.0
 """A ``member_dead`` this soon after an injected or detected failure of its group is that same
 failure seen again (detection lags the fault by up to the heartbeat timeout)."""
@@ -411,33 +414,62 @@ def steady_tokens_per_second(events: list[dict], failure_times: list[float], mar
     side (after: the recovery; before: detection lags the fault, so a slowdown can precede its
     event). The first ``warmup_steps`` steps are left out when the run has more than that. A
     window with commits at ``c0 < ... < cm`` contributes the tokens of ``c1..cm`` over ``cm - c0``
-    seconds; windows are pooled (tokens over seconds). If no window has two commits, the rate of
-    the whole run is returned; 0.0 with fewer than two commits.
+    seconds; windows are pooled (tokens over seconds). If no window has two commits (a short run),
+    the same cuts are used without margins or warm-up, so that the rate is still never measured
+    across a failure or a restart; if that finds none either, the rate of the whole run is
+    returned; 0.0 with fewer than two commits.
     """
     steps = sorted(commit_steps(events), key=lambda r: r.ts)
     if len(steps) < 2:
         return 0.0
     usable = steps[warmup_steps:] if len(steps) > warmup_steps + 1 else steps
+    rate = _pooled_window_rate(usable, failure_times, margin)
+    if rate is None:
+        rate = _pooled_window_rate(steps, failure_times, 0.0)
+    if rate is None:
+        span = steps[-1].ts - steps[0].ts
+        return sum(r.tokens for r in steps[1:]) / span if span > 0 else 0.0
+    return rate
+
+
+def _pooled_window_rate(steps: list[StepRecord], failure_times: list[float],
+                        margin: float) -> float | None:
+    """Tokens over seconds of the windows between ``failure_times`` (± ``margin``) of ``steps``
+    (in time order); None when no window has two commits at different times."""
     cuts = sorted(failure_times)
     bounds = [-float("inf")] + [t for f in cuts for t in (f - margin, f + margin)] + [float("inf")]
-    times = [r.ts for r in usable]
-    cumulative = list(itertools.accumulate((r.tokens for r in usable), initial=0))
+    times = [r.ts for r in steps]
+    cumulative = list(itertools.accumulate((r.tokens for r in steps), initial=0))
     tokens = seconds = 0.0
     for lo, hi in zip(bounds[::2], bounds[1::2]):
         first, last = bisect.bisect_left(times, lo), bisect.bisect_right(times, hi) - 1
         if last > first and times[last] > times[first]:
             tokens += cumulative[last + 1] - cumulative[first + 1]  # steps first+1 .. last
             seconds += times[last] - times[first]
-    if seconds <= 0:
-        span = steps[-1].ts - steps[0].ts
-        return sum(r.tokens for r in steps[1:]) / span if span > 0 else 0.0
-    return tokens / seconds
+    return tokens / seconds if seconds > 0 else None
+
+
+def record_wall_seconds(events: list[dict], wall_seconds: float) -> float:
+    """The wall time of the whole record: ``wall_seconds`` (what the caller measured), but at
+    least the span of the events. A resumed run appends every incarnation to one
+    ``events.jsonl``, so its tokens come from all of them and so must its time; a caller that
+    measured only its own incarnation would otherwise inflate ETT."""
+    if not events:
+        return float(wall_seconds)
+    times = [e["ts"] for e in events]
+    return max(float(wall_seconds), max(times) - min(times))
 
 
 def ett(tokens_committed: float, wall_seconds: float, steady_tps: float) -> float:
     """Effective training time, token-weighted: ``tokens_committed / (wall_seconds *
-    steady_tps)`` (DESIGN.md section 10); 0.0 when the denominator is 0. Not clamped: a value
-    slightly above 1 means the steady rate was measured below the run's average rate."""
+    steady_tps)`` (DESIGN.md section 10); 0.0 when the denominator is 0.
+
+    It is at most 1 when both inputs describe the same record, as ``build_summary`` ensures:
+    ``wall_seconds`` covers every incarnation (``record_wall_seconds``) and ``steady_tps`` is at
+    least the record's average rate ``tokens_committed / wall_seconds``: training that the whole
+    run sustained on average is by definition sustainable, so when the failure-free windows
+    measured less (a noisy shared machine, evals or saves inside the windows), the average is
+    the better estimate of the steady rate, and ETT is 1: no time was lost."""
     denominator = wall_seconds * steady_tps
     return tokens_committed / denominator if denominator > 0 else 0.0
 
@@ -465,6 +497,9 @@ def build_summary(events: list[dict], *, wall_seconds: float, state_hashes: dict
     margin = max(STEADY_MARGIN_STEPS * median, STEADY_MARGIN_SECONDS)
     steady = steady_tokens_per_second(events, disturbance_times(events), margin)
     tokens = sum(rec.tokens for rec in steps)
+    # One record for all three inputs of ETT, so that it cannot exceed 1 (see ``ett``).
+    wall_seconds = record_wall_seconds(events, wall_seconds)
+    steady = max(steady, tokens / wall_seconds) if steady > 0 and wall_seconds > 0 else steady
     hashes = dict(state_hashes)
     summary = {
         "steps_committed": len(steps),

@@ -185,6 +185,137 @@ def test_data_prepare_of_missing_input_is_a_one_line_error(tmp_path: Path,
     assert err.startswith("ftlm: error:") and str(tmp_path / "nothing") in err
 
 
+# --- bad input from outside testers (issue 15): one-line errors, never a traceback ----------
+
+def _one_line_error(code: int, out: str, err: str, *needles: str) -> None:
+    """Exit status 2 and one error line; only a progress bar (data prepare) may come before it."""
+    assert code == 2, (out, err)
+    before, _, line = err.rstrip("\n").rpartition("\n")
+    assert line.startswith("ftlm: error:") and "ftlm: error:" not in before, err
+    assert before.replace("\r", "\n").strip() == "" or " doc" in before or "doc/s" in before, err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, err
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("train.lr=inf", "train.lr=inf must be a finite number > 0"),
+    ("train.eps=nan", "train.eps=nan must be a finite number > 0"),
+    ("train.beta1=-0.5", "train.beta1=-0.5 must be a finite number in [0, 1)"),
+    ("model.norm_eps=inf", "model.norm_eps=inf must be a finite positive number"),
+    ("ft.allreduce_timeout=inf", "ft.allreduce_timeout=inf must be a finite number of seconds"),
+])
+def test_non_finite_overrides_are_one_line_errors(tmp_path: Path, override: str,
+                                                  needle: str) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(TINY_TOML)
+    _one_line_error(*_run(["train", str(cfg), "--set", override]), needle)
+
+
+def test_non_utf8_config_file_is_a_one_line_error(tmp_path: Path) -> None:
+    cfg = tmp_path / "latin1.toml"
+    cfg.write_bytes(TINY_TOML.encode() + "# r\xe9sum\xe9\n".encode("latin-1"))
+    line = TINY_TOML.count("\n") + 1
+    _one_line_error(*_run(["train", str(cfg)]), str(cfg), "UTF-8", f"0xe9 on line {line}")
+
+
+def test_missing_data_folder_is_named_as_such(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(TINY_TOML)
+    missing = tmp_path / "nonexistent"
+    code, out, err = _run(["train", str(cfg), "--set", f"data.dir={missing}",
+                           "--set", f"run.dir={tmp_path / 'run'}"])
+    _one_line_error(code, out, err, f"data folder {missing} (data.dir) does not exist",
+                    "ftlm data prepare")
+    assert "tokenizer" not in err.lower().replace("--tokenizer tokenizer", "")
+
+
+def test_manifest_pointing_outside_the_data_folder_is_refused(tmp_path: Path,
+                                                             demo_data: Path) -> None:
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(demo_data, data, ignore=shutil.ignore_patterns("corpus"))
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["shards"][0]["file"] = "../../etc/passwd"
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(TINY_TOML)
+    code, out, err = _run(["train", str(cfg), "--set", f"data.dir={data}",
+                           "--set", f"run.dir={tmp_path / 'run'}"])
+    _one_line_error(code, out, err, "shards[0].file='../../etc/passwd'",
+                    "relative path inside the data folder")
+
+
+def _latin1_and_surrogate_inputs(root: Path) -> list[tuple[Path, str]]:
+    latin1 = root / "latin1.jsonl"
+    latin1.write_bytes(b'{"text": "one"}\n{"text": "caf\xe9"}\n')
+    surrogate = root / "surrogate.jsonl"
+    surrogate.write_text('{"text": "lone \\ud83d here"}\n', encoding="utf-8")
+    return [(latin1, "latin1.jsonl:2: not valid UTF-8"),
+            (surrogate, "surrogate.jsonl:1: field 'text' holds a lone surrogate")]
+
+
+def test_data_prepare_of_malformed_jsonl_is_a_one_line_error(tmp_path: Path,
+                                                            demo_data: Path) -> None:
+    for path, needle in _latin1_and_surrogate_inputs(tmp_path):
+        out = tmp_path / f"out-{path.stem}"
+        _one_line_error(*_run(["data", "prepare", str(path), "--out", str(out), "--tokenizer",
+                               str(demo_data / "tokenizer.json")]), needle, "UTF-8")
+        assert not out.exists()
+
+
+def test_tokenizer_train_on_malformed_jsonl_is_a_one_line_error(tmp_path: Path) -> None:
+    for path, needle in _latin1_and_surrogate_inputs(tmp_path):
+        out = tmp_path / f"tok-{path.stem}.json"
+        _one_line_error(*_run(["tokenizer", "train", str(path), "--out", str(out),
+                               "--vocab-size", "300"]), needle)
+        assert not out.exists()
+
+
+def test_data_prepare_of_an_empty_folder_creates_nothing(tmp_path: Path, demo_data: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = tmp_path / "out"
+    code, stdout, err = _run(["data", "prepare", str(empty), "--out", str(out), "--tokenizer",
+                              str(demo_data / "tokenizer.json")])
+    _one_line_error(code, stdout, err, f"no .txt files found in {empty}")
+    assert not out.exists()
+
+
+def test_entry_point_prints_malformed_jsonl_without_a_traceback(tmp_path: Path,
+                                                               demo_data: Path) -> None:
+    path, needle = _latin1_and_surrogate_inputs(tmp_path)[0]
+    proc = subprocess.run([sys.executable, "-m", "ftlm.cli", "data", "prepare", str(path),
+                           "--out", str(tmp_path / "out"), "--tokenizer",
+                           str(demo_data / "tokenizer.json")],
+                          capture_output=True, text=True, timeout=120)
+    _one_line_error(proc.returncode, proc.stdout, proc.stderr, needle)
+
+
+def test_resumed_run_reports_ett_of_at_most_one(tmp_path: Path, demo_data: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(TINY_TOML)
+    run_dir = tmp_path / "run"
+    common = ["--set", f"run.dir={run_dir}", "--set", f"data.dir={demo_data}",
+              "--set", "checkpoint.every=2", "--set", "checkpoint.async_save=false"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("FTLM_COORDINATOR", raising=False)
+        code, _, err = _run(["train", str(cfg), "--set", "train.steps=4", *common])
+        assert code == 0, err
+        first = json.loads((run_dir / "summary.json").read_text())
+        code, _, err = _run(["train", str(cfg), "--set", "train.steps=8", *common])
+        assert code == 0, err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps_committed"] == 8
+    assert 0 < summary["ett"] <= 1.0, summary
+    # The resumed run's wall time covers both incarnations, not only the second.
+    assert summary["wall_seconds"] >= first["wall_seconds"]
+    again = summary["tokens_committed"] / (summary["wall_seconds"]
+                                           * summary["steady_tokens_per_second"])
+    assert summary["ett"] == pytest.approx(again, rel=2e-3)
+
+
 def test_coordinator_command_serves_with_the_token_and_appends_its_events(tmp_path: Path) -> None:
     """``ftlm coordinator CONFIG --events PATH``: what ``launch local`` runs as its own process."""
     import signal

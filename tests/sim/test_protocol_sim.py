@@ -21,6 +21,7 @@ REGRESSIONS = [
     (16, 100, "a group whose replay was rejected reported a stale step as up to date"),
     (24, 100, "a replay that skipped the chain check reached the head with another history"),
     (196, 100, "a participant forked at the head's step (hang, rollback, resume)"),
+    (2594, 200, "a hung process resumed by a later fault was counted as an undetected hang"),
 ]
 
 

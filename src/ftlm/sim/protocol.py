@@ -612,7 +612,7 @@ class Simulation:
         kind = self.rng.choice(self.c.faults)
         self.faults[kind] = self.faults.get(kind, 0) + 1
         self.last_fault = self.now
-        live = [g for g in self.groups.values() if g is not None and g.alive]
+        live = [g for g in self.groups.values() if g is not None and g.alive and not g.hung]
         target = self.rng.choice(live) if live else None
         self.log(f"fault {kind} -> {target.replica_id if target else '-'}")
         if kind == "coordinator_crash":
@@ -637,6 +637,7 @@ class Simulation:
             def resume(t: Incarnation = target) -> None:
                 if t.alive and t.hung:
                     t.hung = False
+                    self.pending_hung.pop(t.replica_id, None)  # it came back on its own
                     self.log(f"resume {t.replica_id}")
                     if t.phase == "asking":
                         self.ask(t)

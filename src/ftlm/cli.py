@@ -107,7 +107,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         from ftlm.observe.events import EventLog
         events = CoordinatorEvents(EventLog(Path(args.events), group="coordinator"))
     coordinator = Coordinator(config.ft.coordinator_config(
-        host=args.host, port=args.port, token=os.environ.get("FTLM_TOKEN", "")), events=events)
+        host=args.host, port=args.port, token=os.environ.get("FTLM_TOKEN", ""),
+        insecure=args.insecure), events=events)
     coordinator.serve_forever()
     return 0
 
@@ -200,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--events", default="", metavar="PATH",
                    help="append the coordinator's events (quorums, deaths, rollbacks) to this "
                         "events.jsonl; the token comes from the FTLM_TOKEN environment variable")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without a job token (FTLM_TOKEN or "
+                        "ft.token_file): anyone who reaches the port can then steer the job")
     p.set_defaults(fn=cmd_coordinator)
 
     p = sub.add_parser("launch", help="launch a fault-tolerant job")

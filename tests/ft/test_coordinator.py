@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
+import os
+import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,11 +20,14 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ftlm.errors import ConfigError
 from ftlm.ft.client import CoordinatorClient, CoordinatorUnavailable, Heartbeater, QuorumTimeout
 from ftlm.ft.config import CoordinatorConfig
-from ftlm.ft.coordinator import Coordinator
+from ftlm.ft.coordinator import STATUS_LIMIT, Coordinator, describe_address
+from ftlm.ft.dashboard import render_page
 from ftlm.ft.history import GENESIS
-from ftlm.ft.quorum import Quorum, StaleIncarnation
+from ftlm.ft.membership import MAX_DEAD_LISTED, Issued
+from ftlm.ft.quorum import Heartbeat, Member, Quorum, StaleIncarnation, commit_quorum
 
 HB_TIMEOUT = 0.4
 HB_INTERVAL = 0.05
@@ -59,9 +66,9 @@ def start() -> Iterator[Callable[..., Coordinator]]:
 class Group:
     """A group leader: a client plus its heartbeat thread, with the step it reports."""
 
-    def __init__(self, url: str, group: str, incarnation: str = "a", token: str = "") -> None:
+    def __init__(self, url: str, group: str, incarnation: str = "a", token: str = "", quorum_id: int = 0) -> None:
         self.client = CoordinatorClient(url, group, incarnation, token=token, timeout=2.0)
-        self.step, self.quorum_id, self.chain = 0, 0, GENESIS
+        self.step, self.quorum_id, self.chain = 0, quorum_id, GENESIS
         self.heartbeater = Heartbeater(self.client, HB_INTERVAL,
                                        lambda: (self.step, self.quorum_id, self.chain, 0.0))
         # Register before returning, so that groups made one after another all count as heartbeating
@@ -90,8 +97,8 @@ class Group:
 def groups() -> Iterator[Callable[..., Group]]:
     made: list[Group] = []
 
-    def _make(url: str, name: str, incarnation: str = "a", token: str = "") -> Group:
-        g = Group(url, name, incarnation, token)
+    def _make(url: str, name: str, incarnation: str = "a", token: str = "", quorum_id: int = 0) -> Group:
+        g = Group(url, name, incarnation, token, quorum_id)
         made.append(g)
         return g
 
@@ -123,11 +130,14 @@ def wait_until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def raw(coord: Coordinator, method: str, path: str, body: bytes | None = None, token: str = "") -> tuple[int, bytes]:
+def raw(coord: Coordinator, method: str, path: str, body: bytes | None = None, token: str = "",
+        **extra: str) -> tuple[int, bytes]:
+    """One request on a fresh connection; ``extra`` headers (``Content_Type=...``) override."""
     conn = http.client.HTTPConnection("127.0.0.1", coord.port, timeout=5)
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
+    headers.update({k.replace("_", "-"): v for k, v in extra.items()})
     try:
         conn.request(method, path, body=body, headers=headers)
         resp = conn.getresponse()
@@ -220,9 +230,8 @@ def test_restarted_coordinator_never_issues_a_lower_id(start, groups) -> None:
         m.stop()
     first.stop()
     second = start()
-    moved = [groups(second.url, f"g{i}") for i in range(2)]
-    for m in moved:
-        m.quorum_id = highest
+    # The groups' first heartbeats tell the new coordinator the last id they knew.
+    moved = [groups(second.url, f"g{i}", quorum_id=highest) for i in range(2)]
     quorums = ask_all(moved)
     assert {q.quorum_id for q in quorums} == {highest + 1}
 
@@ -277,7 +286,8 @@ def test_oversize_and_malformed_requests_are_refused_and_change_nothing(start, g
     assert raw(coord, "POST", "/v1/heartbeat", big)[0] == 413
     conn = http.client.HTTPConnection("127.0.0.1", coord.port, timeout=5)
     try:  # without a Content-Length the limit holds as the body streams in
-        conn.request("POST", "/v1/heartbeat", body=iter([big[:1500], big[1500:]]), encode_chunked=True)
+        conn.request("POST", "/v1/heartbeat", body=iter([big[:1500], big[1500:]]), encode_chunked=True,
+                     headers={"Content-Type": "application/json"})
         assert conn.getresponse().status == 413
     finally:
         conn.close()
@@ -360,3 +370,334 @@ def test_serve_forever_prints_its_url_and_stops_on_sigterm() -> None:
             proc.kill()
             proc.wait(timeout=10)
         proc.stdout.close()
+
+
+# ------------------------------------------------------------ malformed bodies (issue 15, item 8)
+
+
+def test_every_malformed_body_is_a_one_line_400_and_changes_nothing(start, groups) -> None:
+    coord = start()
+    g0 = groups(coord.url, "g0")
+    ask_all([g0])
+    wait_until(lambda: stable_status(coord)["reason"] == "no member has asked for a quorum")
+    before = stable_status(coord)
+    hb = '{"group": "g1", "incarnation": "a", "step": 0, "quorum_id": 0'
+    q = ('{"group": "g1", "incarnation": "a", "step": 0, "last_quorum_id": 0, "failed": false, '
+         '"timeout": 1, "meta": ')
+    cases = {
+        "/v1/heartbeat": [
+            b"[" * 30_000 + b"]" * 30_000,  # was a RecursionError and a 500
+            b'{"a":' * 5_000 + b"1" + b"}" * 5_000,
+            (hb + ', "meta": ' + "[" * 40 + "]" * 40 + "}").encode(),  # deeper than MAX_DEPTH
+            (hb + ', "progress_age": 1e999}').encode(),
+            (hb + ', "progress_age": NaN}').encode(),
+            (hb + ', "progress_age": Infinity}').encode(),
+            (hb.replace('"step": 0', '"step": ' + "9" * 5000) + "}").encode(),  # beyond int parsing
+            (hb + ', "step": 1}').encode(),  # a key given twice
+            (hb + "}").encode("utf-16"),  # valid JSON, not UTF-8
+            b"\xef\xbb\xbf" + (hb + "}").encode(),  # a BOM
+            (hb + ', "chain": ["x"]}').encode(),
+            (hb + ', "known_head": true}').encode(),
+        ],
+        "/v1/quorum": [
+            (q + '{"x": NaN}}').encode(),
+            (q + '{"x": -Infinity}}').encode(),
+            (q + '{"x": 1e400}}').encode(),
+            (q + '{"x": 1}, "timeout": 2}').encode(),
+            (q + "[" * 30 + "]" * 30 + "}").encode(),
+        ],
+        "/v1/leave": [b'{"group": "g1", "incarnation": "a", "reason": "done\\nERROR forged log line"}',
+                      b'{"group": "g1", "incarnation": "a", "reason": "\\ud800"}',
+                      b'{"group": "g1", "incarnation": "a", "reason": 7}'],
+        "/v1/dead": [b'{"group": "g1", "incarnation": ["a"]}', b'{"group": {"$ne": null}}'],
+        "/v1/kill": [b'{"group": 1e999}', b'{"group": "g0", "group": "g1"}', b"null", b'"g0"'],
+    }
+    for path, bodies in cases.items():
+        for body in bodies:
+            status, answer = raw(coord, "POST", path, body)
+            assert status == 400, (path, body[:80], answer[:200])
+            error = json.loads(answer)["error"]
+            assert error and "\n" not in error and len(error) < 300, error
+    assert stable_status(coord) == before
+    assert "kill" not in g0.client.heartbeat(0, 0)
+
+
+# --------------------------------------------------- origin, content type, token (issue 15, item 4)
+
+
+def test_non_loopback_bind_without_a_token_is_refused_unless_insecure() -> None:
+    for host in ("0.0.0.0", "::", "10.1.2.3", "coordinator.example"):
+        with pytest.raises(ConfigError, match="--insecure") as info:
+            CoordinatorConfig(host=host)
+        assert "FTLM_TOKEN" in str(info.value) and "\n" not in str(info.value)
+        assert CoordinatorConfig(host=host, token="t").host == host
+        assert CoordinatorConfig(host=host, insecure=True).insecure
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert CoordinatorConfig(host=host).host == host
+
+
+def test_coordinator_command_refuses_all_interfaces_without_a_token(monkeypatch, capsys) -> None:
+    from ftlm.cli import main
+
+    monkeypatch.delenv("FTLM_TOKEN", raising=False)
+    assert main(["coordinator", "--host", "0.0.0.0", "--port", "0"]) == 2  # refused before binding
+    out = capsys.readouterr()
+    assert out.err.startswith("ftlm: error: coordinator.host='0.0.0.0'") and "--insecure" in out.err
+    assert out.err.count("\n") == 1 and "listening" not in out.out
+
+
+def test_all_interfaces_are_described_by_every_address() -> None:
+    line = describe_address("http", "0.0.0.0", 29510, ["node7", "10.0.0.5"])
+    assert line == "all interfaces (0.0.0.0) port 29510: http://127.0.0.1:29510, http://node7:29510, http://10.0.0.5:29510"
+    assert describe_address("https", "::", 1, ["fd00::5"]) == "all interfaces (::) port 1: https://[::1]:1, https://[fd00::5]:1"
+    assert describe_address("http", "10.0.0.5", 80) == "http://10.0.0.5:80"
+    assert "all interfaces" in describe_address("http", "0.0.0.0", 1)  # this machine's own addresses
+
+
+def test_state_changing_posts_need_json_and_the_same_origin(start, groups) -> None:
+    coord = start(token="s3cret")
+    g0 = groups(coord.url, "g0", token="s3cret")
+    kill = json.dumps({"group": "g0"}).encode()
+    # What a page on another site can send without a CORS preflight: refused, nothing killed.
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+        assert raw(coord, "POST", "/v1/kill", kill, token="s3cret", Content_Type=content_type)[0] == 415
+    conn = http.client.HTTPConnection("127.0.0.1", coord.port, timeout=5)
+    try:  # no Content-Type at all
+        conn.request("POST", "/v1/kill", body=kill, headers={"Authorization": "Bearer s3cret"})
+        assert conn.getresponse().status == 415
+    finally:
+        conn.close()
+    for headers in ({"Origin": "http://evil.example"}, {"Origin": "null"},
+                    {"Origin": f"http://127.0.0.1:{coord.port + 1}"}, {"Sec-Fetch-Site": "cross-site"},
+                    {"Sec-Fetch-Site": "same-site"}):
+        extra = {k.replace("-", "_"): v for k, v in headers.items()}
+        status, body = raw(coord, "POST", "/v1/kill", kill, token="s3cret", **extra)
+        assert status == 403 and "only the coordinator's own page" in json.loads(body)["error"], headers
+    assert raw(coord, "GET", "/status", token="s3cret", Origin="http://evil.example")[0] == 403
+    assert "kill" not in g0.client.heartbeat(0, 0)
+    # The dashboard's own request: same origin, JSON, the token.
+    status, body = raw(coord, "POST", "/v1/kill", kill, token="s3cret", Origin=coord.url,
+                       Sec_Fetch_Site="same-origin")
+    assert status == 200 and json.loads(body)["replica_ids"] == ["g0:a"]
+    assert g0.client.heartbeat(0, 0)["kill"] is True
+
+
+def test_loopback_coordinator_answers_only_loopback_host_names(start) -> None:
+    """A page that rebinds its own DNS name to 127.0.0.1 reaches the port but names itself in Host."""
+    coord = start()
+    assert raw(coord, "GET", "/status", Host=f"evil.example:{coord.port}")[0] == 403
+    assert raw(coord, "POST", "/v1/kill", b'{"group": "g0"}', Host="evil.example")[0] == 403
+    for host in (f"localhost:{coord.port}", f"127.0.0.1:{coord.port}", "[::1]:8080", "localhost"):
+        assert raw(coord, "GET", "/status", Host=host)[0] == 200, host
+
+
+# ----------------------------------------- connections: deadline, cap, logging (issue 15, item 3)
+
+
+def connect(coord: Coordinator) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", coord.port), timeout=5)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def closed_by_server(s: socket.socket, timeout: float) -> bytes | None:
+    """What the server sent before closing ``s`` within ``timeout`` s; None if it stayed open."""
+    s.settimeout(timeout)
+    got = b""
+    try:
+        while chunk := s.recv(4096):
+            got += chunk
+    except (TimeoutError, socket.timeout):
+        return None
+    except ConnectionResetError:
+        pass
+    return got
+
+
+def test_slowloris_headers_are_cut_off_after_the_read_timeout(start) -> None:
+    coord = start(read_timeout=0.5)
+    s = connect(coord)
+    try:
+        s.sendall(b"POST /v1/heartbeat HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        t0 = time.monotonic()
+        closed = False
+        while time.monotonic() - t0 < 0.5 + MARGIN + 2:  # one header byte every 50 ms: never done
+            try:
+                s.sendall(b"X")
+            except OSError:
+                closed = True
+                break
+            if closed_by_server(s, 0.05) is not None:
+                closed = True
+                break
+        assert closed, "a connection trickling its headers was never closed"
+        assert time.monotonic() - t0 < 0.5 + MARGIN + 1
+    finally:
+        s.close()
+    wait_until(lambda: coord.open_connections == 0)
+
+
+def test_a_body_that_does_not_arrive_in_time_gets_408_and_the_connection_closes(start) -> None:
+    coord = start(read_timeout=0.5)
+    s = connect(coord)
+    try:
+        s.sendall(b"POST /v1/heartbeat HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"group\": ")
+        answer = closed_by_server(s, 0.5 + MARGIN + 2)
+        assert answer is not None and answer.startswith(b"HTTP/1.1 408"), answer
+    finally:
+        s.close()
+    assert stable_status(coord)["members"] == []
+
+
+def test_idle_connections_are_closed_and_a_heartbeat_gets_through_hundreds_of_them(start) -> None:
+    coord = start(read_timeout=1.0)
+    idle = [connect(coord) for _ in range(300)]
+    try:
+        wait_until(lambda: coord.open_connections == 300)
+        client = CoordinatorClient(coord.url, "g0", "a", timeout=2.0)
+        try:
+            t0 = time.monotonic()
+            assert client.heartbeat(0, 0)["dead"] == []
+            assert time.monotonic() - t0 < MARGIN
+        finally:
+            client.close()
+        wait_until(lambda: coord.open_connections == 0, timeout=1.0 + MARGIN + 3)
+        assert all(closed_by_server(s, 1.0) is not None for s in idle[:10])
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_connections_beyond_the_cap_are_refused_while_members_keep_beating(start, groups) -> None:
+    coord = start(max_connections=16, read_timeout=60.0)
+    answers: list[dict] = []
+    member = groups(coord.url, "g0")
+    member.heartbeater.on_answer = answers.append
+    wait_until(lambda: len(answers) >= 2)  # its thread holds a keep-alive connection
+    member.client._drop_connection()  # the main thread's connection from the first beat
+    wait_until(lambda: coord.open_connections == 1)
+    flood = [connect(coord) for _ in range(40)]
+    try:
+        wait_until(lambda: coord.open_connections == 16)
+        answered: set[socket.socket] = set()  # the refused: 503 and closed at once
+
+        def refused() -> int:
+            ready, _, _ = select.select([s for s in flood if s not in answered], [], [], 0.05)
+            answered.update(ready)
+            return len(answered)
+
+        wait_until(lambda: refused() == 40 - 15)
+        for s in answered:
+            got = closed_by_server(s, 1.0)
+            assert got is not None and got.startswith(b"HTTP/1.1 503 "), got
+        assert coord.open_connections == 16  # the 15 admitted ones are still open and idle
+        late = connect(coord)
+        got = closed_by_server(late, 2.0)
+        late.close()
+        assert got is not None and (got == b"" or got.startswith(b"HTTP/1.1 503")), got
+        n = len(answers)
+        wait_until(lambda: len(answers) >= n + 5)  # the member's heartbeats keep getting through
+        assert member.heartbeater.failures == 0
+    finally:
+        for s in flood:
+            s.close()
+    wait_until(lambda: coord.open_connections == 1)
+    fresh = CoordinatorClient(coord.url, "g1", "a", timeout=2.0)
+    try:
+        assert fresh.heartbeat(0, 0)["dead"] == []
+    finally:
+        fresh.close()
+
+
+def test_bad_connections_are_summarised_in_one_log_line_per_interval(start, caplog) -> None:
+    coord = start(token="s3cret", read_timeout=0.5)
+    coord.abuse.interval = 60.0
+    caplog.clear()
+    caplog.set_level(logging.DEBUG)
+    for i in range(150):
+        s = connect(coord)
+        try:
+            s.sendall([b"GET / HTTP/1.1\r\nHost: x\r\nBad Header Line\r\n\r\n",  # aiohttp: a traceback each
+                       b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(40),  # TLS to a plain port
+                       b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"][i % 3])
+            assert closed_by_server(s, 5) is not None
+        finally:
+            s.close()
+    # The first problem is reported at once; the rest wait for the interval (flushed here).
+    wait_until(lambda: any("refused in the last" in r.getMessage() for r in caplog.records), timeout=5)
+    coord.call_in_loop(lambda: coord.abuse.flush(force=True))
+    noisy = [r for r in caplog.records if r.name.startswith(("aiohttp", "asyncio", "ftlm.ft"))]
+    assert 1 <= len(noisy) <= 2, [r.getMessage()[:200] for r in noisy[:5]]
+    counts: dict[str, int] = {}
+    for r in noisy:
+        line = r.getMessage()
+        assert line.startswith("refused in the last") and "\n" not in line and len(line) < 1000, line
+        for what, n in re.findall(r"(?:: |; )([^;:(]+?) x(\d+)", line):
+            counts[what] = counts.get(what, 0) + int(n)
+    assert counts == {"malformed HTTP": 100, "HTTP 401": 50}, counts
+
+
+# --------------------------------------------------------- answers stay small (issue 15, item 9)
+
+
+def test_status_and_heartbeat_answers_stay_small_with_20k_groups(caplog) -> None:
+    """20,000 heartbeating groups, a quorum of all of them, then half of them dead: the deaths
+    come from the state machine's own expiry. The members and the quorum are written into its
+    state directly: recording 20k heartbeats or building a 20k quorum through ``quorum.py`` takes
+    minutes (its incarnation check and ``_build`` are quadratic in the number of groups)."""
+    caplog.set_level(logging.ERROR)  # 10,000 "member is dead" lines
+    coord = Coordinator(CoordinatorConfig(heartbeat_timeout=5.0))
+    m, n, now = coord.membership, 20_000, 1000.0
+    rids = [f"g{i:05d}:a" for i in range(n)]
+    for rid in rids:
+        m.state.heartbeats[rid] = Heartbeat(rid, rid[:6], now, 0)
+    coord._apply(m.tick(now))  # a fresh job: the head is step 0
+    meta = {"store": "10.0.0.1:29500", "transfer": ["http://10.0.0.1:29600"]}
+    up, behind = rids[: 3 * n // 4], rids[3 * n // 4:]
+    quorum = Quorum(1, 0, [Member(r, r[:6], 0, meta) for r in rids], up, behind,
+                    {r: up[i % len(up)] for i, r in enumerate(behind)}, now, "synthetic", GENESIS, m.state.epoch)
+    commit_quorum(m.state, quorum)
+    coord._apply([Issued(quorum, 0.0, True)])
+    for rid in rids[::2]:  # the even groups keep heartbeating; the odd ones fall silent
+        m.state.heartbeats[rid] = Heartbeat(rid, rid[:6], now + 4.0, 0)
+    coord._apply(m.tick(now + 6.0))
+    assert len(m.recent_dead(now + 6.0)) == n // 2
+
+    status = coord._status_now(now=now + 6.0)
+    size = len(json.dumps(status))
+    assert size < 1_000_000, size
+    assert len(status["members"]) == STATUS_LIMIT and status["members_total"] == n // 2
+    assert status["next_offset"] == STATUS_LIMIT
+    assert len(status["dead"]) == MAX_DEAD_LISTED and status["dead_total"] == n // 2
+    last = status["last_quorum"]
+    assert last["truncated"] and last["participants_total"] == len(up) and last["recovering_total"] == len(behind)
+    assert max(len(last[k]) for k in ("members", "participants", "recovering", "sources")) <= STATUS_LIMIT
+    assert [(len(q["participants"]), q["participants_total"]) for q in status["quorums"]] == [(20, len(up))]
+    assert len(status["recoveries"]) <= 50
+    assert {"members", "dead", "last_quorum", "quorum_id", "reason"} <= set(status)
+    page = coord._status_now(offset=(n // 2) - 10, now=now + 6.0)
+    assert len(page["members"]) == 10 and page["next_offset"] is None
+    assert page["members"][-1]["state"] == "recovering" and page["members"][-1]["source"] in up
+    assert len(render_page(status)) < 1_200_000  # GET / embeds the same bounded status
+
+    answer, _ = m.heartbeat(now + 6.0, Heartbeat(rids[0], rids[0][:6], now + 6.0, 0))
+    assert len(answer["dead"]) == MAX_DEAD_LISTED and len(json.dumps(answer)) < 16 * 1024
+
+
+def test_status_pages_through_the_members(start, groups) -> None:
+    coord = start()
+    for i in range(5):
+        groups(coord.url, f"g{i}")
+    seen, offset = [], 0
+    while offset is not None:
+        status, body = raw(coord, "GET", f"/status?offset={offset}&limit=2")
+        assert status == 200
+        page = json.loads(body)
+        assert len(page["members"]) <= 2 and page["members_total"] == 5
+        seen += [m["group"] for m in page["members"]]
+        offset = page["next_offset"]
+    assert seen == [f"g{i}" for i in range(5)]
+    for bad in ("offset=-1", "limit=0", f"limit={STATUS_LIMIT + 1}", "offset=x", "limit=1e3"):
+        status, body = raw(coord, "GET", f"/status?{bad}")
+        assert status == 400 and "must be an integer" in json.loads(body)["error"], bad

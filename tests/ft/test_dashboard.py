@@ -19,7 +19,7 @@ import pytest
 from ftlm.ft.client import CoordinatorClient, Heartbeater
 from ftlm.ft.config import CoordinatorConfig
 from ftlm.ft.coordinator import Coordinator
-from ftlm.ft.dashboard import HISTORY, DashboardLog
+from ftlm.ft.dashboard import HISTORY, NAMES_KEPT, DashboardLog, render_page
 from ftlm.ft.quorum import Quorum
 
 TOKEN = "s3cret"
@@ -112,6 +112,37 @@ def test_page_without_the_token_is_refused_and_shows_no_data(job) -> None:
     assert "g0:a" not in page and "const initial = null;" in page
     status, page = request(coord, "GET", "/", token=TOKEN)
     assert status == 200 and '"replica_id": "g0:a"' in page
+
+
+def test_the_pages_kill_button_sends_what_the_coordinator_accepts(job) -> None:
+    """The button's request as the script builds it: POST, JSON, the token, from the page's origin
+    (a browser adds Origin and Sec-Fetch-Site); the coordinator refuses any other shape."""
+    coord, (g0, _) = job
+    script = render_page(None)
+    assert 'fetch("/v1/kill", {method: "POST", headers: headers(), body: JSON.stringify({group})})' in script
+    assert '{"Content-Type": "application/json"}' in script and 'h["Authorization"] = "Bearer " + t' in script
+    browser = {"Content-Type": "application/json", "Authorization": f"Bearer {TOKEN}", "Origin": coord.url,
+               "Sec-Fetch-Site": "same-origin", "Sec-Fetch-Mode": "cors", "Host": coord.url.split("//")[1]}
+    conn = http.client.HTTPConnection("127.0.0.1", coord.port, timeout=5)
+    try:
+        conn.request("POST", "/v1/kill", body=json.dumps({"group": "g0"}), headers=browser)
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["replica_ids"] == ["g0:a"]
+    finally:
+        conn.close()
+    assert g0.killed.wait(5)
+
+
+def test_dashboard_log_lists_a_bounded_number_of_names() -> None:
+    log = DashboardLog()
+    many = [f"g{i:03d}:a" for i in range(300)]
+    log.quorum_issued(Quorum(1, 0, [], many[:200], many[200:], {r: many[0] for r in many[200:]}, 0.0, "r"))
+    q = log.to_json()["quorums"][0]
+    assert (len(q["participants"]), q["participants_total"]) == (NAMES_KEPT, 200)
+    assert (len(q["recovering"]), q["recovering_total"]) == (NAMES_KEPT, 100)
+    assert len(log.to_json()["recoveries"]) == HISTORY
+    recoveries = [r["replica_id"] for r in log.to_json()["recoveries"]]
+    assert (recoveries[0], recoveries[-1]) == ("g299:a", "g250:a")  # the newest kept, newest first
 
 
 def _quorum(qid: int, step: int, recovering: list[str] = ()) -> Quorum:

@@ -55,6 +55,19 @@ class CoordinatorConfig:
     progress_timeout: float = 0.0
     """Seconds a heartbeating group may make no protocol progress before it is declared hung
     (0: never; ``ft.progress_timeout`` sets it for a job)."""
+    read_timeout: float = 5.0
+    """Seconds a client may take to send a whole request (headers, then body) and the longest an
+    idle connection stays open; slower clients are disconnected (slowloris)."""
+    max_connections: int = 4096
+    """Most connections open at once; beyond it a new connection gets 503 and is closed at once,
+    while members already connected keep their keep-alive connections."""
+    insecure: bool = False
+    """Allow a non-loopback ``host`` without a token (anyone reaching the port can then steer the
+    job); ``ftlm coordinator --insecure``. Without it such a configuration is refused."""
+    tls_cert: str = ""
+    """PEM certificate the coordinator presents (serves https://); empty: plain HTTP."""
+    tls_key: str = ""
+    """PEM private key of ``tls_cert``; set both or neither."""
 
     def __post_init__(self) -> None:
         s = _COORDINATOR
@@ -78,6 +91,35 @@ class CoordinatorConfig:
         mrb = self.max_request_bytes
         if not isinstance(mrb, int) or isinstance(mrb, bool) or mrb < 1024:
             raise ConfigError(f"{s}.max_request_bytes={mrb!r} must be an integer >= 1024")
+        _require_number(s, "read_timeout", self.read_timeout, positive=True)
+        mc = self.max_connections
+        if not isinstance(mc, int) or isinstance(mc, bool) or mc < 8:
+            raise ConfigError(f"{s}.max_connections={mc!r} must be an integer >= 8")
+        if not isinstance(self.insecure, bool):
+            raise ConfigError(f"{s}.insecure={self.insecure!r} must be true or false")
+        for name in ("tls_cert", "tls_key"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{s}.{name}={getattr(self, name)!r} must be the path of a PEM "
+                                  f"file, or empty for plain HTTP")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError(f"{s}.tls_cert={self.tls_cert!r} and {s}.tls_key={self.tls_key!r}: "
+                              f"set both (the certificate and its private key) or neither")
+        if not self.token and not self.insecure and not is_loopback(self.host):
+            raise ConfigError(
+                f"{s}.host={self.host!r} is reachable from other machines but no job token is set: "
+                f"anyone who reaches the port could kill groups and steer the job; set FTLM_TOKEN "
+                f"(or ft.token_file), bind 127.0.0.1, or pass --insecure on a trusted network")
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` (an address or ``localhost``) is reachable only from this machine."""
+    import ipaddress
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve to any interface
 
 
 LR_POLICIES = ("none", "linear", "sqrt")
@@ -128,11 +170,13 @@ class FTConfig:
     """Address a group binds its rendezvous store and state server to and tells other groups;
     on a cluster, the pod or node IP (the ``FTLM_HOST`` environment variable overrides it)."""
     tls_cert: str = ""
-    """PEM certificate the group's state server presents (serves https://); empty: plain HTTP."""
+    """PEM certificate the group's state server and ``ftlm coordinator`` present (they serve
+    https://); empty: plain HTTP."""
     tls_key: str = ""
     """PEM private key of ``tls_cert``; set both or neither."""
     tls_ca: str = ""
-    """PEM CA that must have signed a peer's certificate before this group pulls state from it."""
+    """PEM CA that must have signed a peer's certificate before this group pulls state from it,
+    and the coordinator's before this group talks to an https:// coordinator."""
     restart_delay: float = 1.0
     """Seconds the local supervisor waits before restarting a group whose process died."""
     startup_timeout: float = 120.0
@@ -196,10 +240,11 @@ class FTConfig:
         return path.read_text().strip()
 
     def coordinator_config(self, host: str = "127.0.0.1", port: int = 0,
-                           token: str = "") -> CoordinatorConfig:
-        """Settings for a coordinator serving this job."""
+                           token: str = "", insecure: bool = False) -> CoordinatorConfig:
+        """Settings for a coordinator serving this job (https:// when ``tls_cert`` is set)."""
         return CoordinatorConfig(host=host, port=port, min_replicas=self.min_replicas,
                                  join_timeout=self.join_timeout, expected_groups=self.groups,
                                  heartbeat_timeout=self.heartbeat_timeout,
                                  progress_timeout=self.progress_timeout,
-                                 token=token or self.read_token())
+                                 token=token or self.read_token(), insecure=insecure,
+                                 tls_cert=self.tls_cert, tls_key=self.tls_key)

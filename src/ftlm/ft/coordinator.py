@@ -1,55 +1,85 @@
-"""The coordinator server: an HTTP shell around the pure quorum decision of ``ftlm.ft.quorum``.
+"""The coordinator server: an HTTP shell around the membership state machine (``ftlm.ft.membership``).
 
 Responsible for: receiving heartbeats and quorum requests from group leaders, answering quorum
 long-polls, re-evaluating on every request and on a tick (so join and heartbeat timeouts fire
-without traffic), the status page, Prometheus metrics, auth, size limits and input validation.
+without traffic), the status page, Prometheus metrics, and everything that keeps an untrusted
+network from wedging it: auth, same-origin checks, content types, size limits, strict input
+validation (``ftlm.ft.coordinator_requests``), a cap on connections and a deadline on every
+request (``ftlm.ft.connection_gate``), TLS, and logs that summarise abuse instead of echoing it.
 
-Not responsible for: the rules of the quorum (``quorum.compute_quorum``), the per-step protocol
-of a group (``ftlm.ft.manager``), or restarting anything. It holds only soft state; after a restart
-it rebuilds itself from the next heartbeats and never issues an id below one members report.
+Not responsible for: the rules of the quorum (``quorum.compute_quorum``, driven through
+``Membership``), the per-step protocol of a group (``ftlm.ft.manager``), or restarting anything. It
+holds only soft state; after a restart it rebuilds itself from the next heartbeats and never
+issues an id below one members report.
 
 Endpoints (all require ``Authorization: Bearer <token>`` when a token is configured, ``GET /``
 and ``GET /metrics`` included, as DESIGN.md section 9 asks; Prometheus sends it with
 ``authorization: {credentials: ...}``):
-  POST /v1/heartbeat  {group, incarnation, step, quorum_id} -> {quorum_id, alive, dead}
+  POST /v1/heartbeat  {group, incarnation, step, quorum_id} -> {quorum_id, dead, rebuilding}
   POST /v1/quorum     {group, incarnation, step, last_quorum_id, failed, meta, timeout}
                       -> 200 Quorum JSON | 504 {error, reason} | 409 {error} (replaced incarnation)
+  POST /v1/leave, /v1/dead  {group, incarnation, reason}: a replica left on purpose / its process ended
   POST /v1/kill       {group} -> {replica_ids} | 404 {error}: marks the group's live replica; its
                       next heartbeat answers carry ``"kill": true`` (chaos drills; its manager kills it)
-  GET  /status        JSON;  GET / the live dashboard (``ftlm.ft.dashboard``);  GET /metrics Prometheus.
+  GET  /status[?offset=N&limit=M]  JSON, at most ``STATUS_LIMIT`` members per page (``members_total``,
+                      ``next_offset``), the newest ``MAX_DEAD_LISTED`` deaths (``dead_total``);
+  GET  /  the live dashboard (``ftlm.ft.dashboard``);  GET /metrics  Prometheus.
 The one exception to the token: ``GET /`` without it answers 401 with the dashboard page but no
 data, so a browser can load it and send the token (taken from ``#token=...``) with its requests.
+
+What a request must also pass (issue 15, item 4): every POST carries ``Content-Type:
+application/json`` (415 otherwise: an HTML form or a ``text/plain`` fetch from another site cannot
+send it without a CORS preflight, which is never granted); a request with an ``Origin`` that is
+not the coordinator's own, or a POST a browser marks ``Sec-Fetch-Site: cross-site``, gets 403;
+a coordinator bound to loopback answers only requests whose ``Host`` is a loopback name (a page
+rebinding its own DNS name to 127.0.0.1 is refused). Bodies are at most ``max_request_bytes``
+(413), arrive within ``read_timeout`` (408) and must be strict JSON (400, one line, nothing changed).
+
 All asyncio state is touched only from the server's own event loop thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
-import json
 import logging
-import re
 import signal
+import socket
+import ssl
+import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from ftlm.errors import ConfigError
-from ftlm.ft.config import CoordinatorConfig
+from ftlm.ft.config import CoordinatorConfig, is_loopback
+from ftlm.ft.connection_gate import AbuseLog, ConnectionGate, CountingLogger, fd_budget, loop_exception_handler
+from ftlm.ft.coordinator_requests import decode_body, parse_heartbeat, parse_kill, parse_member, parse_quorum_request
 from ftlm.ft.dashboard import DashboardLog, member_state, render_page
-from ftlm.ft.history import is_chain
-from ftlm.ft.membership import DEAD_MEMORY_SECONDS, Answer, Event, Issued, Membership, Output
-from ftlm.ft.quorum import MAX_CLAIM, Heartbeat, MemberRequest, Quorum, QuorumOptions, StaleIncarnation
+from ftlm.ft.membership import MAX_DEAD_LISTED, Answer, Event, Issued, Membership, Output
+from ftlm.ft.quorum import Heartbeat, MemberRequest, Quorum, QuorumOptions, StaleIncarnation
+from ftlm.ft.tls import server_context
 from ftlm.observe.metrics import make_metric
 
 log = logging.getLogger(__name__)
 
 MAX_POLL_SECONDS = 60.0  # longest a quorum long-poll may hold a connection
+STATUS_LIMIT = 1000
+"""Most members one ``GET /status`` lists (page with ``?offset=``), and most entries of each list
+of its ``last_quorum``: a status stays well under a megabyte at any job size."""
+LOG_INTERVAL = 10.0
+"""Seconds between two summary lines of refused connections and requests."""
 _START_TIMEOUT = 10.0
+_BACKLOG = 512
+# Answers worth a count in the abuse summary (a 404 of an unknown route is a scanner, too).
+_REFUSALS = frozenset({400, 401, 403, 404, 405, 408, 413, 415})
+
+T = TypeVar("T")
 
 
 class _NoEvents:
@@ -57,6 +87,10 @@ class _NoEvents:
 
     def emit(self, kind: str, **fields: Any) -> None:
         pass
+
+
+class _SlowBody(Exception):
+    """The request body did not arrive within ``read_timeout``."""
 
 
 # What a waiting long-poll is woken with: (HTTP status, JSON body).
@@ -74,11 +108,16 @@ class Coordinator:
         self.metrics = _Metrics()
         self.dashboard = DashboardLog()
         self.membership = Membership(self.options)
+        self.abuse = AbuseLog(log, LOG_INTERVAL)
+        self._loopback = is_loopback(config.host)
+        self._ssl: ssl.SSLContext | None = None
+        self._gate: ConnectionGate | None = None
+        self._server: asyncio.AbstractServer | None = None
         self._waiters: dict[str, list[asyncio.Future[_Answer]]] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
-        self._tick_task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._port: int | None = None
@@ -92,18 +131,24 @@ class Coordinator:
         return self._port
 
     @property
+    def scheme(self) -> str:
+        return "https" if self.config.tls_cert else "http"
+
+    @property
     def url(self) -> str:
-        host = self.config.host
-        if host in ("0.0.0.0", "::"):
-            host = "127.0.0.1"
-        elif ":" in host:
-            host = f"[{host}]"
-        return f"http://{host}:{self.port}"
+        """A URL that reaches the server from this machine (loopback when bound to all interfaces)."""
+        return _url(self.scheme, _LOCAL_ALIAS.get(self.config.host, self.config.host), self.port)
+
+    def describe(self) -> str:
+        """Where people can reach the server (``describe_address``)."""
+        return describe_address(self.scheme, self.config.host, self.port)
 
     def start(self) -> str:
         """Start serving in a background thread; returns the base URL once it accepts connections."""
         if self._thread is not None:
             raise RuntimeError("Coordinator.start() called twice; create a new Coordinator instead")
+        if self.config.tls_cert:  # here, so that a bad certificate is the caller's ConfigError
+            self._ssl = server_context(self.config.tls_cert, self.config.tls_key)
         self._thread = threading.Thread(target=self._run_loop, name="ftlm-coordinator", daemon=True)
         self._thread.start()
         if not self._ready.wait(_START_TIMEOUT):
@@ -115,7 +160,10 @@ class Coordinator:
                 f"coordinator cannot listen on {self.config.host}:{self.config.port}: {err} "
                 "(choose another coordinator.port, or 0 for any free port)"
             ) from err
-        log.info("coordinator listening on %s", self.url)
+        if not self.config.token and not self._loopback:
+            log.warning("coordinator on %s without a job token (--insecure): anyone who reaches "
+                        "it can kill groups and steer the job", self.config.host)
+        log.info("coordinator listening on %s", self.describe())
         return self.url
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -130,13 +178,17 @@ class Coordinator:
 
     def serve_forever(self) -> None:
         """Serve until SIGINT or SIGTERM (for the ``ftlm coordinator`` command)."""
-        url = self.start()
+        self.start()
         stop = threading.Event()
         previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 previous[sig] = signal.signal(sig, lambda *_: stop.set())
-        print(f"ftlm coordinator listening on {url} (Ctrl-C to stop)", flush=True)
+        print(f"ftlm coordinator listening on {self.describe()} (Ctrl-C to stop)", flush=True)
+        if not self.config.token:
+            who = "any process on this machine" if self._loopback else "anyone who reaches this port"
+            print(f"ftlm coordinator: warning: no job token (FTLM_TOKEN or ft.token_file): {who} "
+                  f"can read the job's status, kill groups and report deaths", file=sys.stderr, flush=True)
         try:
             while not stop.wait(0.5) and self._thread is not None and self._thread.is_alive():
                 pass
@@ -145,8 +197,25 @@ class Coordinator:
                 signal.signal(sig, handler)
             self.stop()
 
+    def call_in_loop(self, fn: Callable[[], T], timeout: float = 5.0) -> T:
+        """Run ``fn`` on the server's event loop thread and return its result; from any thread."""
+        loop = self._loop
+        if loop is None or not loop.is_running() or threading.current_thread() is self._thread:
+            return fn()
+
+        async def call() -> T:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(call(), loop).result(timeout)
+
+    @property
+    def open_connections(self) -> int:
+        """Connections the server holds open right now."""
+        return self.call_in_loop(lambda: self._gate.open if self._gate is not None else 0)
+
     def _run_loop(self) -> None:
         loop = asyncio.new_event_loop()
+        loop.set_exception_handler(loop_exception_handler(self.abuse))
         self._loop = loop
         try:
             loop.run_until_complete(self._startup())
@@ -163,7 +232,8 @@ class Coordinator:
             loop.run_until_complete(self._shutdown())
             loop.close()
 
-    async def _startup(self) -> None:
+    def make_app(self) -> web.Application:
+        """The aiohttp application (routes and the guarding middleware), without a server."""
         app = web.Application(middlewares=[self._guard], client_max_size=self.config.max_request_bytes)
         app.router.add_post("/v1/heartbeat", self._handle_heartbeat)
         app.router.add_post("/v1/quorum", self._handle_quorum)
@@ -173,21 +243,41 @@ class Coordinator:
         app.router.add_get("/status", self._handle_status)
         app.router.add_get("/metrics", self._handle_metrics)
         app.router.add_get("/", self._handle_page)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        return app
+
+    async def _startup(self) -> None:
+        cfg = self.config
+        limit = fd_budget(cfg.max_connections)
+        if limit < cfg.max_connections:
+            log.warning("coordinator.max_connections=%d lowered to %d: the process may open no more "
+                        "files (raise `ulimit -n`)", cfg.max_connections, limit)
+        self._gate = ConnectionGate(limit, cfg.read_timeout, self.abuse)
+        # aiohttp's own bounds on what it parses; a too-long line or header is a 400.
+        self._runner = web.AppRunner(
+            self.make_app(), access_log=None, shutdown_timeout=1.0, keepalive_timeout=cfg.read_timeout,
+            lingering_time=min(1.0, cfg.read_timeout), max_line_size=4096, max_field_size=8190,
+            max_headers=64, logger=CountingLogger(self.abuse))
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        await site.start()
-        self._port = int(self._runner.addresses[0][1])
-        self._tick_task = asyncio.get_running_loop().create_task(self._tick())
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            self._gate.factory(self._runner.server), cfg.host, cfg.port, ssl=self._ssl,
+            backlog=_BACKLOG, ssl_handshake_timeout=cfg.read_timeout if self._ssl is not None else None)
+        self._port = int(self._server.sockets[0].getsockname()[1])
+        self._tasks = [loop.create_task(self._tick()), loop.create_task(self._sweep())]
 
     async def _shutdown(self) -> None:
-        if self._tick_task is not None:
-            self._tick_task.cancel()
+        for task in self._tasks:
+            task.cancel()
         for rid in list(self._waiters):
             self._answer(rid, (503, {"error": "coordinator stopping; ask again"}))
         await asyncio.sleep(0)  # let the woken handlers write their answers
+        if self._server is not None:
+            self._server.close()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._gate is not None:
+            self._gate.close_all()
+        await asyncio.sleep(0)  # let the closed transports release their sockets
 
     async def _tick(self) -> None:
         while True:
@@ -196,6 +286,17 @@ class Coordinator:
                 self._evaluate(time.monotonic())
             except Exception:  # noqa: BLE001 - a bug must not stop failure detection for good
                 log.exception("coordinator tick failed")
+
+    async def _sweep(self) -> None:
+        """Close connections past their deadline; write the abuse summary when one is due."""
+        while True:
+            await asyncio.sleep(min(0.5, self.config.read_timeout / 4))
+            try:
+                if self._gate is not None:
+                    self._gate.sweep()
+                self.abuse.flush()
+            except Exception:  # noqa: BLE001 - keep sweeping
+                log.exception("coordinator connection sweep failed")
 
     # ------------------------------------------------------------------ decisions (loop thread)
 
@@ -247,37 +348,95 @@ class Coordinator:
         except Exception:  # noqa: BLE001 - a broken event sink must not take membership down
             log.exception("event sink failed on %s", kind)
 
-    # ------------------------------------------------------------------- handlers (loop thread)
+    # --------------------------------------------------------------- request guard (loop thread)
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        token = self.config.token
-        if token:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                if request.method == "GET" and request.path == "/":
-                    return web.Response(status=401, text=_render_status_html(None), content_type="text/html")
-                return web.json_response({"error": "unauthorized: send 'Authorization: Bearer <token>'"}, status=401)
-        size = request.content_length
-        if size is not None and size > self.config.max_request_bytes:
-            return _too_large(size, self.config.max_request_bytes)
+        conn = self._gate.started(request.transport) if self._gate is not None else None
+        try:
+            response = await self._checked(request, handler)
+        except web.HTTPException as e:  # aiohttp's own answers: unknown route, wrong method
+            self._count(request, e.status)
+            raise
+        finally:
+            if conn is not None:
+                self._gate.finished(conn)  # type: ignore[union-attr]
+        self._count(request, response.status)
+        return response
+
+    async def _checked(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        refusal = self._refusal(request)
+        if refusal is not None:
+            return refusal
         try:
             return await handler(request)
         except web.HTTPRequestEntityTooLarge:
             return _too_large(None, self.config.max_request_bytes)
+        except _SlowBody:
+            response = _error(408, f"request body not received within {self.config.read_timeout:g} s")
+            response.force_close()
+            return response
+        except (web.HTTPException, ConnectionError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug: answer 500, keep serving, log it (rate-limited)
+            self.abuse.bug(f"coordinator failed answering {request.method} {request.path[:80]}", e)
+            return _error(500, "internal error; see the coordinator's log")
+
+    def _refusal(self, request: web.Request) -> web.StreamResponse | None:
+        """Why the request must not reach a handler, as its answer; None when it may."""
+        headers = request.headers
+        host = headers.get("Host")
+        if self._loopback and host is not None and not is_loopback(_host_name(host)):
+            return _error(403, f"Host {host[:80]!r} is not this machine: the coordinator listens on "
+                               f"{self.config.host} only; open it as {self.url}/")
+        origin = headers.get("Origin")
+        if origin is not None and not self._same_origin(origin, host):
+            return _error(403, f"cross-origin request refused (Origin {origin[:80]!r}): only the "
+                               f"coordinator's own page may call it")
+        site = headers.get("Sec-Fetch-Site", "same-origin")
+        if request.method not in ("GET", "HEAD") and site not in ("same-origin", "none"):
+            return _error(403, f"{site[:40]} request refused: only the coordinator's own page may call it")
+        token = self.config.token
+        if token:
+            given = headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode("utf-8", "replace"), f"Bearer {token}".encode()):
+                if request.method == "GET" and request.path == "/":
+                    return web.Response(status=401, text=render_page(None), content_type="text/html")
+                return _error(401, "unauthorized: send 'Authorization: Bearer <token>'")
+        if request.method == "POST" and request.content_type != "application/json":
+            return _error(415, f"POST bodies must be JSON sent with 'Content-Type: application/json' "
+                               f"(got {request.content_type[:60]!r})")
+        size = request.content_length
+        if size is not None and size > self.config.max_request_bytes:
+            return _too_large(size, self.config.max_request_bytes)
+        return None
+
+    def _same_origin(self, origin: str, host: str | None) -> bool:
+        if host is None:
+            return False
+        default = ":443" if self.scheme == "https" else ":80"
+        mine = f"{self.scheme}://{host}".lower().removesuffix(default)
+        return origin.strip().lower().removesuffix(default) == mine
+
+    def _count(self, request: web.Request, status: int) -> None:
+        if status in _REFUSALS:
+            self.abuse.note(f"HTTP {status}", f"{request.method} {request.path[:60]}")
 
     async def _read_json(self, request: web.Request) -> Any:
-        raw = await request.read()
+        """The body as strict JSON (ValueError: a 400), read within ``read_timeout`` (408)."""
         try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"body is not valid JSON: {e}") from e
+            raw = await asyncio.wait_for(request.read(), self.config.read_timeout)
+        except asyncio.TimeoutError:
+            raise _SlowBody() from None
+        return decode_body(raw)
+
+    # ------------------------------------------------------------------- handlers (loop thread)
 
     async def _handle_heartbeat(self, request: web.Request) -> web.Response:
         try:
-            hb = _parse_heartbeat(await self._read_json(request))
+            hb = parse_heartbeat(await self._read_json(request))
         except ValueError as e:
-            return web.json_response({"error": str(e)}, status=400)
+            return _error(400, str(e))
         now = time.monotonic()
         rid = f"{hb.group}:{hb.incarnation}"
         beat = Heartbeat(rid, hb.group, now, hb.step, hb.quorum_id, hb.chain, now - hb.progress_age,
@@ -285,41 +444,37 @@ class Coordinator:
         try:
             answer, outputs = self.membership.heartbeat(now, beat)
         except StaleIncarnation as e:
-            return web.json_response({"error": str(e)}, status=409)
+            return _error(409, str(e))
         self._apply(outputs)
         return web.json_response(answer)
 
     async def _handle_leave(self, request: web.Request) -> web.Response:
         try:
-            body = await self._read_json(request)
-            group, incarnation = _name_field(body, "group"), _name_field(body, "incarnation")
-            reason = _text_field(body, "reason")
+            m = parse_member(await self._read_json(request))
         except ValueError as e:
-            return web.json_response({"error": str(e)}, status=400)
-        rid = f"{group}:{incarnation}"
-        log.info("member %s left: %s", rid, reason)
-        self._apply(self.membership.leave(time.monotonic(), rid, group, reason))
+            return _error(400, str(e))
+        rid = f"{m.group}:{m.incarnation}"
+        log.info("member %s left: %s", rid, m.reason)
+        self._apply(self.membership.leave(time.monotonic(), rid, m.group, m.reason))
         return web.json_response({"replica_id": rid, "left": True})
 
     async def _handle_dead(self, request: web.Request) -> web.Response:
         try:
-            body = await self._read_json(request)
-            group, incarnation = _name_field(body, "group"), _name_field(body, "incarnation")
-            reason = _text_field(body, "reason")
+            m = parse_member(await self._read_json(request))
         except ValueError as e:
-            return web.json_response({"error": str(e)}, status=400)
-        rid = f"{group}:{incarnation}"
-        self._apply(self.membership.report_dead(time.monotonic(), rid, group, reason))
+            return _error(400, str(e))
+        rid = f"{m.group}:{m.incarnation}"
+        self._apply(self.membership.report_dead(time.monotonic(), rid, m.group, m.reason))
         return web.json_response({"replica_id": rid, "dead": True})
 
     async def _handle_kill(self, request: web.Request) -> web.Response:
         try:
-            group = _name_field(await self._read_json(request), "group")
+            group = parse_kill(await self._read_json(request))
         except ValueError as e:
-            return web.json_response({"error": str(e)}, status=400)
+            return _error(400, str(e))
         targets = self.membership.kill(group)
         if not targets:
-            return web.json_response({"error": f"group {group!r} has no live replica to kill"}, status=404)
+            return _error(404, f"group {group!r} has no live replica to kill")
         log.warning("kill requested for group %s (%s)", group, ", ".join(targets))
         self.metrics.kill_requests.inc()
         self.dashboard.kill_requested(group, targets)
@@ -327,9 +482,9 @@ class Coordinator:
 
     async def _handle_quorum(self, request: web.Request) -> web.Response:
         try:
-            body = _parse_quorum_request(await self._read_json(request))
+            body = parse_quorum_request(await self._read_json(request))
         except ValueError as e:
-            return web.json_response({"error": str(e)}, status=400)
+            return _error(400, str(e))
         now = time.monotonic()
         rid = f"{body.group}:{body.incarnation}"
         req = MemberRequest(rid, body.group, body.step, body.last_quorum_id, body.failed, body.meta, now,
@@ -338,7 +493,7 @@ class Coordinator:
         try:
             outputs = self.membership.request(now, req)
         except StaleIncarnation as e:
-            return web.json_response({"error": str(e)}, status=409)
+            return _error(409, str(e))
         self._waiters.setdefault(rid, []).append(fut)
         self._apply(outputs)
         try:
@@ -356,54 +511,60 @@ class Coordinator:
                 self.membership.withdraw(req)
         return web.json_response(answer, status=status)
 
+    # ------------------------------------------------------------------------------------ status
+
     def status(self, timeout: float = 5.0) -> dict[str, Any]:
-        """The state as ``GET /status`` shows it; callable from any thread."""
-        loop = self._loop
-        if loop is not None and loop.is_running() and threading.current_thread() is not self._thread:
-            return asyncio.run_coroutine_threadsafe(self._status_async(), loop).result(timeout)
-        return self._status_now()
+        """The state as ``GET /status`` shows it (first page); callable from any thread."""
+        return self.call_in_loop(self._status_now, timeout)
 
     def status_snapshot(self, timeout: float = 5.0) -> dict[str, Any]:
         """Same as ``status()``; the name the local supervisor polls."""
         return self.status(timeout)
 
-    async def _status_async(self) -> dict[str, Any]:
-        return self._status_now()
-
-    def _status_now(self) -> dict[str, Any]:
-        now = time.monotonic()
+    def _status_now(self, offset: int = 0, limit: int = STATUS_LIMIT, now: float | None = None) -> dict[str, Any]:
+        now = time.monotonic() if now is None else now
         prev: Quorum | None = self._state.prev_quorum
-        members = [
-            {
-                "group": hb.group,
-                "replica_id": rid,
-                "incarnation": rid.partition(":")[2],
-                "state": member_state(rid, prev),
-                "step": hb.step,
-                "heartbeat_age_seconds": round(now - hb.last_seen, 3),
-                "pending": rid in self._state.pending,
-            }
-            for rid, hb in sorted(self._state.heartbeats.items(), key=lambda kv: kv[1].group)
-        ]
+        ordered = sorted(self._state.heartbeats.items(), key=lambda kv: (kv[1].group, kv[0]))
+        page = ordered[offset:offset + limit]
+        members = []
+        for rid, hb in page:
+            state = member_state(rid, prev)
+            member = {"group": hb.group, "replica_id": rid, "incarnation": rid.partition(":")[2],
+                      "state": state, "step": hb.step,
+                      "heartbeat_age_seconds": round(now - hb.last_seen, 3),
+                      "pending": rid in self._state.pending}
+            if state == "recovering" and prev is not None:
+                member["source"] = prev.sources.get(rid, "")
+            members.append(member)
+        dead = self.membership.recent_dead(now)
+        end = offset + len(page)
         return {
             "quorum_id": self._state.quorum_id,
             "reason": self.membership.reason,
             "head_step": self._state.max_step,
             "members": members,
-            "last_quorum": prev.to_json() if prev is not None else None,
+            "members_total": len(ordered),
+            "next_offset": end if end < len(ordered) else None,
+            "last_quorum": _quorum_view(prev, STATUS_LIMIT) if prev is not None else None,
             "dead": [
                 {"replica_id": rid, "group": g, "reason": why, "seconds_ago": round(now - t, 3)}
-                for t, rid, g, why in self.membership.recent_dead(now)
+                for t, rid, g, why in dead[-MAX_DEAD_LISTED:]
             ],
+            "dead_total": len(dead),
             "min_replicas": self.config.min_replicas,
             **self.dashboard.to_json(),
         }
 
     async def _handle_status(self, request: web.Request) -> web.Response:
-        return web.json_response(self._status_now())
+        try:
+            offset = _query_int(request, "offset", 0, 0, 2**31)
+            limit = _query_int(request, "limit", STATUS_LIMIT, 1, STATUS_LIMIT)
+        except ValueError as e:
+            return _error(400, str(e))
+        return web.json_response(self._status_now(offset, limit))
 
     async def _handle_page(self, request: web.Request) -> web.Response:
-        return web.Response(text=_render_status_html(self._status_now()), content_type="text/html")
+        return web.Response(text=render_page(self._status_now()), content_type="text/html")
 
     async def _handle_metrics(self, request: web.Request) -> web.Response:
         now = time.monotonic()
@@ -412,110 +573,73 @@ class Coordinator:
         return web.Response(body=body, headers={"Content-Type": content_type})
 
 
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
 def _too_large(size: int | None, limit: int) -> web.Response:
     got = f" ({size} bytes)" if size is not None else ""
-    return web.json_response({"error": f"request body{got} over the limit of {limit} bytes"}, status=413)
+    return _error(413, f"request body{got} over the limit of {limit} bytes")
 
 
-# ---------------------------------------------------------------------------- request validation
-
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_NAME_RULE = "1-64 letters, digits, '_', '.' or '-' (no ':')"
-
-
-@dataclass
-class _QuorumBody:
-    group: str
-    incarnation: str
-    step: int
-    last_quorum_id: int
-    failed: bool
-    meta: dict[str, Any]
-    timeout: float
-    chain: str
+def _query_int(request: web.Request, name: str, default: int, lowest: int, highest: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 10 and lowest <= int(raw) <= highest):
+        raise ValueError(f"{name}={raw[:20]!r} must be an integer in [{lowest}, {highest}]")
+    return int(raw)
 
 
-@dataclass
-class _HeartbeatBody:
-    group: str
-    incarnation: str
-    step: int
-    quorum_id: int
-    chain: str
-    progress_age: float
-    known_head: int
+_LOCAL_ALIAS = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # how this machine reaches a wildcard bind
 
 
-def _field(body: Any, name: str) -> Any:
-    if not isinstance(body, dict):
-        raise ValueError(f"body must be a JSON object, got {type(body).__name__}")
-    if name not in body:
-        raise ValueError(f"missing field {name!r}")
-    return body[name]
+def _url(scheme: str, host: str, port: int) -> str:
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
 
 
-def _name_field(body: Any, name: str) -> str:
-    value = _field(body, name)
-    if not isinstance(value, str) or not _NAME.fullmatch(value):
-        raise ValueError(f"{name}={str(value)[:80]!r} must be {_NAME_RULE}")
-    return value
+def describe_address(scheme: str, host: str, port: int, addresses: list[str] | None = None) -> str:
+    """Where people can reach a server bound to ``host``: its URL, or for a wildcard bind
+    (0.0.0.0, ::) the words "all interfaces" and a URL per address of this machine
+    (``addresses``, default: its name and what the name resolves to, and loopback)."""
+    if host not in _LOCAL_ALIAS:
+        return _url(scheme, host, port)
+    if addresses is None:
+        addresses = _host_addresses(socket.AF_INET if host == "0.0.0.0" else socket.AF_UNSPEC)
+    found = [_LOCAL_ALIAS[host], *addresses]
+    urls = dict.fromkeys(_url(scheme, a, port) for a in found)
+    return f"all interfaces ({host}) port {port}: " + ", ".join(urls)
 
 
-def _text_field(body: Any, name: str, default: str = "") -> str:
-    value = body.get(name, default) if isinstance(body, dict) else default
-    if not isinstance(value, str) or len(value) > 200:
-        raise ValueError(f"{name} must be a string of at most 200 characters")
-    return value
+def _host_name(host: str) -> str:
+    """The name or address of a Host header, without its port."""
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    name, _, port = host.rpartition(":")
+    return name if name and port.isdigit() else host
 
 
-def _int_field(body: Any, name: str, lowest: int) -> int:
-    value = _field(body, name)
-    if not isinstance(value, int) or isinstance(value, bool) or not lowest <= value <= MAX_CLAIM:
-        raise ValueError(f"{name}={str(value)[:80]} must be an integer in [{lowest}, 2**53]")
-    return value
+def _host_addresses(family: int) -> list[str]:
+    """This machine's name and the addresses of ``family`` it resolves to (best effort, for people)."""
+    name = socket.gethostname()
+    found = [name]
+    try:
+        found += [str(info[4][0]) for info in socket.getaddrinfo(name, None, family, socket.SOCK_STREAM)]
+    except OSError:
+        pass
+    return found
 
 
-def _chain_field(body: Any) -> str:
-    from ftlm.ft.history import GENESIS
-    value = body.get("chain", GENESIS) if isinstance(body, dict) else GENESIS
-    if not is_chain(value):
-        raise ValueError(f"chain={str(value)[:80]!r} must be 64 lowercase hex digits")
-    return value
-
-
-def _parse_heartbeat(body: Any) -> _HeartbeatBody:
-    age = body.get("progress_age", 0.0) if isinstance(body, dict) else 0.0
-    if not isinstance(age, (int, float)) or isinstance(age, bool) or not 0 <= age < 1e9:
-        raise ValueError(f"progress_age={str(age)[:80]} must be a number of seconds >= 0")
-    return _HeartbeatBody(
-        _name_field(body, "group"),
-        _name_field(body, "incarnation"),
-        _int_field(body, "step", 0),
-        _int_field(body, "quorum_id", -1),
-        _chain_field(body),
-        float(age),
-        _int_field(body, "known_head", 0) if isinstance(body, dict) and "known_head" in body else 0,
-    )
-
-
-def _parse_quorum_request(body: Any) -> _QuorumBody:
-    failed, meta, timeout = _field(body, "failed"), _field(body, "meta"), _field(body, "timeout")
-    if not isinstance(failed, bool):
-        raise ValueError(f"failed={str(failed)[:80]!r} must be true or false")
-    if not isinstance(meta, dict):
-        raise ValueError(f"meta must be a JSON object, got {type(meta).__name__}")
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < 1e9:
-        raise ValueError(f"timeout={str(timeout)[:80]} must be a number of seconds > 0 (at most {MAX_POLL_SECONDS:g} used)")
-    return _QuorumBody(
-        _name_field(body, "group"),
-        _name_field(body, "incarnation"),
-        _int_field(body, "step", 0),
-        _int_field(body, "last_quorum_id", -1),
-        failed,
-        meta,
-        float(timeout),
-        _chain_field(body),
-    )
+def _quorum_view(quorum: Quorum, limit: int) -> dict[str, Any]:
+    """``quorum.to_json()``, with each list cut to ``limit`` entries (and the totals) when longer."""
+    if max(len(quorum.members), len(quorum.sources)) <= limit:
+        return quorum.to_json()
+    cut = dataclasses.replace(quorum, members=quorum.members[:limit],
+                              participants=quorum.participants[:limit],
+                              recovering=quorum.recovering[:limit],
+                              sources=dict(list(quorum.sources.items())[:limit]))
+    return {**cut.to_json(), "truncated": True, "members_total": len(quorum.members),
+            "participants_total": len(quorum.participants), "recovering_total": len(quorum.recovering)}
 
 
 # ----------------------------------------------------------------------------------- metrics
@@ -562,11 +686,3 @@ class _Metrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
-
-
-# --------------------------------------------------------------------------------- status page
-
-
-def _render_status_html(status: dict[str, Any] | None) -> str:
-    """The live dashboard page; ``status`` None for a caller without the token (no data shown)."""
-    return render_page(status)

@@ -1,8 +1,10 @@
 """The coordinator's live dashboard: what it remembers for the page, and the page itself.
 
 Responsible for: the bounded history the page shows (issued quorums, recoveries they started,
-chaos kills requested), each member's state as the latest quorum sees it, and the HTML page with
-its inline script that polls ``GET /status`` and renders the tables (no build step, no assets).
+chaos kills requested; at most ``HISTORY`` of each and ``NAMES_KEPT`` names per quorum, so the
+status stays small at any job size), each member's state as the latest quorum sees it, and the
+HTML page with its inline script that polls ``GET /status`` and renders the tables (no build step,
+no assets).
 
 Not responsible for: serving (``ftlm.ft.coordinator`` owns the endpoints, auth and the state),
 deciding anything, or killing (``POST /v1/kill`` only marks a replica; its own manager kills it).
@@ -10,7 +12,9 @@ deciding anything, or killing (``POST /v1/kill`` only marks a replica; its own m
 Token handling: when the job has a token, ``GET /`` without it answers 401 with this page but no
 data; the script takes the token from the URL fragment (``http://HOST:PORT/#token=SECRET``; the
 fragment never leaves the browser), or asks with a prompt, keeps it in ``sessionStorage``, removes
-it from the address bar and sends it as ``Authorization: Bearer`` on every request.
+it from the address bar and sends it as ``Authorization: Bearer`` on every request. The kill
+button POSTs ``{"group": ...}`` as ``application/json`` with that header, from the page's own
+origin: what the coordinator requires of every state-changing request.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from ftlm.ft.quorum import Quorum
 
 HISTORY = 50
 """Issued quorums (distinct ids), recoveries and kills remembered for the page, each."""
+NAMES_KEPT = 20
+"""Participants (and recovering members) of a remembered quorum listed by name; the rest counted."""
 REFRESH_SECONDS = 2.0
 
 
@@ -53,10 +59,13 @@ class DashboardLog:
             return
         self.quorums.append({
             "quorum_id": quorum.quorum_id, "step": quorum.step, "last_step": quorum.step,
-            "participants": list(quorum.participants), "recovering": list(quorum.recovering),
+            "participants": list(quorum.participants[:NAMES_KEPT]),
+            "participants_total": len(quorum.participants),
+            "recovering": list(quorum.recovering[:NAMES_KEPT]),
+            "recovering_total": len(quorum.recovering),
             "reason": quorum.reason, "unix": round(unix, 3),
         })
-        for rid in quorum.recovering:
+        for rid in quorum.recovering[-self.recoveries.maxlen:]:  # only the newest are kept anyway
             self.recoveries.append({"replica_id": rid, "source": quorum.sources.get(rid, ""),
                                     "step": quorum.step, "quorum_id": quorum.quorum_id,
                                     "unix": round(unix, 3)})
@@ -153,6 +162,11 @@ function fill(id, nodes, empty) {
 
 function clock(unix) { return new Date(unix * 1000).toLocaleTimeString(); }
 
+function names(list, total) {  // the server lists a bounded number of names
+  const more = total > list.length ? " and " + (total - list.length) + " more" : "";
+  return list.join(", ") + more;
+}
+
 async function kill(group) {
   if (!confirm("Kill the running replica of group " + group + "? (chaos drill)")) return;
   const r = await fetch("/v1/kill", {method: "POST", headers: headers(), body: JSON.stringify({group})});
@@ -167,9 +181,11 @@ function render(s) {
   const sources = last.sources || {};
   document.getElementById("summary").textContent =
     "quorum id " + s.quorum_id + " at step " + (last.step === undefined ? "-" : last.step) +
-    "; min_replicas " + s.min_replicas + "; " + s.reason;
+    "; min_replicas " + s.min_replicas + "; " + s.reason +
+    (s.members_total > s.members.length ? "; showing " + s.members.length + " of " +
+     s.members_total + " members (GET /status?offset=N for the rest)" : "");
   fill("members", s.members.map(m => {
-    const role = m.state === "recovering" ? "recovering from " + (sources[m.replica_id] || "?")
+    const role = m.state === "recovering" ? "recovering from " + (m.source || sources[m.replica_id] || "?")
       : m.state === "participating" ? "participant" : "";
     const b = el("button", "kill");
     b.onclick = () => kill(m.group);
@@ -177,8 +193,9 @@ function render(s) {
                 m.pending ? "yes" : "", role, b], m.state);
   }));
   fill("quorums", s.quorums.map(q => row([q.quorum_id,
-    q.step === q.last_step ? q.step : q.step + "-" + q.last_step, q.participants.join(", "),
-    q.recovering.join(", "), q.reason, clock(q.unix)])));
+    q.step === q.last_step ? q.step : q.step + "-" + q.last_step,
+    names(q.participants, q.participants_total), names(q.recovering, q.recovering_total),
+    q.reason, clock(q.unix)])));
   fill("failures", s.dead.map(d => el("li", d.replica_id + ": " + d.reason + ", " +
     d.seconds_ago.toFixed(1) + " s ago")), "none");
   fill("recoveries", s.recoveries.map(r => el("li", r.replica_id + " from " + r.source +

@@ -1,0 +1,220 @@
+"""The coordinator's request bodies: strict JSON decoding and the validation of each endpoint's
+fields, as pure functions from bytes to typed values.
+
+Every function raises ``ValueError`` with a one-line reason that the server answers as a 400;
+nothing here touches state, so a refused body changes nothing. Decoding is stricter than
+``json.loads``: the body must be UTF-8 (no UTF-16/32 guessing, no BOM), nesting is bounded,
+``NaN``/``Infinity`` and numbers beyond the float range are refused (they would be sent on as
+non-standard JSON that browsers cannot parse), and a key given twice is refused (two parsers
+reading the same body must never disagree on what it says).
+
+Not responsible for: HTTP (auth, content types, sizes: ``ftlm.ft.coordinator``), or whether a
+claim is plausible given the job's state (``ftlm.ft.quorum`` validates claims against it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ftlm.ft.history import GENESIS, is_chain
+from ftlm.ft.quorum import MAX_CLAIM
+
+__all__ = ["HeartbeatBody", "MemberBody", "QuorumBody", "decode_body", "parse_heartbeat",
+           "parse_kill", "parse_member", "parse_quorum_request"]
+
+MAX_DEPTH = 32
+"""Deepest nesting of arrays and objects accepted in a body (the protocol needs 3)."""
+MAX_TIMEOUT = 1e9
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_NAME_RULE = "1-64 letters, digits, '_', '.' or '-' (no ':')"
+_MAX_TEXT = 200
+
+
+@dataclass
+class QuorumBody:
+    group: str
+    incarnation: str
+    step: int
+    last_quorum_id: int
+    failed: bool
+    meta: dict[str, Any]
+    timeout: float
+    chain: str
+
+
+@dataclass
+class HeartbeatBody:
+    group: str
+    incarnation: str
+    step: int
+    quorum_id: int
+    chain: str
+    progress_age: float
+    known_head: int
+
+
+@dataclass
+class MemberBody:
+    """A leave or a reported death: which replica, and why."""
+
+    group: str
+    incarnation: str
+    reason: str
+
+
+# ------------------------------------------------------------------------------------- decoding
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number; send finite numbers only")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is beyond the range of a float")
+    return value
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in body:
+            raise ValueError(f"key {key[:40]!r} appears more than once")
+        body[key] = value
+    return body
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of arrays and objects, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if depth > MAX_DEPTH:
+            break
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def decode_body(raw: bytes) -> Any:
+    """Strict JSON of a request body; ``ValueError`` naming the problem otherwise."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"body is not UTF-8 (byte {e.start}); send UTF-8 JSON") from None
+    try:
+        body = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float,
+                          object_pairs_hook=_no_duplicates)
+    except RecursionError:
+        raise ValueError(f"body nests deeper than {MAX_DEPTH} levels") from None
+    except ValueError as e:  # JSONDecodeError, the int digit limit and the hooks' own errors
+        raise ValueError(f"body is not valid JSON: {_one_line(str(e))}") from None
+    if _depth(body) > MAX_DEPTH:
+        raise ValueError(f"body nests deeper than {MAX_DEPTH} levels")
+    return body
+
+
+def _one_line(text: str, limit: int = 160) -> str:
+    return " ".join(text.split())[:limit]
+
+
+# --------------------------------------------------------------------------------------- fields
+
+
+def _show(value: Any) -> str:
+    """A bounded, one-line rendering of a bad value for an error message."""
+    if isinstance(value, str):
+        return _one_line(repr(value[:80]), 90)
+    text = json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+    return _one_line(text[:200], 80)
+
+
+def _field(body: Any, name: str) -> Any:
+    if not isinstance(body, dict):
+        raise ValueError(f"body must be a JSON object, got {type(body).__name__}")
+    if name not in body:
+        raise ValueError(f"missing field {name!r}")
+    return body[name]
+
+
+def _name_field(body: Any, name: str) -> str:
+    value = _field(body, name)
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise ValueError(f"{name}={_show(value)} must be {_NAME_RULE}")
+    return value
+
+
+def _text_field(body: Any, name: str, default: str = "") -> str:
+    value = body.get(name, default) if isinstance(body, dict) else default
+    if not isinstance(value, str) or len(value) > _MAX_TEXT or not value.isprintable():
+        raise ValueError(f"{name} must be a string of at most {_MAX_TEXT} printable characters "
+                         f"(no line breaks or control characters)")
+    return value
+
+
+def _int_field(body: Any, name: str, lowest: int) -> int:
+    value = _field(body, name)
+    if not isinstance(value, int) or isinstance(value, bool) or not lowest <= value <= MAX_CLAIM:
+        raise ValueError(f"{name}={_show(value)} must be an integer in [{lowest}, 2**53]")
+    return value
+
+
+def _seconds_field(value: Any, name: str, *, zero_ok: bool) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and (0 <= value if zero_ok else 0 < value) and value < MAX_TIMEOUT
+    if not ok:
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ValueError(f"{name}={_show(value)} must be a number of seconds {bound} and below 1e9")
+    return float(value)
+
+
+def _chain_field(body: Any) -> str:
+    value = body.get("chain", GENESIS) if isinstance(body, dict) else GENESIS
+    if not is_chain(value):
+        raise ValueError(f"chain={_show(value)} must be 64 lowercase hex digits")
+    return value
+
+
+# ------------------------------------------------------------------------------------ endpoints
+
+
+def parse_heartbeat(body: Any) -> HeartbeatBody:
+    """``POST /v1/heartbeat``: {group, incarnation, step, quorum_id[, chain, progress_age, known_head]}."""
+    group, incarnation = _name_field(body, "group"), _name_field(body, "incarnation")
+    step, quorum_id = _int_field(body, "step", 0), _int_field(body, "quorum_id", -1)
+    chain = _chain_field(body)
+    age = _seconds_field(body.get("progress_age", 0.0), "progress_age", zero_ok=True)
+    known_head = _int_field(body, "known_head", 0) if "known_head" in body else 0
+    return HeartbeatBody(group, incarnation, step, quorum_id, chain, age, known_head)
+
+
+def parse_quorum_request(body: Any) -> QuorumBody:
+    """``POST /v1/quorum``: {group, incarnation, step, last_quorum_id, failed, meta, timeout[, chain]}."""
+    group, incarnation = _name_field(body, "group"), _name_field(body, "incarnation")
+    step, last_quorum_id = _int_field(body, "step", 0), _int_field(body, "last_quorum_id", -1)
+    failed, meta = _field(body, "failed"), _field(body, "meta")
+    if not isinstance(failed, bool):
+        raise ValueError(f"failed={_show(failed)} must be true or false")
+    if not isinstance(meta, dict):
+        raise ValueError(f"meta must be a JSON object, got {type(meta).__name__}")
+    timeout = _seconds_field(_field(body, "timeout"), "timeout", zero_ok=False)
+    return QuorumBody(group, incarnation, step, last_quorum_id, failed, meta, timeout, _chain_field(body))
+
+
+def parse_member(body: Any) -> MemberBody:
+    """``POST /v1/leave`` and ``POST /v1/dead``: {group, incarnation[, reason]}."""
+    group, incarnation = _name_field(body, "group"), _name_field(body, "incarnation")
+    return MemberBody(group, incarnation, _text_field(body, "reason"))
+
+
+def parse_kill(body: Any) -> str:
+    """``POST /v1/kill``: {group}; returns the group."""
+    return _name_field(body, "group")

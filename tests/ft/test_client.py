@@ -13,7 +13,7 @@ import pytest
 
 from ftlm.errors import ConfigError
 from ftlm.ft.client import CoordinatorClient, CoordinatorUnavailable, Heartbeater, QuorumTimeout
-from ftlm.ft.config import CoordinatorConfig
+from ftlm.ft.config import CoordinatorConfig, FTConfig
 from ftlm.ft.coordinator import Coordinator
 from ftlm.ft.quorum import StaleIncarnation
 
@@ -63,8 +63,10 @@ def free_port() -> int:
 
 def test_replica_id_and_url_validation() -> None:
     assert CoordinatorClient("http://127.0.0.1:1", "g0", "abc").replica_id == "g0:abc"
-    with pytest.raises(ConfigError, match="FTLM_COORDINATOR"):
-        CoordinatorClient("127.0.0.1:8000", "g0", "abc")
+    assert CoordinatorClient("https://coordinator.example:29510", "g0", "abc").url.startswith("https://")
+    for bad in ("127.0.0.1:8000", "ftp://127.0.0.1:1", "http://127.0.0.1:99999", "https://"):
+        with pytest.raises(ConfigError, match="FTLM_COORDINATOR"):
+            CoordinatorClient(bad, "g0", "abc")
 
 
 def test_unreachable_coordinator_raises_unavailable(client) -> None:
@@ -121,10 +123,16 @@ def test_heartbeater_reports_state_and_pushes_dead_quorum_peers(start, client) -
     coord = start()
     seen: list[dict] = []
     other = client(coord.url, "g1", "b")
-    other.heartbeat(0, 0)
     me = client(coord.url, "g0", "a")
+    # Both beat while they ask (a loaded machine may take longer than the heartbeat timeout).
+    beats = [Heartbeater(c, 0.05, lambda: (0, 0)) for c in (other, me)]
+    for b in beats:
+        b.beat()
+        b.start()
     with ThreadPoolExecutor(2) as pool:  # one quorum with both, so g1 becomes a peer of g0
         list(pool.map(lambda c: c.quorum(0, 0, False, {}, timeout=5), [me, other]))
+    for b in beats:
+        b.stop()
     hb = Heartbeater(me, 0.02, lambda: (7, 1, "0" * 64, 0.5), seen.append)
     hb.start()
     try:
@@ -170,3 +178,68 @@ def test_heartbeater_stops_when_its_incarnation_is_replaced(start, client) -> No
         assert not hb._thread.is_alive()
     finally:
         hb.stop()
+
+
+# ---------------------------------------------------------------------------------------- TLS
+
+
+@pytest.fixture
+def tls_coordinator(tls_files, start) -> Coordinator:
+    """A coordinator serving https:// with the job CA's certificate for 127.0.0.1, set up the way
+    ``ftlm coordinator`` does it: from the ``[ft]`` section."""
+    ft = FTConfig(tls_cert=str(tls_files.cert), tls_key=str(tls_files.key), tls_ca=str(tls_files.ca))
+    cfg = ft.coordinator_config(token="t")
+    assert (cfg.tls_cert, cfg.tls_key) == (ft.tls_cert, ft.tls_key)
+    coord = start(token="t", tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
+    assert coord.url.startswith("https://127.0.0.1:")
+    return coord
+
+
+def test_heartbeat_and_quorum_over_tls(tls_coordinator, tls_files, client) -> None:
+    members = [client(tls_coordinator.url, f"g{i}", "a", token="t", tls_ca=str(tls_files.ca)) for i in range(2)]
+    beats = [Heartbeater(c, 0.05, lambda: (0, 0)) for c in members]
+    try:
+        for b in beats:
+            b.beat()
+            b.start()
+        with ThreadPoolExecutor(2) as pool:
+            quorums = list(pool.map(lambda c: c.quorum(0, 0, False, {"k": "v"}, timeout=10), members))
+    finally:
+        for b in beats:
+            b.stop()
+    assert quorums[0] == quorums[1] and quorums[0].participants == ["g0:a", "g1:a"]
+    assert members[0].heartbeat(0, quorums[0].quorum_id)["dead"] == []
+    assert [m["replica_id"] for m in members[1].status()["members"]] == ["g0:a", "g1:a"]
+
+
+def test_client_without_the_ca_fails_naming_the_fix(tls_coordinator, tls_files, client) -> None:
+    url = tls_coordinator.url
+    with pytest.raises(ConfigError, match=r"did not verify .*ft\.tls_ca"):
+        client(url, "g0", "a", token="t").heartbeat(0, 0)  # the system's CAs: not the job's
+    with pytest.raises(ConfigError, match=r"ft\.tls_ca"):
+        client(url, "g0", "a", token="t", tls_ca=str(tls_files.other_ca)).heartbeat(0, 0)
+    with pytest.raises(CoordinatorUnavailable, match="https://"):
+        client(url.replace("https://", "http://"), "g0", "a", token="t").heartbeat(0, 0)
+    with pytest.raises(ConfigError, match="plain http://"):
+        client(url.replace("https://", "http://"), "g0", "a", tls_ca=str(tls_files.ca))
+    with pytest.raises(ConfigError, match="does not exist"):
+        client(url, "g0", "a", tls_ca="/nonexistent/ca.pem")
+    assert tls_coordinator.status()["members"] == []  # nobody got through
+
+
+def test_https_client_of_a_plain_coordinator_names_the_mix_up(start, tls_files, client) -> None:
+    coord = start()
+    url = coord.url.replace("http://", "https://")
+    with pytest.raises(CoordinatorUnavailable, match="TLS handshake failed.*http:// URL"):
+        client(url, "g0", "a", tls_ca=str(tls_files.ca)).heartbeat(0, 0)
+
+
+def test_coordinator_with_an_unusable_certificate_is_a_config_error(tls_files, tmp_path) -> None:
+    broken = tmp_path / "broken.pem"
+    broken.write_text("not a certificate")
+    for cert, key in ((tls_files.cert, broken), (broken, tls_files.key), (tls_files.cert, tmp_path / "none.key")):
+        coord = Coordinator(CoordinatorConfig(tls_cert=str(cert), tls_key=str(key)))
+        with pytest.raises(ConfigError, match="TLS"):
+            coord.start()
+    with pytest.raises(ConfigError, match="set both"):
+        CoordinatorConfig(tls_cert=str(tls_files.cert))

@@ -1,8 +1,9 @@
 """Synchronous client of the coordinator, used by a group's leader, plus its heartbeat thread.
 
 Responsible for: speaking the coordinator's HTTP protocol (``ftlm.ft.coordinator``) with keep-alive
-connections, one per calling thread, and turning its answers into ``Quorum`` objects or typed
-errors the manager can act on.
+connections, one per calling thread, over TLS for an ``https://`` URL (the server's certificate
+checked against ``tls_ca``, or the system's CAs), and turning its answers into ``Quorum`` objects
+or typed errors the manager can act on.
 
 Not responsible for: retry policy or deadlines (the manager retries ``CoordinatorUnavailable`` and
 ``QuorumTimeout`` until its own deadline, since the coordinator may be restarting), nor for sharing
@@ -14,6 +15,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import ssl
 import threading
 import urllib.parse
 from collections.abc import Callable
@@ -22,6 +24,7 @@ from typing import Any
 from ftlm.errors import ConfigError
 from ftlm.ft.history import GENESIS
 from ftlm.ft.quorum import Quorum, StaleIncarnation
+from ftlm.ft.tls import client_context
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +60,32 @@ _NETWORK_ERRORS = (OSError, http.client.HTTPException)
 
 
 class CoordinatorClient:
-    """Talks to the coordinator for one incarnation of one replica group; safe to share across threads."""
+    """Talks to the coordinator for one incarnation of one replica group; safe to share across threads.
 
-    def __init__(self, url: str, group: str, incarnation: str, token: str = "", timeout: float = 5.0) -> None:
+    ``tls_ca`` (``ft.tls_ca``): the PEM CA that signed an ``https://`` coordinator's certificate,
+    which must also name the URL's host; empty trusts the system's CAs. With ``tls_ca`` set the URL
+    must be ``https://``: the token is never sent in plain text to a job that configured TLS.
+    """
+
+    def __init__(self, url: str, group: str, incarnation: str, token: str = "", timeout: float = 5.0,
+                 tls_ca: str = "") -> None:
         parsed = urllib.parse.urlsplit(url)
-        if parsed.scheme != "http" or not parsed.hostname:
-            raise ConfigError(f"coordinator url {url!r} must look like http://HOST:PORT (FTLM_COORDINATOR)")
+        try:
+            port = parsed.port
+        except ValueError:
+            port = -1
+        if parsed.scheme not in ("http", "https") or not parsed.hostname or port == -1:
+            raise ConfigError(f"coordinator url {url!r} must look like http://HOST:PORT or "
+                              f"https://HOST:PORT (FTLM_COORDINATOR)")
+        if parsed.scheme == "http" and tls_ca:
+            raise ConfigError(f"coordinator url {url!r} is plain http:// but ft.tls_ca is set: use the "
+                              f"coordinator's https:// URL (FTLM_COORDINATOR), or unset ft.tls_ca")
+        self._ssl: ssl.SSLContext | None = None
+        if parsed.scheme == "https":
+            self._ssl = client_context(tls_ca) if tls_ca else ssl.create_default_context()
         self.url = url.rstrip("/")
         self._host = parsed.hostname
-        self._port = parsed.port or 80
+        self._port = port or (443 if self._ssl is not None else 80)
         self.group = group
         self.incarnation = incarnation
         self.timeout = timeout
@@ -75,6 +95,7 @@ class CoordinatorClient:
         self._local = threading.local()  # one keep-alive connection per calling thread
         self._all: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
+        self._answered = False  # any answer yet (a first failure may be a scheme mix-up)
 
     @property
     def replica_id(self) -> str:
@@ -146,7 +167,10 @@ class CoordinatorClient:
         conn = getattr(self._local, "conn", None)
         reused = conn is not None
         if conn is None:
-            conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+            if self._ssl is not None:
+                conn = http.client.HTTPSConnection(self._host, self._port, timeout=timeout, context=self._ssl)
+            else:
+                conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
             self._local.conn = conn
             with self._lock:
                 self._all.append(conn)
@@ -180,7 +204,8 @@ class CoordinatorClient:
                 # on a fresh one. Timeouts are not retried: the server may be hung.
                 if attempt == 0 and reused and not isinstance(e, TimeoutError):
                     continue
-                raise CoordinatorUnavailable(f"coordinator at {self.url} unreachable: {e!r}") from e
+                raise self._network_error(e) from e
+        self._answered = True
         try:
             answer = json.loads(raw) if raw else {}
         except ValueError:
@@ -200,6 +225,24 @@ class CoordinatorClient:
         if status in (502, 503):
             raise CoordinatorUnavailable(f"coordinator at {self.url} answered {status}: {message}")
         raise CoordinatorError(f"coordinator at {self.url} answered {status} to {method} {path}: {message}")
+
+    def _network_error(self, e: BaseException) -> Exception:
+        """The typed error of a request that got no answer, naming the fix where there is one."""
+        if isinstance(e, ssl.SSLCertVerificationError):
+            return ConfigError(
+                f"coordinator at {self.url}: its TLS certificate did not verify ({e.verify_message}); "
+                f"give this process the PEM CA that signed it (ft.tls_ca) and reach the coordinator "
+                f"at a name its certificate lists")
+        if isinstance(e, ssl.SSLError):
+            return CoordinatorUnavailable(
+                f"coordinator at {self.url}: TLS handshake failed ({e.reason or e}); if it serves plain "
+                f"http://, use an http:// URL (FTLM_COORDINATOR), or give it ft.tls_cert and ft.tls_key")
+        hint = ""
+        if (self._ssl is None and not self._answered
+                and isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError))):
+            hint = ("; a coordinator serving https:// closes plain http:// connections like this: "
+                    "if it has ft.tls_cert, use its https:// URL and ft.tls_ca")
+        return CoordinatorUnavailable(f"coordinator at {self.url} unreachable: {e!r}{hint}")
 
 
 class Heartbeater:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import os
 import re
 import select
 import signal

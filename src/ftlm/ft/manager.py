@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -111,8 +112,9 @@ class Manager:
         self.store: dist.TCPStore | None = None
         if self.rank == 0:
             self.client = CoordinatorClient(coordinator, group, incarnation, token,
-                                            timeout=max(1.0, config.heartbeat_timeout))
-            self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
+                                            timeout=max(1.0, config.heartbeat_timeout),
+                                            tls_ca=config.tls_ca)
+            self.store = _store_on(self.host)
             self.heartbeater = Heartbeater(self.client, config.heartbeat_interval, self._report,
                                            self._on_answer, on_kill=self._on_kill)
 
@@ -386,6 +388,20 @@ class Manager:
         self.server.stop()
         if self.client is not None:
             self.client.close()
+
+
+def _store_on(host: str) -> dist.TCPStore:
+    """The rendezvous store of this group's cross-group process groups, listening on ``host`` only.
+
+    Given a port, torch's TCPStore listens on every interface; handing it a socket already bound
+    to ``host`` keeps it off the others. The store has no authentication: keep ``ft.host`` on a
+    private network (see README, Security).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, 0), family=family, backlog=512)
+    port = listener.getsockname()[1]
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
 
 
 # -- collectives inside the replica group (its own default process group) ------------------------

@@ -74,8 +74,8 @@ def check_invariants(summary: dict, events: list[dict], groups: int, steps: int 
 
 def commits_while_down(events: list[dict], victim: str) -> int:
     """Commits of the other groups between the victim's failure and its recovery."""
-    start = min(e["ts"] for e in events
-                if e.get("target") == victim and e["kind"] in ("group_exit", "member_dead"))
+    start = min(e["ts"] for e in events if e.get("target") == victim and (
+        e["kind"] == "member_dead" or (e["kind"] == "group_exit" and e.get("ok") is False)))
     end = min(e["ts"] for e in events if e["kind"] == "recovery_end" and e["group"] == victim
               and e.get("ok") and e["ts"] > start)
     return sum(1 for e in events
@@ -84,7 +84,8 @@ def commits_while_down(events: list[dict], victim: str) -> int:
 
 def recovered(events: list[dict], victim: str) -> list[dict]:
     """Successful catch-ups of ``victim`` after its first failure."""
-    failed = [e["ts"] for e in events if e.get("target") == victim and e["kind"] == "group_exit"]
+    failed = [e["ts"] for e in events if e.get("target") == victim and e["kind"] == "group_exit"
+              and e.get("ok") is False]
     after = min(failed) if failed else 0.0
     return [e for e in events if e["kind"] == "recovery_end" and e["group"] == victim
             and e.get("ok") and e["ts"] > after]

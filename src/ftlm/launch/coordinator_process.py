@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -65,8 +66,9 @@ class CoordinatorProcess:
     """``ftlm coordinator`` for one job, started (and restarted) by the supervisor."""
 
     def __init__(self, config_file: Path, port: int, token: str, events: Path, log: Path,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", tls: ssl.SSLContext | None = None):
         self.config_file = Path(config_file)
+        self.tls = tls  # the coordinator serves HTTPS (ft.tls_cert): verify it with this
         self.host = host
         self.port = port
         self.token = token
@@ -78,7 +80,7 @@ class CoordinatorProcess:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -158,7 +160,8 @@ class CoordinatorProcess:
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        conn = (http.client.HTTPSConnection(self.host, self.port, timeout=timeout, context=self.tls)
+                if self.tls else http.client.HTTPConnection(self.host, self.port, timeout=timeout))
         try:
             conn.request(method, path, body=json.dumps(body).encode() if body is not None else None,
                          headers=headers)

@@ -200,7 +200,8 @@ class LocalLauncher:
         events = self.events = EventLog(self.run_dir / "events.jsonl", group="supervisor")
         self.coordinator = CoordinatorProcess(config_file, _free_port(), self.token,
                                               self.run_dir / "events.jsonl",
-                                              self.run_dir / "logs" / "coordinator.log")
+                                              self.run_dir / "logs" / "coordinator.log",
+                                              tls=self._tls_context())
         self.coordinator.start(self.config.ft.startup_timeout)
         url = self.coordinator.url
         events.emit("run_start", step=-1, groups=self.n, coordinator=url,
@@ -260,6 +261,17 @@ class LocalLauncher:
         if self.fatal:
             raise FtlmError(self.fatal)
         return summary
+
+    def _tls_context(self):
+        """How to verify the coordinator when it serves HTTPS (``ft.tls_cert``): against
+        ``ft.tls_ca``, else the system's CAs, as the groups do."""
+        ft = self.config.ft
+        if not ft.tls_cert:
+            return None
+        import ssl
+
+        from ftlm.ft.tls import client_context
+        return client_context(ft.tls_ca) if ft.tls_ca else ssl.create_default_context()
 
     def _poll_status(self) -> dict | None:
         try:

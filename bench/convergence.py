@@ -160,6 +160,12 @@ def compare(none: list[float], chaos: list[float]) -> Verdict:
                    tuple(c - n for n, c in zip(none, chaos)), abs(diff) < NOISE_SIGMAS * pooled)
 
 
+READING = ("*Reading:* the arms commit the same steps, not the same tokens: the difference "
+           "includes the slices that steps with a group down did not train (and their lower LR "
+           "under `ft.lr_policy`), and this benchmark does not separate that from any damage done "
+           "by the faults themselves (a no-chaos arm trained on as many tokens would). Every run "
+           "is also checked end to end: identical replicas, no sample trained twice or skipped.")
+
 RUN_HEADERS = ["seed", "arm", "held-out loss", "committed tokens", "steps", "kills injected",
                "failures detected", "recoveries", "restarts", "replicas identical",
                "duplicates / gaps", "problems", "wall s"]
@@ -209,6 +215,7 @@ def render(plan: Plan, results: list[Result], seconds: float, flags: list[str]) 
                  f"{abs(v.diff) / v.pooled_std if v.pooled_std else math.inf:.2f} pooled std. "
                  f"**Verdict: {'within noise' if v.within_noise else 'NOT within noise'}** "
                  f"(threshold {NOISE_SIGMAS:g} pooled std).\n")
+        text += f"\n{READING}\n"
     return text
 
 

@@ -381,24 +381,35 @@ class Simulation:
             self.abort(inc, "a quorum member was reported dead")
 
     def ask(self, inc: Incarnation) -> None:
+        """Send this step's quorum request: one outstanding request per process, as the real
+        (synchronous) client has; a newer ask supersedes an older one that was not sent yet."""
         if not inc.running or inc.hung_training:
             return
         inc.phase = "asking"
         inc.progress_at = self.now
+        inc.request_seq += 1
+        seq = inc.request_seq
+        if inc.request is not None and self.coordinator is not None:
+            self.coordinator.withdraw(inc.request)  # the earlier long-poll ended (answered or not)
+        inc.request = None
         if inc.lag_once and inc.proto.step > 0 and not inc.lagged:
-            inc.lagged = True
-            self.at(self.c.join_timeout * self.rng.uniform(1.0, 3.0), lambda: self.ask(inc), "lagging ask")
+            inc.lagged = True  # a slow group: its request goes out well after the others'
+            self.at(self.c.join_timeout * self.rng.uniform(1.0, 3.0), lambda: self.send_request(inc, seq),
+                    "lagging ask")
+            return
+        self.send_request(inc, seq)
+
+    def send_request(self, inc: Incarnation, seq: int) -> None:
+        if not inc.running or inc.hung_training or inc.request_seq != seq or inc.phase != "asking":
             return
         inc.proto.sync(inc.state.step, inc.state.chain)  # as Manager.start_step does
         fields = inc.proto.request()
-        inc.request_seq += 1
-        seq = inc.request_seq
         req = MemberRequest(inc.replica_id, inc.group, fields["step"], fields["last_quorum_id"], fields["failed"],
                             {"recover_request": fields["recover_request"]}, 0.0, fields["chain"])
         inc.request = req
 
         def arrive() -> None:
-            if self.coordinator is None or not inc.alive:
+            if self.coordinator is None or not inc.alive or inc.request is not req:
                 return
             req.asked_at = self.now
             try:
@@ -410,17 +421,18 @@ class Simulation:
             self.deliver_outputs(outputs)
         if not self.lost():
             self.at(self.latency(), arrive, f"request {inc.replica_id} step {fields['step']}")
+        self.log(f"{inc.replica_id} asks at step {fields['step']}{' (failed)' if fields['failed'] else ''}")
 
         def poll_timeout() -> None:
             if inc.running and inc.phase == "asking" and inc.request_seq == seq:
-                if self.coordinator is not None:
-                    self.coordinator.withdraw(req)
                 self.ask(inc)
         self.at(self.c.poll_timeout, poll_timeout, "poll timeout")
 
     def on_answer(self, inc: Incarnation, seq: int, answer: Answer) -> None:
-        if not inc.running or inc.hung_training or inc.phase != "asking" or inc.request_seq != seq:
+        if (not inc.running or inc.hung_training or inc.phase != "asking" or inc.request_seq != seq
+                or inc.request is None):
             return
+        inc.request = None
         if answer.status == 409:
             self.die(inc, "stale incarnation")
             return
@@ -525,6 +537,7 @@ class Simulation:
             return
         if not ok:
             inc.proto.fail(why or "collective failed")
+            self.log(f"{inc.replica_id} failed step {q.step} (quorum {q.quorum_id}): {why or 'collective failed'}")
         coll = self.collectives.get((q.epoch, q.quorum_id, q.step))
         committed = inc.proto.on_outcome(ok)
         inc.progress_at = self.now
@@ -544,6 +557,7 @@ class Simulation:
             if (inc.proto.step, inc.proto.chain) != (inc.state.step, inc.state.chain):
                 self.fail(f"{inc.replica_id}: protocol and state disagree after a commit")
             self.remember(inc.state)
+            self.log(f"{inc.replica_id} committed step {q.step} (quorum {q.quorum_id})")
             if role.participant_index == 0 and inc.state.step % self.c.checkpoint_every == 0:
                 self.disk[inc.state.step] = _copy(inc.state)
         elif committed and role.recovering:
@@ -640,7 +654,7 @@ class Simulation:
                     self.pending_hung.pop(t.replica_id, None)  # it came back on its own
                     self.log(f"resume {t.replica_id}")
                     if t.phase == "asking":
-                        self.ask(t)
+                        self.ask(t)  # its long-poll ended while it was stopped: ask anew
                     elif t.phase == "collective" and t.quorum is not None:
                         self.at(self.c.allreduce_timeout, lambda: self.collective_timeout(t, t.quorum, None),
                                 "allreduce timeout")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import struct
 import tempfile
 import tomllib
 import typing
@@ -32,6 +31,7 @@ from hypothesis import strategies as st
 
 from ftlm.config import RunConfig, build_config, load_config
 from ftlm.errors import ConfigError
+from ftlm.testing import fuzz
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -64,39 +64,11 @@ ALPHABET = list("abcxyz019 .=,-+_/e:[]\"'\\") + ["\0", "\n", "\t", "\u00e9", "\u
                                                  "\U0001f642", "\u2028", "\x7f"]
 
 
-class Choices:
-    """Reads choices from a byte string; reading past the end gives zeros (the first entry)."""
+class Choices(fuzz.Choices):
+    """``ftlm.testing.fuzz.Choices`` with this file's menus."""
 
     def __init__(self, data: bytes) -> None:
-        self.data, self.pos = data, 0
-
-    def byte(self) -> int:
-        value = self.data[self.pos] if self.pos < len(self.data) else 0
-        self.pos += 1
-        return value
-
-    def below(self, n: int) -> int:
-        value = self.byte() if n <= 256 else (self.byte() << 8) | self.byte()
-        return value % n
-
-    def pick(self, menu: list):
-        return menu[self.below(len(menu))]
-
-    def raw(self, n: int) -> bytes:
-        return bytes(self.byte() for _ in range(n))
-
-    def text(self, max_size: int) -> str:
-        return "".join(self.pick(ALPHABET) for _ in range(self.below(max_size + 1)))
-
-    def number(self) -> int | float:
-        kind = self.below(4)
-        if kind == 0:
-            return self.pick(SPECIAL_NUMBERS)
-        if kind == 1:
-            return int.from_bytes(self.raw(4), "little", signed=True)
-        if kind == 2:
-            return struct.unpack("<d", self.raw(8))[0]  # any double, nan and inf included
-        return self.below(200) / 8
+        super().__init__(data, alphabet=ALPHABET, numbers=SPECIAL_NUMBERS)
 
     def value_text(self) -> str:
         kind = self.below(4)

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from ftlm.data.manifest import Manifest, parse_manifest, shard_path
 from ftlm.errors import DataError
+from ftlm.testing import fuzz
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,26 +57,8 @@ NUMBERS = [0, 1, -1, 2, 6, 8, 16, 30, 64, True, False, 1.0, 30.0, 2**53, 2**53 +
            2**64, -(2**63), 10**400, math.inf, -math.inf, math.nan, 1e308, -0.0]
 
 
-class Choices:
-    """Reads choices from a byte string; reading past the end gives zeros (the first entry)."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data, self.pos = data, 0
-
-    def byte(self) -> int:
-        value = self.data[self.pos] if self.pos < len(self.data) else 0
-        self.pos += 1
-        return value
-
-    def below(self, n: int) -> int:
-        value = self.byte() if n <= 256 else (self.byte() << 8) | self.byte()
-        return value % n
-
-    def pick(self, menu: list):
-        return menu[self.below(len(menu))]
-
-    def raw(self, n: int) -> bytes:
-        return bytes(self.byte() for _ in range(n))
+class Choices(fuzz.Choices):
+    """``ftlm.testing.fuzz.Choices`` with JSON values for manifests."""
 
     def number(self):
         kind = self.below(3)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import http.client
 import json
-import struct
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +30,7 @@ from hypothesis import strategies as st
 from ftlm.ft.config import CoordinatorConfig
 from ftlm.ft.coordinator import Coordinator
 from ftlm.ft.history import GENESIS
+from ftlm.testing import fuzz
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,7 +75,7 @@ SPECIAL_NUMBERS: list[Any] = [0, 1, -1, 2**53, 2**53 + 1, -(2**63), 10**20, 0.00
                               float("nan"), float("inf"), float("-inf")]
 
 
-class Choices:
+class Choices(fuzz.Choices):
     """Reads choices from a byte string; reading past the end gives zeros (the first entry).
 
     One hypothesis ``binary`` draw per example, turned into a body here (as libFuzzer's
@@ -84,35 +84,7 @@ class Choices:
     """
 
     def __init__(self, data: bytes) -> None:
-        self.data, self.pos = data, 0
-
-    def byte(self) -> int:
-        value = self.data[self.pos] if self.pos < len(self.data) else 0
-        self.pos += 1
-        return value
-
-    def below(self, n: int) -> int:
-        value = self.byte() if n <= 256 else (self.byte() << 8) | self.byte()
-        return value % n
-
-    def pick(self, menu: list) -> Any:
-        return menu[self.below(len(menu))]
-
-    def raw(self, n: int) -> bytes:
-        return bytes(self.byte() for _ in range(n))
-
-    def text(self, max_size: int) -> str:
-        return "".join(self.pick(ALPHABET) for _ in range(self.below(max_size + 1)))
-
-    def number(self) -> int | float:
-        kind = self.below(4)
-        if kind == 0:
-            return self.pick(SPECIAL_NUMBERS)
-        if kind == 1:
-            return int.from_bytes(self.raw(4), "little", signed=True)
-        if kind == 2:
-            return struct.unpack("<d", self.raw(8))[0]  # any double: NaN and inf become NaN/Infinity
-        return self.below(200) / 8
+        super().__init__(data, alphabet=ALPHABET, numbers=SPECIAL_NUMBERS)
 
     def json(self, depth: int = 0) -> Any:
         """Any value ``json.dumps`` can write (NaN and Infinity included, as Python writes them)."""

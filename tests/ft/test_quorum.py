@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ftlm.ft.history import GENESIS, extend_chain
+from ftlm.ft.history import GENESIS
 from ftlm.ft.quorum import (
     CoordinatorState,
     Heartbeat,

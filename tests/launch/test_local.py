@@ -112,14 +112,25 @@ def test_group_that_never_registers_is_killed_after_the_startup_timeout(launcher
     assert launcher.coordinator.dead[-1][:2] == ("g1", g1.incarnation)
 
 
-def test_startup_clock_restarts_with_the_coordinator(launcher):
+def test_startup_clock_stops_while_the_coordinator_is_down(launcher):
     g = launcher.groups[0]
     start(launcher, g)
     now = time.time()
-    g.started = now - 60.0
-    launcher.coordinator.started = now - 1.0  # nobody could register while it was down
+    g.started = now - 8.0
+    # The coordinator was down for 4 s of those 8 (nobody could register meanwhile), and it has
+    # been restarted again and again since: only the 4 s it was up count (timeout 5 s).
+    launcher._outages = [(now - 7.0, now - 5.0), (now - 4.0, now - 2.0)]
     launcher._watchdog({"members": [], "dead": []}, launcher.events, now)
     assert g.running()
+    launcher._watchdog({"members": [], "dead": []}, launcher.events, now + 1.5)
+    assert not g.running()
+    # While it is down, no clock runs at all.
+    g2 = launcher.groups[1]
+    start(launcher, g2)
+    g2.started = now - 30.0
+    launcher._outages, launcher._down_since = [], now - 29.0
+    launcher._watchdog({"members": [], "dead": []}, launcher.events, now)
+    assert g2.running()
 
 
 def test_registered_group_missing_from_the_members_is_killed_after_the_grace(launcher):

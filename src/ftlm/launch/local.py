@@ -129,6 +129,8 @@ class LocalLauncher:
         self.metrics_targets: dict[tuple[str, int], int] = {}
         self._best = (-1, -1)  # high-water mark of the job's progress (see _progress_key)
         self._declared_dead: set[str] = set()  # replica ids the coordinator lists as dead
+        self._outages: list[tuple[float, float]] = []  # (from, to): the coordinator was down
+        self._down_since: float | None = None  # it is down now, since then
 
     # -- set-up ----------------------------------------------------------------------------------
     def _prepare_run_dir(self) -> Path:
@@ -314,12 +316,16 @@ class LocalLauncher:
         with self._coordinator_lock:
             if self.coordinator.running():
                 return
-            code, down = self.coordinator.exit_code(), time.time()
+            code = self.coordinator.exit_code()
+            down = self._down_since if self._down_since is not None else time.time()
+            self._down_since = down
             try:
                 self.coordinator.start(self.config.ft.startup_timeout)
             except FtlmError as e:
                 self.fatal = str(e)
                 return
+            self._outages.append((down, time.time()))
+            self._down_since = None
             events.emit("coordinator_restart", step=-1, port=self.coordinator.port, code=code,
                         seconds=round(time.time() - down, 3), pid=self.coordinator.pid)
 
@@ -330,12 +336,21 @@ class LocalLauncher:
         with self._coordinator_lock:
             self.events.emit("failure_injected", step=-1, target=COORDINATOR, target_rank=0,
                              signal="SIGKILL", pid=self.coordinator.pid)
+            down = self._down_since = time.time()
             self.coordinator.kill()
-            down = time.time()
             self.coordinator.start(self.config.ft.startup_timeout)
+            self._outages.append((down, time.time()))
+            self._down_since = None
             self.events.emit("coordinator_restart", step=-1, port=self.coordinator.port,
                              code=-signal.SIGKILL, seconds=round(time.time() - down, 3),
                              pid=self.coordinator.pid)
+
+    def _up_seconds(self, since: float, now: float) -> float:
+        """Seconds of ``[since, now]`` during which the coordinator was up: a group can neither
+        register nor heartbeat while it is down, so the watchdog's clocks stop meanwhile."""
+        outages = self._outages + ([(self._down_since, now)] if self._down_since is not None else [])
+        down = sum(max(0.0, min(b, now) - max(a, since)) for a, b in outages)
+        return now - since - down
 
     # -- groups: exits, hangs, restarts ----------------------------------------------------------
     def _reap(self, events: EventLog, now: float) -> None:
@@ -413,8 +428,8 @@ class LocalLauncher:
     def _watchdog(self, status: dict, events: EventLog, now: float) -> None:
         """Kill hung groups so that they restart. A group is hung when:
 
-        * it has not registered within ``ft.startup_timeout`` of its start (or of the coordinator's
-          last restart: it cannot register while the coordinator is down);
+        * it has not registered within ``ft.startup_timeout`` of its start (not counting the time
+          the coordinator was down: it cannot register meanwhile);
         * it registered, but has been missing from the coordinator's members for ``grace`` seconds:
           the coordinator dropped it (its heartbeat stopped, or it made no progress for
           ``ft.progress_timeout`` while its heartbeat lived: a hung non-leader rank or a wedged
@@ -425,16 +440,15 @@ class LocalLauncher:
         """
         ft = self.config.ft
         grace = 3 * ft.heartbeat_timeout
-        since_coordinator = self.coordinator.started
         dead = {d["replica_id"]: d for d in status.get("dead", [])}
         for g in self.groups:
             if not g.running() or g.finished or g.restart_at is not None:
                 continue
             reason = ""
             if not g.registered:
-                if now - max(g.started, since_coordinator) > ft.startup_timeout:
+                if self._up_seconds(g.started, now) > ft.startup_timeout:
                     reason = "start-up timeout"
-            elif g.absent_since is not None and now - max(g.absent_since, since_coordinator) > grace:
+            elif g.absent_since is not None and self._up_seconds(g.absent_since, now) > grace:
                 entry = dead.get(g.replica_id)
                 reason = f"declared dead: {entry['reason']}" if entry else "heartbeat lost"
             if reason and not self._has_result(g):
@@ -479,6 +493,7 @@ class LocalLauncher:
         if fault is None:
             return
         if fault.target == COORDINATOR:
+            self._down_since = time.time()
             events.emit("failure_injected", step=-1, target=COORDINATOR, target_rank=0,
                         signal=fault.signal, pid=self.coordinator.pid)
             self.coordinator.kill()  # _watch_coordinator restarts it on the next tick

@@ -157,3 +157,27 @@ def test_failures_caused_by_a_peer_that_died_do_not_count(coordinator):
         assert plan.participants == 1
     finally:
         healthy.close()
+
+
+def test_a_group_starting_while_the_coordinator_is_down_waits_for_it():
+    """Soak finding: chaos killed the coordinator while a group started; the group's first
+    heartbeat raised and the healthy process exited with a traceback."""
+    import socket
+
+    from ftlm.ft.config import CoordinatorConfig
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    m = Manager(FTConfig(**FT), "g0", "a", f"http://127.0.0.1:{port}")
+    coordinator = None
+    try:
+        m.join(0, GENESIS)  # no coordinator yet: not an error
+        coordinator = Coordinator(CoordinatorConfig(port=port, heartbeat_timeout=0.5))
+        coordinator.start()
+        plan = m.start_step(0, GENESIS, snapshot)
+        assert plan.participants == 1 and plan.participating
+    finally:
+        m.close()
+        if coordinator is not None:
+            coordinator.stop()

@@ -122,7 +122,12 @@ class Manager:
         """Become known to the coordinator with the committed state ``(step, chain)`` (leader)."""
         self.proto.sync(step, chain)
         if self.heartbeater is not None:
-            self.heartbeater.beat()  # be known as alive before the first quorum request
+            try:
+                self.heartbeater.beat()  # be known as alive before the first quorum request
+            except CoordinatorUnavailable as e:
+                # The coordinator may be restarting: the heartbeat thread and the quorum request
+                # keep trying (bounded by ft.quorum_timeout), as after any coordinator failure.
+                log.warning("coordinator not reachable at start-up, will keep trying: %s", e)
             self.heartbeater.start()
 
     # -- failure detection ---------------------------------------------------------------------------

@@ -26,6 +26,11 @@ REGRESSIONS = [
     (7533, 200, "same as seed 7309, after an explicit rollback"),
 ]
 
+# (seed, faults): schedules of one kind of fault, where a rare interleaving is frequent.
+FOCUSED = [
+    (12, ("hang_resume",), "a member declared dead came back and every quorum with it was aborted"),
+]
+
 
 def test_a_thousand_seeded_jobs_hold_every_invariant() -> None:
     config = SimConfig(steps=CI_STEPS)
@@ -40,6 +45,19 @@ def test_a_thousand_seeded_jobs_hold_every_invariant() -> None:
 def test_regression_seeds(seed: int, steps: int, what: str) -> None:
     result = run(seed, SimConfig(steps=steps))
     assert result.ok, f"{what}: {result.error}\n" + "\n".join(result.trace)
+
+
+@pytest.mark.parametrize("seed,faults,what", FOCUSED, ids=[f"{s}-{'+'.join(f)}" for s, f, _ in FOCUSED])
+def test_focused_regression_seeds(seed: int, faults: tuple[str, ...], what: str) -> None:
+    result = run(seed, SimConfig(steps=200, faults=faults))
+    assert result.ok, f"{what}: {result.error}\n" + "\n".join(result.trace)
+
+
+def test_hangs_that_end_on_their_own_keep_the_job_live() -> None:
+    """SIGSTOP then SIGCONT, densely: a member declared dead may come back at any moment."""
+    config = SimConfig(steps=150, faults=("hang_resume", "crash"), fault_mtbf=2.0)
+    report = check(150, config, jobs=2)
+    assert report.ok, format_report(report, config)
 
 
 def test_a_seed_replays_exactly() -> None:

@@ -168,7 +168,10 @@ class Membership:
             in_flight.update(self.state.prev_quorum.replica_ids())
         for _, parts in self.state.head_quorums:
             in_flight.update(parts)
-        dead = [rid for _, rid, _, _ in self.recent_dead(now) if rid in in_flight]
+        # A member declared dead that heartbeats again (a hang that ended) is alive: aborting for
+        # it would fail every step it takes part in.
+        dead = [rid for _, rid, _, _ in self.recent_dead(now)
+                if rid in in_flight and rid not in self.state.heartbeats]
         return dead[-MAX_DEAD_LISTED:]
 
     # -- internals -------------------------------------------------------------------------------

@@ -63,6 +63,9 @@ class SimConfig:
     max_consecutive_failures: int = 50
     liveness_seconds: float = 120.0
     """After the last fault, the job must finish within this many simulated seconds."""
+    progress_seconds: float = 30.0
+    """Whatever the faults, some group commits a step at least this often (every fault here is
+    detected and healed well within it: a livelock shows as a violation)."""
     max_seconds: float = 3600.0
 
 
@@ -105,6 +108,7 @@ class Incarnation:
     draining_since: float | None = None
     lag_once: bool = False
     lagged: bool = False
+    abort_pending: bool = False
     progress_at: float = 0.0  # the last protocol point the training thread reached
     absent_since: float | None = None  # not a live member of the coordinator since
 
@@ -168,6 +172,7 @@ class Simulation:
         self.finished: dict[str, State] = {}
         self._inc_seq = 0
         self.loss = self.c.loss
+        self.last_commit = 0.0
         self.slow_next = False
         self.kill_source_next = False
 
@@ -377,8 +382,12 @@ class Simulation:
         if not inc.running or answer.get("rebuilding") or inc.quorum is None:
             return
         dead = set(answer.get("dead", []))
-        if dead & set(inc.quorum.replica_ids()) and inc.phase == "collective":
-            self.abort(inc, "a quorum member was reported dead")
+        if dead & set(inc.quorum.replica_ids()):
+            # As the manager's abort event: it fails this step's collective whenever it comes
+            # (until the next quorum clears it), not only while the collective runs.
+            inc.abort_pending = True
+            if inc.phase == "collective":
+                self.abort(inc, "a quorum member was reported dead")
 
     def ask(self, inc: Incarnation) -> None:
         """Send this step's quorum request: one outstanding request per process, as the real
@@ -448,6 +457,7 @@ class Simulation:
             self.die(inc, f"too many failures: {e}")
             return
         inc.quorum = q
+        inc.abort_pending = False
         inc.progress_at = self.now
         me = inc.replica_id
         if role.participant_index is not None and (inc.state.step, inc.state.chain) != (q.step, q.chain):
@@ -497,6 +507,9 @@ class Simulation:
             return
         inc.phase = "collective"
         inc.progress_at = self.now
+        if inc.abort_pending:
+            self.abort(inc, "a quorum member was reported dead")
+            return
         key = (q.epoch, q.quorum_id, q.step)
         coll = self.collectives.setdefault(key, Collective(q))
         if coll.quorum.replica_ids() != q.replica_ids():
@@ -557,6 +570,7 @@ class Simulation:
             if (inc.proto.step, inc.proto.chain) != (inc.state.step, inc.state.chain):
                 self.fail(f"{inc.replica_id}: protocol and state disagree after a commit")
             self.remember(inc.state)
+            self.last_commit = self.now
             self.log(f"{inc.replica_id} committed step {q.step} (quorum {q.quorum_id})")
             if role.participant_index == 0 and inc.state.step % self.c.checkpoint_every == 0:
                 self.disk[inc.state.step] = _copy(inc.state)
@@ -708,6 +722,8 @@ class Simulation:
             self.fail(f"state at step {st.step} trained samples not exactly once: {st.ranges[:4]}...")
 
     def check(self, what: str) -> None:
+        if not self.finished and self.now - self.last_commit > self.c.progress_seconds:
+            self.fail(f"no step committed for {self.c.progress_seconds:g} simulated s (a livelock?)")
         if self.c.fault_mtbf and self.now - self.last_fault > self.c.liveness_seconds:
             best = max((g.state.step for g in self.groups.values() if g is not None), default=0)
             self.fail(f"no liveness: {self.c.liveness_seconds:g} s after the last fault the job is at "

@@ -253,7 +253,7 @@ class Trainer:
         lr = self._lr(plan)
         samples = plan.participants * tc.batch_size
         if plan.recovering:
-            self._recovering_step(plan, ok, grads, lr, samples)
+            self._recovering_step(plan, ok, grads, lr, samples, float(loss_buf[0]))
             return
         if not ok:
             self.state.optimizer.zero_grad(set_to_none=True)
@@ -303,7 +303,7 @@ class Trainer:
             self.metrics.on_eval(ev.loss)
 
     def _recovering_step(self, plan: StepPlan, ok: bool, grads: list[torch.Tensor], lr: float,
-                         samples: int) -> None:
+                         samples: int, global_loss: float) -> None:
         if ok:
             self.catchup.record(plan.step, grads, lr, samples, plan.quorum_id,
                                 plan.quorum.participants if plan.quorum is not None else [])
@@ -312,7 +312,7 @@ class Trainer:
             p.grad = None
         recovered = self.ft.poll_recovery()
         if recovered is not None:
-            self._catch_up(recovered, plan, ok)
+            self._catch_up(recovered, plan, ok, global_loss)
         elif self.catchup.overflowing:
             self.catchup.clear()
             self.ft.restart_recovery(f"catch-up buffer exceeded {self.catchup.max_steps} steps")
@@ -326,7 +326,8 @@ class Trainer:
                 return
         time.sleep(0.1)  # the snapshot is on its way; ask again shortly
 
-    def _catch_up(self, rec: Recovered, plan: StepPlan, committed_now: bool) -> None:
+    def _catch_up(self, rec: Recovered, plan: StepPlan, committed_now: bool,
+                  global_loss: float | None = None) -> None:
         """Load a peer's snapshot and replay the buffered updates up to the head, checked."""
         state = self.state
         state.load_flat(rec.tensors, rec.meta)
@@ -341,9 +342,19 @@ class Trainer:
         t0 = time.perf_counter()
         for u in updates[:check.apply]:
             unflatten_into(u.grads, self.params)
-            apply_update(self.params, state.optimizer, u.lr, self.config.train.grad_clip)
+            start = state.cursor
+            grad_norm = apply_update(self.params, state.optimizer, u.lr, self.config.train.grad_clip)
             state.step += 1
             state.cursor += u.samples
+            if u.step == plan.step:
+                # This step's own update: this group commits it (the participants may have
+                # failed it after the all-reduce completed here), so it records the commit.
+                state.chain = plan.quorum.next_chain()
+                self.events.emit("commit", step=u.step, quorum_id=plan.quorum_id,
+                                 participants=plan.participants, samples=[start, start + u.samples],
+                                 loss=global_loss, tokens=u.samples * self.tokens_per_sample,
+                                 lr=u.lr, grad_norm=grad_norm, chain=state.chain,
+                                 parent=plan.quorum.chain, replayed=True)
             self.ft.fire("during_replay")
         state.chain = check.chain
         self.ft.caught_up(state.step, state.chain)

@@ -78,7 +78,7 @@ def test_unreachable_coordinator_raises_unavailable(client) -> None:
 
 
 def test_heartbeat_quorum_status_round_trip(start, client) -> None:
-    coord = start()
+    coord = start(expected_groups=1)
     client = client(coord.url, "g0", "a")
     answer = client.heartbeat(0, 0)
     assert answer == {"quorum_id": 0, "dead": [], "rebuilding": False}
@@ -88,7 +88,7 @@ def test_heartbeat_quorum_status_round_trip(start, client) -> None:
 
 
 def test_quorum_timeout_carries_the_reason(start, client) -> None:
-    coord = start(min_replicas=2)
+    coord = start(min_replicas=2, expected_groups=1)
     client = client(coord.url, "g0", "a")
     with pytest.raises(QuorumTimeout) as info:
         client.quorum(0, 0, False, {}, timeout=0.2)

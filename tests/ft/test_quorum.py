@@ -19,6 +19,7 @@ from ftlm.ft.quorum import (
     StaleIncarnation,
     advance_head,
     commit_quorum,
+    remove_member,
     compute_quorum,
     expire,
     record_heartbeat,
@@ -31,7 +32,10 @@ JOIN = 1.0
 
 
 def opts(min_replicas: int = 1) -> QuorumOptions:
-    return QuorumOptions(min_replicas=min_replicas, join_timeout=JOIN, heartbeat_timeout=HB_TIMEOUT)
+    # These rules are about a coordinator that knows the job: no wait to rebuild after a start
+    # (tested on its own in test_restarted_coordinator_gathers_claims_before_deciding).
+    return QuorumOptions(min_replicas=min_replicas, join_timeout=JOIN, heartbeat_timeout=HB_TIMEOUT,
+                         rebuild_grace=0.0)
 
 
 def rid(group: str) -> str:
@@ -319,7 +323,8 @@ class Job:
     """Groups stepping through the pure rules with a hand-driven clock (a tiny simulator)."""
 
     def __init__(self, groups: list[str], options: QuorumOptions | None = None) -> None:
-        self.o = options or opts()
+        self.o = options or QuorumOptions(min_replicas=1, join_timeout=JOIN, heartbeat_timeout=HB_TIMEOUT,
+                                          expected_groups=len(groups))
         self.state = CoordinatorState()
         self.held = {g: (0, GENESIS) for g in groups}
         self.last = {g: 0 for g in groups}
@@ -461,6 +466,45 @@ def test_restarted_coordinator_gathers_claims_before_deciding() -> None:
     assert quorum.recovering == ["g0:a"] and quorum.quorum_id == 10
 
 
+def test_restarted_coordinator_first_hearing_a_new_incarnation_does_not_take_it_for_a_fresh_job() -> None:
+    """Soak finding: after a coordinator restart the first heartbeat came from a group restarted
+    at step 0; the coordinator took the job for fresh and told the holder of step 637 to recover
+    from it (only a lucky hang turned that into a visible restore)."""
+    o = QuorumOptions(min_replicas=1, join_timeout=JOIN, heartbeat_timeout=HB_TIMEOUT, expected_groups=3)
+    state = CoordinatorState()
+    record_request(state, ask("g1", step=0, at=0.0, last=0))  # a new incarnation, nothing known
+    assert advance_head(0.0, state, o) == ([], advance_head(0.0, state, o)[1]) and state.head is None
+    record_heartbeat(state, Heartbeat("g0:a", "g0", 0.3, 637, 8, "6" * 64))  # the holder, a moment later
+    advance_head(0.6, state, o)  # the grace passed (g2 is dead): the head is the newest claim
+    assert state.head == (637, "6" * 64)
+    record_request(state, ask("g0", step=637, at=0.6, last=8, chain="6" * 64))
+    record_heartbeat(state, Heartbeat("g0:a", "g0", 1.05, 637, 8, "6" * 64))
+    record_heartbeat(state, Heartbeat("g1:a", "g1", 1.05, 0, 0))
+    quorum, reason = compute_quorum(1.1, state, o)
+    assert quorum is not None and quorum.participants == ["g0:a"] and quorum.recovering == ["g1:a"], reason
+
+
+def test_a_finished_job_is_never_rolled_back_for_a_late_group() -> None:
+    """Soak finding: chaos killed a group after every group had finished and left; its restart
+    at step 0 rolled the whole job back to 0 and trained it again alone."""
+    job = Job(["A", "B"])
+    for t in range(3):
+        q = job.ask(0.01 * t, ["A", "B"])
+        job.commit(q, ["A", "B"])
+    job.beat(0.05, ["A", "B"])
+    job.tick(0.05)
+    assert job.state.head[0] == 3
+    for g in ("A", "B"):
+        remove_member(job.state, rid(g), 0.06, finished=True)
+    job.held["A"] = (0, GENESIS)  # A restarts from scratch
+    job.state.retired.clear()
+    for t in (1.0, 2.0, 5.0):
+        job.beat(t, ["A"])
+        quorum, reason = job.tick(t)
+        assert quorum is None and job.restores == []
+    assert "the job finished at step 3" in reason
+
+
 def test_a_group_whose_heartbeat_lives_without_progress_is_declared_hung_and_retired() -> None:
     """Issue 10, defect 3: a hung non-leader rank or training thread stalled the job for good."""
     o = QuorumOptions(min_replicas=1, join_timeout=JOIN, heartbeat_timeout=HB_TIMEOUT, progress_timeout=5.0)
@@ -504,7 +548,7 @@ def test_ids_never_go_backwards_over_failures_restarts_and_rollbacks() -> None:
     job.state = CoordinatorState()  # the coordinator restarts and forgets everything
     job.beat(0.9, ["g0", "g1"])
     q = None
-    for t in (0.9, 1.2, 1.5):
+    for t in (0.9, 1.2, 1.5, 1.8, 2.1):  # one rebuild grace, then the first quorum's join timeout
         job.beat(t, ["g0", "g1"])
         q = job.ask(t, ["g0", "g1"]) or q
         if q is not None:

@@ -209,6 +209,7 @@ class CoordinatorState:
     head_seen_at: float | None = None  # when a live member last held the head
     started_at: float | None = None  # when this coordinator first heard from anyone
     known_head: int = 0  # the highest step members say the job reached (bounded by MAX_CLAIM)
+    finished: bool = False  # holders of the head left the job as finished: never roll back from it
     epoch: str = ""  # this coordinator's start nonce, stamped on every quorum it issues
 
     @property
@@ -305,12 +306,17 @@ def expire(now: float, state: CoordinatorState, options: QuorumOptions) -> list[
     return gone
 
 
-def remove_member(state: CoordinatorState, replica_id: str, now: float, retire: bool = True) -> bool:
+def remove_member(state: CoordinatorState, replica_id: str, now: float, retire: bool = True,
+                  finished: bool = False) -> bool:
     """Drop a replica that left or whose process ended; returns whether it was known.
 
-    ``retire`` refuses the incarnation from then on (its process is gone or told to go).
+    ``retire`` refuses the incarnation from then on (its process is gone or told to go);
+    ``finished``: it left having completed the job at the head, which is then never rolled back.
     """
     known = replica_id in state.heartbeats or replica_id in state.pending
+    hb = state.heartbeats.get(replica_id)
+    if finished and hb is not None and state.head is not None and (hb.step, hb.chain) == state.head:
+        state.finished = True
     state.heartbeats.pop(replica_id, None)
     state.pending.pop(replica_id, None)
     if retire:
@@ -348,8 +354,8 @@ def _best(claims: dict[str, tuple[int, str]]) -> tuple[int, str]:
 def _rebuilding(now: float, state: CoordinatorState, options: QuorumOptions,
                 claims: dict[str, tuple[int, str]]) -> str:
     """Why the head cannot be chosen yet after a (re)start, or "" when it can."""
-    if all(c == (0, GENESIS) for c in claims.values()) and state.quorum_id <= 0:
-        return ""  # a fresh job: everyone starts from the same empty history, no quorum known
+    # No shortcut for claims that look like a fresh job: a restarted coordinator first hears from
+    # whoever heartbeats first, perhaps a new incarnation at step 0 while the job is far ahead.
     groups = {state.heartbeats[r].group for r in claims}
     if options.expected_groups and len(groups) >= options.expected_groups:
         return ""
@@ -389,6 +395,7 @@ def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
     valid = {extend_chain(chain, step, qid, parts) for qid, parts in state.head_quorums}
     ahead = [c for c in claims.values() if c[0] == step + 1 and c[1] in valid]
     if ahead:
+        state.finished = False
         holders = Counter(ahead)
         state.head = max(holders, key=lambda sc: (holders[sc], sc[1]))
         state.head_quorums = []
@@ -397,6 +404,9 @@ def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
     if state.head in claims.values():
         state.head_seen_at = now
         return [], ""
+    if state.finished:
+        return [], (f"the job finished at step {step} (its groups left); a group joining now has "
+                    "nothing to rejoin")
     seen = state.head_seen_at if state.head_seen_at is not None else now
     left = options.rollback_seconds - (now - seen)
     if left > 0:

@@ -120,6 +120,7 @@ class LocalLauncher:
         self.progress = config.observe.progress if progress is None else progress
         self.run_dir = config.run.path
         self.groups = [GroupProcess(f"g{i}") for i in range(groups)]
+        self._best_step = 0  # the furthest step the job was seen at (chaos stops at the last one)
         self.token = secrets.token_hex(16)
         self._stop = threading.Event()
         self._coordinator_lock = threading.Lock()
@@ -228,6 +229,7 @@ class LocalLauncher:
                 status = self._poll_status()
                 if status is not None:
                     self._observe(status, now)
+                ending = self._ending(status)  # sticky: polled every round, not only at chaos time
                 self._reap(events, now)
                 if self.fatal:
                     break
@@ -246,7 +248,7 @@ class LocalLauncher:
                           "(ft.give_up_seconds); stopping the job", file=sys.stderr)
                     break
                 if next_chaos is not None and now >= next_chaos:
-                    if self._ending(status):
+                    if ending:
                         next_chaos = None  # a group reached the last step: no more failures
                     else:
                         self._inject(events, status)
@@ -290,10 +292,14 @@ class LocalLauncher:
         return top, sum(1 for s in steps + done if s == top)
 
     def _ending(self, status: dict | None) -> bool:
-        """Whether any group reached the last step (chaos stops: the job is finishing)."""
+        """Whether any group reached the last step (chaos stops for good: the job is finishing).
+
+        Sticky: groups that finished leave the coordinator's members before their processes
+        exit, so the members alone would say nobody is at the last step any more."""
         steps = [m["step"] for m in (status or {}).get("members", [])]
-        return any(g.finished for g in self.groups) or \
-            max(steps, default=0) >= self.config.train.steps
+        head = (status or {}).get("head_step", 0)
+        self._best_step = max(self._best_step, max(steps, default=0), head if isinstance(head, int) else 0)
+        return any(g.finished for g in self.groups) or self._best_step >= self.config.train.steps
 
     def _observe(self, status: dict, now: float) -> None:
         """Registration and progress of each group's current incarnation, from the status."""

@@ -92,7 +92,10 @@ warmup_steps = 5
 threads = 1
 
 [checkpoint]
-every = 0
+# Durable checkpoints: when chaos takes every group holding the newest state, the job rolls back
+# (an explicit restore) to the newest intact checkpoint instead of to step 0.
+every = 50
+keep = 2
 
 [ft]
 heartbeat_interval = 0.1

@@ -121,6 +121,7 @@ class LocalLauncher:
         self.run_dir = config.run.path
         self.groups = [GroupProcess(f"g{i}") for i in range(groups)]
         self._best_step = 0  # the furthest step the job was seen at (chaos stops at the last one)
+        self._healthy: set[str] = set()  # participants of the last quorum seen (chaos spares the last)
         self.token = secrets.token_hex(16)
         self._stop = threading.Event()
         self._coordinator_lock = threading.Lock()
@@ -490,7 +491,11 @@ class LocalLauncher:
         participant of the last quorum with no other such group alive): starting and recovering
         groups are fair game, before the first quorum too."""
         last = (status or {}).get("last_quorum") or {}
-        healthy = set(last.get("participants", []))
+        if last.get("participants"):
+            self._healthy = set(last["participants"])
+        # A coordinator that just restarted knows no quorum yet: judge by the last one seen, or
+        # the last up-to-date group could be killed while nobody can tell it is the last.
+        healthy = self._healthy
         live = [g for g in self.groups if g.running() and not g.stopped and not g.finished
                 and g.restart_at is None]
         candidates = [g.name for g in live if g.replica_id not in healthy

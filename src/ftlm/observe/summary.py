@@ -45,7 +45,7 @@ DETECTION_KINDS = ("member_dead", "member_killed", "group_exit", "coordinator_re
 COORDINATOR = "coordinator"
 """The ``target`` of a failure injected into the coordinator process."""
 DISTURBANCE_KINDS = FAILURE_KINDS + ("recovery_end", "step_failed", "coordinator_restart",
-                                     "run_start", "group_start")
+                                     "run_start", "group_start", "restore")
 """Events whose neighbourhood is excluded from the steady token rate. A (re)start is one: a
 resumed run's record holds several incarnations, and no window may span the downtime between
 them."""

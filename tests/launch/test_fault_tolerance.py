@@ -64,11 +64,11 @@ def check_invariants(summary: dict, events: list[dict], groups: int, steps: int 
     assert ids == sorted(ids), f"quorum ids went backwards: {ids}"
     assert summary["crashes"] == [], "a group failed that no fault was injected into"
     assert summary["problems"] == [], summary["problems"]
-    # A group that finished left the job: it was not declared dead afterwards.
-    finished = {f"{e['target']}:{e['incarnation']}" for e in events
-                if e["kind"] == "group_exit" and e.get("ok") is True and e.get("target")}
+    # A group that finished left the job: it was not declared dead afterwards (a hung group that
+    # was resumed may well have been declared dead before it finished).
+    left = {e["replica_id"]: e["ts"] for e in events if e["kind"] == "member_left" and e.get("replica_id")}
     dead = [e["replica_id"] for e in events if e["kind"] == "member_dead"
-            and e.get("replica_id") in finished]
+            and e.get("replica_id") in left and e["ts"] >= left[e["replica_id"]]]
     assert dead == [], f"finished groups declared dead: {dead}"
 
 

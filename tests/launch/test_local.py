@@ -316,3 +316,18 @@ def test_coordinator_that_cannot_start_is_a_one_line_error(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_relaunch_into_the_same_run_directory_keeps_the_job_token(tmp_path):
+    """Checkpoint manifests are signed with the token: a new token per launch made a relaunch
+    refuse every checkpoint of the run (found while building checkpoint integrity)."""
+    import stat
+
+    from ftlm.launch.local import _run_token
+
+    first = _run_token(tmp_path)
+    assert len(first) == 32 and _run_token(tmp_path) == first
+    assert stat.S_IMODE((tmp_path / "token").stat().st_mode) == 0o600
+    other = tmp_path / "other"
+    other.mkdir()
+    assert _run_token(other) != first

@@ -144,6 +144,7 @@ class LocalLauncher:
         for log in (self.run_dir / "logs").glob("*.log"):
             log.unlink()
         self.config.ft.groups = self.n  # the coordinator's first quorum waits for all of them
+        self.token = _run_token(self.run_dir)
         config_file = self.run_dir / "config.toml"
         save_config(self.config, config_file)
         return config_file
@@ -566,6 +567,25 @@ class LocalLauncher:
         if self.progress is not False:
             print(format_summary(summary))
         return summary
+
+
+def _run_token(run_dir: Path) -> str:
+    """The job token of this run directory, made once and kept (mode 600) in ``run_dir/token``.
+
+    Checkpoint manifests are authenticated with the token: a relaunch into the same run
+    directory must use the same one, or it would refuse every checkpoint it wrote before.
+    """
+    path = run_dir / "token"
+    if path.is_file():
+        token = path.read_text().strip()
+        if len(token) >= 16:
+            return token
+    token = secrets.token_hex(16)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.chmod(path, 0o600)
+    return token
 
 
 def _free_port() -> int:

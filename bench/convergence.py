@@ -264,7 +264,10 @@ READING = (
     "x sqrt(2/3), `ft.lr_policy=sqrt`) on a longer schedule (see the updates and sum-of-LR "
     "columns). So the difference measures the cost per token of degraded-mode steps under this "
     "LR policy; it cannot tell that apart from damage done by recovery, which each run checks "
-    "directly instead: identical replicas, no sample trained twice or skipped. It does not show "
+    "directly instead: identical replicas, no sample trained twice or skipped. T differs "
+    "between seeds (the kills are random), and the no-chaos run's updates with it, so each "
+    "arm's std holds that spread as well as seed noise; the paired per-seed differences do "
+    "not. It does not show "
     "what happens with larger models, longer runs, more groups, other LR policies or rarer "
     "failures, and n=3 seeds make the noise test a rough one.")
 

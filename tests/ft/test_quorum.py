@@ -424,6 +424,19 @@ def test_every_holder_of_the_head_dead_is_an_explicit_rollback_never_a_silent_on
     assert q2.quorum_id > q.quorum_id
 
 
+def test_a_rollback_never_jumps_forward_to_an_absurd_claim() -> None:
+    job = Job(["A", "B"])
+    q = job.ask(0.0, ["A", "B"])
+    job.commit(q, ["A"])
+    job.beat(0.05, ["A", "B"])
+    job.ask(0.1, ["B"], failed=("B",))
+    for t in (0.3, 0.6, 0.9, 1.2, 1.5, 1.8):  # A died; a bogus member claims step 10**15
+        job.beat(t, ["B"])
+        record_heartbeat(job.state, Heartbeat("X:bogus", "X", t, 10**15, 0, "f" * 64))
+        job.tick(t)
+    assert [(r.from_step, r.to_step, r.holders) for r in job.restores] == [(1, 0, ("B",))]
+
+
 def test_group_restored_from_a_checkpoint_behind_the_head_recovers_or_rolls_back() -> None:
     """Issue 10, defect 8: a group restored from an older checkpoint got 504 forever."""
     job = Job(["A", "B"])

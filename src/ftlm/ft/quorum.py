@@ -412,8 +412,13 @@ def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
     if left > 0:
         return [], (f"no live group holds the newest state (step {step}); rolling back to the "
                     f"newest state a live group holds in {left:.1f} s unless a holder returns")
-    target = _best(claims)
-    holders = tuple(sorted(state.heartbeats[r].group for r, c in claims.items() if c == target))
+    # Back to the newest state a live group holds; never forward to a claim beyond the head's next
+    # step (nothing but a fork of the last step can be there legitimately).
+    plausible = {r: c for r, c in claims.items() if c[0] <= step + 1}
+    if not plausible:
+        return [], f"no live group holds the newest state (step {step}) or an older one"
+    target = _best(plausible)
+    holders = tuple(sorted(state.heartbeats[r].group for r, c in plausible.items() if c == target))
     restore = Restore(step, target[0], target[1], holders,
                       f"every group holding step {step} is gone; continuing from step {target[0]} "
                       f"held by {', '.join(holders)}")

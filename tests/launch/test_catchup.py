@@ -6,6 +6,8 @@ background and replays the averaged updates it buffered; healthy groups never wa
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import signal
 import statistics
@@ -71,6 +73,7 @@ def test_kill_during_replay(tmp_path, demo_data):
     check_invariants(summary, events, 2, steps=LONG)
 
 
+@pytest.mark.slow  # 65 s; simultaneous failures are visited thousands of times by tests/sim
 def test_two_groups_failing_at_once(tmp_path, demo_data):
     summary, events = run_job(tmp_path, demo_data, groups=3, steps=LONG,
                               faults={"g1": ["before_allreduce@10"], "g2": ["before_allreduce@10"]})

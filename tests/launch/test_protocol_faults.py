@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from ftlm.config import build_config
 from ftlm.launch.local import LocalLauncher
 from ftlm.observe.events import read_events
@@ -32,6 +34,7 @@ def config(run_dir: Path, data_dir: Path, steps: int, ft: dict | None = None, **
     return build_config(raw)
 
 
+@pytest.mark.slow  # the same fault as tests/launch/test_hsdp.py's slow test; pure tests cover the rule
 def test_a_hung_non_leader_rank_is_declared_hung_and_the_healthy_group_goes_on(tmp_path, demo_data):
     """Defect 3: rank 1 of g1 stops inside the commit vote; g1's leader keeps heartbeating while
     it waits for that rank. Before, "1 of 2, not a majority" repeated until the healthy group gave

@@ -24,6 +24,8 @@ REGRESSIONS = [
     (2594, 200, "a hung process resumed by a later fault was counted as an undetected hang"),
     (7309, 200, "a lagging group sent two requests at once and took a stale quorum's answer"),
     (7533, 200, "same as seed 7309, after an explicit rollback"),
+    (901, 100, "every holder of the head died and the groups restarted from a checkpoint of a branch "
+               "an earlier rollback abandoned: the rollback target was refused, a livelock"),
 ]
 
 # (seed, faults): schedules of one kind of fault, where a rare interleaving is frequent.

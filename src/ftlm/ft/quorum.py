@@ -210,6 +210,7 @@ class CoordinatorState:
     started_at: float | None = None  # when this coordinator first heard from anyone
     known_head: int = 0  # the highest step members say the job reached (bounded by MAX_CLAIM)
     finished: bool = False  # holders of the head left the job as finished: never roll back from it
+    top: int = 0  # the furthest step the head ever reached here (a rollback target cannot be beyond)
     epoch: str = ""  # this coordinator's start nonce, stamped on every quorum it issues
 
     @property
@@ -381,9 +382,9 @@ def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
         why = _rebuilding(now, state, options, claims)
         if why:
             return [], why
-        state.head = best = _best(claims)
-        state.head_quorums = []
-        state.head_seen_at = now
+        best = _best(claims)
+        _set_head(state, best, now)
+        state.top = max(state.top, state.known_head)
         if best[0] < state.known_head:
             # The job had reached further, but whoever held that died while nobody coordinated.
             holders = tuple(sorted(state.heartbeats[r].group for r, c in claims.items() if c == best))
@@ -397,9 +398,7 @@ def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
     if ahead:
         state.finished = False
         holders = Counter(ahead)
-        state.head = max(holders, key=lambda sc: (holders[sc], sc[1]))
-        state.head_quorums = []
-        state.head_seen_at = now
+        _set_head(state, max(holders, key=lambda sc: (holders[sc], sc[1])), now)
         return [], ""
     if state.head in claims.values():
         state.head_seen_at = now
@@ -412,9 +411,9 @@ def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
     if left > 0:
         return [], (f"no live group holds the newest state (step {step}); rolling back to the "
                     f"newest state a live group holds in {left:.1f} s unless a holder returns")
-    # Back to the newest state a live group holds; never forward to a claim beyond the head's next
-    # step (nothing but a fork of the last step can be there legitimately).
-    plausible = {r: c for r, c in claims.items() if c[0] <= step + 1}
+    # Back to the newest state a live group holds, which may be a state of a branch an earlier
+    # rollback abandoned (a durable checkpoint of it), but never beyond where the job ever got.
+    plausible = {r: c for r, c in claims.items() if c[0] <= max(step + 1, state.top)}
     if not plausible:
         return [], f"no live group holds the newest state (step {step}) or an older one"
     target = _best(plausible)
@@ -422,10 +421,15 @@ def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
     restore = Restore(step, target[0], target[1], holders,
                       f"every group holding step {step} is gone; continuing from step {target[0]} "
                       f"held by {', '.join(holders)}")
-    state.head = target
+    _set_head(state, target, now)
+    return [restore], ""
+
+
+def _set_head(state: CoordinatorState, head: tuple[int, str], now: float) -> None:
+    state.head = head
     state.head_quorums = []
     state.head_seen_at = now
-    return [restore], ""
+    state.top = max(state.top, head[0])
 
 
 def classify(state: CoordinatorState, replica_id: str) -> str:

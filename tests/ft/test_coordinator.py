@@ -375,7 +375,9 @@ def test_serve_forever_prints_its_url_and_stops_on_sigterm() -> None:
 
 
 def test_every_malformed_body_is_a_one_line_400_and_changes_nothing(start, groups) -> None:
-    coord = start()
+    # A long heartbeat timeout: on a loaded machine g0's heartbeat may lag, and an expiry during
+    # the test would be a change that no malformed body made.
+    coord = start(heartbeat_timeout=30.0, expected_groups=1)
     g0 = groups(coord.url, "g0")
     ask_all([g0])
     wait_until(lambda: stable_status(coord)["reason"] == "no member has asked for a quorum")

@@ -365,18 +365,27 @@ class Simulation:
                     return
                 beat.last_seen = self.now
                 beat.progress_at = inc.progress_at
-                try:
-                    answer, outputs = self.coordinator.heartbeat(self.now, beat)
-                except StaleIncarnation:
-                    self.at(self.latency(), lambda: self.die(inc, "stale incarnation"), "stale")
+                result = self.to_coordinator(inc, lambda c: c.heartbeat(self.now, beat))
+                if result is None:
                     return
-                inc.registered = True
+                answer, outputs = result
                 self.deliver_outputs(outputs)
                 if not self.lost():
                     self.at(self.latency(), lambda: self.on_heartbeat_answer(inc, answer), "hb answer")
             if not self.lost():
                 self.at(self.latency(), arrive, f"heartbeat {inc.replica_id}")
         self.at(self.c.heartbeat_interval, lambda: self.heartbeat(inc), "hb")
+
+    def to_coordinator(self, inc: Incarnation, call: Callable[[Membership], Any]) -> Any:
+        """A message of ``inc`` reaches the coordinator; None when its incarnation was refused
+        (the process then exits, as the real one does on a 409)."""
+        try:
+            result = call(self.coordinator)
+        except StaleIncarnation:
+            self.at(self.latency(), lambda: self.die(inc, "stale incarnation"), "stale")
+            return None
+        inc.registered = True
+        return result
 
     def on_heartbeat_answer(self, inc: Incarnation, answer: dict) -> None:
         if not inc.running or answer.get("rebuilding") or inc.quorum is None:
@@ -421,13 +430,9 @@ class Simulation:
             if self.coordinator is None or not inc.alive or inc.request is not req:
                 return
             req.asked_at = self.now
-            try:
-                outputs = self.coordinator.request(self.now, req)
-            except StaleIncarnation:
-                self.at(self.latency(), lambda: self.die(inc, "stale incarnation"), "stale")
-                return
-            inc.registered = True
-            self.deliver_outputs(outputs)
+            outputs = self.to_coordinator(inc, lambda c: c.request(self.now, req))
+            if outputs is not None:
+                self.deliver_outputs(outputs)
         if not self.lost():
             self.at(self.latency(), arrive, f"request {inc.replica_id} step {fields['step']}")
         self.log(f"{inc.replica_id} asks at step {fields['step']}{' (failed)' if fields['failed'] else ''}")

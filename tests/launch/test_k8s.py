@@ -7,7 +7,6 @@ pydantic models of ``kubeflow-trainer-api``, with a round trip that drops unknow
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import yaml

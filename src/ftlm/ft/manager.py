@@ -341,9 +341,9 @@ class Manager:
     def restart_recovery(self, reason: str) -> None:
         log.warning("restarting recovery: %s", reason)
         self.events.emit("recovery_end", step=self.proto.step, ok=False, error=reason)
-        if self._fetch is not None:
+        if self._fetch is not None:  # (a pull that arrived was already counted by poll_recovery)
             self._fetch = None  # an in-flight pull finishes on its own and is ignored
-        self.proto.fetch_finished()
+            self.proto.fetch_finished()
 
     def caught_up(self, step: int, chain: str) -> None:
         """The trainer replayed its way to the head: report that state from now on."""

@@ -52,7 +52,7 @@ def check(seeds: int, config: SimConfig, start: int = 0, jobs: int = 1, progress
         nonlocal done
         for r in results:
             done += 1
-            report.faults.update({k: v for k, v in r.faults.items() if not k.startswith("_")})
+            report.faults.update(r.faults)
             report.restores += r.restores
             report.simulated_seconds += r.seconds
             if not r.ok:

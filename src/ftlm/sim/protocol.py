@@ -623,7 +623,6 @@ class Simulation:
         inc.buffer = {}
         if not check.ok:
             inc.state = snap
-            inc.proto.fetch_finished()
             self.log(f"{inc.replica_id} replay rejected: {check.reason}")
             return
         st = snap

@@ -236,7 +236,9 @@ class Trainer:
         grads = [_local(p.grad) for p in self.params]
         # A non-finite gradient must not reach any replica: contribute zeros, raise the flag that
         # travels with the loss, and every group fails this step together.
-        finite = bool(torch.isfinite(loss)) and all(bool(torch.isfinite(g).all()) for g in grads)
+        # One device sync for all of them (a norm is non-finite iff an element is, or overflows).
+        norms = torch._foreach_norm(grads) if grads else []
+        finite = bool(torch.isfinite(torch.stack([loss.float().reshape(()), *[n.float() for n in norms]])).all())
         if not finite:
             for g in grads:
                 g.zero_()

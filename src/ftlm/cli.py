@@ -178,6 +178,13 @@ def cmd_sim_check(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+# Modules that add their own subcommands: each defines ``register(sub)`` taking the subparsers
+# action and adding its parsers (with ``set_defaults(fn=...)``). Keep them light to import: the
+# heavy imports belong inside the command functions.
+COMMAND_MODULES: tuple[str, ...] = (
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ftlm", description="Fault-tolerant LLM training (FT-HSDP).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -268,6 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="(re)write report.md of a run directory and print its headline")
     p.add_argument("run_dir", help="run directory, e.g. runs/demo")
     p.set_defaults(fn=cmd_report)
+
+    import importlib
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
     return parser
 
 

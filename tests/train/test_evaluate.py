@@ -33,7 +33,7 @@ def evals(trainer: Trainer) -> list[dict]:
 def test_loss_is_the_mean_cross_entropy_over_the_first_heldout_batches(tiny_config) -> None:
     trainer = Trainer(tiny_config(train={"eval_every": 5, "eval_batches": 3}))
     try:
-        rows = torch.from_numpy(trainer.split.heldout.samples(np.arange(3 * BATCH)))
+        rows = torch.from_numpy(trainer.data.heldout.samples(np.arange(3 * BATCH)))
         with torch.no_grad():
             logits = trainer.model(rows[:, :-1])
             expected = F.cross_entropy(logits.reshape(-1, logits.size(-1)), rows[:, 1:].reshape(-1))
@@ -129,9 +129,9 @@ def test_eval_off_and_bad_settings(tiny_config) -> None:
 def test_training_never_sees_a_heldout_sample(tiny_config) -> None:
     trainer = Trainer(tiny_config(train={"steps": 4, "eval_every": 0}))
     try:
-        held = {tuple(r) for r in trainer.split.heldout.samples(np.arange(256)).tolist()}
-        epoch = len(trainer.split.train)
-        assert epoch == len(trainer.dataset) - 256
+        held = {tuple(r) for r in trainer.data.heldout.samples(np.arange(256)).tolist()}
+        epoch = len(trainer.data.train)
+        assert epoch == len(trainer.data.train.source) - 256
         trained = trainer.loader.compute(0, 0, 1, epoch)  # one whole epoch of the global order
         assert not held & {tuple(r) for r in trained.tolist()}
     finally:
@@ -193,7 +193,7 @@ def test_every_rank_of_a_sharded_group_gets_the_unsharded_loss(tiny_config, tmp_
     config = tiny_config()
     reference = Trainer(config)
     try:
-        ref = Evaluator(reference.model, reference.split.heldout, every=1, batches=2,
+        ref = Evaluator(reference.model, reference.data.heldout, every=1, batches=2,
                         batch_size=BATCH, micro_batch=BATCH, last_step=1).evaluate().loss
     finally:
         reference.loader.close()

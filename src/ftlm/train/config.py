@@ -94,6 +94,9 @@ class TrainConfig:
     """Held-out loss every this many committed steps and after the last one; 0 turns it off."""
     eval_batches: int = 4
     """Batches of batch_size held-out samples per evaluation; at most data.eval_samples samples."""
+    init_from: str = ""
+    """model.safetensors to start from instead of a random initialisation (e.g. a pretrained
+    model for post-training); empty: random initialisation from run.seed."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum"):
@@ -123,6 +126,8 @@ class TrainConfig:
                 raise ConfigError(f"train.{name}={getattr(self, name)!r} must be true or false")
         for name in ("eval_every", "eval_batches"):
             _count(name, getattr(self, name), positive=False)
+        if not isinstance(self.init_from, str):
+            raise ConfigError(f"train.init_from={self.init_from!r} must be a path (a string)")
         if self.eval_every and not self.eval_batches:
             raise ConfigError(f"train.eval_batches=0 with train.eval_every={self.eval_every}: "
                               "set eval_batches >= 1, or eval_every=0 to turn evaluation off")

@@ -1,8 +1,9 @@
-"""The eval loss: mean next-token cross-entropy of a group's model on held-out samples.
+"""The eval loss: the objective's mean loss of a group's model on held-out samples.
 
 ``Evaluator`` reads a fixed eval set once, ``train.eval_batches`` batches of ``train.batch_size``
 samples from the front of the held-out split (``ftlm.data.split``), and ``evaluate()`` returns the
-token-weighted mean cross-entropy over it. Inside a group sharded with FSDP2 every rank runs the
+objective's weighted mean over it (for language modelling, the token-weighted mean next-token
+cross-entropy; ``ftlm.train.objective``). Inside a group sharded with FSDP2 every rank runs the
 forward passes on its share of each batch (a collective: all ranks must call ``evaluate()``
 together), and one all-reduce of (loss sum, token count) over the group gives every rank the same
 number. Every participating group evaluates the same bits on the same samples, so groups agree too.
@@ -26,11 +27,11 @@ from typing import ContextManager
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ftlm.data.loader import SampleSource
 from ftlm.errors import ConfigError
 from ftlm.train.config import TrainConfig
+from ftlm.train.objective import LanguageModeling, Objective
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ class Evaluator:
                  batch_size: int, micro_batch: int, last_step: int, rank: int = 0, ranks: int = 1,
                  device: torch.device | None = None,
                  autocast: Callable[[], ContextManager] = contextlib.nullcontext,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None,
+                 objective: Objective | None = None) -> None:
         needed = batches * batch_size
         if needed > len(heldout):
             raise ConfigError(f"train.eval_batches={batches} x train.batch_size={batch_size} = "
@@ -78,6 +80,7 @@ class Evaluator:
                                for k in range(batches)])
         # Read once: the eval set is fixed for the run, and a data error surfaces at start-up.
         self.rows = torch.from_numpy(np.asarray(heldout.samples(mine), dtype=np.int64))
+        self.objective = objective or LanguageModeling(self.rows.shape[-1] - 1)
 
     def due(self, step: int) -> bool:
         """Whether the model after ``step`` committed steps is evaluated."""
@@ -94,12 +97,10 @@ class Evaluator:
             try:
                 for chunk in self.rows.split(self.micro_batch):
                     chunk = chunk.to(self.device, non_blocking=True)
-                    inputs, targets = chunk[:, :-1], chunk[:, 1:]
                     with self.autocast():
-                        logits = self.model(inputs)
-                    total[0] += F.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
-                                                targets.reshape(-1), reduction="sum").double()
-                    total[1] += targets.numel()
+                        loss_sum, count = self.objective.eval_sums(self.model, chunk)
+                    total[0] += loss_sum.to(total.device)
+                    total[1] += count.to(total.device)
             finally:
                 self.model.train(was_training)
                 _reshard(self.model)
@@ -139,8 +140,8 @@ def _reshard(model: torch.nn.Module) -> None:
 
 def build_evaluator(model: torch.nn.Module, heldout: SampleSource, tc: TrainConfig, *,
                     rank: int = 0, ranks: int = 1, device: torch.device | None = None,
-                    autocast: Callable[[], ContextManager] = contextlib.nullcontext
-                    ) -> Evaluator | NoEvaluation:
+                    autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+                    objective: Objective | None = None) -> Evaluator | NoEvaluation:
     """The trainer's evaluator from ``train.eval_every`` / ``eval_batches``, or ``NoEvaluation``."""
     if not tc.eval_every:
         return NoEvaluation()
@@ -149,4 +150,5 @@ def build_evaluator(model: torch.nn.Module, heldout: SampleSource, tc: TrainConf
                           "data.eval_samples=0; set data.eval_samples > 0 or train.eval_every=0")
     return Evaluator(model, heldout, every=tc.eval_every, batches=tc.eval_batches,
                      batch_size=tc.batch_size, micro_batch=tc.batch_size // ranks // tc.grad_accum,
-                     last_step=tc.steps, rank=rank, ranks=ranks, device=device, autocast=autocast)
+                     last_step=tc.steps, rank=rank, ranks=ranks, device=device, autocast=autocast,
+                     objective=objective)

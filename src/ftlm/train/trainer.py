@@ -39,6 +39,7 @@ from ftlm.train.catchup import CatchUpBuffer, unflatten_into
 from ftlm.train.checkpoint import Checkpointer
 from ftlm.train.evaluate import build_evaluator
 from ftlm.train.mfu import peak_flops
+from ftlm.train.objective import LanguageModeling, Objective, TrainData
 from ftlm.train.optim import apply_update, build_optimizer
 from ftlm.train.parallelize import group_mesh, parallelize
 from ftlm.train.schedule import degraded_lr_scale, lr_at
@@ -113,11 +114,31 @@ def build_model(config: RunConfig, device: torch.device) -> Transformer:
     return model
 
 
+def load_weights(model: Transformer, path: Path) -> None:
+    """Load ``model.safetensors`` weights (as ``Trainer.save_model`` writes them) into ``model``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_model
+    if not path.is_file():
+        raise ConfigError(f"train.init_from={str(path)!r} does not exist; point it at a "
+                          "model.safetensors written by a run (RUN_DIR/model.safetensors)")
+    try:
+        missing, unexpected = load_model(model, str(path), strict=False)
+    except (SafetensorError, RuntimeError, OSError) as e:
+        raise DataError(f"train.init_from={str(path)!r} is not a model of this shape "
+                        f"(model.* config) or not a safetensors file: {e}") from None
+    if missing or unexpected:
+        raise DataError(f"train.init_from={str(path)!r} does not match the model config: "
+                        f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+
+
 class Trainer:
     """Trains one replica group; ``train()`` runs the loop and returns the final summary fields."""
 
     def __init__(self, config: RunConfig, ft: FaultTolerance | None = None, group: str = "g0",
-                 groups: int = 1, standalone: bool = True):
+                 groups: int = 1, standalone: bool = True, objective: Objective | None = None,
+                 data: TrainData | None = None):
+        """``objective`` and ``data`` default to language modelling on ``data.dir`` (pretraining);
+        post-training commands inject their own (``ftlm.train.objective``)."""
         self.config = config
         self.ft = ft or NoFaultTolerance()
         self.group = group
@@ -130,10 +151,15 @@ class Trainer:
         self.dtype = resolve_dtype(tc.dtype, self.device)
         self.run_dir = config.run.path
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.tokenizer, self.dataset = load_data(config)
-        # Training (and so the cursor) ranges over every sample but the held-out ones.
-        self.split = split_heldout(self.dataset, config.data.eval_samples, config.data.eval_seed)
-        self.loader = Loader(self.split.train, seed=config.run.seed, prefetch=config.data.prefetch)
+        if data is None:
+            tokenizer, dataset = load_data(config)
+            # Training (and so the cursor) ranges over every sample but the held-out ones.
+            split = split_heldout(dataset, config.data.eval_samples, config.data.eval_seed)
+            data = TrainData(tokenizer, split.train, split.heldout)
+        self.data = data
+        self.tokenizer = data.tokenizer
+        self.objective = objective or LanguageModeling(config.data.seq_len)
+        self.loader = Loader(data.train, seed=config.run.seed, prefetch=config.data.prefetch)
         # Ranks inside this replica group (torchrun environment): FSDP2 shards the model over them.
         self.mesh = group_mesh(self.device)
         self.rank = dist.get_rank() if self.mesh is not None else 0
@@ -144,13 +170,15 @@ class Trainer:
             raise ConfigError(f"train.batch_size={tc.batch_size} must be divisible by the group's "
                               f"{self.ranks} rank(s) x train.grad_accum={tc.grad_accum}")
         self.model = build_model(config, self.device)
+        if tc.init_from:
+            load_weights(self.model, Path(tc.init_from))
         self.step_model = parallelize(self.model, self.mesh,
                                       activation_checkpointing=tc.activation_checkpointing,
                                       compile=tc.compile)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.evaluator = build_evaluator(self.step_model, self.split.heldout, tc, rank=self.rank,
+        self.evaluator = build_evaluator(self.step_model, data.heldout, tc, rank=self.rank,
                                          ranks=self.ranks, device=self.device,
-                                         autocast=self._autocast)
+                                         autocast=self._autocast, objective=self.objective)
         self.state = TrainState(self.model, build_optimizer(self.model, tc), config.run.seed,
                                 mesh=self.mesh)
         # One record per group: rank 0 speaks for it.
@@ -168,7 +196,7 @@ class Trainer:
             key=(os.environ.get("FTLM_TOKEN", "") or config.ft.read_token()).encode() or None)
         self.catchup = CatchUpBuffer(config.ft.catchup_max_steps)
         self.metrics = self._start_metrics()
-        self.tokens_per_sample = config.data.seq_len
+        self.tokens_per_sample = self.objective.tokens_per_sample
         self.flops_per_token = flops_per_token(config.model, config.data.seq_len)
         self.losses: list[float] = []
         self._stalled = False  # a step failed since the last commit
@@ -200,10 +228,8 @@ class Trainer:
         micro = batch.chunk(self.config.train.grad_accum)
         total = torch.zeros((), device=self.device)
         for mb in micro:
-            inputs, targets = mb[:, :-1], mb[:, 1:]
             with self._autocast():
-                logits = self.step_model(inputs)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+                loss = self.objective.loss(self.step_model, mb)
             (loss / len(micro)).backward()
             total += loss.detach() / len(micro)
         return total

@@ -129,3 +129,13 @@ def test_cuda_model_samples_with_a_cpu_generator(model):
             for _ in range(2)]
     assert runs[0].device.type == "cuda" and runs[0].shape == (1, 10)
     assert torch.equal(runs[0], runs[1])
+
+
+def test_top_k_keeps_exactly_k_tokens_when_values_tie():
+    # Before the fix every token tied with the k-th value was kept: here 4 tokens for k=2.
+    logits = torch.tensor([1.0, 2.0, 2.0, 2.0, 0.5])
+    probs = logits_to_probs(logits, temperature=1.0, top_k=2)
+    assert torch.count_nonzero(probs).item() == 2
+    assert set(torch.nonzero(probs).flatten().tolist()) == {1, 2}  # ties keep the lower ids
+    batch = logits_to_probs(torch.zeros(3, 10), temperature=1.0, top_k=4)
+    assert torch.count_nonzero(batch, dim=-1).tolist() == [4, 4, 4]

@@ -5,8 +5,9 @@ step (``decode_one_token``) and the decode loop (``generate``) with temperature,
 generator, an end-of-sequence id and cropping of the context to ``max_seq_len``.
 
 Not responsible for: batching, serving, or a KV cache. Each step re-runs the model on the cropped
-context; for the small models this package trains that is cheap and keeps the model free of
-inference state. A cached engine belongs to ``ftlm.infer``.
+context; that keeps the model free of inference state and makes this loop the reference the cached
+engine is tested against. For speed, batches, top-p/min-p and stop strings use ``ftlm.infer``
+(``Engine``), which is many times faster.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from torch import nn
 
 def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0,
                     top_k: int | None = None) -> torch.Tensor:
-    """Probabilities ``[..., vocab]`` of ``logits / temperature``, kept to the ``top_k`` best."""
+    """Probabilities ``[..., vocab]`` of ``logits / temperature``, kept to exactly ``top_k`` tokens."""
     logits = logits.float() / max(temperature, 1e-5)
     if top_k is not None and top_k < logits.shape[-1]:
-        kth_best = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth_best, float("-inf"))
+        # Keep exactly k tokens: a threshold at the k-th value would keep every token tied with
+        # it. Among tied values the stable sort keeps the lower token ids.
+        order = torch.sort(logits, dim=-1, descending=True, stable=True).indices
+        keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order[..., :top_k], True)
+        logits = logits.masked_fill(~keep, float("-inf"))
     return torch.softmax(logits, dim=-1)
 
 

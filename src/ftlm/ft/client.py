@@ -108,11 +108,16 @@ class CoordinatorClient:
         Returns ``{"quorum_id", "dead": [recently dead replica ids of the quorums in flight],
         "rebuilding": bool}`` (and ``"kill": true`` for a chaos drill).
         """
-        body = {"group": self.group, "incarnation": self.incarnation, "step": step, "quorum_id": quorum_id,
-                "chain": chain, "progress_age": round(max(0.0, progress_age), 3),
-                "known_head": max(known_head, step)}
+        body = self.heartbeat_body(step, quorum_id, chain, progress_age, known_head)
         _, answer = self._request("POST", "/v1/heartbeat", body, self.timeout)
         return answer
+
+    def heartbeat_body(self, step: int, quorum_id: int, chain: str = GENESIS, progress_age: float = 0.0,
+                       known_head: int = 0) -> dict[str, Any]:
+        """The JSON body ``heartbeat`` sends (load tests send it over their own connections)."""
+        return {"group": self.group, "incarnation": self.incarnation, "step": step, "quorum_id": quorum_id,
+                "chain": chain, "progress_age": round(max(0.0, progress_age), 3),
+                "known_head": max(known_head, step)}
 
     def leave(self, reason: str) -> None:
         """Leave the job on purpose (finished, stopped, preempted): not reported as a failure."""
@@ -131,22 +136,25 @@ class CoordinatorClient:
         Raises QuorumTimeout when none was issued in time, CoordinatorUnavailable when the server is
         unreachable, StaleIncarnation when this incarnation was replaced by a newer one.
         """
-        body = {
-            "group": self.group,
-            "incarnation": self.incarnation,
-            "step": step,
-            "last_quorum_id": last_quorum_id,
-            "failed": failed,
-            "meta": meta,
-            "timeout": timeout,
-            "chain": chain,
-        }
+        body = self.quorum_body(step, last_quorum_id, failed, meta, timeout, chain)
         # The socket waits for the long-poll plus the ordinary timeout for the answer to travel.
         _, answer = self._request("POST", "/v1/quorum", body, timeout + self.timeout)
         try:
             return Quorum.from_json(answer)
         except ValueError as e:
             raise CoordinatorError(f"coordinator at {self.url} sent a malformed quorum: {e}") from e
+
+    def quorum_body(self, step: int, last_quorum_id: int, failed: bool, meta: dict[str, Any], timeout: float,
+                    chain: str = GENESIS) -> dict[str, Any]:
+        """The JSON body ``quorum`` sends (load tests send it over their own connections)."""
+        return {"group": self.group, "incarnation": self.incarnation, "step": step,
+                "last_quorum_id": last_quorum_id, "failed": failed, "meta": meta, "timeout": timeout,
+                "chain": chain}
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers of every request: content type and, with a job token, the bearer token."""
+        return dict(self._headers)
 
     def status(self) -> dict[str, Any]:
         """The coordinator's ``/status`` JSON."""

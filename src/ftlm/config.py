@@ -26,6 +26,8 @@ from ftlm.ft.config import FTConfig
 from ftlm.launch.cluster_config import ClusterConfig
 from ftlm.model.config import ModelConfig
 from ftlm.observe.config import ObserveConfig
+from ftlm.post.config import PostConfig
+from ftlm.observe.cost import CostConfig
 from ftlm.train.config import CheckpointConfig, TrainConfig
 
 
@@ -63,6 +65,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    post: PostConfig = field(default_factory=PostConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {f.name: _section_dict(getattr(self, f.name)) for f in dataclasses.fields(self)}

@@ -96,3 +96,15 @@ def test_report_shows_rollbacks_undetected_failures_and_problems(runs, tmp_path)
     console = format_summary(summary)
     assert "1 rollback(s), 2 steps superseded" in console
     assert "WARNING: 1 injected failure(s) were never detected" in console
+
+
+def test_report_shows_gpu_hours_by_state_and_cost_when_priced(runs, tmp_path):
+    events = runs.failure_run(2.0)
+    summary = build_summary(events, wall_seconds=1.0, state_hashes={},
+                            config={"cost": {"spot_per_gpu_hour": 2.5}}, groups=["A", "B", "C"])
+    text = write_report(tmp_path, summary, events, plots=False).read_text()
+    assert "## GPU-hours" in text
+    for state in ("training", "stalled", "recovering", "starting", "idle", "total"):
+        assert re.search(rf"^\| {state} \| [0-9.e-]+ \| ", text, re.M), state
+    assert "| spot | 2.5 USD |" in text
+    assert "on-demand" not in text  # no on-demand price set

@@ -364,3 +364,43 @@ def test_proof_problems_name_every_broken_invariant(runs):
     assert proof_problems(summary) == [
         f"replicas differ: A={'a' * 12}, B={'b' * 12}", "4 sample(s) trained twice",
         "8 sample(s) skipped", "only 3 of 10 steps committed"]
+
+
+def test_gpu_hours_split_a_failed_group_into_stalled_starting_recovering_and_idle(runs):
+    # failure_run: 3 groups from t=1000 to 1011.8; C killed at 1004.02, starts until 1007.02,
+    # recovers until 1008.02, then commits no more; A and B wait 2.0 s instead of 0.1 s once.
+    summary = build_summary(runs.failure_run(2.0), wall_seconds=1.0, state_hashes={},
+                            config={"cost": {"ranks_per_group": 2}}, groups=["A", "B", "C"])
+    hours = {k: v * 3600 / 2 for k, v in summary["gpu_hours"].items()}  # seconds per GPU
+    assert hours["total"] == pytest.approx(3 * 11.8, abs=1e-3)
+    assert hours["starting"] == pytest.approx(3.0, abs=1e-3)
+    assert hours["recovering"] == pytest.approx(1.0, abs=1e-3)
+    assert hours["idle"] == pytest.approx(11.8 - 8.02, abs=1e-3)
+    assert hours["stalled"] == pytest.approx(2 * 1.9 + 0.02, abs=1e-3)
+    assert sum(hours[s] for s in ("training", "stalled", "recovering", "starting", "idle")) \
+        == pytest.approx(hours["total"], abs=1e-3)
+    assert "cost" not in summary  # no prices configured
+
+
+def test_cost_per_million_committed_tokens_on_demand_and_spot(runs):
+    events = runs.steady_run(11, groups=("A",), dt=0.36)  # 3.6 s of one GPU: 0.001 GPU-hour
+    summary = build_summary(events, wall_seconds=3.6, state_hashes={"A": "a" * 64},
+                            config={"cost": {"on_demand_per_gpu_hour": 4.0,
+                                             "spot_per_gpu_hour": 1.0}}, groups=["A"])
+    assert summary["gpu_hours"]["total"] == pytest.approx(0.001)
+    cost = summary["cost"]
+    assert cost["on_demand_total"] == pytest.approx(0.004)
+    assert cost["spot_total"] == pytest.approx(0.001)
+    tokens = summary["tokens_committed"]
+    assert cost["on_demand_per_million_tokens"] == pytest.approx(0.004 / tokens * 1e6, rel=1e-4)
+    assert cost["spot_per_million_tokens"] == pytest.approx(0.001 / tokens * 1e6, rel=1e-4)
+
+
+def test_bad_cost_section_is_a_config_error(runs):
+    from ftlm.errors import ConfigError
+    with pytest.raises(ConfigError, match="cost.spot_per_gpu_hour"):
+        build_summary(runs.steady_run(3), wall_seconds=1.0, state_hashes={},
+                      config={"cost": {"spot_per_gpu_hour": -2}}, groups=["A", "B"])
+    with pytest.raises(ConfigError, match="unknown key"):
+        build_summary(runs.steady_run(3), wall_seconds=1.0, state_hashes={},
+                      config={"cost": {"price": 2}}, groups=["A", "B"])

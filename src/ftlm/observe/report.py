@@ -95,6 +95,30 @@ def _headline(summary: dict) -> list[str]:
     return _table(["metric", "value"], rows)
 
 
+def _gpu_hours(summary: dict) -> list[str]:
+    """GPU-hours by state (``ftlm.observe.cost``) and, when priced, the cost of the run."""
+    hours = summary.get("gpu_hours")
+    if not hours:
+        return ["No GPU-hours recorded."]
+    total = hours.get("total") or 0.0
+    rows = [[state, f"{hours.get(state, 0.0):.4g}",
+             f"{hours.get(state, 0.0) / total:.1%}" if total else "-"]
+            for state in ("training", "stalled", "recovering", "starting", "idle")]
+    rows.append(["total", f"{total:.4g}", "100.0%" if total else "-"])
+    lines = _table(["state", "GPU-hours", "share"], rows)
+    cost = summary.get("cost")
+    if cost:
+        unit = cost.get("currency", "")
+        priced = [[name.replace("_", "-"), f"{cost[f'{name}_per_gpu_hour']:g} {unit}",
+                   f"{cost[f'{name}_total']:.4g} {unit}",
+                   "-" if cost.get(f"{name}_per_million_tokens") is None
+                   else f"{cost[f'{name}_per_million_tokens']:.4g} {unit}"]
+                  for name in ("on_demand", "spot") if f"{name}_total" in cost]
+        lines += ["", *_table(["capacity", "per GPU-hour", "run", "per million committed tokens"],
+                              priced)]
+    return lines
+
+
 _GROUP_KINDS = ("commit", "step_failed", "failure_injected", "member_dead", "recovery_start",
                 "recovery_end")
 
@@ -166,6 +190,7 @@ def render_report(summary: dict, events: list[dict], title: str = "run",
     parts = [f"# ftlm run report: {title}", "", *_headline(summary), "",
              *_image(plots, "throughput"), *_image(plots, "participants"),
              "## Groups", "", *_per_group(summary, events), "",
+             "## GPU-hours", "", *_gpu_hours(summary), "",
              "## Failures and rejoins", "", *_image(plots, "stalls"), *_timeline(summary, events), "",
              "## Loss", "", *_image(plots, "loss"), *_loss_table(events), ""]
     return "\n".join(parts)

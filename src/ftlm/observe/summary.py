@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ftlm.errors import DataError
+from ftlm.observe.cost import cost_config_of, cost_summary, gpu_hours_by_state, gpus_per_group
 from ftlm.observe.events import jsonable
 
 FAILURE_KINDS = ("failure_injected", "member_dead", "recovery_start")
@@ -485,7 +486,8 @@ def build_summary(events: list[dict], *, wall_seconds: float, state_hashes: dict
     """Every field of ``summary.json`` (DESIGN.md section 10), plus ``median_step_seconds``,
     ``steady_tokens_per_second``, ``failures_undetected`` (injected failures nobody noticed),
     ``failures_unexplained`` (detected failures nobody injected: crashes, false hang alarms),
-    ``crashes`` (group processes that failed on their own) and ``problems`` (``proof_problems``).
+    ``crashes`` (group processes that failed on their own), ``gpu_hours`` by state and ``cost``
+    when ``config`` prices GPU-hours (``ftlm.observe.cost``) and ``problems`` (``proof_problems``).
 
     Commits a ``restore`` superseded are left out of every figure (``final_history``);
     ``replicas_identical`` means one hash per group of ``groups``, all equal."""
@@ -526,6 +528,12 @@ def build_summary(events: list[dict], *, wall_seconds: float, state_hashes: dict
         "median_step_seconds": round(median, 4),
         "steady_tokens_per_second": round(steady, 2),
     }
+    cost = cost_config_of(config)
+    summary["gpu_hours"] = gpu_hours_by_state(events, list(groups),
+                                              gpus_per_group(recorded, config, cost), median)
+    priced = cost_summary(summary["gpu_hours"], tokens, cost)
+    if priced is not None:
+        summary["cost"] = priced
     summary["problems"] = proof_problems(summary)
     return summary
 

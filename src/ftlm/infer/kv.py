@@ -1,0 +1,137 @@
+"""The static KV cache and the model's forward pass over it: ``KVCache``, ``prefill``, ``decode``.
+
+Responsible for: a preallocated key/value cache of ``slots`` sequences by ``max_seq_len``
+positions per layer, and the two cached forward passes of a ``ftlm.model.Transformer`` built from
+its own modules and weights (embedding, norms, q/k/v/o projections, MLP, output) and its rotary
+table: ``prefill`` (whole prompts, written into chosen slots) and ``decode`` (one token for each
+of the first ``B`` slots, every slot at its own position). Both are pure functions of their
+inputs apart from the cache writes, in the gpt-fast shape.
+
+Not responsible for: sampling (``ftlm.infer.sampling``), scheduling sequences into slots or
+stopping them (``ftlm.infer.engine``), or the model itself: ``ftlm.model.llama`` is untouched and
+its uncached forward stays the reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ftlm.model.llama import Transformer, apply_rope
+
+
+@dataclass
+class KVCache:
+    """Keys and values per layer, each ``[slots, n_kv_heads, max_seq_len, head_dim]``."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, model: Transformer, slots: int, max_seq_len: int | None = None,
+                 dtype: torch.dtype | None = None) -> KVCache:
+        """A zeroed cache for ``slots`` sequences on the model's device (and in its dtype)."""
+        cfg = model.cfg
+        length = max_seq_len or cfg.max_seq_len
+        weight = model.tok_embeddings.weight
+        shape = (slots, cfg.n_kv_heads, length, cfg.head_dim)
+        make = lambda: torch.zeros(shape, dtype=dtype or weight.dtype, device=weight.device)  # noqa: E731
+        return cls([make() for _ in range(cfg.n_layers)], [make() for _ in range(cfg.n_layers)])
+
+    @property
+    def slots(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.k[0].shape[2]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def _rotate(model: Transformer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` with a position per token: ``x [B, T, heads, D]``, ``positions [B, T]``.
+
+    ``apply_rope`` rotates along its time axis; flattening batch and time into that axis lets
+    every row carry its own positions.
+    """
+    batch, seq, heads, dim = x.shape
+    flat = positions.reshape(-1)
+    rotated = apply_rope(x.reshape(1, batch * seq, heads, dim), model.rope_cos[flat],
+                         model.rope_sin[flat])
+    return rotated.view(batch, seq, heads, dim)
+
+
+def _qkv(model: Transformer, layer: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = model.cfg
+    attn = layer.attention
+    batch, seq, _ = h.shape
+    x = layer.attention_norm(h)
+    q = attn.wq(x).view(batch, seq, cfg.n_heads, cfg.head_dim)
+    k = attn.wk(x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim)
+    v = attn.wv(x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim)
+    return _rotate(model, q, positions), _rotate(model, k, positions), v
+
+
+def prefill(model: Transformer, cache: KVCache, tokens: torch.Tensor, lengths: torch.Tensor,
+            slots: torch.Tensor) -> torch.Tensor:
+    """Run prompts ``tokens [B, T]`` (right-padded; row ``i`` is ``lengths[i]`` long) from position 0.
+
+    Writes their keys and values into cache rows ``slots [B]`` at positions ``0..T-1`` (the padding
+    positions hold junk that decoding overwrites before it reads them) and returns the logits of
+    each prompt's last token, ``[B, vocab]``. Causal attention makes padding invisible to the real
+    tokens before it.
+    """
+    cfg = model.cfg
+    batch, seq = tokens.shape
+    positions = torch.arange(seq, device=tokens.device).expand(batch, seq)
+    h = model.tok_embeddings(tokens)
+    repeats = cfg.n_heads // cfg.n_kv_heads
+    for i, layer in enumerate(model.layers):
+        q, k, v = _qkv(model, layer, h, positions)
+        cache.k[i][slots, :, :seq] = k.transpose(1, 2).to(cache.k[i].dtype)
+        cache.v[i][slots, :, :seq] = v.transpose(1, 2).to(cache.v[i].dtype)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if repeats > 1:  # as the model does it, so prefill matches its numerics
+            k = k.repeat_interleave(repeats, dim=1)
+            v = v.repeat_interleave(repeats, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + layer.attention.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+        h = h + layer.feed_forward(layer.ffn_norm(h))
+    last = h[torch.arange(batch, device=h.device), lengths.to(h.device) - 1]
+    return model.output(model.norm(last))
+
+
+def decode(model: Transformer, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
+           kv_len: int) -> torch.Tensor:
+    """One step for cache slots ``0..B-1``: token ``tokens[i]`` sits at ``positions[i]``.
+
+    ``tokens`` and ``positions`` are ``[B]``; attention reads cache positions ``0..positions[i]``
+    of the first ``kv_len`` (``> max(positions)``; a constant ``max_seq_len`` keeps shapes static
+    for ``torch.compile``). Returns the next-token logits ``[B, vocab]``.
+    """
+    cfg = model.cfg
+    batch = tokens.shape[0]
+    repeats = cfg.n_heads // cfg.n_kv_heads
+    rows = torch.arange(batch, device=tokens.device)
+    visible = torch.arange(kv_len, device=tokens.device)[None, :] <= positions[:, None]
+    mask = visible[:, None, None, :]  # [B, 1, 1, kv_len], broadcast over kv heads and repeats
+    h = model.tok_embeddings(tokens[:, None])
+    for i, layer in enumerate(model.layers):
+        q, k, v = _qkv(model, layer, h, positions[:, None])
+        ck, cv = cache.k[i], cache.v[i]
+        ck[rows, :, positions] = k[:, 0].to(ck.dtype)
+        cv[rows, :, positions] = v[:, 0].to(cv.dtype)
+        # Grouped-query attention without copying the cache: the query heads that share kv head
+        # g become g's "query positions" ([B, kv_heads, repeats, D]); query head h reads kv head
+        # h // repeats, as in the model.
+        q = q.view(batch, cfg.n_kv_heads, repeats, cfg.head_dim)
+        out = F.scaled_dot_product_attention(q, ck[:batch, :, :kv_len], cv[:batch, :, :kv_len],
+                                             attn_mask=mask)
+        h = h + layer.attention.wo(out.reshape(batch, 1, -1))
+        h = h + layer.feed_forward(layer.ffn_norm(h))
+    return model.output(model.norm(h[:, 0]))

@@ -1,0 +1,19 @@
+"""Fixtures of the inference tests (helpers live in infer_helpers.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from infer_helpers import tiny_model  # noqa: E402
+
+from ftlm.model import Transformer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    return tiny_model()

@@ -43,9 +43,11 @@ def _binary(name: str) -> str:
 class SlurmCluster:
     """Start with ``start()``, stop with ``stop()``; ``env`` points Slurm commands at it."""
 
-    def __init__(self, root: Path, cpus: int = 16):
+    def __init__(self, root: Path, cpus: int = 16, cred_expire: int = 10):
         self.root = root
         self.cpus = cpus
+        # Also how long a requeued job waits before it may start again (default 120 s).
+        self.cred_expire = cred_expire
         self.host = socket.gethostname()
         self.env = dict(os.environ, SLURM_CONF=str(root / "slurm.conf"))
 
@@ -61,7 +63,7 @@ SlurmctldHost={self.host}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={r}/munge.sock
+AuthInfo=socket={r}/munge.sock,cred_expire={self.cred_expire}
 CredType=cred/munge
 SlurmctldPort={ctld}
 SlurmdPort={slurmd}

@@ -7,6 +7,7 @@ system-deps-cluster``) and skips, saying why, where they are missing or cannot r
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from slurm_cluster import SlurmCluster, missing_reason  # noqa: E402
 
 SCRIPTS = ("coordinator.sbatch", "group-g0.sbatch", "group-g1.sbatch", "watch.sh",
-           "submit-all.sh", "stop-all.sh")
+           "submit-all.sh", "stop-all.sh", "node.sh")
 
 
 def generate(tmp_path: Path, config, **cluster) -> Path:
@@ -51,16 +52,22 @@ def test_scripts_pass_shellcheck(tmp_path, tiny_config):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_group_script_requeues_forwards_usr2_and_places_the_group(tmp_path, tiny_config):
+def test_group_script_requeues_signals_the_step_and_places_the_group(tmp_path, tiny_config):
     out = generate(tmp_path, tiny_config(), groups=3, ranks_per_group=4, gpus_per_rank=2,
                    grace_seconds=90)
     text = (out / "group-g2.sbatch").read_text()
     assert "#SBATCH --requeue" in text
     assert "#SBATCH --signal=B:USR2@90" in text
     assert "#SBATCH --gpus-per-node=8" in text
-    assert "trap on_usr2 USR2" in text and 'kill -TERM "$child"' in text
-    assert re.search(r"srun .* -m torch\.distributed\.run .*--nproc-per-node=4 -m ftlm\.cli train",
-                     text)
+    # Defect 1: the trap signals the step's tasks, never srun (which would SIGKILL them).
+    assert "trap on_usr2 USR2" in text and 'scancel --signal=TERM "$SLURM_JOB_ID"' in text
+    assert 'kill -TERM "$child"' not in text
+    # Defect 3: a requeued job appends to its log instead of truncating it.
+    assert "#SBATCH --open-mode=append" in text
+    node = (out / "node.sh").read_text()
+    # Defect 2: torchrun's SIGTERM-to-SIGKILL grace follows grace_seconds (default 30 s).
+    assert re.search(r"-m torch\.distributed\.run --standalone --nnodes=1 --nproc-per-node=4 "
+                     r"--shutdown-timeout=80 -m ftlm\.cli train", node)
     assert "FTLM_GROUP_ID=g2 FTLM_GROUPS=3" in text
     assert sorted(p.name for p in out.glob("group-*.sbatch")) == [
         "group-g0.sbatch", "group-g1.sbatch", "group-g2.sbatch"]
@@ -70,6 +77,57 @@ def test_group_script_requeues_forwards_usr2_and_places_the_group(tmp_path, tiny
     generate(tmp_path, tiny_config(), groups=1)
     assert [p.name for p in out.glob("group-*.sbatch")] == ["group-g0.sbatch"]
     assert (out / "token").read_text() == token
+
+
+def test_multi_node_group_runs_one_torchrun_per_node_through_c10d(tmp_path, tiny_config):
+    out = generate(tmp_path, tiny_config(), groups=2, nodes_per_group=2, ranks_per_group=8,
+                   gpus_per_rank=1, rendezvous_port=29555)
+    text = (out / "group-g1.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text
+    assert "#SBATCH --gpus-per-node=4" in text
+    assert re.search(r"^srun --nodes=2 --ntasks-per-node=1 .*bash \"\$OUT/node\.sh\" &$", text, re.M)
+    node = (out / "node.sh").read_text()
+    assert "--standalone" not in node
+    assert re.search(r"--nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=\"\$FTLM_HEAD:29555\" "
+                     r"--rdzv-id=\"\$SLURM_JOB_ID-\$\{SLURM_RESTART_COUNT:-0\}\" --nproc-per-node=4 ", node)
+    with pytest.raises(ConfigError, match="multiple of cluster.nodes_per_group"):
+        ClusterConfig(nodes_per_group=3, ranks_per_group=4)
+
+
+def test_coordinator_job_has_its_own_partition_time_and_signal(tmp_path, tiny_config):
+    out = generate(tmp_path, tiny_config(), slurm_partition="gpu", slurm_time="4:00:00",
+                   slurm_coordinator_partition="cpu", slurm_coordinator_time="7-00:00:00")
+    text = (out / "coordinator.sbatch").read_text()
+    assert "#SBATCH --partition=cpu" in text and "#SBATCH --time=7-00:00:00" in text
+    assert "#SBATCH --signal=B:USR2@60" in text and "trap on_usr2 USR2" in text
+    assert "exec " not in text  # the shell stays to handle the signal
+    group = (out / "group-g0.sbatch").read_text()
+    assert "#SBATCH --partition=gpu" in group and "#SBATCH --time=4:00:00" in group
+    # Defect 5: the groups reach the coordinator through a relay that re-reads its address file.
+    assert "-m ftlm.launch.relay --url-file" in group
+    assert 'FTLM_COORDINATOR="http://$FTLM_HEAD:$(cat "$relay_port_file")"' in group
+    out2 = generate(tmp_path / "b", tiny_config(), slurm_partition="gpu")
+    assert "#SBATCH --partition=gpu" in (out2 / "coordinator.sbatch").read_text()
+
+
+def test_submit_all_forgets_a_previous_run_in_the_same_folder(tmp_path, tiny_config):
+    """Defect 3: a stale state/<g>.done made the watcher exit at once and cancel the coordinator."""
+    out = generate(tmp_path, tiny_config(), groups=2)
+    state = out / "state"
+    for name in ("g0.done", "g1.done", "g1.restarts", "STOP", "coordinator.url"):
+        (state / name).write_text("old\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "sbatch"  # a stand-in that hands out job ids, so no Slurm is needed
+    fake.write_text("#!/bin/bash\nn=$(cat \"$0.n\" 2>/dev/null || echo 100)\n"
+                    "echo $((n + 1)) > \"$0.n\"\necho $((n + 1))\n")
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    r = subprocess.run([str(out / "submit-all.sh"), "--no-watch"], env=env, capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    left = sorted(p.name for p in state.iterdir())
+    assert left == ["coordinator.jobid", "g0.jobid", "g1.jobid"], left
 
 
 def test_bad_cluster_values_name_the_field():
@@ -156,6 +214,48 @@ def test_cancelled_group_is_resubmitted_rejoins_and_replicas_match(tmp_path, tin
     assert g0[-1]["state_hash"] == g1[-1]["state_hash"], "replicas differ at the end"
     committed = {e["step"] for e in events if e["kind"] == "commit"}
     assert committed == set(range(steps))
+
+
+@pytest.mark.slow  # about 50 s: two groups, a stop, and a requeue that waits cred_expire
+@pytest.mark.timeout(300)
+def test_usr2_stops_the_step_gracefully_and_the_requeued_job_appends_its_log(
+        tmp_path, tiny_config, slurm):
+    """Defects 1-3 on a real Slurm: the USR2 that Slurm sends before a time limit or a preemption
+    reaches the trainers as SIGTERM; they finish their step, leave the quorum and exit (the
+    task ends 0 and writes group_exit, no SIGKILL), the job requeues itself, and its log keeps
+    the first incarnation's lines. Meanwhile the healthy group keeps committing."""
+    config = tiny_config(train={"steps": 100000})
+    run_dir = config.run.path
+    out = generate(tmp_path, config, groups=2, python=sys.executable, slurm_cpus_per_rank=1,
+                   coordinator_port=_port(), grace_seconds=30)
+    env = slurm.env
+    subprocess.run([str(out / "submit-all.sh"), "--no-watch"], check=True, env=env, timeout=60)
+    try:
+        g1_job = (out / "state" / "g1.jobid").read_text().strip()
+        _wait_for(lambda: any(e["kind"] == "commit" and e["group"] == "g1" and e["step"] >= 5
+                              for e in _events(run_dir)), 120, "g1 to commit step 5")
+        subprocess.run(["scancel", "--signal=USR2", "--batch", g1_job], check=True, env=env,
+                       timeout=30)
+        exit_event = _wait_for(lambda: next((e for e in _events(run_dir) if e["kind"] == "group_exit"
+                                             and e["group"] == "g1"), None), 60, "g1's group_exit")
+        assert exit_event["ok"]
+        log = out / "logs" / f"g1-{g1_job}.log"
+        _wait_for(lambda: "trainers stopped on request" in log.read_text(), 60,
+                  "the step's task to end on request")
+        # The healthy group keeps committing after g1 left (it does not wait for a timeout).
+        left_at = exit_event["ts"]
+        _wait_for(lambda: any(e["kind"] == "commit" and e["group"] == "g0" and e["ts"] > left_at + 1
+                              for e in _events(run_dir)), 60, "g0 to commit after g1 left")
+        # The requeued job (same id, after the credential lifetime) starts a new incarnation.
+        _wait_for(lambda: sum(e["kind"] == "group_start" and e["group"] == "g1"
+                              for e in _events(run_dir)) >= 2, 120, "the requeued g1 to start")
+        _wait_for(lambda: any(e["kind"] == "recovery_end" and e["group"] == "g1" and e["ts"] > left_at
+                              for e in _events(run_dir)), 120, "the requeued g1 to recover")
+        text = log.read_text()
+        assert "USR2 received" in text and "requeueing" in text, text[-3000:]
+        assert "SIGKILL" not in text and "Killed" not in text, text[-3000:]
+    finally:
+        subprocess.run([str(out / "stop-all.sh")], env=env, timeout=60, check=False)
 
 
 def _port() -> int:

@@ -35,7 +35,7 @@ def _quantity(name: str, value: Any, example: str) -> None:
         raise ConfigError(f"{_S}.{name}={value!r} must be a Kubernetes quantity such as {example!r}")
 
 
-def _parse_node_selector(value: Any) -> dict[str, str]:
+def _parse_node_selector(value: Any, name: str = "node_selector") -> dict[str, str]:
     """A dict, or ``key=value`` strings (the form ``--set cluster.node_selector=a=b,c=d`` gives)."""
     if isinstance(value, dict):
         items = list(value.items())
@@ -44,14 +44,14 @@ def _parse_node_selector(value: Any) -> dict[str, str]:
         for entry in value:
             key, sep, val = str(entry).partition("=")
             if not sep:
-                raise ConfigError(f"{_S}.node_selector entry {entry!r} must be key=value, "
+                raise ConfigError(f"{_S}.{name} entry {entry!r} must be key=value, "
                                   "e.g. nvidia.com/gpu.product=H100")
             items.append((key.strip(), val.strip()))
     else:
-        raise ConfigError(f"{_S}.node_selector={value!r} must be a table of label = value")
+        raise ConfigError(f"{_S}.{name}={value!r} must be a table of label = value")
     for key, val in items:
         if not isinstance(key, str) or not key or not isinstance(val, str):
-            raise ConfigError(f"{_S}.node_selector entry {key!r}={val!r} must map a label name "
+            raise ConfigError(f"{_S}.{name} entry {key!r}={val!r} must map a label name "
                               "to a string value")
     return dict(items)
 
@@ -90,7 +90,9 @@ class ClusterConfig:
     groups: int = 2
     """Replica groups the job starts with (each restarts on its own)."""
     ranks_per_group: int = 1
-    """Ranks (torchrun processes, FSDP shards) in each replica group; one pod / node per group."""
+    """Ranks (torchrun processes, FSDP shards) in each replica group, over nodes_per_group nodes."""
+    nodes_per_group: int = 1
+    """Nodes (pods / Slurm nodes) of one replica group; ranks_per_group must be a multiple of it."""
     gpus_per_rank: int = 0
     """GPUs each rank uses; 0 trains on CPU. A group requests ranks_per_group x this."""
     image: str = "ftlm:latest"
@@ -107,6 +109,14 @@ class ClusterConfig:
     """Taints the group pods tolerate: tables or strings key[=value][:Effect]."""
     namespace: str = "default"
     """Kubernetes namespace of every object."""
+    cluster_domain: str = ""
+    """Kubernetes DNS domain (e.g. cluster.local); empty uses <service>.<namespace>.svc via the pod's search path."""
+    prefer_node_labels: dict[str, str] = field(default_factory=dict)
+    """Preferred node labels key=value (e.g. a spot pool: cloud.google.com/gke-spot=true); any one matches."""
+    spread_topology_key: str = "topology.kubernetes.io/zone"
+    """Node label the group pods are spread over (failure domains); empty: no spread constraint."""
+    coordinator_priority: int = 1000000
+    """Value of the coordinator's PriorityClass (above the groups, so it is evicted last); 0: none."""
     service_account: str = ""
     """Service account of the pods; empty means the namespace's default."""
     coordinator_port: int = 29510
@@ -134,7 +144,13 @@ class ClusterConfig:
     slurm_account: str = ""
     """Slurm account to charge; empty means the user's default."""
     slurm_time: str = "24:00:00"
-    """Wall-time limit of each Slurm job ([D-]HH:MM:SS)."""
+    """Wall-time limit of each Slurm group job ([D-]HH:MM:SS)."""
+    slurm_coordinator_partition: str = ""
+    """Partition of the coordinator job (a small CPU one that is not preempted); empty: slurm_partition."""
+    slurm_coordinator_time: str = ""
+    """Wall-time limit of the coordinator job; empty: slurm_time. Give it more than the groups."""
+    rendezvous_port: int = 29400
+    """TCP port of torchrun's c10d rendezvous on a multi-node group's first node."""
     slurm_cpus_per_rank: int = 4
     """CPUs per rank (task) of a Slurm group job."""
     slurm_setup: str = ""
@@ -150,6 +166,10 @@ class ClusterConfig:
                               "lowercase letters, digits and '-', e.g. tiny-ft")
         _int("groups", self.groups, 1, 512)
         _int("ranks_per_group", self.ranks_per_group, 1, 1024)
+        _int("nodes_per_group", self.nodes_per_group, 1, 1024)
+        if self.ranks_per_group % self.nodes_per_group:
+            raise ConfigError(f"{_S}.ranks_per_group={self.ranks_per_group} must be a multiple of "
+                              f"{_S}.nodes_per_group={self.nodes_per_group} (the same ranks on each node)")
         _int("gpus_per_rank", self.gpus_per_rank, 0, 16)
         if not isinstance(self.image, str) or not self.image or any(c.isspace() for c in self.image):
             raise ConfigError(f"{_S}.image={self.image!r} must be an image reference such as "
@@ -173,7 +193,20 @@ class ClusterConfig:
             value = getattr(self, name)
             if not isinstance(value, str) or (value and not re.match(r"^[a-z0-9][-a-z0-9.]*$", value)):
                 raise ConfigError(f"{_S}.{name}={value!r} must be empty or a Kubernetes name")
+        if not isinstance(self.cluster_domain, str) or (
+                self.cluster_domain and not re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", self.cluster_domain)):
+            raise ConfigError(f"{_S}.cluster_domain={self.cluster_domain!r} must be empty or a DNS "
+                              "domain such as cluster.local")
+        self.prefer_node_labels = _parse_node_selector(
+            [self.prefer_node_labels] if isinstance(self.prefer_node_labels, str) else
+            self.prefer_node_labels, "prefer_node_labels")
+        if not isinstance(self.spread_topology_key, str) or any(
+                c.isspace() for c in self.spread_topology_key):
+            raise ConfigError(f"{_S}.spread_topology_key={self.spread_topology_key!r} must be a node "
+                              "label name such as topology.kubernetes.io/zone, or empty")
+        _int("coordinator_priority", self.coordinator_priority, 0, 1000000000)
         _int("coordinator_port", self.coordinator_port, 1, 65535)
+        _int("rendezvous_port", self.rendezvous_port, 1, 65535)
         _int("metrics_port", self.metrics_port, 0, 65535)
         if self.metrics_port == self.coordinator_port:
             raise ConfigError(f"{_S}.metrics_port={self.metrics_port} must differ from "
@@ -187,10 +220,13 @@ class ClusterConfig:
         _int("grace_seconds", self.grace_seconds, 10, 3600)
         _int("slurm_cpus_per_rank", self.slurm_cpus_per_rank, 1)
         _int("watch_interval", self.watch_interval, 1, 3600)
-        if not isinstance(self.slurm_time, str) or not _SLURM_TIME.match(self.slurm_time):
-            raise ConfigError(f"{_S}.slurm_time={self.slurm_time!r} must be a Slurm time such as "
-                              "24:00:00 or 2-00:00:00")
-        for name in ("slurm_partition", "slurm_account", "python"):
+        for name in ("slurm_time", "slurm_coordinator_time"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not (
+                    _SLURM_TIME.match(value) or (value == "" and name != "slurm_time")):
+                raise ConfigError(f"{_S}.{name}={value!r} must be a Slurm time such as "
+                                  "24:00:00 or 2-00:00:00")
+        for name in ("slurm_partition", "slurm_coordinator_partition", "slurm_account", "python"):
             value = getattr(self, name)
             if not isinstance(value, str) or any(c.isspace() or c in "'\"$`;" for c in value):
                 raise ConfigError(f"{_S}.{name}={value!r} must be a single word without quotes")
@@ -213,8 +249,24 @@ class ClusterConfig:
 
     @property
     def gpus_per_group(self) -> int:
-        """GPUs one replica group requests."""
+        """GPUs one replica group requests (over all its nodes)."""
         return self.ranks_per_group * self.gpus_per_rank
+
+    @property
+    def ranks_per_node(self) -> int:
+        """torchrun processes on each node of a group (--nproc-per-node)."""
+        return self.ranks_per_group // self.nodes_per_group
+
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs one node (pod) of a group requests."""
+        return self.ranks_per_node * self.gpus_per_rank
+
+    @property
+    def shutdown_timeout(self) -> int:
+        """torchrun's --shutdown-timeout: seconds from SIGTERM to SIGKILL of the trainers, a margin
+        inside grace_seconds so that they exit before the scheduler kills the whole node/pod."""
+        return max(self.grace_seconds - 10, self.grace_seconds // 2)
 
     def claim_name(self, job: str) -> str:
         """The checkpoint volume claim's name."""

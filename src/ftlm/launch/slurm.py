@@ -24,11 +24,14 @@ from ftlm.launch.cluster_config import ClusterConfig
 from ftlm.launch.slurm_watch import WATCH_SCRIPT
 
 
-def _header(cluster: ClusterConfig, job: str, out: Path, log_name: str) -> list[str]:
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={job}", f"#SBATCH --time={cluster.slurm_time}",
-             f"#SBATCH --output={out}/logs/{log_name}-%j.log"]
-    if cluster.slurm_partition:
-        lines.append(f"#SBATCH --partition={cluster.slurm_partition}")
+def _header(cluster: ClusterConfig, job: str, out: Path, log_name: str, *, partition: str,
+            time_limit: str) -> list[str]:
+    # %j, not %j-%r: a requeued job keeps its id, and --open-mode=append keeps the log of the
+    # incarnations before it (Slurm truncates the file by default).
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={job}", f"#SBATCH --time={time_limit}",
+             f"#SBATCH --output={out}/logs/{log_name}-%j.log", "#SBATCH --open-mode=append"]
+    if partition:
+        lines.append(f"#SBATCH --partition={partition}")
     if cluster.slurm_account:
         lines.append(f"#SBATCH --account={cluster.slurm_account}")
     return lines
@@ -42,64 +45,138 @@ def _setup(cluster: ClusterConfig, workdir: Path) -> list[str]:
 
 
 def coordinator_script(run: RunConfig, cluster: ClusterConfig, out: Path, workdir: Path) -> str:
+    """The coordinator job: its own partition and time limit, and on USR2 (near its time limit
+    or a preemption) it withdraws its address, stops, and leaves the restart to the watcher
+    (a fresh job starts at once; a requeued one would wait Slurm's credential lifetime)."""
     job = cluster.job_name(run.run.name)
     q = shlex.quote
-    lines = _header(cluster, f"{job}-coordinator", out, "coordinator") + [
+    lines = _header(cluster, f"{job}-coordinator", out, "coordinator",
+                    partition=cluster.slurm_coordinator_partition or cluster.slurm_partition,
+                    time_limit=cluster.slurm_coordinator_time or cluster.slurm_time) + [
         "#SBATCH --nodes=1", "#SBATCH --ntasks=1", "#SBATCH --cpus-per-task=2",
-        "#SBATCH --requeue", ""] + _setup(cluster, workdir) + [
+        "#SBATCH --requeue", "#SBATCH --signal=B:USR2@60", ""] + _setup(cluster, workdir) + [
         f"OUT={q(str(out))}",
         f"PORT={cluster.coordinator_port}",
-        "# Groups read this file when they start; written before the server so that a group",
-        "# started meanwhile retries its first connection instead of finding no file.",
-        'echo "http://$(hostname):${PORT}" > "$OUT/state/coordinator.url.tmp"',
-        'mv "$OUT/state/coordinator.url.tmp" "$OUT/state/coordinator.url"',
-        f'exec {cluster.python} -m ftlm.cli coordinator "$OUT/config.toml" --host 0.0.0.0 '
-        f'--port "$PORT" --set ft.token_file="$OUT/token" --set ft.groups={cluster.groups}',
+        "url_file=\"$OUT/state/coordinator.url\"",
+        "child=",
+        "# shellcheck disable=SC2317  # called by the trap",
+        "on_usr2() {",
+        "  # Withdraw the address first: the groups' relays stop connecting here and wait for the",
+        "  # next coordinator, which rebuilds its state from their heartbeats.",
+        "  echo \"ftlm: USR2 received, the coordinator stops; the watcher starts another\" >&2",
+        "  [ \"$(cat \"$url_file\" 2>/dev/null)\" = \"$url\" ] && rm -f \"$url_file\"",
+        "  if [ -n \"$child\" ]; then kill -TERM \"$child\" 2>/dev/null || true; fi",
+        "}",
+        "trap on_usr2 USR2",
+        "url=\"http://$(hostname):${PORT}\"",
+        "# Written before the server starts: a group's relay retries until it answers.",
+        "echo \"$url\" > \"$url_file.tmp.$SLURM_JOB_ID\"",
+        "mv \"$url_file.tmp.$SLURM_JOB_ID\" \"$url_file\"",
+        f'{cluster.python} -m ftlm.cli coordinator "$OUT/config.toml" --host 0.0.0.0 '
+        f'--port "$PORT" --set ft.token_file="$OUT/token" --set ft.groups={cluster.groups} &',
+        "child=$!",
+        "while :; do",
+        "  wait \"$child\"",
+        "  rc=$?",
+        "  kill -0 \"$child\" 2>/dev/null || break",
+        "done",
+        "exit \"$rc\"",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _torchrun(run: RunConfig, cluster: ClusterConfig, run_dir: Path) -> str:
+    """The command each node of a group runs (one srun task per node)."""
+    q = shlex.quote
+    if cluster.nodes_per_group == 1:
+        placement = "--standalone --nnodes=1"
+    else:  # every node meets at the first node's c10d store; a new id per (re)start
+        placement = (f"--nnodes={cluster.nodes_per_group} --rdzv-backend=c10d "
+                     f"--rdzv-endpoint=\"$FTLM_HEAD:{cluster.rendezvous_port}\" "
+                     "--rdzv-id=\"$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}\"")
+    return (f"{cluster.python} -m torch.distributed.run {placement} "
+            f"--nproc-per-node={cluster.ranks_per_node} "
+            f"--shutdown-timeout={cluster.shutdown_timeout} "
+            f"-m ftlm.cli train \"$OUT/config.toml\" --set ft.coordinator= "
+            f"--set run.dir={q(str(run_dir))} --set observe.progress=false")
+
+
+def node_script(run: RunConfig, cluster: ClusterConfig, workdir: Path) -> str:
+    """``node.sh``: what ``srun`` runs on each node of a group: torchrun, at this node's address.
+
+    On SIGTERM (the batch shell's stop request reaches every process of the step) torchrun
+    passes it to the trainers and, once they have finished their step and left, exits with an
+    error of its own; a stop that was asked for ends the task with 0 instead, so that
+    ``--kill-on-bad-exit`` does not SIGKILL the group's other nodes still saving.
+    """
+    run_dir = run.run.path if run.run.path.is_absolute() else workdir / run.run.path
+    return "\n".join([
+        "#!/bin/bash",
+        "# One node of a replica group (started by group-<g>.sbatch through srun, which passes",
+        "# OUT, FTLM_COORDINATOR, FTLM_GROUP_ID, FTLM_GROUPS, FTLM_TOKEN and FTLM_HEAD).",
+        "set -uo pipefail",
+        # Other groups reach this node's rendezvous store and state server at its address.
+        "FTLM_HOST=$(hostname -I 2>/dev/null | awk '{print $1}')",
+        "export FTLM_HOST=\"${FTLM_HOST:-127.0.0.1}\"",
+        "stopped=0",
+        "trap 'stopped=1; kill -TERM \"$pid\" 2>/dev/null' TERM",
+        _torchrun(run, cluster, run_dir) + " &",
+        "pid=$!",
+        "while :; do wait \"$pid\"; rc=$?; kill -0 \"$pid\" 2>/dev/null || break; done",
+        "if [ \"$stopped\" = 1 ]; then echo \"ftlm: trainers stopped on request (torchrun: $rc)\" >&2; exit 0; fi",
+        "exit \"$rc\"",
+    ]) + "\n"
 
 
 def group_script(run: RunConfig, cluster: ClusterConfig, out: Path, workdir: Path,
                  group: str) -> str:
     job = cluster.job_name(run.run.name)
     q = shlex.quote
-    run_dir = run.run.path if run.run.path.is_absolute() else workdir / run.run.path
-    gpus = [f"#SBATCH --gpus-per-node={cluster.gpus_per_group}"] if cluster.gpus_per_group else []
-    cpus = cluster.ranks_per_group * cluster.slurm_cpus_per_rank
-    lines = _header(cluster, f"{job}-{group}", out, group) + [
-        "#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1", f"#SBATCH --cpus-per-task={cpus}",
+    nodes = cluster.nodes_per_group
+    gpus = [f"#SBATCH --gpus-per-node={cluster.gpus_per_node}"] if cluster.gpus_per_node else []
+    cpus = cluster.ranks_per_node * cluster.slurm_cpus_per_rank
+    lines = _header(cluster, f"{job}-{group}", out, group, partition=cluster.slurm_partition,
+                    time_limit=cluster.slurm_time) + [
+        f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=1", f"#SBATCH --cpus-per-task={cpus}",
         *gpus,
         "#SBATCH --requeue",
-        # B: deliver USR2 to this batch shell, whose trap turns it into SIGTERM for the trainer.
+        # B: deliver USR2 to this batch shell, whose trap signals the training step.
         f"#SBATCH --signal=B:USR2@{cluster.grace_seconds}", ""] + _setup(cluster, workdir) + [
         f"OUT={q(str(out))}",
         "url_file=\"$OUT/state/coordinator.url\"",
-        "# Bounded wait for the coordinator's address (the coordinator job may still be pending).",
+        "# Bounded wait for the coordinator's first address (its job may still be pending).",
         "for _ in $(seq 600); do [ -s \"$url_file\" ] && break; sleep 1; done",
         "if [ ! -s \"$url_file\" ]; then echo \"ftlm: no coordinator URL in $url_file after 600 s\" >&2; exit 3; fi",
-        "FTLM_COORDINATOR=$(cat \"$url_file\")",
+        "FTLM_HEAD=$(scontrol show hostnames \"${SLURM_JOB_NODELIST:-$(hostname)}\" 2>/dev/null | head -n 1)",
+        "FTLM_HEAD=${FTLM_HEAD:-$(hostname)}",
+        "# The coordinator may move to another node: a relay on this node re-reads its address",
+        "# file for every connection, so the trainers keep one URL for their whole life.",
+        "relay_port_file=\"$OUT/state/relay-$SLURM_JOB_ID.port\"",
+        "rm -f \"$relay_port_file\"",
+        f"{cluster.python} -m ftlm.launch.relay --url-file \"$url_file\" --port-file \"$relay_port_file\" &",
+        "relay=$!",
+        "for _ in $(seq 300); do [ -s \"$relay_port_file\" ] && break; kill -0 \"$relay\" 2>/dev/null || break; sleep 0.2; done",
+        "if [ ! -s \"$relay_port_file\" ]; then echo \"ftlm: the coordinator relay did not start\" >&2; exit 3; fi",
+        "FTLM_COORDINATOR=\"http://$FTLM_HEAD:$(cat \"$relay_port_file\")\"",
         "FTLM_TOKEN=$(cat \"$OUT/token\")",
-        f"export FTLM_COORDINATOR FTLM_TOKEN FTLM_GROUP_ID={group} FTLM_GROUPS={cluster.groups}",
+        f"export OUT FTLM_COORDINATOR FTLM_TOKEN FTLM_HEAD FTLM_GROUP_ID={group} FTLM_GROUPS={cluster.groups}",
         "export PYTHONUNBUFFERED=1",
-        "# Other groups reach this node's rendezvous store and state server at its address.",
-        "FTLM_HOST=$(hostname -I 2>/dev/null | awk '{print $1}')",
-        "export FTLM_HOST=\"${FTLM_HOST:-127.0.0.1}\"",
         "",
         "stopping=0",
         "child=",
         "# shellcheck disable=SC2317  # called by the trap",
         "on_usr2() {",
-        "  # The time limit or a preemption is near: stop after this step, save, then requeue.",
+        "  # The time limit or a preemption is near: the trainers finish their step, leave the",
+        "  # quorum and exit; then requeue. Signal the step's tasks, never srun itself (a",
+        "  # signalled srun ends the step at once and its tasks die with SIGKILL).",
         "  stopping=1",
-        "  echo \"ftlm: USR2 received, asking the trainer to stop\" >&2",
-        "  if [ -n \"$child\" ]; then kill -TERM \"$child\" 2>/dev/null || true; fi",
+        "  echo \"ftlm: USR2 received, asking the trainers to stop\" >&2",
+        "  scancel --signal=TERM \"$SLURM_JOB_ID\" 2>/dev/null || true",
         "}",
         "trap on_usr2 USR2",
         "",
-        f"srun --ntasks=1 --cpus-per-task={cpus} {cluster.python} -m torch.distributed.run "
-        f"--standalone --nnodes=1 --nproc-per-node={cluster.ranks_per_group} "
-        f"-m ftlm.cli train \"$OUT/config.toml\" --set ft.coordinator= "
-        f"--set run.dir={q(str(run_dir))} --set observe.progress=false &",
+        f"srun --nodes={nodes} --ntasks-per-node=1 --cpus-per-task={cpus} --kill-on-bad-exit=1 "
+        "bash \"$OUT/node.sh\" &",
         "child=$!",
         "# wait returns early (status > 128) when the trap runs: wait again for the real status.",
         "while :; do",
@@ -107,6 +184,8 @@ def group_script(run: RunConfig, cluster: ClusterConfig, out: Path, workdir: Pat
         "  rc=$?",
         "  kill -0 \"$child\" 2>/dev/null || break",
         "done",
+        "kill \"$relay\" 2>/dev/null",
+        "rm -f \"$relay_port_file\"",
         "if [ \"$stopping\" = 1 ]; then",
         "  echo \"ftlm: stopped with status $rc; requeueing $SLURM_JOB_ID\" >&2",
         "  scontrol requeue \"$SLURM_JOB_ID\"",
@@ -125,7 +204,10 @@ def submit_script(cluster: ClusterConfig, out: Path) -> str:
 set -euo pipefail
 OUT={shlex.quote(str(out))}
 mkdir -p "$OUT/state" "$OUT/logs"
-rm -f "$OUT/state/coordinator.url" "$OUT/state/STOP" "$OUT/state/"*.restarts
+# A new job in an old folder: forget the last one's addresses, restarts and finished groups
+# (a stale g<i>.done would make the watcher end at once and cancel the coordinator).
+rm -f "$OUT/state/coordinator.url" "$OUT/state/STOP" "$OUT/state/"*.restarts \\
+  "$OUT/state/"*.done "$OUT/state/"relay-*.port
 sbatch --parsable "$OUT/coordinator.sbatch" > "$OUT/state/coordinator.jobid"
 for g in {groups}; do
   sbatch --parsable "$OUT/group-$g.sbatch" > "$OUT/state/$g.jobid"
@@ -176,6 +258,7 @@ def generate_slurm(run_config: RunConfig, cluster: ClusterConfig, out_dir: Path,
     files: dict[str, str] = {
         "config.toml": config_toml,
         "coordinator.sbatch": coordinator_script(run_config, cluster, out, workdir),
+        "node.sh": node_script(run_config, cluster, workdir),
         "submit-all.sh": submit_script(cluster, out),
         "stop-all.sh": stop_script(cluster, out),
         "watch.sh": watch_script(cluster, out),

@@ -100,7 +100,8 @@ class LocalLauncher:
                  faults: dict[str, list[str]] | None = None,
                  start_delays: dict[str, float] | None = None, ranks_per_group: int = 1,
                  kill_hung: bool = True,
-                 extra_env: dict[str, str] | None = None, progress: bool | None = None):
+                 extra_env: dict[str, str] | None = None, progress: bool | None = None,
+                 command: str = "train"):
         if groups < 1:
             raise ConfigError(f"--groups={groups} must be at least 1")
         if ranks_per_group < 1:
@@ -108,6 +109,7 @@ class LocalLauncher:
         if chaos_mtbf < 0:
             raise ConfigError(f"--chaos-mtbf={chaos_mtbf} must be >= 0 (0 disables chaos)")
         self.config = config
+        self.command = command  # the ftlm subcommand each rank runs: train, sft, dpo, grpo
         self.n = groups
         self.ranks = ranks_per_group
         self.kill_hung = kill_hung  # off: a hung group stays stopped until someone resumes it
@@ -153,7 +155,7 @@ class LocalLauncher:
         """Start the group's ranks with the torchrun environment, as a new incarnation."""
         g.incarnation = uuid.uuid4().hex[:12]
         master_port = _free_port()
-        cmd = [sys.executable, "-m", "ftlm.cli", "train", str(config_file),
+        cmd = [sys.executable, "-m", "ftlm.cli", self.command, str(config_file),
                "--set", "observe.progress=false"]
         g.procs, g.log_offsets, g.cause = [], [], ""
         for rank in range(self.ranks):

@@ -182,7 +182,9 @@ def cmd_sim_check(args: argparse.Namespace) -> int:
 # action and adding its parsers (with ``set_defaults(fn=...)``). Keep them light to import: the
 # heavy imports belong inside the command functions.
 COMMAND_MODULES: tuple[str, ...] = (
+    "ftlm.goodput.cli",
     "ftlm.tasks.cli",
+    "ftlm.post.cli",
 )
 
 

@@ -1,0 +1,178 @@
+"""Calibration: the simulator's parameters measured on a real run directory.
+
+From ``events.jsonl`` and ``summary.json`` of a finished ``ftlm launch local`` (or cluster) run:
+
+* ``startup``: the job's launch (``run_start``) to its first commit;
+* ``job_mtbf``: wall time over the group failures injected (chaos) or, without chaos, detected;
+* ``detection``: an injected failure to the coordinator's ``member_dead`` of that group;
+* ``stall``: mean stall per failure (``summary.stall_seconds`` of the failures, not of rejoins),
+  and ``rejoin_stall`` the mean of the rejoins';
+* ``restart``: a failure to its group's next ``recovery_start`` (process start, set-up, join);
+* ``catchup``: ``recovery_start`` to the group's next commit;
+* ``speed_by_participants``: the job's token rate with P groups committing over the rate with
+  all of them (commits within a stall, gaps over 3 median steps, are left out).
+
+Means, not medians: ETT is linear in each of them. ``Calibration.local_model`` is the same job
+as a ``JobModel``; ``Calibration.measured_ett`` is the run's ETT against the same reference
+(the all-groups rate), next to the summary's own. It does not run anything.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from ftlm.errors import DataError
+from ftlm.goodput.model import JobModel
+from ftlm.observe.events import read_events
+from ftlm.observe.summary import (COORDINATOR, affected_group, commit_steps, failure_events,
+                                  failure_ledger, final_history)
+
+GAP_STEPS = 3.0
+"""A commit gap longer than this many median steps is a stall, not a speed sample."""
+NO_FAILURES_MTBF = 1e15
+"""Seconds between failures the model of a run without failures assumes (none in its lifetime)."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What one real run measured, in the simulator's terms (seconds)."""
+
+    run_dir: str
+    groups: int
+    duration: float
+    startup: float
+    failures: int
+    job_mtbf: float
+    detection: float
+    stall: float
+    rejoin_stall: float
+    restart: float
+    catchup: float
+    median_step: float
+    speed_by_participants: tuple[float, ...]
+    ett_summary: float
+    """ETT as ``summary.json`` reports it (against the steady rate of failure-free windows)."""
+    measured_ett: float
+    """Committed tokens over wall time x the all-groups token rate: the simulator's ETT."""
+    samples: dict[str, int]
+    """How many measurements each mean is over."""
+
+    def local_model(self) -> JobModel:
+        """The measured job as a ``JobModel`` (ft mode, one GPU per group: the layout of a local
+        run only scales the failure rate, which is set from ``job_mtbf``)."""
+        mtbf = self.job_mtbf if self.failures else NO_FAILURES_MTBF
+        return JobModel(groups=self.groups, gpus_per_group=1, mode="ft",
+                        gpu_mtbf_hours=mtbf * self.groups / 3600.0,
+                        detection=min(self.detection, self.stall), stall=self.stall,
+                        restart=self.restart, catchup_extra=self.catchup,
+                        rejoin_stall=self.rejoin_stall, startup=self.startup,
+                        duration=self.duration, speed_by_participants=self.speed_by_participants)
+
+
+def _mean(values: list[float], default: float = 0.0) -> float:
+    return statistics.fmean(values) if values else default
+
+
+def _load(run_dir: Path) -> tuple[list[dict], dict]:
+    summary_path, events_path = run_dir / "summary.json", run_dir / "events.jsonl"
+    for path in (summary_path, events_path):
+        if not path.is_file():
+            raise DataError(f"{path} not found: --calibrate needs the directory of a finished "
+                            "run (with events.jsonl and summary.json)")
+    try:
+        summary = json.loads(summary_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{summary_path} is not valid JSON ({e}); rerun `ftlm report` on the "
+                        "run or pick another run directory") from None
+    if not isinstance(summary, dict) or not isinstance(summary.get("groups"), list):
+        raise DataError(f"{summary_path} has no list of groups: not an ftlm run summary")
+    return read_events(events_path), summary
+
+
+def _speeds(events: list[dict], groups: int, median_step: float) -> tuple[tuple[float, ...], float]:
+    """Relative speed by participant count, and the all-groups rate (tokens per second)."""
+    steps = sorted(commit_steps(events), key=lambda r: r.ts)
+    participants: dict[int, int] = {}
+    for e in events:
+        if e["kind"] == "commit" and isinstance(e.get("participants"), int):
+            participants[e["step"]] = max(participants.get(e["step"], 0), e["participants"])
+    tokens: dict[int, float] = {}
+    seconds: dict[int, float] = {}
+    for prev, rec in zip(steps, steps[1:]):
+        dt = rec.ts - prev.ts
+        p = participants.get(rec.step, 0)
+        if dt <= 0 or p < 1 or (median_step > 0 and dt > GAP_STEPS * median_step):
+            continue
+        tokens[p] = tokens.get(p, 0.0) + rec.tokens
+        seconds[p] = seconds.get(p, 0.0) + dt
+    rate = {p: tokens[p] / seconds[p] for p in tokens if seconds[p] > 0}
+    full = rate.get(groups) or (max(rate.values()) if rate else 0.0)
+    if full <= 0:
+        raise DataError("the run has no two consecutive commits to measure a token rate from; "
+                        "calibrate on a run of at least a few dozen steps")
+    speeds = tuple(min(1.0, rate[p] / full) if p in rate else p / groups
+                   for p in range(1, groups + 1))
+    return speeds, full
+
+
+def calibrate(run_dir: Path | str) -> Calibration:
+    """Measure the simulator's parameters on the run in ``run_dir``."""
+    run_dir = Path(run_dir)
+    events, summary = _load(run_dir)
+    events = sorted(final_history(events)[0], key=lambda e: e["ts"])
+    groups = len(summary["groups"])
+    if groups < 1 or not events:
+        raise DataError(f"{run_dir}: no groups or no events; was the run started?")
+    steps = commit_steps(events)
+    if len(steps) < 3:
+        raise DataError(f"{run_dir}: only {len(steps)} committed step(s); calibrate on a run "
+                        "of at least a few dozen steps")
+    duration = float(summary.get("wall_seconds") or (events[-1]["ts"] - events[0]["ts"]))
+    starts = [e["ts"] for e in events if e["kind"] == "run_start"]
+    first_commit = min(r.ts for r in steps)
+    startup = max(0.0, first_commit - (starts[0] if starts else events[0]["ts"]))
+    median_step = float(summary.get("median_step_seconds") or 0.0)
+
+    ledger = failure_ledger(events)
+    failures = [f for f in (ledger.injected or ledger.detected) if f.group != COORDINATOR]
+    deaths = [e for e in events if e["kind"] == "member_dead"]
+    detection, restart, catchup = [], [], []
+    for f in failures:
+        dead = next((e["ts"] - f.ts for e in deaths
+                     if affected_group(e) == f.group and 0 <= e["ts"] - f.ts < 30), None)
+        if dead is not None:
+            detection.append(dead)
+        start = next((e for e in events if e["kind"] == "recovery_start"
+                      and affected_group(e) == f.group and e["ts"] > f.ts), None)
+        if start is None:
+            continue
+        later = [ff.ts for ff in failures if ff.group == f.group and f.ts < ff.ts < start["ts"]]
+        if later:
+            continue  # struck again while restarting: the later failure measures the restart
+        restart.append(start["ts"] - f.ts)
+        commit = next((e["ts"] for e in events if e["kind"] == "commit"
+                       and affected_group(e) == f.group and e["ts"] >= start["ts"]), None)
+        if commit is not None:
+            catchup.append(commit - start["ts"])
+
+    stalls = summary.get("stall_seconds") or []
+    fails = failure_events(events)
+    failure_stalls = [s for f, s in zip(fails, stalls) if f.how != "rejoin" and f.group != COORDINATOR]
+    rejoin_stalls = [s for f, s in zip(fails, stalls) if f.how == "rejoin"]
+    speeds, full_rate = _speeds(events, groups, median_step)
+    tokens = float(summary.get("tokens_committed") or sum(r.tokens for r in steps))
+    mean_detection = _mean(detection, default=0.0)
+    stall = _mean(failure_stalls)
+    return Calibration(
+        run_dir=str(run_dir), groups=groups, duration=duration, startup=startup,
+        failures=len(failures), job_mtbf=duration / len(failures) if failures else float("inf"),
+        detection=mean_detection, stall=max(stall, 0.0), rejoin_stall=_mean(rejoin_stalls),
+        restart=_mean(restart), catchup=_mean(catchup), median_step=median_step,
+        speed_by_participants=speeds, ett_summary=float(summary.get("ett") or 0.0),
+        measured_ett=tokens / (duration * full_rate) if duration > 0 else 0.0,
+        samples={"detection": len(detection), "stall": len(failure_stalls),
+                 "rejoin_stall": len(rejoin_stalls), "restart": len(restart),
+                 "catchup": len(catchup)})

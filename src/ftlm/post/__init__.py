@@ -1,0 +1,16 @@
+"""Post-training on the fault-tolerant trainer: SFT, DPO and GRPO (RL with verifiable rewards).
+
+Each command is an ``Objective`` and a ``TrainData`` (``ftlm.train.objective``) handed to the same
+``Trainer`` that pretrains, so quorums, catch-up, checkpoints, exactly-once data and the run summary
+work unchanged:
+
+* ``chat``: the chat template and its completion mask;
+* ``data``: instruction, preference and prompt files -> fixed-shape rows (packing with document ids);
+* ``forward``: the document-masked forward and per-token log-probs;
+* ``sft``, ``dpo``, ``grpo``: the objectives; ``rollout``: batched sampling of completions;
+* ``pairs``: preference pairs from the task suite; ``run``: building and running a group;
+  ``cli``: ``ftlm sft | dpo | grpo | pairs``.
+
+Not here: the training loop and fault tolerance (``ftlm.train``, ``ftlm.ft``), the task suite
+(``ftlm.tasks``), evaluation of a finished model (``ftlm eval``).
+"""

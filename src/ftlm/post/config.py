@@ -1,0 +1,96 @@
+"""Settings of post-training (``[post]``): where the data comes from and the objectives' knobs.
+
+One section serves ``ftlm sft``, ``ftlm dpo`` and ``ftlm grpo``; each command reads the fields it
+needs. The model to start from is ``train.init_from`` (a ``model.safetensors`` of an earlier run);
+the frozen reference of DPO and GRPO is ``post.reference``, by default that same file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ftlm.errors import ConfigError
+
+DPO_LOSSES = ("sigmoid", "ipo")
+
+
+def _fail(name: str, value: object, what: str) -> None:
+    raise ConfigError(f"post.{name}={value!r} must be {what}")
+
+
+def _int(name: str, value: object, low: int) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+        _fail(name, value, f"an integer >= {low}")
+
+
+def _real(name: str, value: object, low: float, high: float = math.inf,
+          low_closed: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and math.isfinite(float(value)) and value < high
+    ok = ok and (value >= low if low_closed else value > low)
+    if not ok:
+        bound = f"{'>=' if low_closed else '>'} {low:g}" + ("" if math.isinf(high) else f" and < {high:g}")
+        _fail(name, value, f"a finite number {bound}")
+
+
+@dataclass
+class PostConfig:
+    """Data and objective settings of SFT, DPO and GRPO."""
+
+    data: str = ""
+    """Training file (.jsonl or .parquet): instruction data (SFT), preference pairs (DPO) or a
+    task file (GRPO); empty: generated from the task suite (post.families, post.train_tasks)."""
+    heldout: str = ""
+    """Held-out file of the same kind; empty: the task suite's held-out split (post.heldout_tasks)
+    when data is generated, else data.eval_samples rows split off the training file."""
+    families: str = "add,mod,sort,count"
+    """Comma-separated task families used when data is generated from the task suite."""
+    train_tasks: int = 2000
+    """Training tasks generated from the task suite (when post.data is empty)."""
+    heldout_tasks: int = 200
+    """Held-out tasks generated from the suite's test split (when post.heldout is empty)."""
+    task_seed: int = 0
+    """Seed of the task draw."""
+    reference: str = ""
+    """Frozen reference model (model.safetensors) of DPO and GRPO; empty: train.init_from."""
+    beta: float = 0.1
+    """DPO: strength of the implicit KL constraint (the temperature of the preference logits)."""
+    dpo_loss: str = "sigmoid"
+    """DPO loss: sigmoid (Rafailov et al.) or ipo (Azar et al., length-normalised log-probs)."""
+    group_size: int = 8
+    """GRPO: completions sampled per prompt (G)."""
+    clip: float = 0.2
+    """GRPO: the policy ratio is clipped to [1 - clip, 1 + clip]."""
+    kl_coef: float = 0.04
+    """GRPO: weight of the per-token KL estimate to the reference (0: no KL term)."""
+    max_new_tokens: int = 160
+    """Longest sampled completion (GRPO, preference pairs, evaluation)."""
+    temperature: float = 1.0
+    """Sampling temperature of GRPO and of preference-pair sampling (> 0)."""
+    top_k: int = 0
+    """Keep the k most likely tokens when sampling; 0 keeps all."""
+    pair_samples: int = 4
+    """Preference pairs: completions sampled per task from the reference model."""
+
+    def __post_init__(self) -> None:
+        for name in ("train_tasks", "heldout_tasks", "task_seed", "top_k"):
+            _int(name, getattr(self, name), 0)
+        for name in ("group_size", "max_new_tokens", "pair_samples"):
+            _int(name, getattr(self, name), 1)
+        if self.group_size < 2:
+            _fail("group_size", self.group_size, "at least 2 (advantages compare samples of a group)")
+        if self.pair_samples < 2:
+            _fail("pair_samples", self.pair_samples, "at least 2 (a pair needs two samples)")
+        _real("beta", self.beta, 0.0)
+        _real("clip", self.clip, 0.0, 1.0)
+        _real("kl_coef", self.kl_coef, 0.0, low_closed=True)
+        _real("temperature", self.temperature, 0.0)
+        if self.dpo_loss not in DPO_LOSSES:
+            _fail("dpo_loss", self.dpo_loss, f"one of {', '.join(DPO_LOSSES)}")
+        if not isinstance(self.families, str) or not self.families.strip():
+            _fail("families", self.families, "a comma-separated list of task families")
+
+    @property
+    def family_list(self) -> list[str]:
+        return [f.strip() for f in self.families.split(",") if f.strip()]

@@ -35,14 +35,32 @@ from torch import nn
 from ftlm.model.config import ModelConfig
 
 
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Rotary frequencies ``[head_dim/2]`` (float64), with Llama 3.x scaling when configured.
+
+    Llama 3.x scaling (``cfg.rope_scaling``) leaves the high frequencies (wavelength below
+    ``original / high_freq_factor``) alone, divides the low ones (wavelength above
+    ``original / low_freq_factor``) by ``factor``, and blends linearly in between.
+    """
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
+    if not cfg.rope_scaling:
+        return inv_freq
+    factor = cfg.rope_scaling["factor"]
+    low, high = cfg.rope_scaling["low_freq_factor"], cfg.rope_scaling["high_freq_factor"]
+    original = cfg.rope_scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    blend = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+    # blend = 1 keeps a frequency (short wavelengths), 0 divides it by factor (long ones).
+    return (1 - blend) * inv_freq / factor + blend * inv_freq
+
+
 def rope_table(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Return the rotary ``(cos, sin)`` tables: float32, CPU, ``[max_seq_len, head_dim/2]``.
 
     Computed on the CPU so the table is bitwise the same whatever device the model lives on.
     """
-    half = cfg.head_dim // 2
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
-    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), rope_inv_freq(cfg))
     return angles.cos().float(), angles.sin().float()
 
 
@@ -183,6 +201,12 @@ class Transformer(nn.Module):
                 value = torch.empty(param.shape).normal_(0.0, self._init_std(name),
                                                          generator=generator)
             param.copy_(value)
+        self.init_rope()
+
+    @torch.no_grad()
+    def init_rope(self) -> None:
+        """Recompute the rotary table from ``cfg`` (after ``to_empty``, when the weights come from
+        a file instead of ``init_weights``)."""
         cos, sin = rope_table(self.cfg)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)

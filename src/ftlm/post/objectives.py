@@ -1,0 +1,197 @@
+"""The post-training objectives: SFT, DPO and GRPO, as ``Objective`` s of the trainer.
+
+* ``SFT``: next-token cross-entropy on completion tokens only, over packed rows with the
+  document mask (``ftlm.post.forward``), mean per completion token of the micro-batch.
+* ``DPO``: ``dpo_losses`` on summed completion log-probs of the policy and of a frozen reference
+  (computed on the fly, no gradient): the sigmoid loss ``-log sigmoid(beta * h)`` or IPO's
+  ``(h - 1 / (2 beta))^2`` on length-normalised log-probs, with
+  ``h = (log pi(y_w) - log pi(y_l)) - (log ref(y_w) - log ref(y_l))`` (TRL's formulas).
+* ``GRPO``: per prompt, ``group_size`` completions sampled from the current policy with a seed
+  that depends only on ``(run.seed, step, task index)``; reward 1 when the task's checker accepts
+  the answer, else 0; ``group_advantages``; ``grpo_loss`` (clipped ratio, k3 KL estimate to the
+  reference, per-sequence token mean, then the mean over sequences: DeepSeekMath's form). One
+  optimizer step per sampled batch, so the "old" policy is the current one detached (the ratio
+  is 1 in value, its gradient is the policy gradient).
+
+Each objective is deterministic given the model state and the rows (and, for GRPO, the step), so
+a retried step recomputes the same update. The reference models are frozen copies loaded from
+a file: a group that restarts or catches up loads the same file.
+
+Not responsible for: data (``ftlm.post.data``), sampling (``ftlm.post.rollout``), the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ftlm.data.tokenizer import Tokenizer
+from ftlm.post.chat import completion_text, prompt_ids
+from ftlm.post.forward import completion_logprobs, packed_logits, token_logprobs
+from ftlm.post.rollout import rollout, sample_seed
+from ftlm.tasks import Task, check
+
+
+# -- SFT ------------------------------------------------------------------------------------------
+class SFT:
+    """Cross-entropy on completion tokens of packed ``[3, seq_len + 1]`` rows (tokens, mask, docs)."""
+
+    def __init__(self, seq_len: int) -> None:
+        self.tokens_per_sample = seq_len
+
+    def _sums(self, model: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, mask, docs = rows[:, 0], rows[:, 1], rows[:, 2]
+        logits = packed_logits(model, tokens[:, :-1], docs[:, :-1])
+        nll = -token_logprobs(logits, tokens[:, 1:])
+        # A target counts when it is a completion token of the same document as its input.
+        learn = (mask[:, 1:] > 0) & (docs[:, 1:] == docs[:, :-1])
+        m = learn.float()
+        return (nll * m).sum(), m.sum()
+
+    def loss(self, model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        total, count = self._sums(model, rows)
+        return total / count.clamp(min=1.0)
+
+    def eval_sums(self, model: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        total, count = self._sums(model, rows)
+        return total.double(), count.double()
+
+
+# -- DPO ------------------------------------------------------------------------------------------
+def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
+               ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, beta: float,
+               loss_type: str = "sigmoid") -> torch.Tensor:
+    """Per-pair DPO losses ``[B]`` from sequence log-probs ``[B]`` (see the module docstring)."""
+    h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * h)
+    if loss_type == "ipo":
+        return (h - 1.0 / (2.0 * beta)) ** 2
+    raise ValueError(f"loss_type={loss_type!r} is not sigmoid or ipo")
+
+
+class DPO:
+    """DPO over preference rows ``[4, seq_len + 1]`` (chosen, its mask, rejected, its mask)."""
+
+    def __init__(self, reference: nn.Module, seq_len: int, beta: float = 0.1,
+                 loss_type: str = "sigmoid") -> None:
+        self.reference = reference.eval().requires_grad_(False)
+        self.beta, self.loss_type = beta, loss_type
+        self.tokens_per_sample = 2 * seq_len
+
+    def sequence_logps(self, model: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) completion log-probs ``[B]`` (length-normalised for IPO)."""
+        tokens = torch.cat((rows[:, 0], rows[:, 2]))  # one forward for both sides
+        mask = torch.cat((rows[:, 1], rows[:, 3]))
+        logp, m = completion_logprobs(model, tokens, mask)
+        seq = (logp * m).sum(-1)
+        if self.loss_type == "ipo":
+            seq = seq / m.sum(-1).clamp(min=1.0)
+        return seq.chunk(2)
+
+    def losses(self, model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        chosen, rejected = self.sequence_logps(model, rows)
+        with torch.no_grad():
+            ref_chosen, ref_rejected = self.sequence_logps(self.reference, rows)
+        return dpo_losses(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type)
+
+    def loss(self, model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        return self.losses(model, rows).mean()
+
+    def eval_sums(self, model: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        losses = self.losses(model, rows)
+        return losses.sum().double(), torch.tensor(float(len(losses)), dtype=torch.float64)
+
+
+# -- GRPO -----------------------------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """``(r - mean) / (std + eps)`` within each group (row) of ``rewards [N, G]``; std unbiased."""
+    mean = rewards.mean(dim=1, keepdim=True)
+    std = rewards.std(dim=1, keepdim=True)
+    return (rewards - mean) / (std + eps)
+
+
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor,
+              advantages: torch.Tensor, mask: torch.Tensor, clip: float,
+              kl_coef: float) -> torch.Tensor:
+    """GRPO's loss from per-token log-probs ``[N, T]``, advantages ``[N]`` and a mask ``[N, T]``.
+
+    Per token: ``-min(rho * A, clip(rho, 1 - clip, 1 + clip) * A) + kl_coef * k3`` with
+    ``rho = exp(logp - old_logp)`` and ``k3 = exp(ref - logp) - (ref - logp) - 1``; averaged over
+    each sequence's completion tokens, then over the sequences.
+    """
+    ratio = torch.exp(logp - old_logp)
+    a = advantages[:, None]
+    surrogate = torch.minimum(ratio * a, ratio.clamp(1.0 - clip, 1.0 + clip) * a)
+    diff = ref_logp - logp
+    per_token = -surrogate + kl_coef * (torch.exp(diff) - diff - 1.0)
+    per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    return per_seq.mean()
+
+
+class GRPO:
+    """RL with verifiable rewards over prompt rows ``[1]`` (an index into ``tasks``)."""
+
+    def __init__(self, tasks: Sequence[Task], tokenizer: Tokenizer, reference: nn.Module, *,
+                 seq_len: int, seed: int, group_size: int, clip: float, kl_coef: float,
+                 max_new_tokens: int, temperature: float = 1.0, top_k: int = 0) -> None:
+        self.tasks, self.tokenizer = list(tasks), tokenizer
+        self.reference = reference.eval().requires_grad_(False)
+        self.seed, self.group_size = seed, group_size
+        self.clip, self.kl_coef = clip, kl_coef
+        self.max_new_tokens, self.temperature, self.top_k = max_new_tokens, temperature, top_k
+        self.tokens_per_sample = group_size * seq_len
+        self.clock: Callable[[], int] = lambda: 0
+        """The committed step the next update is for (set by the command to the trainer's)."""
+        self.last_reward = float("nan")
+        """Mean reward of the last micro-batch's samples (for logs)."""
+        self._end = tokenizer.token_id("<|end|>")
+
+    def _complete(self, model: nn.Module, task_index: int, n: int, temperature: float,
+                  generator: torch.Generator | None, device: torch.device) -> list[list[int]]:
+        prompt = prompt_ids(self.tokenizer, self.tasks[task_index].prompt)
+        return [prompt + c for c in rollout(
+            model, prompt, n, self.max_new_tokens, self._end, self.tokenizer.pad_id,
+            temperature, self.top_k, generator, device)], len(prompt)
+
+    def samples(self, model: nn.Module, rows: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tokens ``[B*G, T]``, completion mask ``[B*G, T]`` and rewards ``[B, G]`` of ``rows``."""
+        step = self.clock()
+        seqs, masks, rewards = [], [], []
+        for index in rows[:, 0].tolist():
+            gen = torch.Generator(device="cpu").manual_seed(sample_seed(self.seed, step, index))
+            full, plen = self._complete(model, index, self.group_size, self.temperature, gen,
+                                        rows.device)
+            for ids in full:
+                seqs.append(ids)
+                masks.append([0] * plen + [1] * (len(ids) - plen))
+            rewards.append([float(check(self.tasks[index], completion_text(self.tokenizer, s[plen:])))
+                            for s in full])
+        width = max(len(s) for s in seqs)
+        tokens = torch.full((len(seqs), width), self.tokenizer.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, (s, m) in enumerate(zip(seqs, masks)):
+            tokens[i, :len(s)], mask[i, :len(m)] = torch.tensor(s), torch.tensor(m)
+        return tokens.to(rows.device), mask.to(rows.device), torch.tensor(rewards)
+
+    def loss(self, model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        tokens, mask, rewards = self.samples(model, rows)
+        self.last_reward = float(rewards.mean())
+        advantages = group_advantages(rewards).reshape(-1).to(tokens.device)
+        logp, m = completion_logprobs(model, tokens, mask)
+        with torch.no_grad():
+            ref_logp, _ = completion_logprobs(self.reference, tokens, mask)
+        return grpo_loss(logp, logp.detach(), ref_logp, advantages, m, self.clip, self.kl_coef)
+
+    def eval_sums(self, model: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Held-out error rate (1 - accuracy) of greedy completions: sum of errors, prompts."""
+        errors = 0
+        for index in rows[:, 0].tolist():
+            full, plen = self._complete(model, index, 1, 0.0, None, rows.device)
+            errors += 0 if check(self.tasks[index], completion_text(self.tokenizer, full[0][plen:])) else 1
+        return (torch.tensor(float(errors), dtype=torch.float64),
+                torch.tensor(float(len(rows)), dtype=torch.float64))

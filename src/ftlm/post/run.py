@@ -1,0 +1,209 @@
+"""Building and running a post-training group: the objective and data of a command, the Trainer.
+
+``build(kind, config)`` turns the ``[post]`` section into an ``Objective`` and a ``TrainData``;
+``run(kind, config)`` trains one replica group with them, alone or, under ``FTLM_COORDINATOR``
+(``ftlm launch local`` starts groups that way), as a fault-tolerant group of the job, exactly as
+``ftlm train`` does for pretraining; ``launch(kind, config, ...)`` starts the coordinator and the
+groups locally (``ftlm.launch.local`` with ``command=kind``).
+
+Not responsible for: the objectives (``ftlm.post.objectives``), data formats (``ftlm.post.data``),
+argument parsing (``ftlm.post.cli``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ftlm.config import RunConfig
+from ftlm.data.split import split_heldout
+from ftlm.data.tokenizer import Tokenizer
+from ftlm.errors import ConfigError, DataError
+from ftlm.model import Transformer
+from ftlm.post.data import (Rows, pair_rows, read_records, sft_rows, suite_tasks,
+                            task_records, training_tasks)
+from ftlm.post.forward import check_packing_config
+from ftlm.post.objectives import DPO, GRPO, SFT
+from ftlm.train.objective import Objective, TrainData
+
+KINDS = ("sft", "dpo", "grpo")
+
+
+def load_tokenizer(config: RunConfig) -> Tokenizer:
+    """The run's tokenizer (data.tokenizer, else data.dir/tokenizer.json), checked against the model."""
+    path = Path(config.data.tokenizer) if config.data.tokenizer else Path(config.data.dir) / "tokenizer.json"
+    if not path.is_file():
+        raise DataError(f"tokenizer {path} not found; set data.tokenizer to the tokenizer.json the "
+                        "model was pretrained with (or data.dir to its prepared data folder)")
+    tokenizer = Tokenizer.load(path)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ConfigError(f"model.vocab_size={config.model.vocab_size} is smaller than the "
+                          f"tokenizer's vocabulary ({tokenizer.vocab_size}); raise model.vocab_size")
+    if config.data.seq_len > config.model.max_seq_len:
+        raise ConfigError(f"data.seq_len={config.data.seq_len} exceeds "
+                          f"model.max_seq_len={config.model.max_seq_len}")
+    return tokenizer
+
+
+def load_reference(config: RunConfig, device: torch.device) -> Transformer:
+    """The frozen reference model: post.reference, else train.init_from (the starting model)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_model
+    name = "post.reference" if config.post.reference else "train.init_from"
+    path = Path(config.post.reference or config.train.init_from)
+    if not str(path) or str(path) == ".":
+        raise ConfigError("DPO and GRPO need a reference model: set train.init_from (or "
+                          "post.reference) to a model.safetensors of an earlier run")
+    if not path.is_file():
+        raise ConfigError(f"{name}={str(path)!r} does not exist; point it at a model.safetensors "
+                          "written by a run (RUN_DIR/model.safetensors)")
+    model = Transformer(config.model).to(device)
+    try:
+        missing, unexpected = load_model(model, str(path), strict=False)
+    except (SafetensorError, RuntimeError, OSError) as e:
+        raise DataError(f"{name}={str(path)!r} is not a model of this shape (model.* config) "
+                        f"or not a safetensors file: {e}") from None
+    if missing or unexpected:
+        raise DataError(f"{name}={str(path)!r} does not match the model config: missing "
+                        f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    return model.eval().requires_grad_(False)
+
+
+def _split(rows: np.ndarray, config: RunConfig, where: str) -> tuple[Rows, Rows]:
+    """(train, held-out) rows: data.eval_samples rows held out, as pretraining does."""
+    count = config.data.eval_samples
+    if count >= len(rows):
+        raise DataError(f"data.eval_samples={count} leaves no training rows: {where} makes "
+                        f"{len(rows)}; lower data.eval_samples or set post.heldout to a file")
+    split = split_heldout(Rows(rows), count, config.data.eval_seed)
+    idx = np.arange(len(split.train))
+    return Rows(split.train.samples(idx)), Rows(split.heldout.samples(np.arange(count)))
+
+
+def _rows_of(kind: str, path: str, tokenizer: Tokenizer, seq_len: int) -> np.ndarray:
+    records = read_records(Path(path), "preference" if kind == "dpo" else "instruction")
+    make = pair_rows if kind == "dpo" else sft_rows
+    return make(records, tokenizer, seq_len, path)
+
+
+def build_sft(config: RunConfig, tokenizer: Tokenizer) -> tuple[Objective, TrainData]:
+    check_packing_config(config.train)
+    post, seq_len = config.post, config.data.seq_len
+    if post.data:
+        rows = _rows_of("sft", post.data, tokenizer, seq_len)
+        if post.heldout:
+            train, heldout = Rows(rows), Rows(_rows_of("sft", post.heldout, tokenizer, seq_len))
+        else:
+            train, heldout = _split(rows, config, post.data)
+    else:  # the task suite: its training split, and its held-out split for the eval loss
+        train = Rows(sft_rows(task_records(suite_tasks(post, "train")), tokenizer, seq_len,
+                              "task suite"))
+        held = suite_tasks(post, "test")
+        heldout = Rows(sft_rows(task_records(held), tokenizer, seq_len, "task suite")
+                       if held else np.zeros((0, 3, seq_len + 1), dtype=np.int64))
+    return SFT(seq_len), TrainData(tokenizer, train, heldout)
+
+
+def build_dpo(config: RunConfig, tokenizer: Tokenizer,
+              device: torch.device) -> tuple[Objective, TrainData]:
+    post, seq_len = config.post, config.data.seq_len
+    if not post.data:
+        raise ConfigError("post.data is empty: DPO trains on preference pairs; build them from "
+                          "the task suite with `ftlm pairs CONFIG --out pairs.jsonl` and set "
+                          "post.data=pairs.jsonl (or point it at your own pairs file)")
+    rows = _rows_of("dpo", post.data, tokenizer, seq_len)
+    if post.heldout:
+        train, heldout = Rows(rows), Rows(_rows_of("dpo", post.heldout, tokenizer, seq_len))
+    else:
+        train, heldout = _split(rows, config, post.data)
+    objective = DPO(load_reference(config, device), seq_len, beta=post.beta,
+                    loss_type=post.dpo_loss)
+    return objective, TrainData(tokenizer, train, heldout)
+
+
+def build_grpo(config: RunConfig, tokenizer: Tokenizer,
+               device: torch.device) -> tuple[Objective, TrainData]:
+    post = config.post
+    train, heldout = training_tasks(post)
+    tasks = train + heldout  # rows index this list: training tasks first, then held-out ones
+    objective = GRPO(tasks, tokenizer, load_reference(config, device), seq_len=config.data.seq_len,
+                     seed=config.run.seed, group_size=post.group_size, clip=post.clip,
+                     kl_coef=post.kl_coef, max_new_tokens=post.max_new_tokens,
+                     temperature=post.temperature, top_k=post.top_k)
+    index = np.arange(len(tasks), dtype=np.int64)[:, None]
+    return objective, TrainData(tokenizer, Rows(index[:len(train)]), Rows(index[len(train):]))
+
+
+def build(kind: str, config: RunConfig) -> tuple[Objective, TrainData]:
+    """The objective and data of ``kind`` (sft, dpo, grpo) as ``config`` asks."""
+    from ftlm.train.trainer import resolve_device
+    if kind not in KINDS:
+        raise ConfigError(f"post-training kind {kind!r}; valid: {', '.join(KINDS)}")
+    tokenizer = load_tokenizer(config)
+    if kind == "sft":
+        return build_sft(config, tokenizer)
+    device = resolve_device(config.train.device)
+    if config.train.threads:
+        torch.set_num_threads(config.train.threads)
+    return (build_dpo if kind == "dpo" else build_grpo)(config, tokenizer, device)
+
+
+def _trainer(kind: str, config: RunConfig, **kwargs):
+    from ftlm.train.trainer import Trainer
+    objective, data = build(kind, config)
+    trainer = Trainer(config, objective=objective, data=data, **kwargs)
+    if isinstance(objective, GRPO):
+        # Samples are seeded by the step the update is for: a retry draws the same ones.
+        objective.clock = lambda: trainer.state.step
+    return trainer
+
+
+def run(kind: str, config: RunConfig) -> dict:
+    """Train one group: alone, or as a group of a fault-tolerant job under FTLM_COORDINATOR.
+
+    The same shape as ``ftlm train`` (``ftlm.cli.cmd_train``): alone it returns the run summary
+    (and writes the report); in a job it prints the ``FTLM_RESULT`` line the supervisor reads.
+    """
+    coordinator = config.ft.coordinator or os.environ.get("FTLM_COORDINATOR", "")
+    if not coordinator:
+        summary = _trainer(kind, config).train()
+        if int(os.environ.get("RANK", "0")) == 0:
+            from ftlm.observe.events import read_events
+            from ftlm.observe.report import write_report
+            write_report(config.run.path, summary, read_events(config.run.path / "events.jsonl"))
+        return summary
+    from ftlm.ft.faults import fault_from_env
+    from ftlm.ft.manager import Manager
+    from ftlm.observe.events import EventLog
+    from ftlm.train.trainer import resolve_device
+    group = os.environ.get("FTLM_GROUP_ID", "g0")
+    incarnation = os.environ.get("FTLM_INCARNATION") or uuid.uuid4().hex
+    groups = int(os.environ.get("FTLM_GROUPS", "0")) or config.ft.groups
+    token = os.environ.get("FTLM_TOKEN", "") or config.ft.read_token()
+    rank = int(os.environ.get("RANK", "0"))
+    events = EventLog(config.run.path / "events.jsonl", group=group, rank=rank)
+    trainer = _trainer(kind, config, group=group, groups=groups, standalone=False)
+    # Join the job only once the model and data are ready (as ftlm train does).
+    trainer.ft = Manager(config.ft, group, incarnation, coordinator, token=token, events=events,
+                         device=resolve_device(config.train.device), fault=fault_from_env(),
+                         total_steps=config.train.steps, expected_groups=groups)
+    trainer.ft.metrics = trainer.metrics
+    result = trainer.train()
+    result["incarnation"] = incarnation
+    print("FTLM_RESULT " + json.dumps(result), flush=True)
+    return result
+
+
+def launch(kind: str, config: RunConfig, groups: int, chaos_mtbf: float = 0.0,
+           chaos_hang: bool = False, chaos_seed: int = 0, ranks_per_group: int = 1) -> dict:
+    """Coordinator + ``groups`` local groups running ``ftlm KIND``, optionally with chaos."""
+    from ftlm.launch.local import LocalLauncher
+    build(kind, config)  # a bad config or file fails here, once, not in every group
+    return LocalLauncher(config, groups=groups, chaos_mtbf=chaos_mtbf, chaos_hang=chaos_hang,
+                         chaos_seed=chaos_seed, ranks_per_group=ranks_per_group,
+                         command=kind).run()

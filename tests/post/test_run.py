@@ -1,0 +1,104 @@
+"""Post-training runs end to end: one group in-process (fast), and local jobs under chaos (slow).
+
+The chaos runs check the invariants of pretraining (DESIGN.md section 11): identical replicas at
+the end, every row trained exactly once, no committed step lost, monotonic quorum ids.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ftlm.config import build_config
+from ftlm.errors import ConfigError
+from ftlm.launch.local import LocalLauncher
+from ftlm.observe.events import read_events
+from ftlm.post import run
+from ftlm.post.pairs import write_pairs
+
+
+def _one_group(kind: str, config) -> dict:
+    summary = run.run(kind, config)
+    assert summary["steps_committed"] == config.train.steps
+    assert summary["data"]["duplicates"] == 0 and summary["data"]["gaps"] == 0
+    assert (config.run.path / "model.safetensors").is_file()
+    return summary
+
+
+def test_sft_then_dpo_and_grpo_from_it(post_config, tmp_path, demo_data) -> None:
+    tok = {"tokenizer": str(demo_data / "tokenizer.json"), "dir": str(demo_data)}
+    sft = post_config(tmp_path / "sft", data=tok, train={"eval_every": 2, "eval_batches": 1})
+    summary = _one_group("sft", sft)
+    evals = [e for e in read_events(sft.run.path / "events.jsonl") if e["kind"] == "eval"]
+    assert evals and all(e["loss"] > 0 for e in evals)
+    weights = str(sft.run.path / "model.safetensors")
+    pairs = write_pairs([{"prompt": "What is 7 mod 3?", "chosen": "Answer: 1", "rejected": "Answer: 2"},
+                         {"prompt": "How many a in aba?", "chosen": "Answer: 2", "rejected": "Answer: 1"},
+                         {"prompt": "What is 9 mod 4?", "chosen": "Answer: 1", "rejected": "Answer: 3"}],
+                        tmp_path / "pairs.jsonl")
+    dpo = post_config(tmp_path / "dpo", data={**tok, "eval_samples": 1},
+                      train={"init_from": weights, "steps": 1},
+                      post={"data": str(pairs)})
+    _one_group("dpo", dpo)
+    grpo = post_config(tmp_path / "grpo", data=tok, train={"init_from": weights, "steps": 1})
+    _one_group("grpo", grpo)
+    assert summary["tokens_committed"] == 2 * 2 * 96
+
+
+def test_dpo_without_pairs_or_reference_says_what_to_do(post_config, demo_data, tmp_path) -> None:
+    tok = {"tokenizer": str(demo_data / "tokenizer.json")}
+    with pytest.raises(ConfigError, match="ftlm pairs CONFIG"):
+        run.build("dpo", post_config(data=tok))
+    with pytest.raises(ConfigError, match="need a reference model"):
+        run.build("grpo", post_config(data=tok))
+    with pytest.raises(ConfigError, match="activation_checkpointing"):
+        run.build("sft", post_config(data=tok, train={"activation_checkpointing": True}))
+
+
+def _chaos_config(tmp_path, demo_data, kind: str, steps: int, **post):
+    return build_config({
+        "run": {"name": kind, "dir": str(tmp_path / kind), "seed": 3},
+        "model": {"size": "tiny", "vocab_size": 1024, "dim": 32, "n_layers": 2, "n_heads": 4,
+                  "n_kv_heads": 2, "ffn_dim": 64, "max_seq_len": 128},
+        "data": {"dir": str(demo_data), "seq_len": 96, "prefetch": 2, "eval_samples": 0},
+        "train": {"steps": steps, "batch_size": 2, "lr": 1e-3, "warmup_steps": 2, "threads": 1,
+                  "eval_every": 0, **post.pop("train", {})},
+        "ft": {"heartbeat_interval": 0.1, "heartbeat_timeout": 1.0, "join_timeout": 2.0,
+               "allreduce_timeout": 5.0, "quorum_timeout": 30.0, "give_up_seconds": 120.0,
+               "restart_delay": 0.2, "bucket_bytes": 65536, "lr_policy": "sqrt"},
+        "observe": {"progress": False},
+        "post": {"families": "mod,count", "train_tasks": 400, "heldout_tasks": 0, **post},
+    })
+
+
+def _check_invariants(summary: dict, config, groups: int) -> None:
+    events = read_events(config.run.path / "events.jsonl")
+    assert summary["problems"] == [], summary["problems"]
+    assert summary["replicas_identical"], summary["state_hashes"]
+    assert len(summary["state_hashes"]) == groups
+    assert summary["data"]["duplicates"] == 0 and summary["data"]["gaps"] == 0, summary["data"]
+    committed = {e["step"] for e in events if e["kind"] == "commit"}
+    assert committed == set(range(config.train.steps)), "a committed step was lost"
+    ids = [e["quorum_id"] for e in sorted(events, key=lambda e: e["ts"]) if e["kind"] == "quorum"]
+    assert ids == sorted(ids), "quorum ids went backwards"
+    assert summary["failures_injected"] >= 1, "chaos injected nothing: the test proved nothing"
+
+
+@pytest.mark.slow
+def test_sft_under_chaos_ends_with_identical_replicas_and_exactly_once(tmp_path, demo_data) -> None:
+    config = _chaos_config(tmp_path, demo_data, "sft", steps=400)
+    summary = run.launch("sft", config, groups=3, chaos_mtbf=8.0, chaos_seed=1)
+    _check_invariants(summary, config, 3)
+
+
+@pytest.mark.slow
+def test_grpo_under_chaos_ends_with_identical_replicas_and_exactly_once(tmp_path, demo_data) -> None:
+    sft = _chaos_config(tmp_path, demo_data, "base", steps=2)
+    run.run("sft", sft)  # a starting model (and the reference) for GRPO
+    config = _chaos_config(tmp_path, demo_data, "grpo", steps=120, group_size=2,
+                           max_new_tokens=8,
+                           train={"init_from": str(sft.run.path / "model.safetensors")})
+    summary = run.launch("grpo", config, groups=3, chaos_mtbf=8.0, chaos_seed=2)
+    _check_invariants(summary, config, 3)
+    assert json.loads((config.run.path / "summary.json").read_text())["replicas_identical"]

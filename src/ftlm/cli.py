@@ -184,6 +184,7 @@ def cmd_sim_check(args: argparse.Namespace) -> int:
 COMMAND_MODULES: tuple[str, ...] = (
     "ftlm.goodput.cli",
     "ftlm.tasks.cli",
+    "ftlm.convert_cli",
     "ftlm.post.cli",
 )
 

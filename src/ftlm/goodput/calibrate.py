@@ -32,6 +32,10 @@ from ftlm.observe.summary import (COORDINATOR, affected_group, commit_steps, fai
 
 GAP_STEPS = 3.0
 """A commit gap longer than this many median steps is a stall, not a speed sample."""
+MIN_RATE_SAMPLES = 10
+"""Steps a participant count needs for its own token rate (else: linear in participants)."""
+MAX_SPEED = 1.5
+"""Cap of a measured relative speed (fewer groups can be faster than all: a shared CPU box)."""
 NO_FAILURES_MTBF = 1e15
 """Seconds between failures the model of a run without failures assumes (none in its lifetime)."""
 
@@ -92,8 +96,10 @@ def _load(run_dir: Path) -> tuple[list[dict], dict]:
     return read_events(events_path), summary
 
 
-def _speeds(events: list[dict], groups: int, median_step: float) -> tuple[tuple[float, ...], float]:
-    """Relative speed by participant count, and the all-groups rate (tokens per second)."""
+def _speeds(events: list[dict], groups: int, median_step: float,
+            steady: float) -> tuple[tuple[float, ...], float]:
+    """Relative speed by participant count, and the all-groups rate (tokens per second; the
+    summary's ``steady`` rate when fewer than ``MIN_RATE_SAMPLES`` steps had every group)."""
     steps = sorted(commit_steps(events), key=lambda r: r.ts)
     participants: dict[int, int] = {}
     for e in events:
@@ -101,6 +107,7 @@ def _speeds(events: list[dict], groups: int, median_step: float) -> tuple[tuple[
             participants[e["step"]] = max(participants.get(e["step"], 0), e["participants"])
     tokens: dict[int, float] = {}
     seconds: dict[int, float] = {}
+    counts: dict[int, int] = {}
     for prev, rec in zip(steps, steps[1:]):
         dt = rec.ts - prev.ts
         p = participants.get(rec.step, 0)
@@ -108,12 +115,14 @@ def _speeds(events: list[dict], groups: int, median_step: float) -> tuple[tuple[
             continue
         tokens[p] = tokens.get(p, 0.0) + rec.tokens
         seconds[p] = seconds.get(p, 0.0) + dt
-    rate = {p: tokens[p] / seconds[p] for p in tokens if seconds[p] > 0}
-    full = rate.get(groups) or (max(rate.values()) if rate else 0.0)
+        counts[p] = counts.get(p, 0) + 1
+    rate = {p: tokens[p] / seconds[p] for p in tokens
+            if seconds[p] > 0 and counts[p] >= MIN_RATE_SAMPLES}
+    full = rate.get(groups) or steady
     if full <= 0:
         raise DataError("the run has no two consecutive commits to measure a token rate from; "
                         "calibrate on a run of at least a few dozen steps")
-    speeds = tuple(min(1.0, rate[p] / full) if p in rate else p / groups
+    speeds = tuple(min(MAX_SPEED, rate[p] / full) if p in rate else p / groups
                    for p in range(1, groups + 1))
     return speeds, full
 
@@ -162,7 +171,8 @@ def calibrate(run_dir: Path | str) -> Calibration:
     fails = failure_events(events)
     failure_stalls = [s for f, s in zip(fails, stalls) if f.how != "rejoin" and f.group != COORDINATOR]
     rejoin_stalls = [s for f, s in zip(fails, stalls) if f.how == "rejoin"]
-    speeds, full_rate = _speeds(events, groups, median_step)
+    speeds, full_rate = _speeds(events, groups, median_step,
+                               float(summary.get("steady_tokens_per_second") or 0.0))
     tokens = float(summary.get("tokens_committed") or sum(r.tokens for r in steps))
     mean_detection = _mean(detection, default=0.0)
     stall = _mean(failure_stalls)

@@ -94,7 +94,8 @@ class JobModel:
     speed_by_participants: tuple[float, ...] = ()
     """Job speed with P of ``groups`` groups training, for P = 1..groups, as a fraction of full
     speed; empty: P / groups (each group brings its own GPUs). A measured curve comes from
-    ``ftlm simulate --calibrate`` (on a shared CPU box, fewer groups train faster each)."""
+    ``ftlm simulate --calibrate``; up to 1.5, since on a shared CPU box fewer groups can
+    commit tokens faster than all of them."""
     spot_preemptions_per_gpu_hour: float = 0.0
     """Spot capacity: preemptions per GPU-hour (0: on-demand capacity, no preemptions)."""
     spot_notice: float = 30.0
@@ -135,7 +136,7 @@ class JobModel:
                 raise ConfigError(f"speed_by_participants has {len(speeds)} values; it needs "
                                   f"one per participant count 1..{self.groups}")
             for i, s in enumerate(speeds):
-                _number(f"speed_by_participants[{i}]", s, 0.0, 1.0, low_open=True)
+                _number(f"speed_by_participants[{i}]", s, 0.0, 1.5, low_open=True)
 
     @property
     def allocated_gpus(self) -> int:

@@ -1,0 +1,324 @@
+"""The OpenAI-compatible HTTP server: routes, the bearer key, errors and SSE streaming.
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both
+with ``stream`` over server-sent events and ``n`` > 1), ``GET /metrics`` (Prometheus) and
+``GET /health`` (no key: liveness only). With a token configured every other request needs
+``Authorization: Bearer <token>`` (the job token; the ``openai`` client sends its ``api_key``
+so). Every failure is an OpenAI-style JSON error (``{"error": {"message", "type", "param",
+"code"}}``): 400 bad input (malformed JSON, a bad field, a prompt longer than the context,
+``n`` too large), 401 wrong key, 404 unknown model or route, 413 body too large, 429 queue full,
+503 shutting down, 500 a bug (logged; the server keeps serving).
+
+Responsible for: HTTP and turning requests into engine sequences (tokenising, the chat
+template) and sequences back into OpenAI responses. Not responsible for: batching or the decode
+loop (``ftlm.serve.runner``), validation rules (``ftlm.serve.protocol``).
+
+The aiohttp event loop runs in a thread of its own (``start``/``stop``), the engine in another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+from aiohttp import web
+
+from ftlm.data.tokenizer import Tokenizer
+from ftlm.errors import ConfigError
+from ftlm.infer.chat import chat_stop_ids, render_chat
+from ftlm.infer.engine import Engine
+from ftlm.infer.text import TextStream, cut_at_stop
+from ftlm.serve import protocol
+from ftlm.serve.config import ServeConfig
+from ftlm.serve.metrics import ServeMetrics
+from ftlm.serve.protocol import APIError
+from ftlm.serve.runner import EngineRunner, Overloaded, Stopped, Update
+
+log = logging.getLogger(__name__)
+
+_START_TIMEOUT = 30.0
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class Server:
+    """Serves ``engine`` (with ``tokenizer``) on ``config.host:config.port``."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, config: ServeConfig) -> None:
+        if config.host not in _LOOPBACK and not config.token and not config.insecure:
+            raise ConfigError(f"serving on {config.host} without a token lets anyone who reaches "
+                              "the port use the model: set FTLM_TOKEN (or ft.token_file) or pass "
+                              "--insecure")
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.metrics = ServeMetrics(config.model_name)
+        self.runner = EngineRunner(engine, config.max_queue, self.metrics)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._stopping: asyncio.Event | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._guard],
+                              client_max_size=self.config.max_request_bytes)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        return app
+
+    def start(self) -> str:
+        """Start the engine thread and the HTTP server; returns the base URL."""
+        self.runner.start()
+        self._thread = threading.Thread(target=self._run_loop, name="ftlm-serve-http", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(_START_TIMEOUT):
+            raise RuntimeError(f"the server did not start within {_START_TIMEOUT} s")
+        if self._start_error is not None:
+            self.runner.stop()
+            raise ConfigError(f"cannot listen on {self.config.host}:{self.config.port}: "
+                              f"{self._start_error} (choose another --port, or 0 for any free "
+                              "port)") from self._start_error
+        return self.url
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop accepting, end the sequences in flight, join both threads (bounded)."""
+        self.runner.stop(timeout)
+        loop, thread = self._loop, self._thread
+        if loop is not None and thread is not None and thread.is_alive():
+            loop.call_soon_threadsafe(self._stopping.set)  # type: ignore[union-attr]
+            thread.join(timeout)
+
+    def serve_forever(self) -> None:
+        """Serve until SIGINT or SIGTERM (for ``ftlm serve``)."""
+        self.start()
+        stop = threading.Event()
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, lambda *_: stop.set())
+        print(f"ftlm serve: {self.config.model_name!r} on {self.url}/v1 (Ctrl-C to stop)",
+              flush=True)
+        if not self.config.token:
+            print("ftlm serve: warning: no token (FTLM_TOKEN or ft.token_file): any process that "
+                  "reaches the port can use the model", file=sys.stderr, flush=True)
+        try:
+            while not stop.wait(0.5) and self._thread is not None and self._thread.is_alive():
+                pass
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.stop()
+
+    def _run_loop(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._serve())
+        except BaseException as e:  # noqa: BLE001 - reported to start()
+            self._start_error = e
+            self._ready.set()
+        finally:
+            loop.close()
+
+    async def _serve(self) -> None:
+        self._stopping = asyncio.Event()
+        runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, self.config.host, self.config.port)
+        try:
+            await site.start()
+            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            self._ready.set()
+            await self._stopping.wait()
+        finally:
+            await runner.cleanup()
+
+    # -- the guard ----------------------------------------------------------------------------
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            if request.path != "/health" and self.config.token:
+                given = request.headers.get("Authorization", "")
+                if not hmac.compare_digest(given.encode("utf-8", "replace"),
+                                           f"Bearer {self.config.token}".encode()):
+                    raise APIError(401, "invalid API key: send 'Authorization: Bearer <job "
+                                        "token>' (the openai client's api_key)",
+                                   code="invalid_api_key")
+            return await handler(request)
+        except APIError as e:
+            if e.status == 429 or e.status == 503:
+                self.metrics.on_rejected()
+            elif 400 <= e.status < 500:
+                self.metrics.on_error()
+            return web.json_response(e.body(), status=e.status)
+        except web.HTTPRequestEntityTooLarge:
+            self.metrics.on_error()
+            return _error(413, f"the request body is larger than "
+                               f"{self.config.max_request_bytes} bytes")
+        except web.HTTPException as e:  # unknown route, wrong method
+            if e.status < 400:
+                raise
+            return _error(e.status, f"{e.reason}: {request.method} {request.path[:100]}")
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception:  # noqa: BLE001 - a bug: answer 500, keep serving
+            log.exception("failed answering %s %s", request.method, request.path[:100])
+            return _error(500, "internal error; see the server's log", "server_error")
+
+    # -- routes -------------------------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "ftlm",
+             "max_model_len": self.engine.max_seq_len}]})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        started = time.perf_counter()
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the body is not valid JSON ({str(e)[:120]}); send a JSON "
+                                "object") from None
+        cfg = self.config
+        req = protocol.parse_request(body, kind, cfg.model_name, cfg.max_n, cfg.default_max_tokens)
+        prompts = self._encode(req)
+        if len(prompts) * req.n > cfg.max_n:
+            raise protocol.bad("n", f"{len(prompts)} prompts x n={req.n} asks for "
+                                    f"{len(prompts) * req.n} completions; at most {cfg.max_n} "
+                                    "per request", "integer_out_of_range")
+        params = req.params
+        if kind == "chat":
+            params = replace(params, stop_ids=chat_stop_ids(self.tokenizer))
+        # Sample j of a seeded request uses seed + j: n samples differ, and repeat exactly.
+        items = [(prompt, replace(params, seed=None if params.seed is None else params.seed + j))
+                 for prompt in prompts for j in range(req.n)]
+        queue: asyncio.Queue = asyncio.Queue()
+        try:
+            handles = self.runner.submit(asyncio.get_running_loop(), queue, items)
+        except Overloaded as e:
+            raise APIError(429, str(e), "rate_limit_exceeded", code="queue_full") from None
+        except Stopped as e:
+            raise APIError(503, str(e), "server_error", code="shutting_down") from None
+        self.metrics.on_request()
+        rid = protocol.new_id(kind)
+        prompt_tokens = sum(len(p) for p in prompts) * req.n
+        try:
+            async with asyncio.timeout(cfg.request_timeout):
+                if req.stream:
+                    return await self._stream(request, req, rid, queue, len(items),
+                                              prompt_tokens)
+                return await self._whole(req, rid, queue, len(items), prompt_tokens)
+        except TimeoutError:
+            raise APIError(503, f"the request took longer than {cfg.request_timeout:g} s",
+                           "server_error", code="timeout") from None
+        finally:
+            self.runner.cancel(handles)  # a no-op for finished sequences
+            self.metrics.on_request_done(time.perf_counter() - started)
+
+    def _encode(self, req: protocol.Request) -> list[list[int]]:
+        limit = self.engine.max_seq_len - 1
+        if req.kind == "chat":
+            prompts = [render_chat(req.messages, self.tokenizer)]
+        else:
+            prompts = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
+        vocab = self.engine.model.cfg.vocab_size
+        for i, p in enumerate(prompts):
+            where = "messages" if req.kind == "chat" else "prompt"
+            if not p:
+                raise protocol.bad(where, "the prompt is empty")
+            if len(p) > limit:
+                raise protocol.bad(where, f"the prompt has {len(p)} tokens but this model's "
+                                          f"context is {self.engine.max_seq_len} tokens; "
+                                          f"shorten it to at most {limit}",
+                                   "context_length_exceeded")
+            if any(not 0 <= t < vocab for t in p):
+                raise protocol.bad(where, f"prompt {i} has a token id outside [0, {vocab})")
+        return prompts
+
+    async def _whole(self, req, rid, queue, count, prompt_tokens) -> web.Response:
+        final: dict[int, Update] = {}
+        while len(final) < count:
+            update: Update = await queue.get()
+            if update.error:
+                raise APIError(500, update.error, "server_error")
+            if update.finish_reason is not None:
+                final[update.index] = update
+        texts, reasons, generated = [], [], 0
+        for i in range(count):
+            u = final[i]
+            texts.append(cut_at_stop(self.tokenizer.decode(u.tokens), req.params.stop)[0])
+            reasons.append(u.finish_reason)
+            generated += len(u.tokens)
+        return web.json_response(protocol.response(req, rid, texts, reasons, prompt_tokens,
+                                                   generated))
+
+    async def _stream(self, request, req, rid, queue, count, prompt_tokens
+                      ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        streams = [TextStream(self.tokenizer.decode, req.params.stop) for _ in range(count)]
+        started = [False] * count
+        done, generated = 0, 0
+
+        async def send(obj: dict) -> None:
+            await response.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+        while done < count:
+            update: Update = await queue.get()
+            i = update.index
+            if update.error:  # the status is sent already: report in-band, as OpenAI does
+                await send(APIError(500, update.error, "server_error").body())
+                break
+            final = update.finish_reason is not None
+            delta = streams[i].update(update.tokens, final=final)
+            if delta or not started[i] or final:
+                await send(protocol.chunk(req, rid, i, delta, update.finish_reason,
+                                          first=not started[i]))
+                started[i] = True
+            if final:
+                done += 1
+                generated += len(update.tokens)
+        if req.include_usage:
+            await send(protocol.usage_chunk(req, rid, prompt_tokens, generated))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _error(status: int, message: str, type: str = "invalid_request_error") -> web.Response:
+    return web.json_response(APIError(status, message, type).body(), status=status)

@@ -182,9 +182,11 @@ def cmd_sim_check(args: argparse.Namespace) -> int:
 # action and adding its parsers (with ``set_defaults(fn=...)``). Keep them light to import: the
 # heavy imports belong inside the command functions.
 COMMAND_MODULES: tuple[str, ...] = (
+    "ftlm.infer.cli",
     "ftlm.goodput.cli",
     "ftlm.tasks.cli",
     "ftlm.convert_cli",
+    "ftlm.evaluate_cli",
     "ftlm.post.cli",
 )
 

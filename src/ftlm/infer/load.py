@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,6 +32,9 @@ class LoadedModel:
     model: Transformer
     tokenizer: Tokenizer | None
     name: str
+    config: Any = None
+    """The run's ``RunConfig`` (its ``ft`` section names the job token)."""
+    run_dir: Path | None = None
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -82,7 +86,7 @@ def load_run(path: str | Path, tokenizer: str | Path | None = None, device: str 
                         "is it the model of this run?") from None
     model = model.to(resolve_dtype(dtype, dev)).eval()
     tok = _find_tokenizer(config, run_dir, tokenizer)
-    return LoadedModel(model, tok, config.run.name)
+    return LoadedModel(model, tok, config.run.name, config, run_dir)
 
 
 def build_model(cfg: ModelConfig, device: torch.device) -> Transformer:

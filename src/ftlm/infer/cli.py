@@ -1,0 +1,203 @@
+"""``ftlm generate`` and ``ftlm serve``: the command lines of the inference engine and server.
+
+Not responsible for: generation (``ftlm.infer.engine``), strategies (``ftlm.infer.strategies``)
+or HTTP (``ftlm.serve``); this module parses arguments, loads the model and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="run directory of a finished `ftlm train` (config.toml and "
+                                 "model.safetensors), or its model.safetensors")
+    p.add_argument("--tokenizer", default="", help="tokenizer.json (default: the run's)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 or auto (default)")
+    p.add_argument("--dtype", default="auto",
+                   help="float32, bfloat16, float16 or auto (bfloat16 on CUDA, else float32)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="sequences decoded together, the KV-cache slots (default 8)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decode step with torch.compile (slow start, faster decode)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per completion (128)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=0, help="keep exactly k tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p filter (0: off)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string (repeatable)")
+    p.add_argument("--seed", type=int, default=0, help="seed (sample i of a prompt uses seed+i)")
+
+
+def _load(args: argparse.Namespace):
+    from ftlm.errors import ConfigError
+    from ftlm.infer.engine import Engine
+    from ftlm.infer.load import load_run
+    loaded = load_run(args.model, tokenizer=args.tokenizer or None, device=args.device,
+                      dtype=args.dtype)
+    if loaded.tokenizer is None:
+        raise ConfigError(f"no tokenizer found for {args.model}: pass --tokenizer tokenizer.json")
+    tok = loaded.tokenizer
+    engine = Engine(loaded.model, max_batch=args.max_batch, eos_id=tok.eos_id,
+                    detokenize=tok.decode, compile=args.compile)
+    return loaded, engine
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ftlm.errors import ConfigError
+    from ftlm.infer import strategies as st
+    from ftlm.infer.chat import chat_stop_ids, render_chat
+    from ftlm.infer.sampling import SamplingParams
+    texts: list[str] = list(args.prompt)
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise ConfigError(f"--prompts-file {path} does not exist")
+        texts += [line for line in path.read_text().splitlines() if line.strip()]
+    tasks = []
+    if args.tasks:
+        from ftlm.tasks import generate as generate_tasks
+        tasks = generate_tasks(args.families, args.split, args.tasks, args.seed)
+        texts += [t.prompt for t in tasks]
+    if not texts:
+        raise ConfigError("nothing to generate from: give --prompt TEXT, --prompts-file or --tasks N")
+    if args.n < 1:
+        raise ConfigError(f"-n={args.n} must be at least 1")
+    if args.strategy != "sample" and args.scorer not in st.SCORERS and args.scorer != "oracle":
+        raise ConfigError(f"--scorer={args.scorer!r}; valid: {', '.join(st.SCORERS)}, oracle")
+    if args.thinking_budget and args.n > 1:
+        raise ConfigError("--thinking-budget runs one sample per prompt; drop -n")
+    if args.scorer == "oracle" and not tasks:
+        raise ConfigError("--scorer oracle checks answers of --tasks only")
+    loaded, engine = _load(args)
+    tok = loaded.tokenizer
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            stop=tuple(args.stop), seed=args.seed,
+                            stop_ids=chat_stop_ids(tok) if args.chat else ())
+    if args.chat:
+        prompts = [render_chat([{"role": "user", "content": t}], tok) for t in texts]
+    else:
+        prompts = [[tok.bos_id] + tok.encode(t) if args.bos else tok.encode(t) for t in texts]
+    for p in prompts:
+        engine.check_prompt(p)
+    if args.thinking_budget:
+        cands = [[c] for c in st.thinking_budget(engine, tok, prompts, args.thinking_budget,
+                                                params)]
+    else:
+        cands = st.sample_candidates(engine, tok, prompts, args.n, params)
+    scorer = (st.task_checker({t.prompt: t for t in tasks}) if args.scorer == "oracle"
+              else st.SCORERS.get(args.scorer, st.confidence))
+    correct = 0
+    for i, (text, row) in enumerate(zip(texts, cands)):
+        if args.strategy == "self-consistency":
+            choice = st.self_consistency(row)
+        elif args.strategy == "best-of-n":
+            choice = st.best_of_n(row, text, scorer)
+        elif args.strategy == "weighted-best-of-n":
+            choice = st.weighted_best_of_n(row, text, scorer)
+        else:
+            choice = st.Choice(row[0].text, row[0].answer, row)
+        ok = None
+        if i >= len(texts) - len(tasks) and tasks:
+            from ftlm.tasks import check
+            ok = check(tasks[i - (len(texts) - len(tasks))], choice.text)
+            correct += bool(ok)
+        if args.json:
+            record = {"prompt": text, "completion": choice.text, "answer": choice.answer,
+                      "tokens_generated": choice.tokens_generated}
+            if args.n > 1 or args.strategy != "sample":
+                record["samples"] = [c.text for c in row]
+                record["votes"] = choice.votes
+            if ok is not None:
+                record["correct"] = ok
+            print(json.dumps(record), flush=True)
+        else:
+            if len(texts) > 1:
+                print(f"--- prompt {i}")
+            print(choice.text if args.chat else text + choice.text, flush=True)
+    if tasks:
+        print(f"accuracy {correct}/{len(tasks)} = {correct / len(tasks):.3f} ({args.strategy}, "
+              f"n={args.n})", file=sys.stderr)
+    return 0
+
+
+def _serve_token(args: argparse.Namespace, loaded) -> str:
+    """The bearer key: FTLM_TOKEN, else --token-file, else the run's job token."""
+    from ftlm.errors import ConfigError
+    if os.environ.get("FTLM_TOKEN"):
+        return os.environ["FTLM_TOKEN"].strip()
+    if args.token_file:
+        path = Path(args.token_file)
+        if not path.is_file():
+            raise ConfigError(f"--token-file {path} does not exist")
+        return path.read_text().strip()
+    if loaded.config is not None and loaded.config.ft.token_file:
+        return loaded.config.ft.read_token()
+    run_token = loaded.run_dir / "token" if loaded.run_dir else None
+    if run_token is not None and run_token.is_file():
+        return run_token.read_text().strip()
+    return ""
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ftlm.serve import ServeConfig, Server
+    loaded, engine = _load(args)
+    config = ServeConfig(host=args.host, port=args.port, model_name=args.name or loaded.name,
+                         token=_serve_token(args, loaded), insecure=args.insecure,
+                         max_batch=args.max_batch, max_queue=args.max_queue, max_n=args.max_n,
+                         default_max_tokens=args.default_max_tokens)
+    Server(engine, loaded.tokenizer, config).serve_forever()
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``ftlm generate`` and ``ftlm serve``."""
+    from ftlm.infer.strategies import SCORERS, STRATEGIES
+    p = sub.add_parser("generate", help="generate text from a trained model (KV-cache engine, "
+                                        "batched; best-of-N, self-consistency, thinking budget)")
+    _add_model_args(p)
+    _add_sampling_args(p)
+    p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    p.add_argument("--prompts-file", default="", help="a text file, one prompt per line")
+    p.add_argument("--tasks", type=int, default=0, metavar="N",
+                   help="also prompt with N tasks of ftlm.tasks and report the accuracy")
+    p.add_argument("--split", default="test", help="split of --tasks (default test: held out)")
+    p.add_argument("--families", default="add,mod,sort,count", help="families of --tasks")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap each prompt as a user message of the chat template")
+    p.add_argument("--bos", action="store_true", help="start each prompt with <|bos|>")
+    p.add_argument("-n", type=int, default=1, help="samples per prompt (default 1)")
+    p.add_argument("--strategy", default="sample", choices=STRATEGIES,
+                   help="how to pick among the n samples (default: the first sample)")
+    p.add_argument("--scorer", default="confidence",
+                   help=f"scorer of best-of-n: {', '.join(SCORERS)}, or oracle (the exact task "
+                        "checker; --tasks only: an upper bound)")
+    p.add_argument("--thinking-budget", type=int, default=0, metavar="TOKENS",
+                   help="cap the reasoning at TOKENS, then force </think> and the answer")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("serve", help="serve a trained model over an OpenAI-compatible HTTP API")
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free)")
+    p.add_argument("--name", default="", help="model id in the API (default: the run's name)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="sequences that may wait for a slot before requests get 429 (64)")
+    p.add_argument("--max-n", type=int, default=8, help="largest n per request (default 8)")
+    p.add_argument("--default-max-tokens", type=int, default=128,
+                   help="max_tokens of requests that give none (default 128)")
+    p.add_argument("--token-file", default="",
+                   help="file holding the bearer key (default: FTLM_TOKEN, the run's job token)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without a token")
+    p.set_defaults(fn=cmd_serve)

@@ -13,6 +13,7 @@ Interface (stable; other packages rely on it)::
     format_completion(reasoning, answer) -> str  # "<think>\\n...\\n</think>\\nAnswer: 42"
     write_tasks(tasks, path, style) / read_tasks(path)   # .jsonl or .parquet;
                                                          # style "messages" | "prompt_completion"
+    pass_at_k(n, c, k) / summarise(families, correct, n, ks)   # unbiased pass@k, per family
 
 * ``Task.prompt`` is the bare question (``"What is 47 + 85?"``); ``Task.solution`` is the
   reference completion, a reasoning trace and the final answer::
@@ -32,15 +33,16 @@ Interface (stable; other packages rely on it)::
 * ``generate`` is deterministic in its arguments; families take turns; tasks are distinct by
   key within one call.
 
-Not responsible for: tokenisation, chat templates, sampling from a model or scoring several
-samples (``ftlm eval`` does pass@k).
+Not responsible for: tokenisation, chat templates or sampling from a model (``ftlm eval`` samples
+and scores with ``pass_at_k``).
 """
 
 from ftlm.tasks.families import FAMILY_TABLE
 from ftlm.tasks.files import STYLES, read_tasks, write_tasks
+from ftlm.tasks.scoring import pass_at_k, summarise
 from ftlm.tasks.suite import (FAMILIES, HELDOUT_PERCENT, SPLITS, Task, accuracy, check,
                               extract_answer, format_completion, generate, split_of)
 
 __all__ = ["Task", "FAMILIES", "FAMILY_TABLE", "SPLITS", "HELDOUT_PERCENT", "STYLES", "generate",
            "check", "accuracy", "extract_answer", "format_completion", "split_of", "write_tasks",
-           "read_tasks"]
+           "read_tasks", "pass_at_k", "summarise"]

@@ -106,22 +106,23 @@ def plot_sweep(sweep: Sweep, path: Path) -> Path:
 
 
 def plot_timeline(results: dict[str, SimResult], path: Path, hours: float = 3.0) -> Path:
-    """Job speed over the first ``hours`` of each recorded run (``run(..., record=True)``)."""
+    """Job speed over the first ``hours`` of each recorded run (``run(..., record=True)``), one
+    panel per job; returns ``path``."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 3.5))
+    fig, axes = plt.subplots(len(results), 1, figsize=(8, 1.6 * len(results) + 0.6), sharex=True,
+                             squeeze=False)
     limit = hours * 3600.0
-    for key, result in results.items():
+    for ax, (key, result) in zip(axes[:, 0], results.items()):
         points = [(t, s) for t, s in result.timeline if t <= limit]
-        if not points:
-            continue
-        xs = [t / 60.0 for t, _ in points] + [limit / 60.0]
-        ys = [s for _, s in points] + [points[-1][1]]
-        ax.step(xs, ys, where="post", label=f"{key} (ETT {result.ett:.0%})")
-    ax.set_xlabel("minutes")
-    ax.set_ylabel("job speed")
-    ax.set_ylim(-0.05, 1.05)
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="lower right")
+        if points:
+            xs = [t / 60.0 for t, _ in points] + [limit / 60.0]
+            ys = [s for _, s in points] + [points[-1][1]]
+            ax.step(xs, ys, where="post", linewidth=1)
+        ax.set_title(f"{key} (ETT {result.ett:.0%})", fontsize=9, loc="left")
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_ylabel("speed")
+        ax.grid(True, alpha=0.3)
+    axes[-1, 0].set_xlabel("minutes")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

@@ -1,19 +1,25 @@
 """The Kubernetes manifests: schema-valid offline, and they place each group in the job.
 
 Core objects are checked against the Kubernetes OpenAPI schemas shipped with
-``kubernetes-validate`` (strict: unknown fields fail); the JobSet and TrainJob against the
-pydantic models of ``kubeflow-trainer-api``, with a round trip that drops unknown fields.
+``kubernetes-validate`` (strict: unknown fields fail); the JobSet, TrainJob and TrainingRuntime
+against the pydantic models of ``kubeflow-trainer-api``, with a round trip that drops unknown
+fields. Semantic checks follow: the Pod Security "restricted" profile, the graceful-stop grace,
+metrics that the PodMonitor finds, multi-node groups, spot scheduling, the kustomizations.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+import subprocess
 
 import pytest
 import yaml
 
 from ftlm.errors import ConfigError
 from ftlm.launch.cluster_config import ClusterConfig
-from ftlm.launch.k8s import generate_k8s
+from ftlm.launch.k8s import generate_k8s, read_dashboards
 
 kv = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[test]'")
 models = pytest.importorskip("kubeflow_trainer_api.models", reason="pip install -e '.[test]'")
@@ -25,27 +31,46 @@ CLUSTER = dict(groups=3, ranks_per_group=2, gpus_per_rank=4, metrics_port=9400,
                storage_class="fast", namespace="ml")
 
 
+def _generate(tmp_path, config, **cluster):
+    dashboards = tmp_path / "grafana"
+    dashboards.mkdir(exist_ok=True)
+    (dashboards / "ftlm.json").write_text('{"title": "ftlm"}\n')
+    out = tmp_path / "k8s"
+    paths = generate_k8s(config, ClusterConfig(**cluster), out, config.to_toml(),
+                         dashboards_dir=dashboards)
+    return {p.relative_to(out).as_posix(): yaml.safe_load(p.read_text())
+            for p in paths if p.suffix == ".yaml"}
+
+
 @pytest.fixture
 def manifests(tmp_path, tiny_config):
     config = tiny_config()
-    dashboards = tmp_path / "grafana"
-    dashboards.mkdir()
-    (dashboards / "ftlm.json").write_text('{"title": "ftlm"}\n')
-    paths = generate_k8s(config, ClusterConfig(**CLUSTER), tmp_path / "k8s", config.to_toml(),
-                         dashboards_dir=dashboards)
-    docs = {p.relative_to(tmp_path / "k8s").as_posix(): yaml.safe_load(p.read_text())
-            for p in paths if p.suffix == ".yaml"}
-    return docs, config
+    return _generate(tmp_path, config, **CLUSTER), config
 
 
-def test_core_manifests_pass_strict_kubernetes_schemas(manifests):
+@pytest.fixture
+def multi_node(tmp_path, tiny_config):
+    """Two groups of 2 nodes x 4 ranks (1 GPU each), preferring a spot pool."""
+    config = tiny_config()
+    return _generate(tmp_path, config, groups=2, nodes_per_group=2, ranks_per_group=8,
+                     gpus_per_rank=1, namespace="ml", grace_seconds=90,
+                     prefer_node_labels={"cloud.google.com/gke-spot": "true"},
+                     tolerations=["cloud.google.com/gke-spot=true:NoSchedule"]), config
+
+
+def _core(docs: dict) -> dict:
+    return {k: v for k, v in docs.items() if k.startswith(("base/", "jobs/"))
+            and not k.endswith("kustomization.yaml") or k.endswith("grafana-dashboards.yaml")}
+
+
+def test_core_manifests_pass_strict_kubernetes_schemas(manifests, multi_node):
     docs, _ = manifests
-    core = {k: v for k, v in docs.items() if k.startswith(("base/", "jobs/"))
-            or k.endswith("grafana-dashboards.yaml")}
-    kinds = {d["kind"] for d in core.values()}
-    assert kinds == {"Secret", "ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "Job"}
-    for name, doc in core.items():
-        kv.validate(doc, "1.33.0", strict=True)  # raises ValidationError with the field path
+    kinds = {d["kind"] for d in _core(docs).values()}
+    assert kinds == {"Secret", "ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "Job",
+                     "PodDisruptionBudget", "PriorityClass"}
+    for layout in (docs, multi_node[0]):
+        for name, doc in _core(layout).items():
+            kv.validate(doc, "1.33.0", strict=True)  # raises ValidationError with the field path
 
 
 def test_strict_validation_would_catch_an_unknown_field(manifests):
@@ -65,6 +90,8 @@ def test_jobset_matches_published_model_and_restarts_only_the_failed_group(manif
     docs, _ = manifests
     js = docs["jobset/jobset.yaml"]
     _round_trips(models.JobsetV1alpha2JobSet, js)
+    # RestartJob is behind a JobSet feature gate: the object says so, and it is not the default.
+    assert "RestartJob" in js["metadata"]["annotations"]["ftlm.dev/requires"]
     spec = js["spec"]
     assert [r["name"] for r in spec["replicatedJobs"]] == ["g0", "g1", "g2"]
     rules = spec["failurePolicy"]["rules"]
@@ -74,14 +101,27 @@ def test_jobset_matches_published_model_and_restarts_only_the_failed_group(manif
         assert rj["replicas"] == 1 and rj["template"]["spec"]["backoffLimit"] == 0
 
 
-def test_trainjobs_match_published_model(manifests):
+def test_trainjobs_match_published_model_and_keep_max_restarts(manifests):
     docs, _ = manifests
-    tjs = {k: v for k, v in docs.items() if k.startswith("trainjob/")}
+    tjs = {k: v for k, v in docs.items() if k.startswith("trainjob/trainjob-")}
     assert len(tjs) == 3
+    runtime = docs["trainjob/trainingruntime.yaml"]
+    _round_trips(models.TrainerV1alpha1TrainingRuntime, runtime)
     for doc in tjs.values():
         _round_trips(models.TrainerV1alpha1TrainJob, doc)
         assert doc["spec"]["trainer"]["numProcPerNode"] == 2
         assert doc["spec"]["trainer"]["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == "8"
+        # Defect 4: a TrainJob cannot patch restarts, so it refers to the job's own runtime ...
+        assert doc["spec"]["runtimeRef"] == {"name": runtime["metadata"]["name"],
+                                             "kind": "TrainingRuntime",
+                                             "apiGroup": "trainer.kubeflow.org"}
+        assert "--shutdown-timeout=110" in doc["spec"]["trainer"]["command"]
+    # ... whose JobSet and Job carry cluster.max_restarts and ignore disruptions.
+    spec = runtime["spec"]["template"]["spec"]
+    assert spec["failurePolicy"]["maxRestarts"] == 100
+    node = spec["replicatedJobs"][0]["template"]["spec"]
+    assert node["backoffLimit"] == 100
+    assert node["podFailurePolicy"]["rules"][0]["action"] == "Ignore"
 
 
 def test_group_pods_carry_the_job_environment_and_resources(manifests):
@@ -93,9 +133,11 @@ def test_group_pods_carry_the_job_environment_and_resources(manifests):
         assert env["FTLM_GROUP_ID"]["value"] == f"g{i}"
         assert env["FTLM_GROUPS"]["value"] == "3"
         job = pod["metadata"]["labels"]["ftlm.dev/job"]
-        assert env["FTLM_COORDINATOR"]["value"] == f"http://{job}-coordinator.ml.svc.cluster.local:29510"
+        # Defect 4: no hard-coded cluster.local; the search path completes <svc>.<ns>.svc.
+        assert env["FTLM_COORDINATOR"]["value"] == f"http://{job}-coordinator.ml.svc:29510"
         assert env["FTLM_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "token"
-        assert c["command"][:4] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2"]
+        assert c["command"][:5] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2",
+                                    "--shutdown-timeout=110"]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
         assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
         assert pod["spec"]["tolerations"][0] == {"key": "nvidia.com/gpu", "operator": "Exists",
@@ -119,7 +161,15 @@ def test_secret_config_and_coordinator_fit_together(manifests):
     assert docs["monitoring/grafana-dashboards.yaml"]["data"] == {"ftlm.json": '{"title": "ftlm"}\n'}
     pm = docs["monitoring/podmonitor.yaml"]
     assert pm["apiVersion"] == "monitoring.coreos.com/v1"
-    assert {e["port"] for e in pm["spec"]["podMetricsEndpoints"]} == {"http", "metrics"}
+    assert {e["port"] for e in pm["spec"]["podMetricsEndpoints"]} == {"http", "metrics", "metrics-1"}
+    # The coordinator outranks the groups and no voluntary disruption takes it.
+    pc = docs["base/coordinator-priorityclass.yaml"]
+    assert dep["spec"]["template"]["spec"]["priorityClassName"] == pc["metadata"]["name"]
+    assert "namespace" not in pc["metadata"]  # cluster-scoped
+    pdb = docs["base/coordinator-pdb.yaml"]
+    assert pdb["spec"]["maxUnavailable"] == 0
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= \
+        dep["spec"]["template"]["metadata"]["labels"].items()
 
 
 def test_missing_dashboards_folder_leaves_a_note(tmp_path, tiny_config):
@@ -135,7 +185,8 @@ def test_regenerating_with_fewer_groups_removes_old_group_files(tmp_path, tiny_c
     for groups in (3, 1):
         generate_k8s(config, ClusterConfig(groups=groups), tmp_path / "k8s", config.to_toml(),
                      dashboards_dir=tmp_path)
-    assert sorted(p.name for p in (tmp_path / "k8s" / "jobs").iterdir()) == ["job-g0.yaml"]
+    assert sorted(p.name for p in (tmp_path / "k8s" / "jobs").iterdir()) == [
+        "job-g0.yaml", "kustomization.yaml"]
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -157,3 +208,202 @@ def test_repository_dashboards_ship_as_a_valid_config_map(tmp_path, tiny_config)
     doc = yaml.safe_load((tmp_path / "k8s/monitoring/grafana-dashboards.yaml").read_text())
     kv.validate(doc, "1.33.0", strict=True)
     assert doc["data"] and all(json.loads(text) for text in doc["data"].values())
+
+
+# -- semantics ------------------------------------------------------------------------------------
+def _pod_templates(docs: dict) -> dict[str, dict]:
+    """Every pod template of the output, by file (Deployment, Jobs, JobSet's jobs)."""
+    out = {}
+    for name, doc in docs.items():
+        if doc["kind"] in ("Deployment", "Job"):
+            out[name] = doc["spec"]["template"]
+        elif doc["kind"] == "JobSet":
+            for rj in doc["spec"]["replicatedJobs"]:
+                out[f"{name}:{rj['name']}"] = rj["template"]["spec"]["template"]
+    return out
+
+
+def restricted_violations(pod: dict) -> list[str]:
+    """What breaks the Pod Security Standards' "restricted" profile (kubernetes.io/docs/concepts/
+    security/pod-security-standards), checked field by field as the admission controller does."""
+    spec, bad = pod["spec"], []
+    psc = spec.get("securityContext", {})
+    for host in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(host):
+            bad.append(host)
+    allowed_volumes = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                       "persistentVolumeClaim", "projected", "secret"}
+    for v in spec.get("volumes", []):
+        kinds = set(v) - {"name"}
+        if not kinds <= allowed_volumes:
+            bad.append(f"volume {v['name']}: {kinds - allowed_volumes}")
+    if psc.get("runAsUser") == 0:
+        bad.append("pod runAsUser 0")
+    for c in spec.get("containers", []) + spec.get("initContainers", []):
+        sc = c.get("securityContext", {})
+        if sc.get("privileged"):
+            bad.append(f"{c['name']}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            bad.append(f"{c['name']}: allowPrivilegeEscalation must be false")
+        caps = sc.get("capabilities", {})
+        if "ALL" not in caps.get("drop", []):
+            bad.append(f"{c['name']}: capabilities must drop ALL")
+        if set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            bad.append(f"{c['name']}: adds capabilities")
+        if not (sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True):
+            bad.append(f"{c['name']}: runAsNonRoot")
+        if sc.get("runAsUser") == 0:
+            bad.append(f"{c['name']}: runAsUser 0")
+        seccomp = sc.get("seccompProfile", psc.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            bad.append(f"{c['name']}: seccompProfile {seccomp}")
+        for port in c.get("ports", []):
+            if port.get("hostPort"):
+                bad.append(f"{c['name']}: hostPort")
+    return bad
+
+
+def test_every_pod_meets_the_restricted_pod_security_profile(manifests, multi_node):
+    for docs in (manifests[0], multi_node[0]):
+        pods = _pod_templates(docs)
+        assert len(pods) >= 3
+        for name, pod in pods.items():
+            assert restricted_violations(pod) == [], name
+    # The check can fail: the pod of before (fsGroup only) did.
+    pod = json.loads(json.dumps(pods["jobs/job-g0.yaml"]))
+    pod["spec"]["securityContext"] = {"fsGroup": 1000}
+    del pod["spec"]["containers"][0]["securityContext"]
+    assert len(restricted_violations(pod)) >= 3
+
+
+def test_graceful_stop_fits_inside_the_grace_period(manifests, multi_node):
+    """Defect 2: torchrun SIGKILLs its trainers 30 s after SIGTERM unless told otherwise."""
+    for docs in (manifests[0], multi_node[0]):
+        for name, pod in _pod_templates(docs).items():
+            if pod["metadata"]["labels"]["ftlm.dev/component"] != "group":
+                continue
+            grace = pod["spec"]["terminationGracePeriodSeconds"]
+            (timeout,) = [int(a.split("=")[1]) for a in pod["spec"]["containers"][0]["command"]
+                          if a.startswith("--shutdown-timeout=")]
+            assert 30 < timeout < grace, name
+
+
+def test_group_metrics_are_on_and_every_rank_port_is_scraped(manifests):
+    """Defect 4: the generated args never turned metrics on, only rank 0's port was declared,
+    and the scraped series lost their job label (so the dashboards' $job stayed empty)."""
+    docs, config = manifests
+    pod = docs["jobs/job-g1.yaml"]["spec"]["template"]
+    c = pod["spec"]["containers"][0]
+    args = c["command"]
+    for setting in ("observe.metrics=true", "observe.metrics_host=0.0.0.0",
+                    "observe.metrics_port=9400"):
+        assert setting in args
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"metrics": 9400, "metrics-1": 9401}  # 2 ranks: port + rank
+    endpoints = docs["monitoring/podmonitor.yaml"]["spec"]["podMetricsEndpoints"]
+    rank_ports = [e for e in endpoints if e["port"].startswith("metrics")]
+    assert {e["port"] for e in rank_ports} == set(ports)
+    assert all(e["honorLabels"] for e in rank_ports)
+    (coord,) = [e for e in endpoints if e["port"] == "http"]
+    assert coord["relabelings"] == [{"targetLabel": "job", "replacement": config.run.name,
+                                     "action": "replace"}]
+    # Probes on the trainers, on the declared metrics port.
+    assert c["livenessProbe"]["tcpSocket"]["port"] == "metrics"
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 600
+
+
+def test_spot_capacity_scheduling_and_disruptions(manifests, multi_node):
+    docs, _ = manifests
+    for name in ("jobs/job-g0.yaml", "jobs/job-g2.yaml"):
+        spec = docs[name]["spec"]
+        # A reclaimed or drained pod does not use up the group's restarts.
+        assert spec["podFailurePolicy"] == {"rules": [
+            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]}
+        assert spec["backoffLimit"] == 100
+        tsc = spec["template"]["spec"]["topologySpreadConstraints"][0]
+        assert tsc["topologyKey"] == "topology.kubernetes.io/zone"
+        assert tsc["labelSelector"]["matchLabels"]["ftlm.dev/component"] == "group"
+    pod = multi_node[0]["jobs/job-g0.yaml"]["spec"]["template"]["spec"]
+    terms = pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert terms[0]["preference"]["matchExpressions"] == [
+        {"key": "cloud.google.com/gke-spot", "operator": "In", "values": ["true"]}]
+    assert pod["tolerations"] == [{"key": "cloud.google.com/gke-spot", "operator": "Equal",
+                                   "value": "true", "effect": "NoSchedule"}]
+    # The nodes of one group stay in one zone rather than spread.
+    assert "podAffinity" in pod["affinity"] and "topologySpreadConstraints" not in pod
+
+
+def test_multi_node_groups_meet_through_a_headless_service(multi_node):
+    docs, _ = multi_node
+    svc = docs["base/nodes-service.yaml"]
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
+    job = docs["jobs/job-g1.yaml"]
+    name = job["metadata"]["name"]
+    spec = job["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 2, 2)
+    pod = spec["template"]
+    assert pod["spec"]["subdomain"] == svc["metadata"]["name"]
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    c = pod["spec"]["containers"][0]
+    cmd = c["command"]
+    assert "--standalone" not in cmd and "--nnodes=2" in cmd and "--nproc-per-node=4" in cmd
+    assert "--rdzv-backend=c10d" in cmd
+    # Pod 0 of the indexed Job is <job>-0.<service>: the c10d store of the group.
+    assert f"--rdzv-endpoint={name}-0.{svc['metadata']['name']}.ml.svc:29400" in cmd
+    assert f"--rdzv-id={name}" in cmd and "--shutdown-timeout=80" in cmd
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "4"  # per node
+    assert {"name": "rendezvous", "containerPort": 29400, "protocol": "TCP"} in c["ports"]
+    # Each local rank exports on metrics_port + LOCAL_RANK, the ports the pod declares.
+    script = cmd[cmd.index("-c") + 1]
+    assert "FTLM_METRICS_PORT=$((9400 + LOCAL_RANK))" in script
+    assert len([p for p in c["ports"] if p["name"].startswith("metrics")]) == 4
+    js = docs["jobset/jobset.yaml"]
+    _round_trips(models.JobsetV1alpha2JobSet, js)
+    assert js["spec"]["network"] == {"enableDNSHostnames": True}
+    js_cmd = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
+        "containers"][0]["command"]
+    assert f"--rdzv-endpoint={js['metadata']['name']}-g0-0-0.{js['metadata']['name']}.ml.svc:29400" in js_cmd
+    tj = docs["trainjob/trainjob-g0.yaml"]
+    assert tj["spec"]["trainer"]["numNodes"] == 2 and tj["spec"]["trainer"]["numProcPerNode"] == 4
+
+
+def test_cluster_domain_is_used_when_set(tmp_path, tiny_config):
+    docs = _generate(tmp_path, tiny_config(), cluster_domain="corp.internal", namespace="ml")
+    env = {e["name"]: e for e in docs["jobs/job-g0.yaml"]["spec"]["template"]["spec"][
+        "containers"][0]["env"]}
+    assert env["FTLM_COORDINATOR"]["value"].endswith(".ml.svc.corp.internal:29510")
+    with pytest.raises(ConfigError, match="cluster.cluster_domain"):
+        ClusterConfig(cluster_domain="Bad Domain")
+
+
+def test_kustomizations_list_every_object_and_build(tmp_path, tiny_config):
+    docs = _generate(tmp_path, tiny_config(), **CLUSTER)
+    out = tmp_path / "k8s"
+    for folder in ("base", "jobs", "jobset", "trainjob", "monitoring"):
+        k = yaml.safe_load((out / folder / "kustomization.yaml").read_text())
+        files = sorted(p.name for p in (out / folder).glob("*.yaml") if p.name != "kustomization.yaml")
+        assert sorted(k["resources"]) == files, folder
+    top = yaml.safe_load((out / "kustomization.yaml").read_text())
+    assert top["resources"] == ["base", "jobs"]  # the default: plain indexed Jobs
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl not installed: the kustomization was not built")
+    r = subprocess.run(["kubectl", "kustomize", str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    built = [d for d in yaml.safe_load_all(r.stdout) if d]
+    expected = [k for k in docs if k.startswith(("base/", "jobs/")) and "kustomization" not in k]
+    assert len(built) == len(expected)
+
+
+def test_repository_dashboards_pick_their_datasource():
+    """Defect 4: a hard-coded datasource uid breaks the dashboards in any other Grafana."""
+    dashboards = read_dashboards()
+    if not dashboards:
+        pytest.skip("no Grafana dashboards in the repository")
+    for name, text in dashboards.items():
+        board = json.loads(text)
+        variables = {v["name"]: v for v in board["templating"]["list"]}
+        assert variables["datasource"]["type"] == "datasource"
+        assert variables["datasource"]["query"] == "prometheus"
+        uids = set(re.findall(r'"uid":\s*"([^"]*)"', json.dumps(board.get("panels", []))
+                              + json.dumps(board["templating"])))
+        assert uids <= {"${datasource}"}, f"{name}: hard-coded datasource uids {uids}"

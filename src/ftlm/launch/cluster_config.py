@@ -121,8 +121,8 @@ class ClusterConfig:
     """Service account of the pods; empty means the namespace's default."""
     coordinator_port: int = 29510
     """TCP port of the coordinator (quorum, /status, /metrics)."""
-    metrics_port: int = 0
-    """Port on which each group pod serves Prometheus metrics; 0 scrapes the coordinator only."""
+    metrics_port: int = 9400
+    """Port of rank 0's Prometheus metrics in each group pod (rank r: +r); 0: coordinator only."""
     mount_path: str = "/mnt/ftlm"
     """Where the durable volume is mounted; the run directory (and checkpoints) go under it."""
     storage_size: str = "100Gi"
@@ -137,8 +137,8 @@ class ClusterConfig:
     """Restarts of one group (JobSet / Job backoff / Slurm resubmissions) before giving up."""
     grace_seconds: int = 120
     """Seconds between the stop signal and the kill: the group finishes its step and saves."""
-    trainjob_runtime: str = "torch-distributed"
-    """Kubeflow Trainer ClusterTrainingRuntime a TrainJob refers to."""
+    trainjob_runtime: str = ""
+    """ClusterTrainingRuntime the TrainJobs use; empty: the job's own TrainingRuntime (max_restarts)."""
     slurm_partition: str = ""
     """Slurm partition; empty means the cluster's default."""
     slurm_account: str = ""
@@ -186,7 +186,8 @@ class ClusterConfig:
         self.tolerations = [_parse_toleration(t) for t in self.tolerations]
         for name in ("namespace", "trainjob_runtime"):
             value = getattr(self, name)
-            if not isinstance(value, str) or not _DNS_LABEL.match(value):
+            if not isinstance(value, str) or not (_DNS_LABEL.match(value) or (
+                    value == "" and name == "trainjob_runtime")):
                 raise ConfigError(f"{_S}.{name}={value!r} must be a DNS label (lowercase letters, "
                                   "digits, '-')")
         for name in ("service_account", "storage_class", "pvc_name"):

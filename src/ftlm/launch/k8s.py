@@ -4,14 +4,18 @@ Pure functions build each object as a dict from the run config and the ``[cluste
 ``generate_k8s`` writes them, one object per file, in folders that are applied together:
 
 * ``base/``: the job token Secret, the config ConfigMap, the checkpoint PVC, the coordinator
-  Deployment and Service (always needed);
-* ``jobset/jobset.yaml``: the replica groups as one JobSet, one replicated job per group, whose
-  failure policy restarts only the failed group's Job (``RestartJob``);
-* ``jobs/``: the same groups as one indexed Job each, for clusters without JobSet;
-* ``trainjob/``: one Kubeflow Trainer v2 TrainJob per group;
-* ``monitoring/``: a PodMonitor (Prometheus Operator) and the Grafana dashboards as a ConfigMap.
+  Deployment, Service, PodDisruptionBudget and PriorityClass (always needed);
+* ``jobs/``: the replica groups, one indexed Job each (N pods for an N-node group, found by
+  torchrun's c10d rendezvous through a headless Service): the default, plain Kubernetes;
+* ``jobset/jobset.yaml``: the same groups as one JobSet whose failure policy restarts only the
+  failed group's Job (``RestartJob``: behind a JobSet feature gate, see docs/kubernetes.md);
+* ``trainjob/``: one Kubeflow Trainer v2 TrainJob per group and the TrainingRuntime they use;
+* ``monitoring/``: a PodMonitor, a PrometheusRule (the alerts of ``ftlm.launch.alerts``) and
+  the Grafana dashboards as a ConfigMap;
+* ``kustomization.yaml`` in each folder and at the top (base + jobs), so that a platform team
+  patches the output with overlays instead of regenerating it.
 
-It does not talk to a cluster: ``kubectl apply`` does (docs/kubernetes.md).
+It does not talk to a cluster: ``kubectl apply -k`` does (docs/kubernetes.md).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ftlm.config import RunConfig
+from ftlm.launch.alerts import AlertBounds, prometheus_rule_groups
 from ftlm.launch.cluster_config import ClusterConfig
 from ftlm.launch.yaml_text import dump_yaml
 
@@ -39,8 +44,15 @@ class Names:
         self.config = f"{self.job}-config"
         self.claim = cluster.claim_name(self.job)
         self.coordinator = f"{self.job}-coordinator"
-        self.url = (f"http://{self.coordinator}.{cluster.namespace}.svc.cluster.local:"
+        self.nodes = f"{self.job}-nodes"  # headless Service: DNS names of multi-node group pods
+        # <service>.<namespace>.svc resolves through the pods' DNS search path whatever the
+        # cluster's domain; cluster.cluster_domain spells it out where that path is changed.
+        self.domain = f"svc.{cluster.cluster_domain}" if cluster.cluster_domain else "svc"
+        self.url = (f"http://{self.coordinator}.{cluster.namespace}.{self.domain}:"
                     f"{cluster.coordinator_port}")
+
+    def group_job(self, group: str) -> str:
+        return f"{self.job}-{group}"
 
 
 def _meta(name: str, names: Names, cluster: ClusterConfig, component: str,
@@ -77,6 +89,34 @@ def _scrape(port: int) -> dict[str, str]:
             "prometheus.io/path": "/metrics"}
 
 
+# Pod Security Standards, "restricted" profile: what every pod and container of the job sets.
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
+                # The image runs as uid 1000 (deploy/Dockerfile): let it write the volume.
+                "fsGroup": 1000, "seccompProfile": {"type": "RuntimeDefault"}}
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                      "runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def priority_class(names: Names, cluster: ClusterConfig) -> dict[str, Any]:
+    """Cluster-scoped: the coordinator outranks the groups, so it is the last pod evicted or
+    preempted for room (a group restarts in seconds; every group stalls without it)."""
+    return {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+            "metadata": {"name": names.coordinator,
+                         "labels": {LABEL: names.job, "ftlm.dev/component": "coordinator"}},
+            "value": cluster.coordinator_priority, "globalDefault": False,
+            "preemptionPolicy": "PreemptLowerPriority",
+            "description": f"ftlm coordinator of job {names.job}"}
+
+
+def coordinator_disruption_budget(names: Names, cluster: ClusterConfig) -> dict[str, Any]:
+    """No voluntary eviction of the coordinator (a drain waits for an operator to move it with
+    ``kubectl delete pod``, at a moment of their choosing); involuntary loss is the Deployment's."""
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _meta(names.coordinator, names, cluster, "coordinator"),
+            "spec": {"maxUnavailable": 0, "selector": {"matchLabels": {
+                LABEL: names.job, "ftlm.dev/component": "coordinator"}}}}
+
+
 def coordinator_deployment(run: RunConfig, names: Names, cluster: ClusterConfig) -> dict[str, Any]:
     port = cluster.coordinator_port
     # /status and /metrics need the token, so the probes only check that the port accepts.
@@ -93,17 +133,21 @@ def coordinator_deployment(run: RunConfig, names: Names, cluster: ClusterConfig)
         "livenessProbe": {**probe, "initialDelaySeconds": 10, "failureThreshold": 3},
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"},
                       "limits": {"memory": "2Gi"}},
+        "securityContext": dict(CONTAINER_SECURITY),
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                          {"name": "token", "mountPath": TOKEN_DIR, "readOnly": True}],
     }
-    pod: dict[str, Any] = {"containers": [container], "volumes": [
-        {"name": "config", "configMap": {"name": names.config}},
-        {"name": "token", "secret": {"secretName": names.secret}}]}
+    pod: dict[str, Any] = {"containers": [container], "securityContext": dict(POD_SECURITY),
+                           "volumes": [{"name": "config", "configMap": {"name": names.config}},
+                                       {"name": "token", "secret": {"secretName": names.secret}}]}
+    if cluster.coordinator_priority:
+        pod["priorityClassName"] = names.coordinator
     if cluster.service_account:
         pod["serviceAccountName"] = cluster.service_account
     return {"apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": _meta(names.coordinator, names, cluster, "coordinator"),
-            # Recreate: two coordinators of one job must never answer at the same time.
+            # Recreate: two coordinators of one job must never answer at the same time. A new
+            # one (its node lost or drained) rebuilds its state from the groups' heartbeats.
             "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
                      "selector": {"matchLabels": labels},
                      "template": {"metadata": {"labels": labels, "annotations": _scrape(port)},
@@ -116,6 +160,17 @@ def coordinator_service(names: Names, cluster: ClusterConfig) -> dict[str, Any]:
             "spec": {"selector": {LABEL: names.job, "ftlm.dev/component": "coordinator"},
                      "ports": [{"name": "http", "port": cluster.coordinator_port,
                                 "targetPort": "http", "protocol": "TCP"}]}}
+
+
+def nodes_service(names: Names, cluster: ClusterConfig) -> dict[str, Any]:
+    """Headless Service that gives each group pod a DNS name, <job>-<g>-<index>.<job>-nodes,
+    so the nodes of a multi-node group find their first node's c10d rendezvous store."""
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(names.nodes, names, cluster, "group"),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                     "selector": {LABEL: names.job, "ftlm.dev/component": "group"},
+                     "ports": [{"name": "rendezvous", "port": cluster.rendezvous_port,
+                                "targetPort": cluster.rendezvous_port, "protocol": "TCP"}]}}
 
 
 def group_env(names: Names, cluster: ClusterConfig, group: str) -> list[dict[str, Any]]:
@@ -131,45 +186,111 @@ def group_env(names: Names, cluster: ClusterConfig, group: str) -> list[dict[str
 
 
 def train_args(run: RunConfig, names: Names, cluster: ClusterConfig) -> list[str]:
-    """``ftlm train`` and the overrides that place its run directory on the durable volume."""
-    return ["-m", "ftlm.cli", "train", f"{CONFIG_DIR}/config.toml",
+    """``ftlm train`` and the overrides that place its run directory on the durable volume and
+    turn on the per-rank metrics that the PodMonitor scrapes."""
+    args = ["-m", "ftlm.cli", "train", f"{CONFIG_DIR}/config.toml",
             # The coordinator comes from FTLM_COORDINATOR; a URL left in the config would win.
             "--set", "ft.coordinator=",
             "--set", f"run.dir={cluster.mount_path}/{names.job}",
             "--set", "observe.progress=false"]
+    if cluster.metrics_port:
+        args += ["--set", "observe.metrics=true", "--set", "observe.metrics_host=0.0.0.0",
+                 "--set", f"observe.metrics_port={cluster.metrics_port}"]
+    return args
 
 
-def group_pod(run: RunConfig, names: Names, cluster: ClusterConfig, group: str) -> dict[str, Any]:
-    """The pod template of one replica group: torchrun with one process per rank."""
+def metrics_port_names(cluster: ClusterConfig) -> list[str]:
+    """Names of the group pods' metrics ports, one per rank of a node (rank r: metrics_port + r)."""
+    if not cluster.metrics_port:
+        return []
+    return ["metrics"] + [f"metrics-{i}" for i in range(1, cluster.ranks_per_node)]
+
+
+def torchrun_command(run: RunConfig, names: Names, cluster: ClusterConfig, group: str,
+                     head: str) -> list[str]:
+    """The trainer container's command: torchrun with one process per rank of this node;
+    ``head`` is the DNS name of the group's first pod (its c10d store) when it has several."""
+    # SIGTERM (drain, spot reclaim, delete) reaches torchrun; it passes it to the trainers and
+    # kills them only after this, inside terminationGracePeriodSeconds (its default is 30 s).
+    common = [f"--nproc-per-node={cluster.ranks_per_node}",
+              f"--shutdown-timeout={cluster.shutdown_timeout}"]
+    if cluster.nodes_per_group == 1:
+        return ["torchrun", "--standalone", "--nnodes=1", *common, *train_args(run, names, cluster)]
+    placement = [f"--nnodes={cluster.nodes_per_group}", "--rdzv-backend=c10d",
+                 f"--rdzv-endpoint={head}:{cluster.rendezvous_port}",
+                 f"--rdzv-id={names.group_job(group)}",
+                 # A lost node (its pod is replaced under the same index) restarts the workers of
+                 # the others, which meet the new pod in the rendezvous: a new incarnation.
+                 f"--max-restarts={cluster.max_restarts}", *common]
+    if not cluster.metrics_port:
+        return ["torchrun", *placement, *train_args(run, names, cluster)]
+    # A rank's metrics port follows its global rank, which c10d hands out in arrival order;
+    # give each process the port of its local rank, the ones this pod declares.
+    script = (f'export FTLM_METRICS_PORT=$(({cluster.metrics_port} + LOCAL_RANK)); '
+              'exec python "$@"')
+    return ["torchrun", *placement, "--no-python", "sh", "-c", script, "ftlm-train",
+            *train_args(run, names, cluster)]
+
+
+def _affinity(names: Names, cluster: ClusterConfig, group: str) -> dict[str, Any]:
+    affinity: dict[str, Any] = {}
+    if cluster.prefer_node_labels:
+        # Any one of the labels (e.g. a spot node pool) is preferred, none is required.
+        affinity["nodeAffinity"] = {"preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 50, "preference": {"matchExpressions": [
+                {"key": key, "operator": "In", "values": [value]}]}}
+            for key, value in cluster.prefer_node_labels.items()]}
+    if cluster.nodes_per_group > 1 and cluster.spread_topology_key:
+        # The nodes of one group all-reduce with each other every step: keep them together.
+        affinity["podAffinity"] = {"preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 100, "podAffinityTerm": {
+                "topologyKey": cluster.spread_topology_key,
+                "labelSelector": {"matchLabels": {LABEL: names.job, "ftlm.dev/group": group}}}}]}
+    return affinity
+
+
+def group_pod(run: RunConfig, names: Names, cluster: ClusterConfig, group: str,
+              head: str = "") -> dict[str, Any]:
+    """The pod template of one node of a replica group: torchrun with one process per rank."""
     requests: dict[str, Any] = {"cpu": cluster.cpu, "memory": cluster.memory}
     limits: dict[str, Any] = {"memory": cluster.memory}
-    if cluster.gpus_per_group:
-        requests["nvidia.com/gpu"] = str(cluster.gpus_per_group)
-        limits["nvidia.com/gpu"] = str(cluster.gpus_per_group)
+    if cluster.gpus_per_node:
+        requests["nvidia.com/gpu"] = str(cluster.gpus_per_node)
+        limits["nvidia.com/gpu"] = str(cluster.gpus_per_node)
     container: dict[str, Any] = {
         "name": "trainer", "image": cluster.image, "imagePullPolicy": cluster.image_pull_policy,
-        "command": ["torchrun", "--standalone", "--nnodes=1",
-                    f"--nproc-per-node={cluster.ranks_per_group}",
-                    *train_args(run, names, cluster)],
+        "command": torchrun_command(run, names, cluster, group, head),
         "env": group_env(names, cluster, group),
         "resources": {"requests": requests, "limits": limits},
+        "securityContext": dict(CONTAINER_SECURITY),
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                          {"name": "storage", "mountPath": cluster.mount_path},
                          {"name": "dshm", "mountPath": "/dev/shm"}],
     }
+    ports = [{"name": name, "containerPort": cluster.metrics_port + i, "protocol": "TCP"}
+             for i, name in enumerate(metrics_port_names(cluster))]
+    if cluster.nodes_per_group > 1:
+        ports.append({"name": "rendezvous", "containerPort": cluster.rendezvous_port,
+                      "protocol": "TCP"})
+    if ports:
+        container["ports"] = ports
     annotations: dict[str, str] = {}
     if cluster.metrics_port:
-        container["ports"] = [{"name": "metrics", "containerPort": cluster.metrics_port,
-                               "protocol": "TCP"}]
         annotations = _scrape(cluster.metrics_port)
+        # Rank 0 of the node serves /metrics from a thread of the trainer: a process that no
+        # longer accepts there is wedged or gone. Loading a model may take minutes: the startup
+        # probe allows an hour before the liveness probe counts. (Hangs inside a step are the
+        # coordinator's to detect: heartbeat timeout.)
+        probe = {"tcpSocket": {"port": "metrics"}, "periodSeconds": 10, "timeoutSeconds": 5}
+        container["startupProbe"] = {**probe, "failureThreshold": 360}
+        container["livenessProbe"] = {**probe, "failureThreshold": 6}
     spec: dict[str, Any] = {
         # A failed rank fails the pod, the pod fails its Job, and the scheduler restarts the
         # whole group as a new incarnation (DESIGN.md section 5).
         "restartPolicy": "Never",
-        # SIGTERM first: the trainer finishes its step and stops within the grace period.
+        # SIGTERM first: the trainer finishes its step, leaves the quorum and stops in time.
         "terminationGracePeriodSeconds": cluster.grace_seconds,
-        # The image runs as uid 1000 (deploy/Dockerfile): let it write the volume.
-        "securityContext": {"fsGroup": 1000},
+        "securityContext": dict(POD_SECURITY),
         "containers": [container],
         "volumes": [{"name": "config", "configMap": {"name": names.config}},
                     {"name": "storage", "persistentVolumeClaim": {"claimName": names.claim}},
@@ -180,6 +301,15 @@ def group_pod(run: RunConfig, names: Names, cluster: ClusterConfig, group: str) 
         spec["nodeSelector"] = dict(cluster.node_selector)
     if cluster.tolerations:
         spec["tolerations"] = [dict(t) for t in cluster.tolerations]
+    affinity = _affinity(names, cluster, group)
+    if affinity:
+        spec["affinity"] = affinity
+    if cluster.spread_topology_key and cluster.nodes_per_group == 1:
+        # Groups over failure domains: one zone (or rack) lost takes as few groups as possible.
+        spec["topologySpreadConstraints"] = [{
+            "maxSkew": 1, "topologyKey": cluster.spread_topology_key,
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": {LABEL: names.job, "ftlm.dev/component": "group"}}}]
     if cluster.service_account:
         spec["serviceAccountName"] = cluster.service_account
     labels = {LABEL: names.job, "ftlm.dev/component": "group", "ftlm.dev/group": group}
@@ -189,10 +319,19 @@ def group_pod(run: RunConfig, names: Names, cluster: ClusterConfig, group: str) 
     return {"metadata": metadata, "spec": spec}
 
 
+def pod_failure_policy() -> dict[str, Any]:
+    """A pod lost to a disruption (preemption, spot reclaim, drain, eviction, node pressure) is
+    replaced without counting against the restarts: only real failures use up backoffLimit."""
+    return {"rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]}
+
+
 def group_job_spec(run: RunConfig, names: Names, cluster: ClusterConfig, group: str,
-                   backoff_limit: int) -> dict[str, Any]:
-    return {"completionMode": "Indexed", "completions": 1, "parallelism": 1,
-            "backoffLimit": backoff_limit, "template": group_pod(run, names, cluster, group)}
+                   backoff_limit: int, head: str = "") -> dict[str, Any]:
+    """One Job per group, one pod per node of the group (completion index = node)."""
+    n = cluster.nodes_per_group
+    return {"completionMode": "Indexed", "completions": n, "parallelism": n,
+            "backoffLimit": backoff_limit, "podFailurePolicy": pod_failure_policy(),
+            "template": group_pod(run, names, cluster, group, head)}
 
 
 def jobset(run: RunConfig, names: Names, cluster: ClusterConfig) -> dict[str, Any]:
@@ -201,11 +340,17 @@ def jobset(run: RunConfig, names: Names, cluster: ClusterConfig) -> dict[str, An
     replicated = [{"name": g, "replicas": 1,
                    "template": {"metadata": {"labels": {LABEL: names.job, "ftlm.dev/group": g}},
                                 # backoffLimit 0: the JobSet, not the Job, decides the restart.
-                                "spec": group_job_spec(run, names, cluster, g, 0)}}
+                                # Its pods are <jobset>-<g>-0-<index>.<jobset> (JobSet's DNS).
+                                "spec": group_job_spec(
+                                    run, names, cluster, g, 0,
+                                    f"{names.job}-{g}-0-0.{names.job}.{cluster.namespace}."
+                                    f"{names.domain}")}}
                   for g in groups]
+    meta = _meta(names.job, names, cluster, "groups")
+    meta["annotations"] = {"ftlm.dev/requires": "JobSet with the RestartJob failure-policy action "
+                                                "enabled; otherwise use jobs/ (docs/kubernetes.md)"}
     return {
-        "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
-        "metadata": _meta(names.job, names, cluster, "groups"),
+        "apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": meta,
         "spec": {
             "failurePolicy": {"maxRestarts": cluster.max_restarts, "rules": [
                 {"name": "restartFailedGroup", "action": "RestartJob",
@@ -213,16 +358,41 @@ def jobset(run: RunConfig, names: Names, cluster: ClusterConfig) -> dict[str, An
             # When one group has trained every step the job is done: a group still restarting
             # would have nobody left to recover from (the local launcher stops it too).
             "successPolicy": {"operator": "Any", "targetReplicatedJobs": groups},
+            **({"network": {"enableDNSHostnames": True}} if cluster.nodes_per_group > 1 else {}),
             "replicatedJobs": replicated,
         },
     }
 
 
 def group_job(run: RunConfig, names: Names, cluster: ClusterConfig, group: str) -> dict[str, Any]:
-    """One group as a plain indexed Job: the Job controller restarts its pod (backoffLimit)."""
+    """One group as a plain indexed Job: the Job controller replaces a failed pod (backoffLimit);
+    ``kubectl delete job`` of another group never touches this one."""
+    head = f"{names.group_job(group)}-0.{names.nodes}.{cluster.namespace}.{names.domain}"
+    spec = group_job_spec(run, names, cluster, group, cluster.max_restarts, head)
+    if cluster.nodes_per_group > 1:
+        # Pod hostnames of an indexed Job are <job>-<index>; the headless Service names them.
+        spec["template"]["spec"]["subdomain"] = names.nodes
     return {"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": _meta(f"{names.job}-{group}", names, cluster, "group"),
-            "spec": group_job_spec(run, names, cluster, group, cluster.max_restarts)}
+            "metadata": _meta(names.group_job(group), names, cluster, "group"),
+            "spec": spec}
+
+
+def training_runtime(run: RunConfig, names: Names, cluster: ClusterConfig) -> dict[str, Any]:
+    """The job's own namespaced TrainingRuntime: a TrainJob cannot patch the restart policy of
+    the runtime it refers to, so ``max_restarts`` and the disruption rule live here."""
+    node_job = {"metadata": {"labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}},
+                "spec": {"backoffLimit": cluster.max_restarts,
+                         "podFailurePolicy": pod_failure_policy(),
+                         "template": {"spec": {"restartPolicy": "Never", "containers": [
+                             {"name": "node", "image": cluster.image,
+                              "imagePullPolicy": cluster.image_pull_policy}]}}}}
+    return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainingRuntime",
+            "metadata": _meta(f"{names.job}-runtime", names, cluster, "runtime"),
+            "spec": {"mlPolicy": {"numNodes": cluster.nodes_per_group, "torch": {}},
+                     "template": {"spec": {
+                         "failurePolicy": {"maxRestarts": cluster.max_restarts},
+                         "replicatedJobs": [{"name": "node", "replicas": 1,
+                                             "template": node_job}]}}}}
 
 
 def trainjob(run: RunConfig, names: Names, cluster: ClusterConfig, group: str) -> dict[str, Any]:
@@ -231,21 +401,28 @@ def trainjob(run: RunConfig, names: Names, cluster: ClusterConfig, group: str) -
     container = pod["spec"]["containers"][0]
     pod_patch: dict[str, Any] = {
         "volumes": pod["spec"]["volumes"],
-        "containers": [{"name": "node", "volumeMounts": container["volumeMounts"]}],
+        "containers": [{"name": "node", "volumeMounts": container["volumeMounts"],
+                        "securityContext": container["securityContext"]}],
         "terminationGracePeriodSeconds": cluster.grace_seconds}
-    for key in ("nodeSelector", "tolerations", "serviceAccountName", "securityContext"):
+    for key in ("nodeSelector", "tolerations", "serviceAccountName", "securityContext", "affinity"):
         if key in pod["spec"]:
             pod_patch[key] = pod["spec"][key]
+    if cluster.trainjob_runtime:
+        ref = {"name": cluster.trainjob_runtime, "kind": "ClusterTrainingRuntime",
+               "apiGroup": "trainer.kubeflow.org"}
+    else:
+        ref = {"name": f"{names.job}-runtime", "kind": "TrainingRuntime",
+               "apiGroup": "trainer.kubeflow.org"}
     return {
         "apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
-        "metadata": _meta(f"{names.job}-{group}", names, cluster, "group"),
+        "metadata": _meta(names.group_job(group), names, cluster, "group"),
         "spec": {
-            "runtimeRef": {"name": cluster.trainjob_runtime, "kind": "ClusterTrainingRuntime",
-                           "apiGroup": "trainer.kubeflow.org"},
-            "trainer": {"image": cluster.image, "numNodes": 1,
-                        "numProcPerNode": cluster.ranks_per_group,
+            "runtimeRef": ref,
+            "trainer": {"image": cluster.image, "numNodes": cluster.nodes_per_group,
+                        "numProcPerNode": cluster.ranks_per_node,
                         # torchrun takes the node count and rank layout from the runtime's PET_*.
-                        "command": ["torchrun", *train_args(run, names, cluster)],
+                        "command": ["torchrun", f"--shutdown-timeout={cluster.shutdown_timeout}",
+                                    *train_args(run, names, cluster)],
                         "env": container["env"],
                         "resourcesPerNode": container["resources"]},
             "runtimePatches": [{"manager": "ftlm.dev/launcher", "trainingRuntimeSpec": {
@@ -256,17 +433,30 @@ def trainjob(run: RunConfig, names: Names, cluster: ClusterConfig, group: str) -
     }
 
 
-def pod_monitor(names: Names, cluster: ClusterConfig) -> dict[str, Any]:
-    """Prometheus Operator scrape config; /metrics needs the job token like every request."""
+def pod_monitor(names: Names, cluster: ClusterConfig, run: RunConfig) -> dict[str, Any]:
+    """Prometheus Operator scrape config; /metrics needs the job token like every request.
+
+    The trainers label their series ``job=<run.name>`` themselves (``honorLabels`` keeps it,
+    where Prometheus would otherwise rename it ``exported_job``); the coordinator's series carry
+    no job label, so the scrape sets the same one: the dashboards' ``$job`` selects both."""
     auth = {"type": "Bearer", "credentials": {"name": names.secret, "key": "token"}}
-    endpoints = [{"port": "http", "path": "/metrics", "interval": "15s", "authorization": auth}]
-    if cluster.metrics_port:
-        endpoints.append({"port": "metrics", "path": "/metrics", "interval": "15s",
-                          "authorization": auth})
+    job_label = {"targetLabel": "job", "replacement": run.run.name, "action": "replace"}
+    endpoints: list[dict[str, Any]] = [{"port": "http", "path": "/metrics", "interval": "15s",
+                                        "authorization": auth, "relabelings": [job_label]}]
+    for port in metrics_port_names(cluster):
+        endpoints.append({"port": port, "path": "/metrics", "interval": "15s",
+                          "honorLabels": True, "authorization": auth})
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
             "metadata": _meta(names.job, names, cluster, "monitoring"),
             "spec": {"selector": {"matchLabels": {LABEL: names.job}},
                      "podMetricsEndpoints": endpoints}}
+
+
+def prometheus_rule(names: Names, cluster: ClusterConfig, run: RunConfig) -> dict[str, Any]:
+    """The alerts of ``ftlm.launch.alerts`` for this job, for the Prometheus Operator."""
+    meta = _meta(f"{names.job}-alerts", names, cluster, "monitoring")
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule", "metadata": meta,
+            "spec": {"groups": prometheus_rule_groups(AlertBounds(), job=run.run.name)}}
 
 
 def dashboards_config_map(names: Names, cluster: ClusterConfig,
@@ -287,16 +477,41 @@ def build_manifests(run: RunConfig, cluster: ClusterConfig, config_toml: str, to
         "base/pvc.yaml": claim(names, cluster),
         "base/coordinator-deployment.yaml": coordinator_deployment(run, names, cluster),
         "base/coordinator-service.yaml": coordinator_service(names, cluster),
+        "base/coordinator-pdb.yaml": coordinator_disruption_budget(names, cluster),
+        "base/coordinator-priorityclass.yaml": priority_class(names, cluster),
+        "base/nodes-service.yaml": nodes_service(names, cluster),
         "jobset/jobset.yaml": jobset(run, names, cluster),
-        "monitoring/podmonitor.yaml": pod_monitor(names, cluster),
+        "monitoring/podmonitor.yaml": pod_monitor(names, cluster, run),
+        "monitoring/prometheusrule.yaml": prometheus_rule(names, cluster, run),
     }
     if cluster.pvc_name:  # an existing claim: do not create (or overwrite) it
         del out["base/pvc.yaml"]
+    if not cluster.coordinator_priority:
+        del out["base/coordinator-priorityclass.yaml"]
+    if cluster.nodes_per_group == 1:
+        del out["base/nodes-service.yaml"]
     for g in cluster.group_names():
         out[f"jobs/job-{g}.yaml"] = group_job(run, names, cluster, g)
         out[f"trainjob/trainjob-{g}.yaml"] = trainjob(run, names, cluster, g)
+    if not cluster.trainjob_runtime:
+        out["trainjob/trainingruntime.yaml"] = training_runtime(run, names, cluster)
     if dashboards:
         out["monitoring/grafana-dashboards.yaml"] = dashboards_config_map(names, cluster, dashboards)
+    return out
+
+
+def kustomizations(files: list[str]) -> dict[str, dict[str, Any]]:
+    """``kustomization.yaml`` of each folder (its files) and of the top (base + jobs, the
+    default; point an overlay at ``jobset``, ``trainjob`` or ``monitoring`` to add those)."""
+    folders: dict[str, list[str]] = {}
+    for rel in sorted(files):
+        folder, _, name = rel.partition("/")
+        folders.setdefault(folder, []).append(name)
+    out = {f"{folder}/kustomization.yaml": {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": names} for folder, names in folders.items()}
+    out["kustomization.yaml"] = {"apiVersion": "kustomize.config.k8s.io/v1beta1",
+                                 "kind": "Kustomization", "resources": ["base", "jobs"]}
     return out
 
 
@@ -313,9 +528,10 @@ def generate_k8s(run_config: RunConfig, cluster: ClusterConfig, out_dir: Path,
     """Write the job's manifests under ``out_dir`` (one object per file); returns the paths."""
     dashboards = read_dashboards(dashboards_dir)
     manifests = build_manifests(run_config, cluster, config_toml, secrets.token_hex(32), dashboards)
+    manifests.update(kustomizations(list(manifests)))
     out_dir = Path(out_dir)
-    # A regeneration with fewer groups must not leave the old groups' files behind.
-    for folder in ("jobs", "trainjob"):
+    # A regeneration with fewer groups (or without an optional object) leaves no old file behind.
+    for folder in ("base", "jobs", "jobset", "trainjob", "monitoring"):
         for old in (out_dir / folder).glob("*.yaml"):
             old.unlink()
     (out_dir / "monitoring" / "NO_DASHBOARDS.txt").unlink(missing_ok=True)

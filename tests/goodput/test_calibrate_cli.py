@@ -89,7 +89,7 @@ def test_simulate_calibrate_projects_ftlm_with_the_measured_stall(tmp_path):
 
 
 def test_simulate_writes_plots_and_sweeps(tmp_path):
-    code, out, err = _run(["simulate", "--days", "0.5", "--runs", "1", "--sweep", "spares",
+    code, out, err = _run(["simulate", "--days", "0.05", "--runs", "1", "--sweep", "spares",
                            "--plots", str(tmp_path / "plots")])
     assert code == 0, err
     assert (tmp_path / "plots" / "timeline.png").stat().st_size > 1000

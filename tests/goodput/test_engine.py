@@ -105,3 +105,11 @@ def test_bad_job_models_are_one_line_config_errors(changes, match):
 def test_unknown_field_names_the_valid_ones():
     with pytest.raises(ConfigError, match="unknown job model field.*valid: groups"):
         paper_ft().with_changes(group=3)
+
+
+def test_protect_last_never_strikes_the_only_training_group():
+    model = job_model_from_mtbf(1.0, groups=1, gpus_per_group=1, detection=0.0, stall=0.0,
+                                restart=30.0, startup=60.0, duration=DAY, protect_last=True)
+    result = run(model, seed=1)
+    assert result.failures > 1000  # chaos fired, and found no target
+    assert result.ett == pytest.approx(1 - 60.0 / DAY)

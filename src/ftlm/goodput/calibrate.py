@@ -66,14 +66,16 @@ class Calibration:
 
     def local_model(self) -> JobModel:
         """The measured job as a ``JobModel`` (ft mode, one GPU per group: the layout of a local
-        run only scales the failure rate, which is set from ``job_mtbf``)."""
+        run only scales the failure rate, which is set from ``job_mtbf``; chaos never strikes
+        the last up-to-date group, so neither does the model)."""
         mtbf = self.job_mtbf if self.failures else NO_FAILURES_MTBF
         return JobModel(groups=self.groups, gpus_per_group=1, mode="ft",
                         gpu_mtbf_hours=mtbf * self.groups / 3600.0,
                         detection=min(self.detection, self.stall), stall=self.stall,
                         restart=self.restart, catchup_extra=self.catchup,
                         rejoin_stall=self.rejoin_stall, startup=self.startup,
-                        duration=self.duration, speed_by_participants=self.speed_by_participants)
+                        duration=self.duration, speed_by_participants=self.speed_by_participants,
+                        protect_last=True)
 
 
 def _mean(values: list[float], default: float = 0.0) -> float:

@@ -177,6 +177,9 @@ class _Job:
     def strike(self) -> int:
         """The slot a failure or preemption hits (-1: none is allocated)."""
         candidates = [i for i, s in enumerate(self.slots) if s.state != _PREEMPTED]
+        training = [i for i in candidates if self.slots[i].state == _TRAINING]
+        if self.m.protect_last and len(training) == 1:
+            candidates.remove(training[0])
         return self.rng.choice(candidates) if candidates else -1
 
     def ft_failure(self, i: int, preempted: bool, graceful: bool) -> None:

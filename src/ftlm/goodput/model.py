@@ -96,6 +96,9 @@ class JobModel:
     speed; empty: P / groups (each group brings its own GPUs). A measured curve comes from
     ``ftlm simulate --calibrate``; up to 1.5, since on a shared CPU box fewer groups can
     commit tokens faster than all of them."""
+    protect_last: bool = False
+    """Failures never strike the last training group (the local launcher's chaos spares it so
+    that the job survives); off for hardware, which spares nobody."""
     spot_preemptions_per_gpu_hour: float = 0.0
     """Spot capacity: preemptions per GPU-hour (0: on-demand capacity, no preemptions)."""
     spot_notice: float = 30.0
@@ -113,6 +116,8 @@ class JobModel:
                 raise ConfigError(f"{name}={value!r} must be an integer >= 1")
         if isinstance(self.spares, bool) or not isinstance(self.spares, int) or self.spares < 0:
             raise ConfigError(f"spares={self.spares!r} must be an integer >= 0")
+        if not isinstance(self.protect_last, bool):
+            raise ConfigError(f"protect_last={self.protect_last!r} must be true or false")
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r}; valid: {', '.join(MODES)}")
         _number("gpu_mtbf_hours", self.gpu_mtbf_hours, 0.0, low_open=True)

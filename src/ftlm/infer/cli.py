@@ -12,6 +12,11 @@ import os
 import sys
 from pathlib import Path
 
+# As ftlm.infer.strategies names them (a test keeps the two equal); here so that registering the
+# commands does not import torch.
+STRATEGIES = ("sample", "self-consistency", "best-of-n", "weighted-best-of-n")
+SCORERS = ("confidence", "has-answer")
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="run directory of a finished `ftlm train` (config.toml and "
@@ -161,7 +166,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``ftlm generate`` and ``ftlm serve``."""
-    from ftlm.infer.strategies import SCORERS, STRATEGIES
     p = sub.add_parser("generate", help="generate text from a trained model (KV-cache engine, "
                                         "batched; best-of-N, self-consistency, thinking budget)")
     _add_model_args(p)

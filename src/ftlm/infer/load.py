@@ -62,7 +62,7 @@ def resolve_device(name: str) -> torch.device:
 def load_run(path: str | Path, tokenizer: str | Path | None = None, device: str = "auto",
              dtype: str = "auto") -> LoadedModel:
     """Load ``model.safetensors`` of a run directory (or that file) with the run's model config."""
-    from safetensors import SafetensorsError
+    from safetensors import SafetensorError
     from safetensors.torch import load_model
 
     from ftlm.config import load_config
@@ -81,7 +81,7 @@ def load_run(path: str | Path, tokenizer: str | Path | None = None, device: str 
     model = build_model(config.model, dev)
     try:
         load_model(model, str(weights), device=str(dev))
-    except (SafetensorsError, RuntimeError, OSError) as e:
+    except (SafetensorError, RuntimeError, OSError) as e:
         raise DataError(f"cannot load {weights} into the model of {config_path} ({str(e)[:200]}); "
                         "is it the model of this run?") from None
     model = model.to(resolve_dtype(dtype, dev)).eval()

@@ -1,0 +1,74 @@
+"""``ftlm generate`` on a finished run directory, and its one-line errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ftlm.cli import main
+from ftlm.config import build_config, save_config
+from ftlm.infer import Engine, SamplingParams
+from ftlm.infer.load import load_run
+
+from infer_helpers import tiny_model
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "serve"))
+from serve_helpers import make_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    from safetensors.torch import save_model
+    root = tmp_path_factory.mktemp("run")
+    tok = make_tokenizer(root)
+    model = tiny_model(vocab_size=tok.vocab_size)
+    m = model.cfg
+    config = build_config({"run": {"name": "tiny-run", "dir": str(root)},
+                           "model": {"size": "tiny", "vocab_size": m.vocab_size, "dim": m.dim,
+                                     "n_layers": m.n_layers, "n_heads": m.n_heads,
+                                     "n_kv_heads": m.n_kv_heads, "ffn_dim": m.ffn_dim,
+                                     "max_seq_len": m.max_seq_len, "init_std": m.init_std},
+                           "data": {"tokenizer": str(root / "tokenizer.json")}})
+    save_config(config, root / "config.toml")
+    save_model(model, str(root / "model.safetensors"))
+    return root
+
+
+def test_generate_prints_the_engines_greedy_completion(run_dir, capsys):
+    loaded = load_run(run_dir, device="cpu")
+    tok = loaded.tokenizer
+    want = Engine(loaded.model, eos_id=tok.eos_id).generate(
+        [tok.encode("the quick")], SamplingParams(max_new_tokens=6, temperature=0))[0]
+    assert main(["generate", str(run_dir), "--prompt", "the quick", "--temperature", "0",
+                 "--max-new-tokens", "6", "--json", "--device", "cpu"]) == 0
+    record = json.loads(capsys.readouterr().out.strip())
+    assert record["completion"] == tok.decode(want.tokens)
+
+
+def test_generate_with_a_strategy_over_tasks_reports_accuracy(run_dir, capsys):
+    assert main(["generate", str(run_dir), "--tasks", "3", "-n", "3", "--strategy",
+                 "self-consistency", "--max-new-tokens", "4", "--json", "--device", "cpu"]) == 0
+    captured = capsys.readouterr()
+    rows = [json.loads(line) for line in captured.out.splitlines()]
+    assert len(rows) == 3 and all(len(r["samples"]) == 3 and "correct" in r for r in rows)
+    assert "accuracy" in captured.err
+
+
+def test_generate_errors_are_one_line(run_dir, tmp_path, capsys):
+    assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2
+    assert "config.toml not found" in capsys.readouterr().err
+    assert main(["generate", str(run_dir), "--device", "cpu"]) == 2
+    assert "nothing to generate" in capsys.readouterr().err
+    assert main(["generate", str(run_dir), "--prompt", "x", "--top-p", "0", "--device",
+                 "cpu"]) == 2
+    assert "top_p" in capsys.readouterr().err
+
+
+def test_the_cli_names_every_strategy_and_scorer():
+    from ftlm.infer import cli, strategies
+    assert cli.STRATEGIES == strategies.STRATEGIES
+    assert cli.SCORERS == tuple(strategies.SCORERS)

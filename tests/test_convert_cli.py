@@ -51,6 +51,13 @@ def test_hf_to_ftlm_and_back(hf_folder, tmp_path, capsys):
         ours = load_model_source(source).model
         assert ours.cfg.rope_scaling["factor"] == 4.0
         assert (_logits(ours, tokens) - expected).abs().max() <= 1e-4
+    # train.init_from takes the converted weights as it takes a run's model.safetensors.
+    from ftlm.config import load_config
+    from ftlm.model import Transformer
+    from ftlm.train.trainer import load_weights
+    fresh = Transformer(load_config(out / "config.toml").model)
+    load_weights(fresh, out / "model.safetensors")
+    assert (_logits(fresh.eval(), tokens) - expected).abs().max() <= 1e-4
     assert main(["convert", str(out), "--out", str(tmp_path / "back"), "--config",
                  str(out / "config.toml")]) == 0
     again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()

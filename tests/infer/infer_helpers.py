@@ -24,3 +24,17 @@ def greedy_uncached(model: Transformer, prompt: list[int], steps: int) -> list[i
             nxt = model(tokens)[:, -1].argmax(dim=-1, keepdim=True)
             tokens = torch.cat((tokens, nxt), dim=1)
     return tokens[0, len(prompt):].tolist()
+
+
+def hf_llama(model: Transformer):
+    """A float32 ``transformers`` LlamaForCausalLM with ``model``'s weights (via ftlm.model.hf)."""
+    import transformers
+
+    from ftlm.model.hf import config_to_hf, state_to_hf
+    config = transformers.LlamaConfig(**config_to_hf(model.cfg))
+    config._attn_implementation = "eager"
+    hf = transformers.LlamaForCausalLM(config)
+    missing, unexpected = hf.load_state_dict(state_to_hf(model), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    hf.tie_weights()
+    return hf.float().eval()

@@ -7,11 +7,9 @@ import torch
 
 from ftlm.infer import Engine, SamplingParams
 
-from infer_helpers import tiny_model
+from infer_helpers import hf_llama, tiny_model
 
 transformers = pytest.importorskip("transformers")
-
-from hf_weights import hf_llama  # noqa: E402
 
 
 # Importing transformers alone takes 5-15 s on the shared CPU box: the slow tier.

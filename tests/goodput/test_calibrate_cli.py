@@ -113,7 +113,7 @@ def test_simulate_spot_vs_on_demand_reports_the_saving(tmp_path):
     (["--days", "-1"], "--days=-1.0 must be a number > 0"),
 ])
 def test_bad_options_are_one_line_errors(argv, message):
-    code, out, err = _run(["simulate", *argv])
+    code, _, err = _run(["simulate", *argv])
     assert code == 2
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 

@@ -9,7 +9,7 @@ import pytest
 
 from ftlm.errors import ConfigError
 from ftlm.goodput import JobModel, estimate, job_model_from_mtbf, run, young_daly_interval
-from ftlm.goodput.analytic import (checkpoint_restart_ett, ft_ett_without_stall, paper_ft_ett)
+from ftlm.goodput.analytic import checkpoint_restart_ett, ft_ett_without_stall, paper_ft_ett
 from ftlm.goodput.presets import PAPER_ETT, paper_ft, paper_sync
 
 DAY = 86400.0
@@ -75,7 +75,7 @@ def test_every_gpu_hour_is_in_one_state_and_lost_hours_explain_the_ett():
 
 def test_spares_stalls_and_notice_move_ett_the_right_way():
     base = paper_ft(duration=5 * DAY)
-    ett = lambda m: estimate(m, runs=2).ett  # noqa: E731
+    ett = lambda m: estimate(m, runs=2).ett
     assert ett(base.with_changes(spares=1)) > ett(base) + 0.01
     assert ett(base.with_changes(stall=60.0)) > ett(base) + 0.05
     spot = base.with_changes(spot_preemptions_per_gpu_hour=2e-6, rejoin_stall=5.0)

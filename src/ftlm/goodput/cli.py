@@ -171,7 +171,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     est = estimate(model, runs=args.runs, seed=args.seed)
     print(f"job: {describe(model)}")
     print(f"ETT {est.ett:.1%} (std {est.ett_std:.1%} over {args.runs} runs of {args.days:g} days; "
-          f"{statistics_mean(est, 'failures'):.0f} failures per run)")
+          f"{_per_run(est, 'failures'):.0f} failures per run)")
     print(f"lost GPU-hours by cause: {_hours(est.mean('lost_gpu_hours')) or 'none'}")
     print(f"GPU-hours by state: {_hours(est.mean('gpu_hours'))}")
     out["model"] = model.__dict__ | {"speed_by_participants": list(model.speed_by_participants)}
@@ -204,7 +204,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def statistics_mean(est, attr: str) -> float:
+def _per_run(est, attr: str) -> float:
+    """Mean of a per-run count (``failures``, ``preemptions``)."""
     return sum(getattr(r, attr) for r in est.results) / len(est.results)
 
 

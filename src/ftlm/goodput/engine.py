@@ -25,6 +25,7 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
+from ftlm.errors import ConfigError
 from ftlm.goodput.model import JobModel
 
 STATES = ("training", "stalled", "recovering", "starting", "idle", "preempted")
@@ -114,14 +115,13 @@ class _Job:
         counts = {s: 0 for s in (_TRAINING, _STARTING, _RECOVERING, _SPARE, _PREEMPTED)}
         for slot in self.slots:
             counts[slot.state] += 1
-        p = min(counts[_TRAINING], m.groups)
-        extra_training = counts[_TRAINING] - p  # cannot happen: spares never exceed the need
+        p = counts[_TRAINING]  # never above m.groups: a group only trains in a free place
         state = "training" if not stalled else (
             "starting" if self.stall_cause == "startup" else "stalled")
         self.gpu_s[state] += p * g * dt
         self.gpu_s["starting"] += counts[_STARTING] * g * dt
         self.gpu_s["recovering"] += counts[_RECOVERING] * g * dt
-        self.gpu_s["idle"] += (counts[_SPARE] + extra_training) * g * dt
+        self.gpu_s["idle"] += counts[_SPARE] * g * dt
         self.gpu_s["preempted"] += counts[_PREEMPTED] * g * dt
         full = m.groups * g * dt
         if stalled:
@@ -334,6 +334,5 @@ class Estimate:
 def estimate(model: JobModel, runs: int = 8, seed: int = 0) -> Estimate:
     """Simulate ``runs`` seeded jobs of ``model`` (seeds ``seed .. seed + runs - 1``)."""
     if runs < 1:
-        from ftlm.errors import ConfigError
         raise ConfigError(f"runs={runs} must be at least 1")
     return Estimate(model, [run(model, seed + k) for k in range(runs)])

@@ -180,7 +180,7 @@ class JobModel:
             return self.speed_by_participants[participants - 1]
         return participants / self.groups
 
-    def with_changes(self, **changes: object) -> "JobModel":
+    def with_changes(self, **changes: object) -> JobModel:
         """A copy with ``changes`` applied (validated again)."""
         unknown = sorted(set(changes) - {f.name for f in fields(self)})
         if unknown:

@@ -8,9 +8,9 @@ drawn with matplotlib's Agg backend (no display needed). It does not choose the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from ftlm.errors import ConfigError
 from ftlm.goodput.engine import SimResult, estimate

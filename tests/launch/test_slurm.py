@@ -258,6 +258,60 @@ def test_usr2_stops_the_step_gracefully_and_the_requeued_job_appends_its_log(
         subprocess.run([str(out / "stop-all.sh")], env=env, timeout=60, check=False)
 
 
+@pytest.mark.slow  # about a minute: a coordinator killed and resubmitted under a running job
+@pytest.mark.timeout(300)
+def test_groups_follow_a_resubmitted_coordinator_to_its_new_address(tmp_path, tiny_config, slurm):
+    """Defect 5: the groups read the coordinator's address once. Here the coordinator job is
+    cancelled and the watcher resubmits it at another address (another port: one node here,
+    another node on a real cluster); the groups keep their processes, reach the new one through
+    their relay, and no step is lost. Prints the stall it caused."""
+    config = tiny_config(train={"steps": 100000})
+    run_dir = config.run.path
+    out = generate(tmp_path, config, groups=2, python=sys.executable, slurm_cpus_per_rank=1,
+                   coordinator_port=_port(), watch_interval=1, grace_seconds=30)
+    env = dict(slurm.env, FTLM_WATCH_INTERVAL="1")
+    subprocess.run([str(out / "submit-all.sh"), "--no-watch"], check=True, env=env, timeout=60)
+    url_file = out / "state" / "coordinator.url"
+    # The watcher resubmits with another port: the new coordinator has another address.
+    watcher = subprocess.Popen([str(out / "watch.sh")], env=dict(env, FTLM_COORDINATOR_PORT=str(_port())),
+                               stdout=open(tmp_path / "watch.log", "w"), stderr=subprocess.STDOUT)
+    try:
+        _wait_for(lambda: all(any(e["kind"] == "commit" and e["group"] == g and e["step"] >= 5
+                                  for e in _events(run_dir)) for g in ("g0", "g1")), 120,
+                  "both groups to commit step 5")
+        first_url = url_file.read_text().strip()
+        subprocess.run(["scancel", (out / "state" / "coordinator.jobid").read_text().strip()],
+                       check=True, env=env, timeout=30)
+        killed_at = time.time()
+        _wait_for(lambda: url_file.is_file() and url_file.read_text().strip() not in ("", first_url),
+                  90, "the resubmitted coordinator's new address")
+        before = max(e["step"] for e in _events(run_dir) if e["kind"] == "commit" and e["ts"] <= killed_at)
+        _wait_for(lambda: all(any(e["kind"] == "commit" and e["group"] == g and e["step"] >= before + 10
+                                  for e in _events(run_dir)) for g in ("g0", "g1")), 120,
+                  "both groups to commit 10 more steps through the new coordinator")
+        # The new coordinator knows both groups (from their heartbeats through the relays).
+        import urllib.request
+        new_url = url_file.read_text().strip()
+        request = urllib.request.Request(f"{new_url}/status", headers={
+            "Authorization": f"Bearer {(out / 'token').read_text().strip()}"})
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            status = json.loads(answer.read())
+        assert {m["group"] for m in status["members"]} == {"g0", "g1"}, status
+    finally:
+        subprocess.run([str(out / "stop-all.sh")], env=env, timeout=60, check=False)
+        watcher.wait(timeout=60)
+    events = _events(run_dir)
+    # Nobody restarted: the same processes kept training, with every step committed once.
+    assert [e["group"] for e in events if e["kind"] == "group_start"].count("g0") == 1
+    assert [e["group"] for e in events if e["kind"] == "group_start"].count("g1") == 1
+    committed = sorted({e["step"] for e in events if e["kind"] == "commit"})
+    assert committed == list(range(committed[0], committed[-1] + 1)), "a step was lost"
+    times = sorted(e["ts"] for e in events if e["kind"] == "commit" and e["group"] == "g0")
+    gaps = [b - a for a, b in zip(times, times[1:]) if b > killed_at - 1]
+    print(f"coordinator moved: longest gap between g0's commits {max(gaps):.1f} s "
+          f"(median {sorted(gaps)[len(gaps) // 2]:.2f} s; watch interval 1 s)")
+
+
 def _port() -> int:
     import socket
     with socket.socket() as s:

@@ -56,7 +56,8 @@ def coordinator_script(run: RunConfig, cluster: ClusterConfig, out: Path, workdi
         "#SBATCH --nodes=1", "#SBATCH --ntasks=1", "#SBATCH --cpus-per-task=2",
         "#SBATCH --requeue", "#SBATCH --signal=B:USR2@60", ""] + _setup(cluster, workdir) + [
         f"OUT={q(str(out))}",
-        f"PORT={cluster.coordinator_port}",
+        "# FTLM_COORDINATOR_PORT (in the environment of sbatch) overrides the configured port.",
+        f"PORT=${{FTLM_COORDINATOR_PORT:-{cluster.coordinator_port}}}",
         "url_file=\"$OUT/state/coordinator.url\"",
         "child=",
         "# shellcheck disable=SC2317  # called by the trap",

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import json
 import logging
 import signal
 import socket
@@ -93,8 +94,9 @@ class _SlowBody(Exception):
     """The request body did not arrive within ``read_timeout``."""
 
 
-# What a waiting long-poll is woken with: (HTTP status, JSON body).
-_Answer = tuple[int, dict[str, Any]]
+# What a waiting long-poll is woken with: (HTTP status, JSON body, the body encoded). One quorum
+# answers every member with the same body: it is encoded once, not once per member (issue 16).
+_Answer = tuple[int, dict[str, Any], bytes]
 
 
 class Coordinator:
@@ -269,7 +271,7 @@ class Coordinator:
         for task in self._tasks:
             task.cancel()
         for rid in list(self._waiters):
-            self._answer(rid, (503, {"error": "coordinator stopping; ask again"}))
+            self._answer(rid, 503, {"error": "coordinator stopping; ask again"})
         await asyncio.sleep(0)  # let the woken handlers write their answers
         if self._server is not None:
             self._server.close()
@@ -309,9 +311,12 @@ class Coordinator:
 
     def _apply(self, outputs: list[Output]) -> None:
         """Carry out what the membership state machine decided: answers, events, metrics."""
+        encoded: dict[int, bytes] = {}  # id(body) -> its JSON, while ``outputs`` keeps the bodies alive
         for o in outputs:
             if isinstance(o, Answer):
-                self._answer(o.replica_id, (o.status, o.body))
+                if id(o.body) not in encoded and o.replica_id in self._waiters:
+                    encoded[id(o.body)] = json.dumps(o.body).encode()
+                self._answer(o.replica_id, o.status, o.body, encoded.get(id(o.body)))
             elif isinstance(o, Event):
                 if o.kind == "member_dead":
                     log.warning("member %s is dead: %s", o.fields["replica_id"], o.fields["reason"])
@@ -337,8 +342,12 @@ class Coordinator:
         loop.call_soon_threadsafe(
             lambda: self._apply(self.membership.report_dead(time.monotonic(), replica_id, group, reason)))
 
-    def _answer(self, replica_id: str, answer: _Answer) -> None:
-        for fut in self._waiters.pop(replica_id, []):
+    def _answer(self, replica_id: str, status: int, body: dict[str, Any], raw: bytes | None = None) -> None:
+        waiting = self._waiters.pop(replica_id, [])
+        if not waiting:
+            return
+        answer = (status, body, raw if raw is not None else json.dumps(body).encode())
+        for fut in waiting:
             if not fut.done():
                 fut.set_result(answer)
 
@@ -497,9 +506,10 @@ class Coordinator:
         self._waiters.setdefault(rid, []).append(fut)
         self._apply(outputs)
         try:
-            status, answer = await asyncio.wait_for(fut, min(body.timeout, MAX_POLL_SECONDS))
+            status, _, raw = await asyncio.wait_for(fut, min(body.timeout, MAX_POLL_SECONDS))
         except asyncio.TimeoutError:
-            status, answer = 504, {"error": "quorum timeout", "reason": self.membership.reason}
+            status = 504
+            raw = json.dumps({"error": "quorum timeout", "reason": self.membership.reason}).encode()
         finally:
             waiting = self._waiters.get(rid, [])
             if fut in waiting:
@@ -509,7 +519,7 @@ class Coordinator:
             if not fut.done() or fut.cancelled() or fut.result()[0] != 200:
                 # The asker is gone or told to ask again: do not issue it a quorum nobody receives.
                 self.membership.withdraw(req)
-        return web.json_response(answer, status=status)
+        return web.Response(body=raw, status=status, content_type="application/json", charset="utf-8")
 
     # ------------------------------------------------------------------------------------ status
 

@@ -93,7 +93,7 @@ class Membership:
         answer: dict[str, Any] = {"quorum_id": self.state.quorum_id, "dead": self.dead_peers(now),
                                   "rebuilding": self.state.head is None}
         if self.kill_requests:
-            self.kill_requests.intersection_update(self.state.heartbeats)  # forget replicas gone
+            self.kill_requests = {r for r in self.kill_requests if r in self.state.heartbeats}  # forget gone ones
             if hb.replica_id in self.kill_requests:
                 answer["kill"] = True
         return answer, out
@@ -162,16 +162,23 @@ class Membership:
         return list(self.dead)
 
     def dead_peers(self, now: float) -> list[str]:
-        """Recently dead members of the quorums in flight: what a member must abort for (bounded)."""
-        in_flight: set[str] = set()
-        if self.state.prev_quorum is not None:
-            in_flight.update(self.state.prev_quorum.replica_ids())
-        for _, parts in self.state.head_quorums:
-            in_flight.update(parts)
+        """Recently dead members of the quorums in flight: what a member must abort for (bounded).
+
+        Called for every heartbeat: its work grows with the recent deaths, not with the job's size.
+        """
+        self.recent_dead(now)
+        if not self.dead:
+            return []
+        state = self.state
+        index = state.index
+        index.track_prev(state.prev_quorum)
+        in_head = [ids for _, ids in index.head_quorum_info(state)] if state.head is not None else []
+        if state.head is None and state.head_quorums:  # not kept by the index without a head
+            in_head = [frozenset(parts) for _, parts in state.head_quorums]
         # A member declared dead that heartbeats again (a hang that ended) is alive: aborting for
         # it would fail every step it takes part in.
-        dead = [rid for _, rid, _, _ in self.recent_dead(now)
-                if rid in in_flight and rid not in self.state.heartbeats]
+        dead = [rid for _, rid, _, _ in self.dead
+                if (rid in index.prev_ids or any(rid in ids for ids in in_head)) and rid not in state.heartbeats]
         return dead[-MAX_DEAD_LISTED:]
 
     # -- internals -------------------------------------------------------------------------------

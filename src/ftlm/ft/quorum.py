@@ -28,8 +28,12 @@ Time values are seconds on one monotonic clock chosen by the caller. A replica i
 
 from __future__ import annotations
 
+import copy
+import heapq
+import itertools
 import json
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,6 +198,240 @@ class Restore:
     reason: str
 
 
+class _Index:
+    """What the decisions need about the members, kept up to date on every change of the tables.
+
+    Per-message work must not grow with the number of groups (issue 16): claims and groups are
+    counted, expiry deadlines and the oldest request sit in heaps (entries that no longer match
+    the table are dropped when they reach the top), and the previous quorum's members that are
+    alive, and alive without a request, are counted. The decisions use these only when they are
+    exact (``_steady``); otherwise they take the plain scan over the tables.
+    """
+
+    def __init__(self) -> None:
+        self.heartbeats: _Table = _Table(self, True)
+        self.pending: _Table = _Table(self, False)
+        self.hb_claims: Counter[tuple[int, str]] = Counter()
+        self.pending_claims: Counter[tuple[int, str]] = Counter()
+        self.hb_groups: dict[str, dict[str, None]] = {}  # group -> its replica ids, oldest first
+        self.pending_groups: dict[str, dict[str, None]] = {}
+        self.idle: dict[str, None] = {}  # heartbeating replicas without a pending request
+        self.orphans: set[str] = set()  # pending replicas without a heartbeat (only by direct writes)
+        self.seen: list[tuple[float, int, str, Any]] = []  # (last_seen, seq, rid, heartbeat)
+        self.progress: list[tuple[float, int, str, Any]] = []  # (progress_at, seq, rid, heartbeat)
+        self.asked: list[tuple[float, int, str, Any]] = []  # (asked_at, seq, rid, request)
+        self.seq = itertools.count()
+        self.prev: Quorum | None = None  # the quorum the prev_* counts are about
+        self.prev_ids: frozenset[str] = frozenset()
+        self.prev_alive = 0  # members of ``prev`` that heartbeat
+        self.prev_idle = 0  # ... and have no pending request
+        self.chains_head: tuple[int, str] | None = None
+        self.head_info: dict[tuple[int, int], tuple[str, frozenset[str]]] = {}  # (qid, n) -> (next chain, ids)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Index:
+        new = _Index.__new__(_Index)
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            if name == "seq":
+                new.seq = itertools.count(next(self.seq))
+            elif name in ("heartbeats", "pending"):
+                table = _Table(new, value.is_heartbeats)
+                for k, v in value.items():
+                    dict.__setitem__(table, k, copy.deepcopy(v, memo))
+                setattr(new, name, table)
+            else:
+                setattr(new, name, copy.deepcopy(value, memo))
+        return new
+
+    # -- table changes ---------------------------------------------------------------------------
+    def _set_idle(self, rid: str, idle: bool) -> None:
+        was = rid in self.idle
+        if was == idle:
+            return
+        if idle:
+            self.idle[rid] = None
+        else:
+            del self.idle[rid]
+        if rid in self.prev_ids:
+            self.prev_idle += 1 if idle else -1
+
+    def added(self, table: _Table, rid: str, old: Any, new: Any) -> None:
+        claims, groups = (self.hb_claims, self.hb_groups) if table.is_heartbeats else (
+            self.pending_claims, self.pending_groups)
+        if old is not None:
+            self._uncount(claims, groups, rid, old)
+        claims[(new.step, new.chain)] += 1
+        groups.setdefault(new.group, {})[rid] = None
+        seq = next(self.seq)
+        if table.is_heartbeats:
+            heapq.heappush(self.seen, (new.last_seen, seq, rid, new))
+            heapq.heappush(self.progress, (_progress_at(new), seq, rid, new))
+            if old is None:
+                self.orphans.discard(rid)
+                self._set_idle(rid, rid not in self.pending)
+                if rid in self.prev_ids:
+                    self.prev_alive += 1
+        else:
+            heapq.heappush(self.asked, (new.asked_at, seq, rid, new))
+            if old is None:
+                if rid not in self.heartbeats:
+                    self.orphans.add(rid)
+                self._set_idle(rid, False)
+
+    def removed(self, table: _Table, rid: str, old: Any) -> None:
+        if table.is_heartbeats:
+            self._uncount(self.hb_claims, self.hb_groups, rid, old)
+            self._set_idle(rid, False)
+            if rid in self.prev_ids:
+                self.prev_alive -= 1
+            if rid in self.pending:
+                self.orphans.add(rid)
+        else:
+            self._uncount(self.pending_claims, self.pending_groups, rid, old)
+            self.orphans.discard(rid)
+            hb = self.heartbeats.get(rid)
+            if hb is not None:
+                self._set_idle(rid, True)
+                # Its progress deadline counts again now that it no longer waits for a quorum.
+                heapq.heappush(self.progress, (_progress_at(hb), next(self.seq), rid, hb))
+
+    @staticmethod
+    def _uncount(claims: Counter[tuple[int, str]], groups: dict[str, dict[str, None]], rid: str,
+                 old: Any) -> None:
+        key = (old.step, old.chain)
+        claims[key] -= 1
+        if claims[key] <= 0:
+            del claims[key]
+        members = groups.get(old.group)
+        if members is not None:
+            members.pop(rid, None)
+            if not members:
+                del groups[old.group]
+
+    # -- queries ---------------------------------------------------------------------------------
+    def track_prev(self, prev: Quorum | None) -> None:
+        """Count the members of ``prev`` (the state's previous quorum) that are alive and idle."""
+        if prev is self.prev:
+            return
+        self.prev = prev
+        self.prev_ids = frozenset(prev.replica_ids()) if prev is not None else frozenset()
+        self.prev_alive = sum(1 for r in self.prev_ids if r in self.heartbeats)
+        self.prev_idle = sum(1 for r in self.prev_ids if r in self.idle)
+
+    def oldest_fresh_violation(self, now: float, timeout: float) -> bool:
+        """Whether some heartbeat is ``timeout`` old or older (not fresh) at ``now``."""
+        heap = self.seen
+        while heap:
+            last_seen, _, rid, hb = heap[0]
+            if self.heartbeats.get(rid) is not hb:
+                heapq.heappop(heap)
+                continue
+            return now - last_seen >= timeout
+        return False
+
+    def progress_overdue(self, now: float, timeout: float) -> bool:
+        """Whether some replica not waiting for a quorum made no progress for over ``timeout``."""
+        heap = self.progress
+        if timeout <= 0:
+            heap.clear()
+            return False
+        while heap:
+            at, _, rid, hb = heap[0]
+            if self.heartbeats.get(rid) is not hb or rid in self.pending or _progress_at(hb) != at:
+                heapq.heappop(heap)  # gone, waiting (pushed again when it stops waiting), or newer
+                continue
+            return now - at > timeout
+        return False
+
+    def oldest_request(self) -> float | None:
+        heap = self.asked
+        while heap:
+            asked_at, _, rid, req = heap[0]
+            if self.pending.get(rid) is not req:
+                heapq.heappop(heap)
+                continue
+            return asked_at
+        return None
+
+    def head_quorum_info(self, state: CoordinatorState) -> list[tuple[str, frozenset[str]]]:
+        """(chain a commit reaches, participant ids) of each quorum issued at the head's step."""
+        if self.chains_head != state.head:
+            self.chains_head = state.head
+            self.head_info = {}
+        out = []
+        assert state.head is not None
+        step, chain = state.head
+        for qid, parts in state.head_quorums:
+            key = (qid, len(parts))
+            info = self.head_info.get(key)
+            if info is None:
+                info = self.head_info[key] = (extend_chain(chain, step, qid, parts), frozenset(parts))
+            out.append(info)
+        return out
+
+
+def _progress_at(hb: Heartbeat) -> float:
+    return hb.progress_at if hb.progress_at is not None else hb.last_seen
+
+
+class _Table(dict):  # type: ignore[type-arg]
+    """``replica id -> Heartbeat`` or ``-> MemberRequest`` that tells its index about every change."""
+
+    def __init__(self, index: _Index, is_heartbeats: bool) -> None:
+        super().__init__()
+        self.index = index
+        self.is_heartbeats = is_heartbeats
+
+    def __reduce__(self) -> Any:
+        return dict, (dict(self),)  # a shallow copy or a pickle is a plain dict
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Table:
+        index = copy.deepcopy(self.index, memo)  # copies both tables, consistent with the copy
+        return index.heartbeats if self.is_heartbeats else index.pending
+
+    def __setitem__(self, rid: str, value: Any) -> None:
+        old = dict.get(self, rid)
+        dict.__setitem__(self, rid, value)
+        self.index.added(self, rid, old, value)
+
+    def __delitem__(self, rid: str) -> None:
+        old = dict.__getitem__(self, rid)
+        dict.__delitem__(self, rid)
+        self.index.removed(self, rid, old)
+
+    _MISSING = object()
+
+    def pop(self, rid: str, default: Any = _MISSING) -> Any:
+        if rid in self:
+            old = dict.__getitem__(self, rid)
+            del self[rid]
+            return old
+        if default is _Table._MISSING:
+            raise KeyError(rid)
+        return default
+
+    def popitem(self) -> tuple[str, Any]:
+        rid = next(reversed(self))
+        return rid, self.pop(rid)
+
+    def clear(self) -> None:
+        for rid in list(self):
+            del self[rid]
+
+    def setdefault(self, rid: str, default: Any = None) -> Any:
+        if rid not in self:
+            self[rid] = default
+        return self[rid]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for rid, value in dict(*args, **kwargs).items():
+            self[rid] = value
+
+    def __ior__(self, other: Any) -> _Table:
+        self.update(other)
+        return self
+
+
 @dataclass
 class CoordinatorState:
     """Everything the coordinator knows; soft state, rebuilt from traffic after a restart."""
@@ -212,6 +450,24 @@ class CoordinatorState:
     finished: bool = False  # holders of the head left the job as finished: never roll back from it
     top: int = 0  # the furthest step the head ever reached here (a rollback target cannot be beyond)
     epoch: str = ""  # this coordinator's start nonce, stamped on every quorum it issues
+    index: _Index = field(default_factory=_Index, compare=False, repr=False)
+    """Counts and heaps over ``heartbeats`` and ``pending`` (kept by the tables themselves)."""
+
+    def __post_init__(self) -> None:
+        given_hb, given_pending = self.heartbeats, self.pending
+        self.heartbeats, self.pending = self.index.heartbeats, self.index.pending
+        self.heartbeats.update(given_hb)
+        self.pending.update(given_pending)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("heartbeats", "pending") and "index" in self.__dict__:
+            table = getattr(self.index, name)
+            if value is not table:  # assigning a table replaces its contents, the index follows
+                items = dict(value)
+                table.clear()
+                table.update(items)
+                value = table
+        object.__setattr__(self, name, value)
 
     @property
     def max_step(self) -> int:
@@ -237,15 +493,25 @@ def _retire_other_incarnations(state: CoordinatorState, replica_id: str, group: 
         raise StaleIncarnation(
             f"replica {replica_id} was replaced or declared hung; this process must exit"
         )
-    old = [r for r, hb in state.heartbeats.items() if hb.group == group and r != replica_id]
-    old += [r for r, req in state.pending.items() if req.group == group and r != replica_id and r not in old]
+    index = state.index
+    old = [r for r in index.hb_groups.get(group, ()) if r != replica_id]
+    old += [r for r in index.pending_groups.get(group, ()) if r != replica_id and r not in old]
     for r in old:
         _retire(state, r, now)
     return old
 
 
 def _sync_round(state: CoordinatorState) -> None:
-    state.round_started = min((req.asked_at for req in state.pending.values()), default=None)
+    state.round_started = state.index.oldest_request()
+
+
+def _steady(now: float, state: CoordinatorState, options: QuorumOptions) -> bool:
+    """Whether the index answers exactly what a scan of the tables would: every heartbeat is
+    fresh, every request has a heartbeat, and each group has one live incarnation."""
+    index = state.index
+    index.track_prev(state.prev_quorum)
+    return (not index.orphans and len(index.hb_groups) == len(state.heartbeats)
+            and not index.oldest_fresh_violation(now, options.heartbeat_timeout))
 
 
 def record_heartbeat(state: CoordinatorState, hb: Heartbeat) -> list[str]:
@@ -291,6 +557,10 @@ def expire(now: float, state: CoordinatorState, options: QuorumOptions) -> list[
     progress (a hung rank, a wedged training thread) is retired: its next heartbeat is refused, so
     that the process exits instead of coming back with a state nobody vouches for.
     """
+    index = state.index
+    if not (index.oldest_fresh_violation(now, options.heartbeat_timeout)
+            or index.progress_overdue(now, options.progress_timeout)):
+        return []  # nobody can be due: the oldest heartbeat and progress deadlines are ahead
     gone: list[tuple[str, str]] = []
     for r, hb in list(state.heartbeats.items()):
         if not _is_fresh(now, state, r, options):
@@ -375,6 +645,10 @@ def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
     reports a commit of a quorum issued at the head's step, and rolls back (a ``Restore``) when no
     live member has held it for ``rollback_grace``.
     """
+    if _steady(now, state, options):
+        fast = _advance_head_steady(now, state, options)
+        if fast is not None:
+            return fast
     claims = _fresh_claims(now, state, options)
     if not claims:
         return [], ""
@@ -425,6 +699,34 @@ def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
     return [restore], ""
 
 
+def _advance_head_steady(now: float, state: CoordinatorState,
+                         options: QuorumOptions) -> tuple[list[Restore], str] | None:
+    """``advance_head`` from the index when every member is fresh; None where the scan must decide
+    (choosing the head after a restart, a rollback)."""
+    index = state.index
+    if not state.heartbeats:
+        return [], ""
+    if state.head is None:
+        if options.expected_groups and len(index.hb_groups) >= options.expected_groups:
+            return None
+        left = options.rebuild_seconds - (now - (state.started_at if state.started_at is not None else now))
+        if left <= 0:
+            return None
+        return [], (f"rebuilding membership: {_plural(len(index.hb_groups), 'group')} reported their "
+                    f"committed state; deciding in {left:.1f} s")
+    step, _ = state.head
+    claims = index.hb_claims
+    ahead = {(step + 1, chain) for chain, _ in index.head_quorum_info(state) if claims.get((step + 1, chain))}
+    if ahead:
+        state.finished = False
+        _set_head(state, max(ahead, key=lambda sc: (claims[sc], sc[1])), now)
+        return [], ""
+    if claims.get(state.head):
+        state.head_seen_at = now
+        return [], ""
+    return None
+
+
 def _set_head(state: CoordinatorState, head: tuple[int, str], now: float) -> None:
     state.head = head
     state.head_quorums = []
@@ -448,6 +750,10 @@ def compute_quorum(now: float, state: CoordinatorState, options: QuorumOptions) 
     Returns ``(quorum, reason)``, or ``(None, reason)`` saying what is awaited. The caller records
     an issued quorum with ``commit_quorum``. Needs the head (``advance_head``).
     """
+    if _steady(now, state, options):
+        fast = _compute_quorum_steady(now, state, options)
+        if fast is not None:
+            return fast
     candidates = {r: req for r, req in state.pending.items() if _is_fresh(now, state, r, options)}
     if not candidates:
         return None, "no member has asked for a quorum"
@@ -500,7 +806,8 @@ def compute_quorum(now: float, state: CoordinatorState, options: QuorumOptions) 
         return _build(now, state, candidates, up, reason), reason
     if 2 * len(asked_groups) <= len(alive_groups):
         return None, f"{len(asked_groups)} of {len(alive_groups)} heartbeating groups asked: not a majority"
-    missing = ", ".join(g for g in alive_groups if g not in asked_groups)
+    asked = set(asked_groups)
+    missing = ", ".join(g for g in alive_groups if g not in asked)
     if left > 0:
         return None, (
             f"waiting for {missing} (asked {len(asked_groups)} of {len(alive_groups)}); join timeout in {left:.1f} s"
@@ -509,13 +816,68 @@ def compute_quorum(now: float, state: CoordinatorState, options: QuorumOptions) 
     return _build(now, state, candidates, up, reason), reason
 
 
-def _build(now: float, state: CoordinatorState, candidates: dict[str, MemberRequest], up: list[str],
+MISSING_NAMED = 20
+"""Most waited-for groups a reason names (the rest are counted): reasons stay short at any size."""
+
+
+def _compute_quorum_steady(now: float, state: CoordinatorState,
+                           options: QuorumOptions) -> tuple[Quorum | None, str] | None:
+    """``compute_quorum`` from the index when every member is fresh (``_steady``): the same rules
+    in the same order, without a pass over the members unless a quorum is issued; None where the
+    scan must decide (nobody asking holds the head, a quorum at this step is in flight)."""
+    index, pending = state.index, state.pending
+    if not pending:
+        return None, "no member has asked for a quorum"
+    if state.head is None:
+        return None, "rebuilding membership: waiting for members to report their committed state"
+    if len(pending) < options.min_replicas:
+        n = _plural(len(pending), "healthy group")
+        return None, f"only {n} asked, need min_replicas={options.min_replicas}"
+    if not index.pending_claims.get(state.head) or state.head_quorums:
+        return None
+    prev = state.prev_quorum
+
+    def build(reason: str) -> Quorum:
+        up = [r for r, req in pending.items() if (req.step, req.chain) == state.head]
+        return _build(now, state, dict(pending), up, reason)
+
+    if prev is not None and index.prev_alive and not index.prev_idle:
+        joiners = len(pending) - index.prev_alive
+        extra = f" (+{_plural(joiners, 'joiner')})" if joiners else ""
+        reason = (f"fast path: all {_plural(index.prev_alive, 'healthy member')} of quorum "
+                  f"{prev.quorum_id} asked{extra}")
+        return build(reason), reason
+    started = state.round_started
+    if started is None:
+        started = index.oldest_request()
+        assert started is not None
+    left = options.join_timeout - (now - started)
+    asked, alive = len(index.pending_groups), len(index.hb_groups)
+    if prev is None and asked < options.expected_groups and left > 0:
+        return None, (f"first quorum: {asked} of {options.expected_groups} expected "
+                      f"groups asked; join timeout in {left:.1f} s")
+    if asked == alive:
+        reason = f"all {_plural(alive, 'heartbeating group')} asked"
+        return build(reason), reason
+    if 2 * asked <= alive:
+        return None, f"{asked} of {alive} heartbeating groups asked: not a majority"
+    # One live incarnation per group: the groups not asking are those of the idle replicas.
+    named = sorted(state.heartbeats[r].group for r in itertools.islice(index.idle, MISSING_NAMED))
+    missing = ", ".join(named) + (f" and {alive - asked - len(named)} more" if alive - asked > len(named) else "")
+    if left > 0:
+        return None, f"waiting for {missing} (asked {asked} of {alive}); join timeout in {left:.1f} s"
+    reason = f"join timeout passed: {asked} of {alive} heartbeating groups asked, not {missing}"
+    return build(reason), reason
+
+
+def _build(now: float, state: CoordinatorState, candidates: dict[str, MemberRequest], up: Iterable[str],
            reason: str) -> Quorum:
     assert state.head is not None
+    holders = set(up)
     reqs = sorted(candidates.values(), key=lambda q: (q.group, q.replica_id))
     members = [Member(q.replica_id, q.group, q.step, q.meta) for q in reqs]
-    participants = [m.replica_id for m in members if m.replica_id in up]
-    recovering = [m.replica_id for m in members if m.replica_id not in up]
+    participants = [m.replica_id for m in members if m.replica_id in holders]
+    recovering = [m.replica_id for m in members if m.replica_id not in holders]
     sources = {r: participants[i % len(participants)] for i, r in enumerate(recovering)}
 
     base = state.quorum_id

@@ -5,8 +5,9 @@ From ``events.jsonl`` and ``summary.json`` of a finished ``ftlm launch local`` (
 * ``startup``: the job's launch (``run_start``) to its first commit;
 * ``job_mtbf``: wall time over the group failures injected (chaos) or, without chaos, detected;
 * ``detection``: an injected failure to the coordinator's ``member_dead`` of that group;
-* ``stall``: mean stall per failure (``summary.stall_seconds`` of the failures, not of rejoins),
-  and ``rejoin_stall`` the mean of the rejoins';
+* ``stall``: mean stall per failure of a group that was in the quorums (``summary.stall_seconds``
+  of those failures: a group killed while it starts stalls nobody), and ``rejoin_stall`` the mean
+  of the rejoins';
 * ``restart``: a failure to its group's next ``recovery_start`` (process start, set-up, join);
 * ``catchup``: ``recovery_start`` to the group's next commit;
 * ``speed_by_participants``: the job's token rate with P groups committing over the rate with
@@ -129,6 +130,15 @@ def _speeds(events: list[dict], groups: int, median_step: float,
     return speeds, full
 
 
+def _was_member(events: list[dict], failures: list, failure) -> bool:
+    """Whether the failed group was in the quorums when it failed (it committed or began
+    recovering since its previous failure): only then do the others stall, in the model too."""
+    previous = max((f.ts for f in failures if f.group == failure.group and f.ts < failure.ts),
+                   default=float("-inf"))
+    return any(e["kind"] in ("commit", "recovery_start") and affected_group(e) == failure.group
+               and previous < e["ts"] <= failure.ts for e in events)
+
+
 def calibrate(run_dir: Path | str) -> Calibration:
     """Measure the simulator's parameters on the run in ``run_dir``."""
     run_dir = Path(run_dir)
@@ -171,7 +181,8 @@ def calibrate(run_dir: Path | str) -> Calibration:
 
     stalls = summary.get("stall_seconds") or []
     fails = failure_events(events)
-    failure_stalls = [s for f, s in zip(fails, stalls) if f.how != "rejoin" and f.group != COORDINATOR]
+    failure_stalls = [s for f, s in zip(fails, stalls) if f.how != "rejoin"
+                      and f.group != COORDINATOR and _was_member(events, failures, f)]
     rejoin_stalls = [s for f, s in zip(fails, stalls) if f.how == "rejoin"]
     speeds, full_rate = _speeds(events, groups, median_step,
                                float(summary.get("steady_tokens_per_second") or 0.0))

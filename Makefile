@@ -53,5 +53,10 @@ test: setup system-deps system-deps-cluster
 bench: setup
 	$(BIN)/python -m bench
 
+# The model lifecycle on a CPU (pretrain -> SFT -> DPO / GRPO, 3 seeds; about an hour on 2 cores).
+.PHONY: lifecycle
+lifecycle: setup
+	$(BIN)/python -m bench.lifecycle
+
 clean:
 	rm -rf runs .pytest_cache

@@ -159,9 +159,12 @@ def test_grpo_loss_and_gradient_equal_the_formula_by_hand() -> None:
     torch.testing.assert_close(ours, theirs)
     torch.testing.assert_close(grad_ours, grad_theirs)
     # Group-normalised advantages: (r - mean) / (unbiased std + 1e-4) within each group.
-    expected = torch.tensor([2 / 3 * 3 ** 0.5 / (1 + 3 ** 0.5 * 1e-4 / 1), 0, 0, 0, 0, 0])
-    first = (1 - 1 / 3) / (float(torch.tensor([1.0, 0, 0]).std()) + 1e-4)
-    assert abs(float(adv[0]) - first) < 1e-6 and expected.shape == adv.shape
+    std = (((1 - 1 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2) ** 0.5
+    expected = [(r - 1 / 3) / (std + 1e-4) for r in (1, 0, 0)] + \
+               [(r - 2 / 3) / (std + 1e-4) for r in (1, 1, 0)]
+    torch.testing.assert_close(adv, torch.tensor(expected))
+    # An all-equal group carries no signal: zero advantages, not a division by zero.
+    assert torch.equal(group_advantages(torch.ones(1, 4)), torch.zeros(1, 4))
 
 
 def test_grpo_samples_are_seeded_by_step_and_task(model, tokenizer) -> None:

@@ -96,9 +96,10 @@ def test_sft_under_chaos_ends_with_identical_replicas_and_exactly_once(tmp_path,
 def test_grpo_under_chaos_ends_with_identical_replicas_and_exactly_once(tmp_path, demo_data) -> None:
     sft = _chaos_config(tmp_path, demo_data, "base", steps=2)
     run.run("sft", sft)  # a starting model (and the reference) for GRPO
-    config = _chaos_config(tmp_path, demo_data, "grpo", steps=120, group_size=2,
+    # A GRPO group takes longer to start (tasks, reference model): failures further apart.
+    config = _chaos_config(tmp_path, demo_data, "grpo", steps=300, group_size=2,
                            max_new_tokens=8,
                            train={"init_from": str(sft.run.path / "model.safetensors")})
-    summary = run.launch("grpo", config, groups=3, chaos_mtbf=8.0, chaos_seed=2)
+    summary = run.launch("grpo", config, groups=3, chaos_mtbf=15.0, chaos_seed=2)
     _check_invariants(summary, config, 3)
     assert json.loads((config.run.path / "summary.json").read_text())["replicas_identical"]

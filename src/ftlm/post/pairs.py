@@ -1,7 +1,8 @@
 """Preference pairs from the task suite: verified-correct vs incorrect samples of a model.
 
-For each training task, ``post.pair_samples`` completions are sampled from the model (seeded by
-``(run.seed, task index)``: the same model and tasks give the same file) and checked. A task
+For each training task, ``post.pair_samples`` completions are sampled from the model with the
+KV-cache engine (``ftlm.infer``; seeded by ``(run.seed, task index, sample)``: the same model and
+tasks give the same file) and checked. A task
 whose samples include a correct and an incorrect one gives the pair (first correct, first
 incorrect). A task with no correct sample gives (reference solution, first incorrect sample) when
 ``solution_fallback`` is on: the reference solution is correct by construction (it is checked
@@ -20,28 +21,43 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from ftlm.data.tokenizer import Tokenizer
 from ftlm.post.chat import completion_text, prompt_ids
-from ftlm.post.rollout import rollout, sample_seed
+from ftlm.post.rollout import sample_seed
 from ftlm.tasks import Task, check
+
+
+def sample_completions(model: nn.Module, tokenizer: Tokenizer, tasks: Sequence[Task], samples: int,
+                       max_new_tokens: int, temperature: float, top_k: int, seed: int,
+                       max_batch: int = 32) -> list[list[str]]:
+    """``samples`` completion texts per task from the KV-cache engine, seeded per (task, sample)."""
+    from ftlm.infer import Engine, SamplingParams
+    end = tokenizer.token_id("<|end|>")
+    prompts, params = [], []
+    for i, task in enumerate(tasks):
+        ids = prompt_ids(tokenizer, task.prompt)
+        budget = min(max_new_tokens, model.cfg.max_seq_len - len(ids))
+        for j in range(samples):
+            prompts.append(ids)
+            params.append(SamplingParams(max_new_tokens=budget, temperature=temperature,
+                                         top_k=top_k, stop_ids=(end,),
+                                         seed=sample_seed(seed, "pairs", i, j)))
+    engine = Engine(model, max_batch=max(1, min(max_batch, len(prompts))), eos_id=tokenizer.eos_id)
+    texts = [completion_text(tokenizer, s.tokens) for s in engine.generate(prompts, params)]
+    return [texts[i * samples:(i + 1) * samples] for i in range(len(tasks))]
 
 
 def make_pairs(model: nn.Module, tokenizer: Tokenizer, tasks: Sequence[Task], *, samples: int,
                max_new_tokens: int, temperature: float, top_k: int, seed: int,
                solution_fallback: bool = True) -> tuple[list[dict], dict[str, int]]:
     """Preference records for ``tasks`` and counts (tasks, sampled pairs, fallback pairs, skipped)."""
-    end = tokenizer.token_id("<|end|>")
     records, counts = [], {"tasks": len(tasks), "sample": 0, "solution": 0, "all_correct": 0,
                            "correct_samples": 0}
-    model.eval()
-    for index, task in enumerate(tasks):
-        gen = torch.Generator(device="cpu").manual_seed(sample_seed(seed, "pairs", index))
-        texts = [completion_text(tokenizer, c) for c in rollout(
-            model, prompt_ids(tokenizer, task.prompt), samples, max_new_tokens, end,
-            tokenizer.pad_id, temperature, top_k, gen)]
+    completions = sample_completions(model, tokenizer, tasks, samples, max_new_tokens,
+                                     temperature, top_k, seed)
+    for task, texts in zip(tasks, completions):
         ok = [check(task, t) for t in texts]
         counts["correct_samples"] += sum(ok)
         wrong = [t for t, good in zip(texts, ok) if not good]

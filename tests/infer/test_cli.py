@@ -72,3 +72,12 @@ def test_the_cli_names_every_strategy_and_scorer():
     from ftlm.infer import cli, strategies
     assert cli.STRATEGIES == strategies.STRATEGIES
     assert cli.SCORERS == tuple(strategies.SCORERS)
+
+
+def test_chat_prompts_use_the_post_training_template(run_dir):
+    from ftlm.data.tokenizer import Tokenizer
+    from ftlm.infer.chat import chat_stop_ids, render_chat
+    from ftlm.post.chat import prompt_ids
+    tok = Tokenizer.load(run_dir / "tokenizer.json")
+    assert render_chat([{"role": "user", "content": "hi"}], tok) == prompt_ids(tok, "hi")
+    assert tok.token_id("<|end|>") in chat_stop_ids(tok)

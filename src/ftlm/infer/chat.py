@@ -1,12 +1,11 @@
-"""The chat prompt format the engine and server use: messages -> token ids.
+"""Chat prompts for generation: messages -> token ids in the post-training chat template.
 
-Each message becomes ``<|role|> content <|end|>`` with the role's special token (``<|system|>``,
-``<|user|>``, ``<|assistant|>``) inserted by id (text never forges one, see
-``ftlm.data.tokenizer``), and the prompt ends with ``<|assistant|>`` so the model writes the
-reply; the reply ends at ``<|end|>`` (or ``<|eos|>``), which ``chat_stop_ids`` lists.
+The template is ``ftlm.post.chat`` (the one ``ftlm sft`` trains on), so a fine-tuned model is
+served exactly as it learnt: ``<|bos|> <|user|> PROMPT <|end|> ... <|assistant|>``, the reply
+cue last; the reply ends at ``<|end|>`` (or ``<|eos|>``), which ``chat_stop_ids`` lists.
 
-Not responsible for: training on chats (the post-training commands own their template; this one
-must match it, so change both together) or validating message shapes (``ftlm.serve.protocol``).
+Not responsible for: the template itself (``ftlm.post.chat``; change it there) or validating
+request shapes (``ftlm.serve.protocol``).
 """
 
 from __future__ import annotations
@@ -14,25 +13,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ftlm.data.tokenizer import Tokenizer
-from ftlm.errors import ConfigError
-
-ROLES = ("system", "user", "assistant")
+from ftlm.post.chat import render
 
 
 def render_chat(messages: Sequence[dict], tokenizer: Tokenizer) -> list[int]:
     """Token ids of ``messages`` (dicts with ``role`` and string ``content``) plus the reply cue."""
-    ids: list[int] = []
-    for i, message in enumerate(messages):
-        role, content = message.get("role"), message.get("content")
-        if role not in ROLES:
-            raise ConfigError(f"messages[{i}].role={role!r} is not one of {', '.join(ROLES)}")
-        if not isinstance(content, str):
-            raise ConfigError(f"messages[{i}].content must be a string")
-        ids.append(tokenizer.token_id(f"<|{role}|>"))
-        ids.extend(tokenizer.encode(content))
-        ids.append(tokenizer.token_id("<|end|>"))
-    ids.append(tokenizer.token_id("<|assistant|>"))
-    return ids
+    ids, _ = render(tokenizer, messages)
+    return ids + [tokenizer.token_id("<|assistant|>")]
 
 
 def chat_stop_ids(tokenizer: Tokenizer) -> tuple[int, ...]:

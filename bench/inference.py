@@ -1,0 +1,217 @@
+"""Benchmark: the KV-cache engine vs ``transformers`` ``generate``, and the server under load.
+
+Part 1, side by side in one run on the same weights (a randomly initialised ftlm model copied into
+a ``transformers`` ``LlamaForCausalLM`` through ``ftlm.model.hf``), greedy, a fixed number of new
+tokens (EOS ignored), batch 1, 8 and 32:
+
+* *TTFT*: seconds from the call to the first new token of every sequence (prefill plus one
+  sample): ``Engine.step`` once vs ``generate(max_new_tokens=1)``;
+* *decode tokens/s*: ``batch * (new - 1) / (total - TTFT)`` for a whole generation;
+* *same tokens*: the share of sequences whose greedy tokens are equal on both sides.
+
+Repetitions alternate the two sides (ABAB); medians are reported. Part 2 serves the same model
+with ``ftlm.serve`` (``max_batch`` 16) and runs 16 concurrent streaming clients (aiohttp, raw
+SSE) against it: aggregate tokens/s and the median client-side time to first token.
+
+It does not test accuracy, and its CPU figures are not GPU claims (see the top of BENCHMARKS.md).
+
+    python -m bench.inference [--quick] [--size small] [--reps N] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+
+import torch
+
+from bench.common import median, section_header, table, write_section
+from ftlm.infer import Engine, SamplingParams
+from ftlm.model import ModelConfig, Transformer, param_count
+
+SECTION = "inference"
+
+
+def hf_copy(model: Transformer):
+    """A ``transformers`` LlamaForCausalLM with ``model``'s weights, dtype and device."""
+    import transformers
+
+    from ftlm.model.hf import config_to_hf, state_to_hf
+    config = transformers.LlamaConfig(**config_to_hf(model.cfg))
+    config._attn_implementation = "sdpa"
+    hf = transformers.LlamaForCausalLM(config)
+    hf.load_state_dict(state_to_hf(model), strict=False)
+    hf.tie_weights()
+    weight = model.tok_embeddings.weight
+    return hf.to(weight.device, weight.dtype).eval()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_engine(model: Transformer, prompts: torch.Tensor, new: int, compile: bool = False
+                ) -> tuple[float, float, list[list[int]]]:
+    """(TTFT s, total s, tokens) of one greedy batch through a fresh engine."""
+    engine = Engine(model, max_batch=prompts.shape[0], compile=compile)
+    params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+    device = model.tok_embeddings.weight.device
+    _sync(device)
+    t0 = time.perf_counter()
+    seqs = [engine.add(p, params) for p in prompts.tolist()]
+    engine.step()
+    ttft = time.perf_counter() - t0
+    while engine.has_work():
+        engine.step()
+    total = time.perf_counter() - t0
+    return ttft, total, [s.tokens for s in seqs]
+
+
+@torch.no_grad()
+def time_hf(hf, prompts: torch.Tensor, new: int) -> tuple[float, float, list[list[int]]]:
+    """(TTFT s, total s, tokens) of ``transformers`` greedy ``generate`` with its cache."""
+    x = prompts.to(hf.device)
+    mask = torch.ones_like(x)
+    kwargs = dict(attention_mask=mask, do_sample=False, use_cache=True, pad_token_id=0,
+                  eos_token_id=None)
+    _sync(hf.device)
+    t0 = time.perf_counter()
+    hf.generate(x, max_new_tokens=1, min_new_tokens=1, **kwargs)
+    _sync(hf.device)
+    ttft = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = hf.generate(x, max_new_tokens=new, min_new_tokens=new, **kwargs)
+    _sync(hf.device)
+    total = time.perf_counter() - t0
+    return ttft, total, out[:, x.shape[1]:].tolist()
+
+
+def engine_vs_hf(model: Transformer, batches: list[int], prompt_len: int, new: int, reps: int
+                 ) -> list[list[object]]:
+    hf = hf_copy(model)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for batch in batches:
+        prompts = torch.randint(0, model.cfg.vocab_size, (batch, prompt_len), generator=g)
+        time_engine(model, prompts[:, :8], 4)  # warm-up both sides
+        time_hf(hf, prompts[:, :8], 4)
+        ours, theirs, same = [], [], 0.0
+        for _ in range(reps):
+            ours.append(time_engine(model, prompts, new))
+            theirs.append(time_hf(hf, prompts, new))
+        same = sum(a == b for a, b in zip(ours[-1][2], theirs[-1][2])) / batch
+        rate = lambda r: batch * (new - 1) / max(r[1] - r[0], 1e-9)  # noqa: E731
+        o_ttft, t_ttft = median(r[0] for r in ours), median(r[0] for r in theirs)
+        o_rate, t_rate = median(rate(r) for r in ours), median(rate(r) for r in theirs)
+        rows.append([batch, f"{o_ttft * 1000:.1f}", f"{t_ttft * 1000:.1f}", f"{o_rate:,.0f}",
+                     f"{t_rate:,.0f}", f"{o_rate / t_rate:.2f}x", f"{same:.0%}"])
+        print(f"batch {batch}: engine {o_rate:,.0f} tok/s (TTFT {o_ttft * 1000:.1f} ms), "
+              f"transformers {t_rate:,.0f} tok/s (TTFT {t_ttft * 1000:.1f} ms)", flush=True)
+    return rows
+
+
+async def _client(session, url: str, prompt: str, new: int) -> tuple[float, int]:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": new, "temperature": 0,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, tokens = None, 0
+    async with session.post(url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            payload = json.loads(line[6:])
+            if payload["choices"] and payload["choices"][0]["text"]:
+                first = first or time.perf_counter() - t0
+            if payload.get("usage"):
+                tokens = payload["usage"]["completion_tokens"]
+    return first or float("nan"), tokens
+
+
+def server_throughput(model: Transformer, clients: int, new: int) -> list[object]:
+    import aiohttp
+
+    from ftlm.serve import ServeConfig, Server
+
+    class ByteCodec:  # bytes as token ids: the server needs a tokenizer, the model is random
+        eos_id = 1
+
+        def encode(self, text: str) -> list[int]:
+            return [b % model.cfg.vocab_size for b in text.encode()]
+
+        def decode(self, ids) -> str:
+            return "".join(chr(32 + i % 90) for i in ids)
+
+    codec = ByteCodec()
+    engine = Engine(model, max_batch=clients, detokenize=codec.decode)
+    server = Server(engine, codec, ServeConfig(port=0, model_name="bench", max_batch=clients,
+                                               max_queue=4 * clients, max_n=1))
+    server.start()
+
+    async def run() -> tuple[float, list[tuple[float, int]]]:
+        async with aiohttp.ClientSession() as session:
+            await _client(session, server.url, "warm up", 4)
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(_client(session, server.url, f"client {i} says",
+                                                     new) for i in range(clients)))
+            return time.perf_counter() - t0, results
+
+    try:
+        wall, results = asyncio.run(run())
+    finally:
+        server.stop()
+    tokens = sum(n for _, n in results)
+    ttfts = [t for t, _ in results]
+    return [clients, new, tokens, f"{wall:.2f}", f"{tokens / wall:,.0f}",
+            f"{statistics.median(ttfts) * 1000:.0f}", f"{max(ttfts) * 1000:.0f}"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.inference", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a smoke run of well under a minute")
+    p.add_argument("--size", default=None, help="named model size (default small; tiny with "
+                                                "--quick; 1b on CUDA)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default 3, 1 --quick)")
+    p.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    size = args.size or ("tiny" if args.quick else "1b" if device.type == "cuda" else "small")
+    reps = args.reps or (1 if args.quick else 3)
+    prompt_len, new = (16, 16) if args.quick else (128, 64)
+    batches = [1, 8] if args.quick else [1, 8, 32]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = ModelConfig(size=size, max_seq_len=min(ModelConfig(size=size).max_seq_len, 1024))
+    model = Transformer(cfg).to(device, dtype).eval()
+    started = time.perf_counter()
+    rows = engine_vs_hf(model, batches, prompt_len, new, reps)
+    serve = server_throughput(model, 4 if args.quick else 16, new)
+    seconds = time.perf_counter() - started
+    flags = [f for f, on in (("--quick", args.quick),) if on]
+    body = (section_header("Inference: KV-cache engine vs transformers generate; the server "
+                           "under concurrent streams", "bench.inference", flags)
+            + f"* Model: `{size}` ({param_count(cfg) / 1e6:.2f}M parameters, random weights), "
+              f"{dtype}, {device.type}, torch threads {torch.get_num_threads()}; prompts of "
+              f"{prompt_len} random tokens, {new} new tokens, greedy, EOS ignored\n"
+            + "* Method: see `bench/inference.py`: the same weights on both sides, ABAB, "
+              f"{reps} repetition(s), medians; TTFT = prefill + first token of the whole batch; "
+              "decode tokens/s = batch x (new - 1) / (total - TTFT). "
+              f"Took {seconds:.0f} s.\n\n"
+            + table(["batch", "ftlm TTFT ms", "transformers TTFT ms", "ftlm decode tok/s",
+                     "transformers decode tok/s", "speed-up", "same greedy tokens"], rows)
+            + "\n\nServer (`ftlm.serve`, `max_batch` = clients, streaming `/v1/completions`, "
+              "raw SSE over aiohttp, one client per concurrent stream):\n\n"
+            + table(["concurrent clients", "tokens each", "tokens", "wall s",
+                     "aggregate tok/s", "median TTFT ms", "max TTFT ms"], [serve]))
+    print(body)
+    if not args.no_write:
+        write_section(SECTION if device.type == "cpu" else f"{SECTION}_gpu", body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -106,6 +106,12 @@ def test_coordinator_job_has_its_own_partition_time_and_signal(tmp_path, tiny_co
     # Defect 5: the groups reach the coordinator through a relay that re-reads its address file.
     assert "-m ftlm.launch.relay --url-file" in group
     assert 'FTLM_COORDINATOR="http://$FTLM_HEAD:$(cat "$relay_port_file")"' in group
+    # Prometheus finds the coordinator wherever it runs (file-based discovery).
+    line = next(x for x in text.splitlines() if x.startswith("printf"))
+    sd = subprocess.run(["bash", "-c", line.split(" > ")[0]], env=dict(os.environ, PORT="1234"),
+                        capture_output=True, text=True, timeout=10).stdout
+    assert json.loads(sd)[0]["targets"][0].endswith(":1234")
+    assert json.loads(sd)[0]["labels"] == {"job": "run"}
     out2 = generate(tmp_path / "b", tiny_config(), slurm_partition="gpu")
     assert "#SBATCH --partition=gpu" in (out2 / "coordinator.sbatch").read_text()
 

@@ -15,6 +15,7 @@ It only writes text; it does not call Slurm (docs/slurm.md shows the commands).
 
 from __future__ import annotations
 
+import json
 import secrets
 import shlex
 from pathlib import Path
@@ -42,6 +43,12 @@ def _setup(cluster: ClusterConfig, workdir: Path) -> list[str]:
     if cluster.slurm_setup:
         lines.append(cluster.slurm_setup.rstrip("\n"))
     return lines
+
+
+def _sd_entry(job: str) -> str:
+    """Shell words that print a Prometheus file_sd entry for this host's coordinator port."""
+    before, after = json.dumps([{"targets": ["@HOST@"], "labels": {"job": job}}]).split("@HOST@")
+    return f'{shlex.quote(before)}"$(hostname):${{PORT}}"{shlex.quote(after)}'
 
 
 def coordinator_script(run: RunConfig, cluster: ClusterConfig, out: Path, workdir: Path) -> str:
@@ -73,6 +80,10 @@ def coordinator_script(run: RunConfig, cluster: ClusterConfig, out: Path, workdi
         "# Written before the server starts: a group's relay retries until it answers.",
         "echo \"$url\" > \"$url_file.tmp.$SLURM_JOB_ID\"",
         "mv \"$url_file.tmp.$SLURM_JOB_ID\" \"$url_file\"",
+        "# Prometheus file-based discovery of the coordinator (follows it when it moves).",
+        f"printf '%s\\n' {_sd_entry(run.run.name)} "
+        "> \"$OUT/state/prometheus-coordinator.json.tmp\"",
+        "mv \"$OUT/state/prometheus-coordinator.json.tmp\" \"$OUT/state/prometheus-coordinator.json\"",
         f'{cluster.python} -m ftlm.cli coordinator "$OUT/config.toml" --host 0.0.0.0 '
         f'--port "$PORT" --set ft.token_file="$OUT/token" --set ft.groups={cluster.groups} &',
         "child=$!",

@@ -392,6 +392,24 @@ def test_kustomizations_list_every_object_and_build(tmp_path, tiny_config):
     built = [d for d in yaml.safe_load_all(r.stdout) if d]
     expected = [k for k in docs if k.startswith(("base/", "jobs/")) and "kustomization" not in k]
     assert len(built) == len(expected)
+    # A platform team's overlay patches the output without regenerating it.
+    overlay = tmp_path / "overlays" / "prod"
+    overlay.mkdir(parents=True)
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": ["../../k8s"], "images": [{"name": "ftlm", "newTag": "0.2"}],
+        "patches": [{"target": {"kind": "Job", "labelSelector": "ftlm.dev/component=group"},
+                     "patch": "- op: add\n  path: /spec/template/spec/priorityClassName\n"
+                              "  value: batch-low\n"}]}))
+    r = subprocess.run(["kubectl", "kustomize", str(overlay)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    jobs = [d for d in yaml.safe_load_all(r.stdout) if d and d["kind"] == "Job"]
+    assert len(jobs) == 3
+    for job in jobs:
+        pod = job["spec"]["template"]["spec"]
+        assert pod["priorityClassName"] == "batch-low"
+        assert pod["containers"][0]["image"] == "ftlm:0.2"
 
 
 def test_repository_dashboards_pick_their_datasource():

@@ -257,6 +257,11 @@ def test_usr2_stops_the_step_gracefully_and_the_requeued_job_appends_its_log(
                               for e in _events(run_dir)) >= 2, 120, "the requeued g1 to start")
         _wait_for(lambda: any(e["kind"] == "recovery_end" and e["group"] == "g1" and e["ts"] > left_at
                               for e in _events(run_dir)), 120, "the requeued g1 to recover")
+        times = sorted(e["ts"] for e in _events(run_dir) if e["kind"] == "commit"
+                       and e["group"] == "g0" and left_at - 5 < e["ts"] < left_at + 5)
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        print(f"g1 stopped gracefully: longest gap between g0's commits around it "
+              f"{max(gaps):.2f} s, median {sorted(gaps)[len(gaps) // 2]:.3f} s")
         text = log.read_text()
         assert "USR2 received" in text and "requeueing" in text, text[-3000:]
         assert "SIGKILL" not in text and "Killed" not in text, text[-3000:]

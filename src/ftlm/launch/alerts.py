@@ -95,7 +95,8 @@ def prometheus_rule_groups(bounds: AlertBounds, job: str = "") -> list[dict[str,
         rule("FtlmStallHigh",
              "histogram_quantile(0.9, sum by (job, le) "
              f"(rate({m('ftlm_ft_stall_seconds_bucket')}[15m]))) > {b.stall_seconds:g}",
-             "5m", "warning", "Failures stall the healthy groups of {{ $labels.job }} for {{ $value | humanizeDuration }}",
+             "5m", "warning",
+             "Failures stall the healthy groups of {{ $labels.job }} for {{ $value | humanizeDuration }}",
              "p90 over 15 minutes of how long the healthy groups waited per failure. Usually "
              "ft.heartbeat_timeout or the quorum timeout is too long for the step time, or groups "
              "are SIGKILLed instead of leaving (check the graceful-stop grace)."),
@@ -117,7 +118,8 @@ def prometheus_rule_groups(bounds: AlertBounds, job: str = "") -> list[dict[str,
         rules.append(rule(
             "FtlmCheckpointStale",
             f"time() - max by (job) ({m(CHECKPOINT_TIME)}) > {b.checkpoint_age_seconds:g}",
-            "5m", "warning", "The newest checkpoint of {{ $labels.job }} is {{ $value | humanizeDuration }} old",
+            "5m", "warning",
+            "The newest checkpoint of {{ $labels.job }} is {{ $value | humanizeDuration }} old",
             "No durable checkpoint recently: a loss of every group at once would cost this much "
             "training. Check checkpoint.every and the volume."))
     return [{"name": f"ftlm-{job}" if job else "ftlm", "rules": rules}]

@@ -110,7 +110,7 @@ class ClusterConfig:
     namespace: str = "default"
     """Kubernetes namespace of every object."""
     cluster_domain: str = ""
-    """Kubernetes DNS domain (e.g. cluster.local); empty uses <service>.<namespace>.svc via the pod's search path."""
+    """Kubernetes DNS domain (e.g. cluster.local); empty: <service>.<namespace>.svc (search path)."""
     prefer_node_labels: dict[str, str] = field(default_factory=dict)
     """Preferred node labels key=value (e.g. a spot pool: cloud.google.com/gke-spot=true); any one matches."""
     spread_topology_key: str = "topology.kubernetes.io/zone"
@@ -195,7 +195,8 @@ class ClusterConfig:
             if not isinstance(value, str) or (value and not re.match(r"^[a-z0-9][-a-z0-9.]*$", value)):
                 raise ConfigError(f"{_S}.{name}={value!r} must be empty or a Kubernetes name")
         if not isinstance(self.cluster_domain, str) or (
-                self.cluster_domain and not re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", self.cluster_domain)):
+                self.cluster_domain
+                and not re.match(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", self.cluster_domain)):
             raise ConfigError(f"{_S}.cluster_domain={self.cluster_domain!r} must be empty or a DNS "
                               "domain such as cluster.local")
         self.prefer_node_labels = _parse_node_selector(

@@ -322,7 +322,8 @@ def group_pod(run: RunConfig, names: Names, cluster: ClusterConfig, group: str,
 def pod_failure_policy() -> dict[str, Any]:
     """A pod lost to a disruption (preemption, spot reclaim, drain, eviction, node pressure) is
     replaced without counting against the restarts: only real failures use up backoffLimit."""
-    return {"rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]}
+    return {"rules": [{"action": "Ignore",
+                       "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]}
 
 
 def group_job_spec(run: RunConfig, names: Names, cluster: ClusterConfig, group: str,

@@ -86,6 +86,7 @@ def _check_invariants(summary: dict, config, groups: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_sft_under_chaos_ends_with_identical_replicas_and_exactly_once(tmp_path, demo_data) -> None:
     config = _chaos_config(tmp_path, demo_data, "sft", steps=400)
     summary = run.launch("sft", config, groups=3, chaos_mtbf=8.0, chaos_seed=1)
@@ -93,11 +94,12 @@ def test_sft_under_chaos_ends_with_identical_replicas_and_exactly_once(tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_grpo_under_chaos_ends_with_identical_replicas_and_exactly_once(tmp_path, demo_data) -> None:
     sft = _chaos_config(tmp_path, demo_data, "base", steps=2)
     run.run("sft", sft)  # a starting model (and the reference) for GRPO
     # A GRPO group takes longer to start (tasks, reference model): failures further apart.
-    config = _chaos_config(tmp_path, demo_data, "grpo", steps=300, group_size=2,
+    config = _chaos_config(tmp_path, demo_data, "grpo", steps=200, group_size=2,
                            max_new_tokens=8,
                            train={"init_from": str(sft.run.path / "model.safetensors")})
     summary = run.launch("grpo", config, groups=3, chaos_mtbf=15.0, chaos_seed=2)

@@ -15,7 +15,7 @@ SSE) against it: aggregate tokens/s and the median client-side time to first tok
 
 It does not test accuracy, and its CPU figures are not GPU claims (see the top of BENCHMARKS.md).
 
-    python -m bench.inference [--quick] [--size small] [--reps N] [--no-write]
+    python -m bench.inference [--quick] [--size small] [--reps N] [--threads 1] [--no-write]
 """
 
 from __future__ import annotations
@@ -177,9 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default=None, help="named model size (default small; tiny with "
                                                 "--quick; 1b on CUDA)")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3, 1 --quick)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads on CPU (default 1: on a shared box two threads "
+                        "stall each other at every operator's barrier)")
     p.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
     size = args.size or ("tiny" if args.quick else "1b" if device.type == "cuda" else "small")
     reps = args.reps or (1 if args.quick else 3)
     prompt_len, new = (16, 16) if args.quick else (128, 64)

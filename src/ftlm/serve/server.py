@@ -237,10 +237,9 @@ class Server:
         rid = protocol.new_id(kind)
         prompt_tokens = sum(len(p) for p in prompts) * req.n
         try:
+            if req.stream:  # past the headers: a timeout is reported in-band
+                return await self._stream(request, req, rid, queue, len(items), prompt_tokens)
             async with asyncio.timeout(cfg.request_timeout):
-                if req.stream:
-                    return await self._stream(request, req, rid, queue, len(items),
-                                              prompt_tokens)
                 return await self._whole(req, rid, queue, len(items), prompt_tokens)
         except TimeoutError:
             raise APIError(503, f"the request took longer than {cfg.request_timeout:g} s",
@@ -298,21 +297,27 @@ class Server:
         async def send(obj: dict) -> None:
             await response.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
-        while done < count:
-            update: Update = await queue.get()
-            i = update.index
-            if update.error:  # the status is sent already: report in-band, as OpenAI does
-                await send(APIError(500, update.error, "server_error").body())
-                break
-            final = update.finish_reason is not None
-            delta = streams[i].update(update.tokens, final=final)
-            if delta or not started[i] or final:
-                await send(protocol.chunk(req, rid, i, delta, update.finish_reason,
-                                          first=not started[i]))
-                started[i] = True
-            if final:
-                done += 1
-                generated += len(update.tokens)
+        try:
+            async with asyncio.timeout(self.config.request_timeout):
+                while done < count:
+                    update: Update = await queue.get()
+                    i = update.index
+                    if update.error:  # the status is sent already: report in-band
+                        await send(APIError(500, update.error, "server_error").body())
+                        break
+                    final = update.finish_reason is not None
+                    delta = streams[i].update(update.tokens, final=final)
+                    if delta or not started[i] or final:
+                        await send(protocol.chunk(req, rid, i, delta, update.finish_reason,
+                                                  first=not started[i]))
+                        started[i] = True
+                    if final:
+                        done += 1
+                        generated += len(update.tokens)
+        except TimeoutError:
+            await send(APIError(503, f"the request took longer than "
+                                     f"{self.config.request_timeout:g} s", "server_error",
+                                code="timeout").body())
         if req.include_usage:
             await send(protocol.usage_chunk(req, rid, prompt_tokens, generated))
         await response.write(b"data: [DONE]\n\n")

@@ -166,3 +166,18 @@ def test_a_full_queue_answers_429_and_the_queued_request_still_completes(tokeniz
     finally:
         release.set()
         server.stop()
+
+
+def test_a_strategy_turns_n_samples_into_one_choice(server):
+    c = client(server)
+    kwargs = dict(model="tiny", prompt=["What is 12 + 30?", "the lazy"], max_tokens=8,
+                  temperature=1.0, seed=3, n=2)
+    samples = c.completions.create(**kwargs)
+    picked = c.completions.create(extra_body={"strategy": "best-of-n"}, **kwargs)
+    assert len(samples.choices) == 4 and len(picked.choices) == 2
+    assert picked.choices[0].text in {ch.text for ch in samples.choices[:2]}
+    assert picked.choices[1].text in {ch.text for ch in samples.choices[2:]}
+    assert picked.usage.completion_tokens == samples.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError, match="strategy"):
+        c.completions.create(model="tiny", prompt="x", stream=True,
+                             extra_body={"strategy": "self-consistency"})

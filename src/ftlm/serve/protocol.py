@@ -12,7 +12,9 @@ or a list of such lists) or ``messages`` (roles system/user/assistant, string co
 of ``{"type": "text"}`` parts), ``max_tokens`` (chat: also ``max_completion_tokens``),
 ``temperature`` [0, 2], ``top_p``, ``n``, ``stream``, ``stream_options.include_usage``, ``stop``
 (a string or up to 4), ``seed``, ``user``; the extensions ``top_k``, ``min_p`` and
-``ignore_eos``. Penalties are accepted only at 0; ``echo``, ``logprobs``, ``suffix``,
+``ignore_eos``, and ``strategy`` (one of ``STRATEGIES``: the ``n`` samples of each prompt
+become one choice, picked by ``ftlm.infer.strategies`` with the policy's confidence as the
+score; not with ``stream``). Penalties are accepted only at 0; ``echo``, ``logprobs``, ``suffix``,
 ``best_of`` > 1, ``logit_bias``, tools and any unknown field are refused with 400 rather than
 silently ignored.
 """
@@ -29,7 +31,8 @@ from ftlm.infer.sampling import SamplingParams
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
            "seed", "user", "top_k", "min_p", "ignore_eos", "presence_penalty",
-           "frequency_penalty"}
+           "frequency_penalty", "strategy"}
+STRATEGIES = ("self-consistency", "best-of-n", "weighted-best-of-n")
 COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "logprobs", "suffix", "logit_bias"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                          "logit_bias", "tools", "tool_choice", "response_format"}
@@ -68,6 +71,8 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     model: str = ""
+    strategy: str | None = None
+    """Pick one of the ``n`` samples per prompt (``STRATEGIES``); None returns all ``n``."""
 
 
 def parse_request(body: Any, kind: str, model_name: str, max_n: int,
@@ -125,11 +130,18 @@ def parse_request(body: Any, kind: str, model_name: str, max_n: int,
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise bad("stream_options", "stream_options supports only include_usage")
     include_usage = bool(options.get("include_usage", False))
+    strategy = body.get("strategy")
+    if strategy is not None:
+        if strategy not in STRATEGIES:
+            raise bad("strategy", f"strategy={str(strategy)[:40]!r} is not known; valid: "
+                                  f"{', '.join(STRATEGIES)}")
+        if stream:
+            raise bad("strategy", "a strategy picks among finished samples: use stream=false")
     if kind == "chat":
         messages = _messages(body.get("messages"))
-        return Request(kind, [""], messages, params, n, stream, include_usage, model)
+        return Request(kind, [""], messages, params, n, stream, include_usage, model, strategy)
     return Request(kind, _prompts(body.get("prompt")), [], params, n, stream, include_usage,
-                   model)
+                   model, strategy)
 
 
 def _refuse_unsupported(body: dict, kind: str) -> None:

@@ -42,6 +42,8 @@ class Update:
     tokens: list[int]
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[float] | None = None
+    """Set on the final update only."""
 
 
 @dataclass(eq=False)
@@ -187,7 +189,8 @@ class EngineRunner:
         if not h.first_seen and (seq.tokens or seq.done):
             h.first_seen = True
             self.metrics.on_first_token(time.perf_counter() - h.submitted)
-        self._send(h, Update(h.index, list(seq.tokens), seq.finish_reason))
+        self._send(h, Update(h.index, list(seq.tokens), seq.finish_reason,
+                             logprobs=list(seq.logprobs) if seq.done else None))
         if seq.done:
             self._retire(h)
 

@@ -282,6 +282,8 @@ class Server:
             texts.append(cut_at_stop(self.tokenizer.decode(u.tokens), req.params.stop)[0])
             reasons.append(u.finish_reason)
             generated += len(u.tokens)
+        if req.strategy is not None:
+            texts, reasons = _pick(req, texts, reasons, [final[i] for i in range(count)])
         return web.json_response(protocol.response(req, rid, texts, reasons, prompt_tokens,
                                                    generated))
 
@@ -323,6 +325,28 @@ class Server:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+def _pick(req: protocol.Request, texts: list[str], reasons: list[str | None],
+          updates: list[Update]) -> tuple[list[str], list[str | None]]:
+    """One choice per prompt out of its ``n`` samples, by ``req.strategy``."""
+    from ftlm.infer import strategies as st
+    from ftlm.tasks import extract_answer
+    picked_texts, picked_reasons = [], []
+    for start in range(0, len(texts), req.n):
+        cands = [st.Candidate(texts[i], updates[i].tokens, updates[i].logprobs or [],
+                              reasons[i] or "stop", extract_answer(texts[i]))
+                 for i in range(start, start + req.n)]
+        if req.strategy == "self-consistency":
+            choice = st.self_consistency(cands)
+        elif req.strategy == "best-of-n":
+            choice = st.best_of_n(cands, "", st.confidence)
+        else:
+            choice = st.weighted_best_of_n(cands, "", st.confidence)
+        index = next(i for i, c in enumerate(cands) if c.text == choice.text)
+        picked_texts.append(choice.text)
+        picked_reasons.append(cands[index].finish_reason)
+    return picked_texts, picked_reasons
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error") -> web.Response:

@@ -94,8 +94,8 @@ class JobModel:
     speed_by_participants: tuple[float, ...] = ()
     """Job speed with P of ``groups`` groups training, for P = 1..groups, as a fraction of full
     speed; empty: P / groups (each group brings its own GPUs). A measured curve comes from
-    ``ftlm simulate --calibrate``; up to 1.5, since on a shared CPU box fewer groups can
-    commit tokens faster than all of them."""
+    ``ftlm simulate --calibrate``; up to 4, since on a loaded CPU box fewer groups can commit
+    tokens faster than the calibration's reference rate."""
     protect_last: bool = False
     """Failures never strike the last training group (the local launcher's chaos spares it so
     that the job survives); off for hardware, which spares nobody."""
@@ -141,7 +141,7 @@ class JobModel:
                 raise ConfigError(f"speed_by_participants has {len(speeds)} values; it needs "
                                   f"one per participant count 1..{self.groups}")
             for i, s in enumerate(speeds):
-                _number(f"speed_by_participants[{i}]", s, 0.0, 1.5, low_open=True)
+                _number(f"speed_by_participants[{i}]", s, 0.0, 4.0, low_open=True)
 
     @property
     def allocated_gpus(self) -> int:

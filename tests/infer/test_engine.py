@@ -110,3 +110,10 @@ def test_zero_tokens_cancel_and_bad_prompts(model):
 def test_bad_sampling_params_are_refused(field, value):
     with pytest.raises(ConfigError, match=field):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.slow  # compiling takes tens of seconds on a CPU
+def test_compiled_decode_gives_the_same_greedy_tokens(model):
+    eager = Engine(model, max_batch=2).generate(prompts()[:3], GREEDY)
+    compiled = Engine(model, max_batch=2, compile=True).generate(prompts()[:3], GREEDY)
+    assert [s.tokens for s in compiled] == [s.tokens for s in eager]

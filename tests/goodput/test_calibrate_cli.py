@@ -125,3 +125,12 @@ def test_calibrating_a_directory_without_a_run_is_a_one_line_error(tmp_path):
         (tmp_path / "summary.json").write_text("{")
         (tmp_path / "events.jsonl").write_text("")
         calibrate(tmp_path)
+
+
+def test_calibration_replays_the_runs_own_failures(tmp_path):
+    _chaos_run(tmp_path / "run")
+    cal = calibrate(tmp_path / "run")
+    assert cal.failure_trace == ((pytest.approx(12.02), 1),)
+    assert cal.teardown == pytest.approx(0.0, abs=1e-6)  # the record ends at the last commit
+    replay = cal.replay_model()
+    assert replay.failure_trace == cal.failure_trace and replay.protect_last

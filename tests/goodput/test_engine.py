@@ -113,3 +113,22 @@ def test_protect_last_never_strikes_the_only_training_group():
     result = run(model, seed=1)
     assert result.failures > 1000  # chaos fired, and found no target
     assert result.ett == pytest.approx(1 - 60.0 / DAY)
+
+
+def test_start_up_teardown_and_a_replayed_failure_cost_exactly_their_seconds():
+    model = _no_stall(groups=2, gpu_mtbf_hours=1e12, restart=50.0, startup=60.0, teardown=40.0,
+                      duration=1000.0, failure_trace=((100.0, 1), (990.0, 0)))
+    result = run(model)
+    assert result.failures == 1  # the second one falls in the teardown: nothing left to break
+    assert result.ett == pytest.approx(1 - (60 + 40 + 50 / 2) / 1000)
+    assert result.lost_gpu_hours["teardown"] == pytest.approx(2 * 40 / 3600)
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"failure_trace": ((10.0, 5),)}, "group index in"),
+    ({"failure_trace": ((-1.0, 0),)}, "time in"),
+    ({"startup": 600.0, "teardown": 500.0, "duration": 1000.0}, "leave no time to train"),
+])
+def test_bad_traces_and_phases_are_config_errors(changes, match):
+    with pytest.raises(ConfigError, match=match):
+        _no_stall(groups=2).with_changes(**changes)

@@ -2,7 +2,8 @@
 
 From ``events.jsonl`` and ``summary.json`` of a finished ``ftlm launch local`` (or cluster) run:
 
-* ``startup``: the job's launch (``run_start``) to its first commit;
+* ``startup``: the job's launch (``run_start``) to its first commit, and ``teardown`` its last
+  commit to the end of the record (saving, hashing, exiting);
 * ``job_mtbf``: wall time over the group failures injected (chaos) or, without chaos, detected;
 * ``detection``: an injected failure to the coordinator's ``member_dead`` of that group;
 * ``stall``: mean stall per failure of a group that was in the quorums (``summary.stall_seconds``
@@ -51,6 +52,7 @@ class Calibration:
     groups: int
     duration: float
     startup: float
+    teardown: float
     failures: int
     job_mtbf: float
     detection: float
@@ -66,6 +68,12 @@ class Calibration:
     """Committed tokens over wall time x the all-groups token rate: the simulator's ETT."""
     samples: dict[str, int]
     """How many measurements each mean is over."""
+    failure_trace: tuple[tuple[float, int], ...] = ()
+    """The run's group failures, ``(seconds from the start, group index)``."""
+
+    def replay_model(self) -> JobModel:
+        """``local_model`` with the run's own failures (times and groups) instead of random ones."""
+        return self.local_model().with_changes(failure_trace=self.failure_trace)
 
     def local_model(self) -> JobModel:
         """The measured job as a ``JobModel`` (ft mode, one GPU per group: the layout of a local
@@ -77,6 +85,7 @@ class Calibration:
                         detection=min(self.detection, self.stall), stall=self.stall,
                         restart=self.restart, catchup_extra=self.catchup,
                         rejoin_stall=self.rejoin_stall, startup=self.startup,
+                        teardown=self.teardown,
                         duration=self.duration, speed_by_participants=self.speed_by_participants,
                         protect_last=True)
 
@@ -146,7 +155,8 @@ def calibrate(run_dir: Path | str) -> Calibration:
     run_dir = Path(run_dir)
     events, summary = _load(run_dir)
     events = sorted(final_history(events)[0], key=lambda e: e["ts"])
-    groups = len(summary["groups"])
+    names = [str(g) for g in summary["groups"]]
+    groups = len(names)
     if groups < 1 or not events:
         raise DataError(f"{run_dir}: no groups or no events; was the run started?")
     steps = commit_steps(events)
@@ -156,7 +166,9 @@ def calibrate(run_dir: Path | str) -> Calibration:
     duration = float(summary.get("wall_seconds") or (events[-1]["ts"] - events[0]["ts"]))
     starts = [e["ts"] for e in events if e["kind"] == "run_start"]
     first_commit = min(r.ts for r in steps)
-    startup = max(0.0, first_commit - (starts[0] if starts else events[0]["ts"]))
+    begin = starts[0] if starts else events[0]["ts"]
+    startup = max(0.0, first_commit - begin)
+    teardown = max(0.0, begin + duration - max(r.ts for r in steps))
     median_step = float(summary.get("median_step_seconds") or 0.0)
 
     ledger = failure_ledger(events)
@@ -193,6 +205,7 @@ def calibrate(run_dir: Path | str) -> Calibration:
     stall = _mean(failure_stalls)
     return Calibration(
         run_dir=str(run_dir), groups=groups, duration=duration, startup=startup,
+        teardown=teardown,
         failures=len(failures), job_mtbf=duration / len(failures) if failures else float("inf"),
         detection=mean_detection, stall=max(stall, 0.0), rejoin_stall=_mean(rejoin_stalls),
         restart=_mean(restart), catchup=_mean(catchup), median_step=median_step,
@@ -200,4 +213,6 @@ def calibrate(run_dir: Path | str) -> Calibration:
         measured_ett=tokens / (duration * full_rate) if duration > 0 else 0.0,
         samples={"detection": len(detection), "stall": len(failure_stalls),
                  "rejoin_stall": len(rejoin_stalls), "restart": len(restart),
-                 "catchup": len(catchup)})
+                 "catchup": len(catchup)},
+        failure_trace=tuple((round(f.ts - begin, 6), names.index(f.group)) for f in failures
+                            if f.group in names and 0 <= f.ts - begin <= duration))

@@ -164,9 +164,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from ftlm.goodput.calibrate import calibrate
         calibration = calibrate(Path(args.calibrate))
         local = estimate(calibration.local_model(), runs=max(args.runs, 16), seed=args.seed)
+        replay = run(calibration.replay_model(), args.seed)
         out["calibration"] = {**calibration.__dict__, "simulated_ett": local.ett,
-                              "simulated_ett_std": local.ett_std}
-        print(format_calibration(calibration, local.ett, local.ett_std))
+                              "simulated_ett_std": local.ett_std, "replayed_ett": replay.ett}
+        print(format_calibration(calibration, local.ett, local.ett_std, replay.ett))
     model = build_model(args, calibration)
     est = estimate(model, runs=args.runs, seed=args.seed)
     print(f"job: {describe(model)}")
@@ -209,18 +210,21 @@ def _per_run(est, attr: str) -> float:
     return sum(getattr(r, attr) for r in est.results) / len(est.results)
 
 
-def format_calibration(cal, simulated: float, std: float) -> str:
-    """The calibration of one run and the simulated vs measured ETT of that same job."""
+def format_calibration(cal, simulated: float, std: float, replayed: float) -> str:
+    """The calibration of one run and the simulated vs measured ETT of that same job: with
+    random failures at the run's rate, and with the run's own failures replayed."""
     speeds = ", ".join(f"{s:.2f}" for s in cal.speed_by_participants)
     lines = [f"calibration from {cal.run_dir}: {cal.groups} groups, {cal.duration:.0f} s, "
              f"{cal.failures} failures (job MTBF {cal.job_mtbf:.1f} s)",
-             f"  start-up {cal.startup:.1f} s; detection {cal.detection:.2f} s; stall per failure "
+             f"  start-up {cal.startup:.1f} s; teardown {cal.teardown:.1f} s; detection {cal.detection:.2f} s; stall per failure "
              f"{cal.stall:.2f} s; rejoin stall {cal.rejoin_stall:.2f} s",
              f"  restart {cal.restart:.1f} s; catch-up {cal.catchup:.2f} s; median step "
              f"{cal.median_step:.3f} s; speed with 1..{cal.groups} groups: {speeds}",
-             f"  ETT measured {cal.measured_ett:.1%} (summary.json: {cal.ett_summary:.1%}), "
-             f"simulated {simulated:.1%} (std of one run {std:.1%}): difference "
-             f"{100 * (simulated - cal.measured_ett):+.1f} points"]
+             f"  ETT measured {cal.measured_ett:.1%} (summary.json: {cal.ett_summary:.1%}); "
+             f"simulated with the run's failures replayed {replayed:.1%} "
+             f"({100 * (replayed - cal.measured_ett):+.1f} points), with random failures at its "
+             f"rate {simulated:.1%} ({100 * (simulated - cal.measured_ett):+.1f} points; std of "
+             f"one run {std:.1%})"]
     return "\n".join(lines)
 
 

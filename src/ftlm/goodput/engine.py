@@ -30,7 +30,7 @@ from ftlm.goodput.model import JobModel
 
 STATES = ("training", "stalled", "recovering", "starting", "idle", "preempted")
 """GPU-hour states (``stalled``: a training group while the job is stalled or checkpointing)."""
-CAUSES = ("startup", "stall", "restart", "catch-up", "preemption", "rejoin", "checkpoint",
+CAUSES = ("startup", "teardown", "stall", "restart", "catch-up", "preemption", "rejoin", "checkpoint",
           "rework", "slow")
 """Why GPU time did not turn into progress (``slow``: fewer groups ran slower than linear)."""
 
@@ -88,6 +88,7 @@ class _Job:
         self.cr_state = "running" if model.startup <= 0 else "starting"
         self.since_checkpoint = 0.0
         self.cr_token = 0
+        self.tearing_down = False
 
     # -- the heap
     def push(self, t: float, kind: str, slot: int = -1, epoch: int = 0) -> None:
@@ -116,8 +117,8 @@ class _Job:
         for slot in self.slots:
             counts[slot.state] += 1
         p = counts[_TRAINING]  # never above m.groups: a group only trains in a free place
-        state = "training" if not stalled else (
-            "starting" if self.stall_cause == "startup" else "stalled")
+        state = "training" if not stalled else {"startup": "starting", "teardown": "idle"}.get(
+            self.stall_cause, "stalled")
         self.gpu_s[state] += p * g * dt
         self.gpu_s["starting"] += counts[_STARTING] * g * dt
         self.gpu_s["recovering"] += counts[_RECOVERING] * g * dt
@@ -153,6 +154,9 @@ class _Job:
         elif self.cr_state == "checkpointing":
             self.gpu_s["stalled"] += g_all * dt
             self.lost_s["checkpoint"] += g_all * dt
+        elif self.cr_state == "teardown":
+            self.gpu_s["idle"] += g_all * dt
+            self.lost_s["teardown"] += g_all * dt
         else:  # starting (launch) or restarting
             self.gpu_s["starting"] += g_all * dt
             self.lost_s["startup" if self.failures == 0 else "restart"] += g_all * dt
@@ -172,6 +176,13 @@ class _Job:
                 self.stall_cause = cause
             self.stalled_until = self.now + seconds
             self.push(self.stalled_until, "stall_end")
+
+    def begin_teardown(self) -> None:
+        """The last step is done: the rest of the run is saving and exiting, no progress."""
+        self.tearing_down = True
+        self.stalled_until, self.stall_cause = self.m.duration, "teardown"
+        self.cr_state = "teardown"
+        self.cr_token += 1  # no checkpoint or restart after the end
 
     # -- ft events
     def strike(self) -> int:
@@ -259,10 +270,16 @@ class _Job:
     def run(self) -> SimResult:
         m = self.m
         self.push(m.duration, "end")
-        self.push(self.next_gap(m.job_mtbf), "failure")
+        if m.failure_trace:
+            for t, slot in m.failure_trace:
+                self.push(t, "failure", slot)
+        else:
+            self.push(self.next_gap(m.job_mtbf), "failure")
         self.push(self.next_gap(m.preemption_mtbf), "preempt")
         if m.mode == "checkpoint_restart":
             self.push(m.startup, "cr_running", epoch=self.cr_token)
+        if m.teardown > 0:
+            self.push(max(0.0, m.duration - m.teardown), "teardown")
         self.mark()
         while self.heap:
             t, _, kind, slot, epoch = heapq.heappop(self.heap)
@@ -271,9 +288,15 @@ class _Job:
             self.advance(t)
             if kind == "end":
                 break
-            if kind in ("failure", "preempt"):
-                preempt = kind == "preempt"
-                self.push(t + self.next_gap(m.preemption_mtbf if preempt else m.job_mtbf), kind)
+            if kind == "teardown":
+                self.begin_teardown()
+            elif self.tearing_down and kind in ("failure", "preempt"):
+                pass  # the job reached its last step: nothing left to break
+            elif kind in ("failure", "preempt"):
+                preempt, traced = kind == "preempt", slot >= 0
+                if not traced:
+                    self.push(t + self.next_gap(m.preemption_mtbf if preempt else m.job_mtbf),
+                              kind)
                 if preempt:
                     self.preemptions += 1
                 else:
@@ -281,7 +304,7 @@ class _Job:
                 if m.mode == "checkpoint_restart":
                     self.cr_failure()
                 else:
-                    i = self.strike()
+                    i = slot if traced else self.strike()
                     if i >= 0:
                         self.ft_failure(i, preempted=preempt,
                                         graceful=preempt and m.spot_notice >= m.leave_time)

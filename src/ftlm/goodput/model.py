@@ -89,6 +89,9 @@ class JobModel:
     ``sqrt(2 * checkpoint_cost * job MTBF)``."""
     startup: float = 0.0
     """Seconds from the job's launch to its first step (counted once, as lost time)."""
+    teardown: float = 0.0
+    """Seconds from the last step to the end of the job (saving, exiting), counted once as lost
+    time; no failure strikes then."""
     duration: float = 30 * 86400.0
     """Simulated wall time, in seconds."""
     speed_by_participants: tuple[float, ...] = ()
@@ -99,6 +102,10 @@ class JobModel:
     protect_last: bool = False
     """Failures never strike the last training group (the local launcher's chaos spares it so
     that the job survives); off for hardware, which spares nobody."""
+    failure_trace: tuple[tuple[float, int], ...] = ()
+    """Replay these failures, ``(seconds from the start, group index)``, instead of drawing them
+    (a real run's, from ``--calibrate``: it separates the model's error from the luck of the
+    draw); empty: failures at the rate of ``gpu_mtbf_hours``."""
     spot_preemptions_per_gpu_hour: float = 0.0
     """Spot capacity: preemptions per GPU-hour (0: on-demand capacity, no preemptions)."""
     spot_notice: float = 30.0
@@ -124,9 +131,12 @@ class JobModel:
         _number("duration", self.duration, 0.0, low_open=True)
         _number("catchup_bandwidth", self.catchup_bandwidth, 0.0, low_open=True)
         for name in ("detection", "stall", "restart", "state_bytes_per_gpu", "catchup_extra",
-                     "rejoin_stall", "checkpoint_cost", "checkpoint_interval", "startup",
+                     "rejoin_stall", "checkpoint_cost", "checkpoint_interval", "startup", "teardown",
                      "spot_preemptions_per_gpu_hour", "spot_notice", "leave_time", "spot_replace"):
             _number(name, getattr(self, name), 0.0)
+        if self.startup + self.teardown >= self.duration:
+            raise ConfigError(f"startup={self.startup:g} + teardown={self.teardown:g} leave no "
+                              f"time to train in duration={self.duration:g}; lengthen duration")
         if self.mode == "ft" and self.stall < self.detection:
             raise ConfigError(f"stall={self.stall:g} is shorter than detection="
                               f"{self.detection:g}: the stall per failure includes detection; "
@@ -135,6 +145,12 @@ class JobModel:
                 self.checkpoint_interval <= 0:
             raise ConfigError("checkpoint_cost=0 with checkpoint_interval=0: the Young/Daly "
                               "interval needs a checkpoint cost > 0; set either")
+        for t, slot in self.failure_trace:
+            if not (0 <= t <= self.duration and isinstance(slot, int)
+                    and 0 <= slot < self.groups + self.spares):
+                raise ConfigError(f"failure_trace has ({t!r}, {slot!r}); each failure needs a time "
+                                  f"in [0, duration] and a group index in [0, "
+                                  f"{self.groups + self.spares})")
         speeds = self.speed_by_participants
         if speeds:
             if len(speeds) != self.groups:

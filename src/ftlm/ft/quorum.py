@@ -557,10 +557,8 @@ def expire(now: float, state: CoordinatorState, options: QuorumOptions) -> list[
     progress (a hung rank, a wedged training thread) is retired: its next heartbeat is refused, so
     that the process exits instead of coming back with a state nobody vouches for.
     """
-    index = state.index
-    if not (index.oldest_fresh_violation(now, options.heartbeat_timeout)
-            or index.progress_overdue(now, options.progress_timeout)):
-        return []  # nobody can be due: the oldest heartbeat and progress deadlines are ahead
+    if _nobody_due(now, state, options):
+        return []
     gone: list[tuple[str, str]] = []
     for r, hb in list(state.heartbeats.items()):
         if not _is_fresh(now, state, r, options):
@@ -575,6 +573,13 @@ def expire(now: float, state: CoordinatorState, options: QuorumOptions) -> list[
     if gone:
         _sync_round(state)
     return gone
+
+
+def _nobody_due(now: float, state: CoordinatorState, options: QuorumOptions) -> bool:
+    """Whether no heartbeat or progress deadline has passed (then ``expire`` has nothing to do)."""
+    index = state.index
+    return not (index.oldest_fresh_violation(now, options.heartbeat_timeout)
+                or index.progress_overdue(now, options.progress_timeout))
 
 
 def remove_member(state: CoordinatorState, replica_id: str, now: float, retire: bool = True,

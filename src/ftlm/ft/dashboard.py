@@ -33,11 +33,22 @@ NAMES_KEPT = 20
 REFRESH_SECONDS = 2.0
 
 
+_roles: tuple[Quorum | None, frozenset[str], frozenset[str]] = (None, frozenset(), frozenset())
+
+
 def member_state(replica_id: str, last: Quorum | None) -> str:
-    """``participating``, ``recovering`` or ``joining`` (alive but not in the latest quorum)."""
-    if last is not None and replica_id in last.participants:
+    """``participating``, ``recovering`` or ``joining`` (alive but not in the latest quorum).
+
+    The roles of the latest quorum are kept as sets: a status page or a metrics scrape asks this
+    for every member, which must not cost a pass over the quorum each time (issue 16)."""
+    global _roles
+    if last is None:
+        return "joining"
+    if _roles[0] is not last:
+        _roles = (last, frozenset(last.participants), frozenset(last.recovering))
+    if replica_id in _roles[1]:
         return "participating"
-    if last is not None and replica_id in last.recovering:
+    if replica_id in _roles[2]:
         return "recovering"
     return "joining"
 

@@ -162,7 +162,8 @@ def format_section(result: dict, flags: list[str]) -> str:
                           "bench.lifecycle", flags)
     body += (f"* Model: tiny (configs/tiny.toml), one group, 1 thread. Tasks: {FAMILIES}; "
              f"held-out: {sizes['heldout_tasks']} tasks of the test split (no problem shared "
-             "with training), greedy pass@1, ± = 95 % interval over tasks\n"
+             "with training), greedy pass@1 with completions of up to "
+             f"{sizes['max_new_tokens']} tokens, ± = 95 % interval over tasks\n"
              f"* Pretrain {sizes['pretrain_steps']} steps (seed 0, shared by the seeds); SFT "
              f"{sizes['sft_steps']} steps on {sizes['train_tasks']} tasks (lr 1e-3, batch 8 rows "
              f"of 256 packed tokens); DPO {sizes['dpo_steps']} steps on pairs from "
@@ -194,10 +195,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=3, help="seeds of SFT, DPO and GRPO (default 3)")
     p.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
     p.add_argument("--json", default="", help="also write the raw results here")
+    p.add_argument("--from-json", default="", help="do not train: format (and write) the section "
+                   "from results saved by an earlier --json run")
     args = p.parse_args(argv)
     flags = [f for f, on in (("--quick", args.quick), ("--no-write", args.no_write)) if on]
-    with tempfile.TemporaryDirectory(prefix="ftlm-lifecycle-") as tmp:
-        result = run_lifecycle(Path(tmp), QUICK if args.quick else FULL, args.seeds)
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+        args.json = ""
+    else:
+        with tempfile.TemporaryDirectory(prefix="ftlm-lifecycle-") as tmp:
+            result = run_lifecycle(Path(tmp), QUICK if args.quick else FULL, args.seeds)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
     section = format_section(result, flags)

@@ -56,7 +56,8 @@ def test_dpo_without_pairs_or_reference_says_what_to_do(post_config, demo_data, 
         run.build("sft", post_config(data=tok, train={"activation_checkpointing": True}))
 
 
-def _chaos_config(tmp_path, demo_data, kind: str, steps: int, **post):
+def _chaos_config(tmp_path, demo_data, kind: str, steps: int, heartbeat_timeout: float = 1.0,
+                  **post):
     return build_config({
         "run": {"name": kind, "dir": str(tmp_path / kind), "seed": 3},
         "model": {"size": "tiny", "vocab_size": 1024, "dim": 32, "n_layers": 2, "n_heads": 4,
@@ -64,7 +65,7 @@ def _chaos_config(tmp_path, demo_data, kind: str, steps: int, **post):
         "data": {"dir": str(demo_data), "seq_len": 96, "prefetch": 2, "eval_samples": 0},
         "train": {"steps": steps, "batch_size": 2, "lr": 1e-3, "warmup_steps": 2, "threads": 1,
                   "eval_every": 0, **post.pop("train", {})},
-        "ft": {"heartbeat_interval": 0.1, "heartbeat_timeout": 1.0, "join_timeout": 2.0,
+        "ft": {"heartbeat_interval": 0.1, "heartbeat_timeout": heartbeat_timeout, "join_timeout": 2.0,
                "allreduce_timeout": 5.0, "quorum_timeout": 30.0, "give_up_seconds": 120.0,
                "restart_delay": 0.2, "bucket_bytes": 65536, "lr_policy": "sqrt"},
         "observe": {"progress": False},
@@ -98,10 +99,12 @@ def test_sft_under_chaos_ends_with_identical_replicas_and_exactly_once(tmp_path,
 def test_grpo_under_chaos_ends_with_identical_replicas_and_exactly_once(tmp_path, demo_data) -> None:
     sft = _chaos_config(tmp_path, demo_data, "base", steps=2)
     run.run("sft", sft)  # a starting model (and the reference) for GRPO
-    # A GRPO group takes longer to start (tasks, reference model): failures further apart.
-    config = _chaos_config(tmp_path, demo_data, "grpo", steps=200, group_size=2,
-                           max_new_tokens=8,
+    # A GRPO group takes longer to start (tasks, reference model) and its steps are longer and
+    # Python-heavy (sampling): failures further apart, a heartbeat timeout that a loaded 2-core
+    # machine does not trip on its own.
+    config = _chaos_config(tmp_path, demo_data, "grpo", steps=150, heartbeat_timeout=2.0,
+                           group_size=2, max_new_tokens=8,
                            train={"init_from": str(sft.run.path / "model.safetensors")})
-    summary = run.launch("grpo", config, groups=3, chaos_mtbf=15.0, chaos_seed=2)
+    summary = run.launch("grpo", config, groups=3, chaos_mtbf=20.0, chaos_seed=2)
     _check_invariants(summary, config, 3)
     assert json.loads((config.run.path / "summary.json").read_text())["replicas_identical"]

@@ -151,7 +151,9 @@ class GRPO:
         self._end = tokenizer.token_id("<|end|>")
 
     def _complete(self, model: nn.Module, task_index: int, n: int, temperature: float,
-                  generator: torch.Generator | None, device: torch.device) -> list[list[int]]:
+                  generator: torch.Generator | None, device: torch.device
+                  ) -> tuple[list[list[int]], int]:
+        """``n`` sequences (prompt + completion) of task ``task_index``, and the prompt length."""
         prompt = prompt_ids(self.tokenizer, self.tasks[task_index].prompt)
         return [prompt + c for c in rollout(
             model, prompt, n, self.max_new_tokens, self._end, self.tokenizer.pad_id,

@@ -164,17 +164,17 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) and prompt:
         return [prompt]
     if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
+        if all(isinstance(p, str) and p for p in prompt):
             return list(prompt)
         if all(_is_int(t) for t in prompt):
             return [list(prompt)]
         if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
             return [list(p) for p in prompt]
-    raise bad("prompt", "prompt must be a string, a list of strings, a list of token ids or a "
-                        "list of such lists (non-empty)")
+    raise bad("prompt", "prompt must be a non-empty string, a list of them, a list of token ids "
+                        "or a list of such lists")
 
 
 def _messages(messages: Any) -> list[dict[str, str]]:

@@ -136,6 +136,8 @@ def test_group_pods_carry_the_job_environment_and_resources(manifests):
         # Defect 4: no hard-coded cluster.local; the search path completes <svc>.<ns>.svc.
         assert env["FTLM_COORDINATOR"]["value"] == f"http://{job}-coordinator.ml.svc:29510"
         assert env["FTLM_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "token"
+        # Every rank of the pod shares one incarnation id, new for each pod.
+        assert env["FTLM_INCARNATION"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
         assert c["command"][:5] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=2",
                                     "--shutdown-timeout=110"]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"

@@ -69,6 +69,9 @@ def test_group_script_requeues_signals_the_step_and_places_the_group(tmp_path, t
     assert re.search(r"-m torch\.distributed\.run --standalone --nnodes=1 --nproc-per-node=4 "
                      r"--shutdown-timeout=80 -m ftlm\.cli train", node)
     assert "FTLM_GROUP_ID=g2 FTLM_GROUPS=3" in text
+    # All ranks of one start of the group (every node) share one incarnation id.
+    assert 'FTLM_INCARNATION="$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}.$(date +%s%N)"' in text
+    assert text.index("export FTLM_INCARNATION") < text.index("srun ")
     assert sorted(p.name for p in out.glob("group-*.sbatch")) == [
         "group-g0.sbatch", "group-g1.sbatch", "group-g2.sbatch"]
     assert (out / "token").stat().st_mode & 0o777 == 0o600

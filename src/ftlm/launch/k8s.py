@@ -182,7 +182,17 @@ def group_env(names: Names, cluster: ClusterConfig, group: str) -> list[dict[str
                                                                   "key": "token"}}},
             # Other groups reach this pod's rendezvous store and state server at its own IP.
             {"name": "FTLM_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-            {"name": "PYTHONUNBUFFERED", "value": "1"}]
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+            *_incarnation(cluster)]
+
+
+def _incarnation(cluster: ClusterConfig) -> list[dict[str, Any]]:
+    """One incarnation id shared by every rank of a pod and new for each pod: its uid. A pod is a
+    whole group when the group has one node; the nodes of a larger group cannot share one this
+    way, and their trainers agree on rank 0's (see docs/kubernetes.md, multi-node groups)."""
+    if cluster.nodes_per_group > 1:
+        return []
+    return [{"name": "FTLM_INCARNATION", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}]
 
 
 def train_args(run: RunConfig, names: Names, cluster: ClusterConfig) -> list[str]:

@@ -76,8 +76,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError("nothing to generate from: give --prompt TEXT, --prompts-file or --tasks N")
     if args.n < 1:
         raise ConfigError(f"-n={args.n} must be at least 1")
-    if args.strategy != "sample" and args.scorer not in st.SCORERS and args.scorer != "oracle":
-        raise ConfigError(f"--scorer={args.scorer!r}; valid: {', '.join(st.SCORERS)}, oracle")
+    if args.strategy != "sample" and args.scorer not in (*st.SCORERS, "oracle", "verifier"):
+        raise ConfigError(f"--scorer={args.scorer!r}; valid: {', '.join(st.SCORERS)}, oracle, "
+                          "verifier")
+    if args.scorer == "verifier" and not args.verifier:
+        raise ConfigError("--scorer verifier needs --verifier RUN_DIR (a model trained with "
+                          "`ftlm sft` on `ftlm verifier data`)")
     if args.thinking_budget and args.n > 1:
         raise ConfigError("--thinking-budget runs one sample per prompt; drop -n")
     if args.scorer == "oracle" and not tasks:
@@ -99,8 +103,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                                 params)]
     else:
         cands = st.sample_candidates(engine, tok, prompts, args.n, params)
-    scorer = (st.task_checker({t.prompt: t for t in tasks}) if args.scorer == "oracle"
-              else st.SCORERS.get(args.scorer, st.confidence))
+    if args.scorer == "verifier":
+        from ftlm.infer.load import load_run
+        from ftlm.infer.verifier import Verifier
+        judge = load_run(args.verifier, device=args.device, dtype=args.dtype)
+        if judge.tokenizer is None:
+            raise ConfigError(f"no tokenizer found for the verifier {args.verifier}")
+        scorer = Verifier(judge.model, judge.tokenizer)
+        for text, row in zip(texts, cands):
+            scorer.score_all(text, row)  # batched; best_of_n then reads the memo
+    elif args.scorer == "oracle":
+        scorer = st.task_checker({t.prompt: t for t in tasks})
+    else:
+        scorer = st.SCORERS.get(args.scorer, st.confidence)
     correct = 0
     for i, (text, row) in enumerate(zip(texts, cands)):
         if args.strategy == "self-consistency":
@@ -132,6 +147,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if tasks:
         print(f"accuracy {correct}/{len(tasks)} = {correct / len(tasks):.3f} ({args.strategy}, "
               f"n={args.n})", file=sys.stderr)
+    return 0
+
+
+def cmd_verifier_data(args: argparse.Namespace) -> int:
+    from ftlm.errors import ConfigError
+    from ftlm.infer.verifier import write_verifier_data
+    from ftlm.tasks import generate as generate_tasks
+    if args.n < 1:
+        raise ConfigError(f"--n={args.n} must be at least 1")
+    tasks = generate_tasks(args.families, args.split, args.n, args.seed)
+    path = write_verifier_data(tasks, Path(args.out), wrong_per_task=args.wrong, seed=args.seed)
+    print(f"{len(tasks) * (1 + args.wrong)} labelled solutions of {len(tasks)} {args.split} tasks "
+          f"written to {path}; train a verifier with `ftlm sft` on it")
     return 0
 
 
@@ -183,12 +211,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--strategy", default="sample", choices=STRATEGIES,
                    help="how to pick among the n samples (default: the first sample)")
     p.add_argument("--scorer", default="confidence",
-                   help=f"scorer of best-of-n: {', '.join(SCORERS)}, or oracle (the exact task "
-                        "checker; --tasks only: an upper bound)")
+                   help=f"scorer of best-of-n: {', '.join(SCORERS)}, verifier (--verifier), or "
+                        "oracle (the exact task checker; --tasks only: an upper bound)")
+    p.add_argument("--verifier", default="", metavar="RUN_DIR",
+                   help="verifier model (trained with `ftlm sft` on `ftlm verifier data`)")
     p.add_argument("--thinking-budget", type=int, default=0, metavar="TOKENS",
                    help="cap the reasoning at TOKENS, then force </think> and the answer")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("verifier", help="outcome verifier for best-of-N: its training data")
+    vsub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    vp = vsub.add_parser("data", help="write labelled solutions (yes: reference, no: a wrong "
+                                      "final answer) of the task suite as JSONL for `ftlm sft`")
+    vp.add_argument("--out", required=True, help="output .jsonl")
+    vp.add_argument("--n", type=int, default=2000, help="tasks (default 2000)")
+    vp.add_argument("--wrong", type=int, default=1, help="wrong solutions per task (default 1)")
+    vp.add_argument("--split", default="train", help="task split (default train)")
+    vp.add_argument("--families", default="add,mod,sort,count", help="task families")
+    vp.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    vp.set_defaults(fn=cmd_verifier_data)
 
     p = sub.add_parser("serve", help="serve a trained model over an OpenAI-compatible HTTP API")
     _add_model_args(p)

@@ -20,6 +20,8 @@ Four tables into the ``goodput`` section of BENCHMARKS.md:
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import subprocess
 import sys
 import time
@@ -32,6 +34,7 @@ from ftlm.goodput.model import JobModel
 from ftlm.goodput.presets import DAYS, PAPER_ETT, ftlm_projection, paper_ft, paper_sync
 from ftlm.goodput.spot import compare_spot
 from ftlm.goodput.sweep import SWEEPS, plot_sweep, plot_timeline, run_sweep
+from ftlm.observe.events import read_events
 
 SECTION = "goodput"
 PLOTS = REPO_ROOT / "docs" / "goodput"
@@ -144,6 +147,23 @@ def calibration_table(cal: list[Calibration], runs: int) -> tuple[str, list[floa
                   "simulated, random failures (points)"], rows), diffs
 
 
+def _run_command(run_dir: Path) -> str:
+    """The ``launch local`` command of a calibration run, from what its record says."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    config = summary.get("config") or {}
+    steps = (config.get("train") or {}).get("steps")
+    start = next((e for e in read_events(run_dir / "events.jsonl") if e["kind"] == "run_start"), {})
+    try:
+        where = run_dir.resolve().relative_to(REPO_ROOT)
+    except ValueError:
+        where = run_dir
+    seed = re.search(r"(\d+)$", run_dir.name)
+    return (f"ftlm launch local configs/tiny.toml --groups {len(summary.get('groups') or [])} "
+            f"--chaos-mtbf {start.get('chaos_mtbf', '?'):g} --chaos-seed "
+            f"{seed.group(1) if seed else '?'} --set train.steps={steps} "
+            f"--set observe.progress=false --set run.dir={where}")
+
+
 def _agreement(diffs: list[tuple[float, float]]) -> str:
     """One line: how far simulated and measured ETT are apart, replayed and random."""
     replay = [d[0] for d in diffs]
@@ -175,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="short simulations, no real runs")
     p.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
     p.add_argument("--real-runs", type=int, default=0, help="real chaos runs to make (default 0)")
-    p.add_argument("--steps", type=int, default=220, help="steps per real run (default 220)")
+    p.add_argument("--steps", type=int, default=100, help="steps per real run (default 100)")
     p.add_argument("--mtbf", type=float, default=30.0, help="chaos MTBF of real runs (default 30)")
     p.add_argument("--calibrate", nargs="*", default=None, metavar="RUN_DIR",
                    help="finished run directories to calibrate on (default: runs/goodput/cal-*)")
@@ -202,10 +222,10 @@ def main(argv: list[str] | None = None) -> int:
                     list(SWEEPS)), ""]
     if cal:
         text, diffs = calibration_table(cal, max(runs, 32))
+        commands = "; ".join(f"`{_run_command(Path(c.run_dir))}`" for c in cal)
         parts += ["### 3. Calibration: simulated vs measured on this machine", "",
-                  "Each run: `python -m ftlm.cli launch local configs/tiny.toml --groups 4 "
-                  f"--chaos-mtbf {args.mtbf:g} --chaos-seed SEED --set train.steps={args.steps}`"
-                  ", measured by `ftlm simulate --calibrate RUN_DIR` and simulated as the same job "
+                  f"Runs: {commands}, each "
+                  "measured by `ftlm simulate --calibrate RUN_DIR` and simulated as the same job "
                   "(same duration, start-up, failure rate, stall, restart, catch-up and speed by "
                   "participants), once with the run's own failures replayed (times and groups) "
                   "and as the mean of 32 seeded runs with random failures at the run's rate (± "

@@ -2,13 +2,20 @@
 
 ``generate_slurm`` writes, into one folder on the shared file system:
 
-* ``coordinator.sbatch``: the coordinator; it publishes its URL in ``state/coordinator.url``;
-* ``group-<g>.sbatch``: one requeueable job per replica group, ``srun`` of torchrun with one
-  process per rank; on ``USR2`` (sent ``grace_seconds`` before the time limit or a preemption) it
-  forwards SIGTERM to the trainer, which finishes its step and saves, then requeues itself;
+* ``coordinator.sbatch``: the coordinator, on its own partition and time limit; it publishes its
+  URL in ``state/coordinator.url`` (and a Prometheus file_sd entry), and on ``USR2`` withdraws it
+  and stops so that the watcher starts a fresh one;
+* ``group-<g>.sbatch``: one requeueable job per replica group of ``nodes_per_group`` nodes. It
+  starts a relay (``ftlm.launch.relay``) that follows ``state/coordinator.url``, then ``srun`` of
+  ``node.sh`` on every node; on ``USR2`` (sent ``grace_seconds`` before the time limit or a
+  preemption) it signals the step's tasks with SIGTERM (never ``srun`` itself), the trainers
+  finish their step, leave the quorum and exit, and the job requeues itself, appending to its log;
+* ``node.sh``: torchrun on one node (``--standalone``, or c10d rendezvous on the first node of a
+  multi-node group) with ``--shutdown-timeout`` inside the grace;
 * ``watch.sh``: polls squeue/scontrol/sacct and resubmits a group (or the coordinator) whose job
   ended with a failure, at most ``max_restarts`` times each; ends when the job is done;
-* ``submit-all.sh`` and ``stop-all.sh``; ``config.toml`` and ``token`` (mode 600).
+* ``submit-all.sh`` (forgets a previous run's state in the folder) and ``stop-all.sh``;
+  ``config.toml`` and ``token`` (mode 600).
 
 It only writes text; it does not call Slurm (docs/slurm.md shows the commands).
 """

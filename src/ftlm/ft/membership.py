@@ -166,7 +166,8 @@ class Membership:
 
         Called for every heartbeat: its work grows with the recent deaths, not with the job's size.
         """
-        self.recent_dead(now)
+        while self.dead and now - self.dead[0][0] > DEAD_MEMORY_SECONDS:
+            self.dead.popleft()
         if not self.dead:
             return []
         state = self.state

@@ -226,6 +226,11 @@ class _Index:
         self.prev_alive = 0  # members of ``prev`` that heartbeat
         self.prev_idle = 0  # ... and have no pending request
         self.chains_head: tuple[int, str] | None = None
+        # Live members of quorums issued at the head's step that hold the head and have not asked
+        # again (they may have committed it), for the head and quorums named by ``unsettled_key``.
+        self.unsettled_key: tuple[Any, ...] | None = None
+        self.in_flight: frozenset[str] = frozenset()
+        self.unsettled: dict[str, None] = {}
         self.head_info: dict[tuple[int, int], tuple[str, frozenset[str]]] = {}  # (qid, n) -> (next chain, ids)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Index:
@@ -277,6 +282,16 @@ class _Index:
                 if rid not in self.heartbeats:
                     self.orphans.add(rid)
                 self._set_idle(rid, False)
+        self._recheck(rid)
+
+    def _recheck(self, rid: str) -> None:
+        if self.unsettled_key is None or rid not in self.in_flight:
+            return
+        hb = self.heartbeats.get(rid)
+        if hb is not None and rid in self.idle and (hb.step, hb.chain) == self.unsettled_key[0]:
+            self.unsettled[rid] = None
+        else:
+            self.unsettled.pop(rid, None)
 
     def removed(self, table: _Table, rid: str, old: Any) -> None:
         if table.is_heartbeats:
@@ -294,6 +309,7 @@ class _Index:
                 self._set_idle(rid, True)
                 # Its progress deadline counts again now that it no longer waits for a quorum.
                 heapq.heappush(self.progress, (_progress_at(hb), next(self.seq), rid, hb))
+        self._recheck(rid)
 
     @staticmethod
     def _uncount(claims: Counter[tuple[int, str]], groups: dict[str, dict[str, None]], rid: str,
@@ -317,6 +333,18 @@ class _Index:
         self.prev_ids = frozenset(prev.replica_ids()) if prev is not None else frozenset()
         self.prev_alive = sum(1 for r in self.prev_ids if r in self.heartbeats)
         self.prev_idle = sum(1 for r in self.prev_ids if r in self.idle)
+
+    def track_unsettled(self, state: CoordinatorState) -> dict[str, None]:
+        """The live, idle holders of the head among the participants of quorums issued at the
+        head's step (recounted only when the head or those quorums change)."""
+        key = (state.head, tuple(qid for qid, _ in state.head_quorums))
+        if key != self.unsettled_key:
+            self.unsettled_key = key
+            self.in_flight = frozenset().union(*(ids for _, ids in self.head_quorum_info(state)))
+            self.unsettled = {}
+            for rid in self.in_flight:
+                self._recheck(rid)
+        return self.unsettled
 
     def oldest_fresh_violation(self, now: float, timeout: float) -> bool:
         """Whether some heartbeat is ``timeout`` old or older (not fresh) at ``now``."""
@@ -838,7 +866,7 @@ def _compute_quorum_steady(now: float, state: CoordinatorState,
     if len(pending) < options.min_replicas:
         n = _plural(len(pending), "healthy group")
         return None, f"only {n} asked, need min_replicas={options.min_replicas}"
-    if not index.pending_claims.get(state.head) or state.head_quorums:
+    if not index.pending_claims.get(state.head):
         return None
     prev = state.prev_quorum
 
@@ -852,6 +880,13 @@ def _compute_quorum_steady(now: float, state: CoordinatorState,
         reason = (f"fast path: all {_plural(index.prev_alive, 'healthy member')} of quorum "
                   f"{prev.quorum_id} asked{extra}")
         return build(reason), reason
+    if state.head_quorums:
+        unsettled = index.track_unsettled(state)
+        if unsettled:
+            named = sorted(state.heartbeats[r].group for r in itertools.islice(unsettled, MISSING_NAMED))
+            more = f" and {len(unsettled) - len(named)} more" if len(unsettled) > len(named) else ""
+            return None, (f"waiting for {', '.join(named)}{more}: it took part in step {state.head[0]} and may "
+                          "have committed it (or it hangs: then progress_timeout declares it dead)")
     started = state.round_started
     if started is None:
         started = index.oldest_request()

@@ -50,7 +50,7 @@ QUICK = {"pretrain_steps": 20, "sft_steps": 10, "train_tasks": 100, "heldout_tas
 
 
 def _config(run_dir: Path, seed: int, **sections):
-    from ftlm.config import load_config, build_config
+    from ftlm.config import build_config, load_config
     base = load_config(REPO_ROOT / "configs" / "tiny.toml").to_dict()
     base["run"].update({"dir": str(run_dir), "name": run_dir.name, "seed": seed})
     base["train"].update({"threads": 1, "eval_every": 0})
@@ -69,11 +69,12 @@ def _post_sections(sizes: dict, lr: float, steps: int, init_from: Path, **post) 
 
 
 def _accuracy(weights: Path, tasks, max_new_tokens: int) -> dict:
+    from safetensors.torch import load_model
+
     from ftlm.data.tokenizer import Tokenizer
     from ftlm.evaluate_cli import task_accuracy
     from ftlm.model import Transformer
     from ftlm.model.config import ModelConfig
-    from safetensors.torch import load_model
     model = Transformer(ModelConfig(size="tiny"))
     load_model(model, str(weights))
     tokenizer = Tokenizer.load(REPO_ROOT / "data" / "demo" / "tokenizer.json")

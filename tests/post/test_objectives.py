@@ -178,7 +178,7 @@ def test_grpo_samples_are_seeded_by_step_and_task(model, tokenizer) -> None:
     objective.clock = lambda: 5
     later = objective.samples(model, rows)
     assert not torch.equal(first[0], later[0]), "another step samples afresh"
-    tokens, mask, rewards = first
+    tokens, _, rewards = first
     assert tokens.shape[0] == 6 and rewards.shape == (2, 3)
     loss = objective.loss(model, rows)
     loss.backward()

@@ -9,7 +9,7 @@ from ftlm.tasks import check, generate
 
 def test_pairs_are_checked_deterministic_and_readable_by_dpo(model, tokenizer, tmp_path) -> None:
     tasks = generate("mod,count", "train", 3, 0)
-    kwargs = dict(samples=2, max_new_tokens=6, temperature=1.0, top_k=0, seed=0)
+    kwargs = {"samples": 2, "max_new_tokens": 6, "temperature": 1.0, "top_k": 0, "seed": 0}
     records, counts = make_pairs(model, tokenizer, tasks, **kwargs)
     assert (records, counts) == make_pairs(model, tokenizer, tasks, **kwargs)
     # An untrained model answers nothing right: every pair falls back to the reference solution.

@@ -12,7 +12,6 @@ import pytest
 
 from ftlm.config import build_config
 from ftlm.errors import ConfigError
-from ftlm.launch.local import LocalLauncher
 from ftlm.observe.events import read_events
 from ftlm.post import run
 from ftlm.post.pairs import write_pairs

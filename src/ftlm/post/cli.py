@@ -50,10 +50,11 @@ def cmd_post(args: argparse.Namespace) -> int:
 
 
 def cmd_pairs(args: argparse.Namespace) -> int:
+    import torch
+
     from ftlm.post.data import training_tasks
     from ftlm.post.pairs import make_pairs, write_pairs
     from ftlm.post.run import load_reference, load_tokenizer
-    import torch
     config = _config(args)
     if config.train.threads:
         torch.set_num_threads(config.train.threads)

@@ -65,7 +65,7 @@ def read_records(path: Path, what: str) -> list[dict]:
         import pyarrow.parquet as pq
         try:
             return pq.read_table(path).to_pylist()
-        except Exception as e:  # pyarrow raises several types for a corrupt file
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a corrupt file
             raise DataError(f"{path}: not a readable Parquet file ({e})") from None
     records = []
     with open(path, encoding="utf-8") as f:

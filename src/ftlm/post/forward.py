@@ -33,7 +33,7 @@ class _DocumentMask(TorchFunctionMode):
         super().__init__()
         self.mask = mask
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch API
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is F.scaled_dot_product_attention and kwargs.get("is_causal"):
             kwargs["is_causal"] = False

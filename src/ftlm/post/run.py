@@ -25,8 +25,15 @@ from ftlm.data.split import split_heldout
 from ftlm.data.tokenizer import Tokenizer
 from ftlm.errors import ConfigError, DataError
 from ftlm.model import Transformer
-from ftlm.post.data import (Rows, pair_rows, read_records, sft_rows, suite_tasks,
-                            task_records, training_tasks)
+from ftlm.post.data import (
+    Rows,
+    pair_rows,
+    read_records,
+    sft_rows,
+    suite_tasks,
+    task_records,
+    training_tasks,
+)
 from ftlm.post.forward import check_packing_config
 from ftlm.post.objectives import DPO, GRPO, SFT
 from ftlm.train.objective import Objective, TrainData

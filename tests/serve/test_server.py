@@ -181,3 +181,40 @@ def test_a_strategy_turns_n_samples_into_one_choice(server):
     with pytest.raises(openai.BadRequestError, match="strategy"):
         c.completions.create(model="tiny", prompt="x", stream=True,
                              extra_body={"strategy": "self-consistency"})
+
+
+def test_a_streaming_client_that_disconnects_frees_its_slot(tokenizer):
+    import socket
+
+    from ftlm.infer import Engine
+
+    added = []
+
+    class RecordingEngine(Engine):
+        def add(self, prompt, params=None):
+            seq = super().add(prompt, params)
+            added.append(seq)
+            return seq
+
+    server = start_server(tokenizer, engine_cls=RecordingEngine, max_batch=1, max_n=1)
+    try:
+        body = json.dumps({"model": "tiny", "prompt": "fox", "max_tokens": 50, "stream": True,
+                           "ignore_eos": True}).encode()
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nAuthorization: Bearer " + TOKEN.encode()
+                     + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        received = b""
+        while b"data: " not in received:
+            received += sock.recv(4096)
+        sock.close()
+        for _ in range(3000):  # bounded: at most 30 s
+            if server.runner.in_flight() == 0:
+                break
+            threading.Event().wait(0.01)
+        assert server.runner.in_flight() == 0 and added[0].done
+        # Either it was cut short, or it raced to its end first; the server serves on.
+        assert added[0].finish_reason in ("abort", "length"), added[0].finish_reason
+        assert client(server).completions.create(model="tiny", prompt="dog", max_tokens=2).choices
+    finally:
+        server.stop()

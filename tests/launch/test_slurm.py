@@ -235,8 +235,9 @@ def test_usr2_stops_the_step_gracefully_and_the_requeued_job_appends_its_log(
     the first incarnation's lines. Meanwhile the healthy group keeps committing."""
     config = tiny_config(train={"steps": 100000})
     run_dir = config.run.path
-    out = generate(tmp_path, config, groups=2, python=sys.executable, slurm_cpus_per_rank=1,
-                   coordinator_port=_port(), grace_seconds=30)
+    # 2 ranks per group: every rank of a start shares the incarnation the script exports.
+    out = generate(tmp_path, config, groups=2, ranks_per_group=2, python=sys.executable,
+                   slurm_cpus_per_rank=1, coordinator_port=_port(), grace_seconds=30)
     env = slurm.env
     subprocess.run([str(out / "submit-all.sh"), "--no-watch"], check=True, env=env, timeout=60)
     try:

@@ -82,6 +82,8 @@ class Membership:
         self.dead: deque[tuple[float, str, str, str]] = deque()  # (time, replica id, group, reason)
         self.kill_requests: set[str] = set()
         self._last_emitted_id: int | None = None
+        self._dead_peers_key: tuple[Any, ...] | None = None
+        self._dead_peers: list[str] = []
 
     # -- inputs ----------------------------------------------------------------------------------
     def heartbeat(self, now: float, hb: Heartbeat) -> tuple[dict[str, Any], list[Output]]:
@@ -173,6 +175,11 @@ class Membership:
         state = self.state
         index = state.index
         index.track_prev(state.prev_quorum)
+        # The answer changes only with the deaths, who heartbeats, and the quorums in flight.
+        key = (len(self.dead), self.dead[0][:2], self.dead[-1][:2], index.hb_version, id(index.prev),
+               state.head, tuple(qid for qid, _ in state.head_quorums))
+        if key == self._dead_peers_key:
+            return list(self._dead_peers)
         in_head = [ids for _, ids in index.head_quorum_info(state)] if state.head is not None else []
         if state.head is None and state.head_quorums:  # not kept by the index without a head
             in_head = [frozenset(parts) for _, parts in state.head_quorums]
@@ -180,7 +187,8 @@ class Membership:
         # it would fail every step it takes part in.
         dead = [rid for _, rid, _, _ in self.dead
                 if (rid in index.prev_ids or any(rid in ids for ids in in_head)) and rid not in state.heartbeats]
-        return dead[-MAX_DEAD_LISTED:]
+        self._dead_peers_key, self._dead_peers = key, dead[-MAX_DEAD_LISTED:]
+        return list(self._dead_peers)
 
     # -- internals -------------------------------------------------------------------------------
     def _mark_dead(self, now: float, replica_id: str, group: str, reason: str, out: list[Output]) -> None:

@@ -212,6 +212,8 @@ class _Index:
         self.heartbeats: _Table = _Table(self, True)
         self.pending: _Table = _Table(self, False)
         self.hb_claims: Counter[tuple[int, str]] = Counter()
+        self.hb_holders: dict[tuple[int, str], dict[str, None]] = {}  # claim -> heartbeating replica ids
+        self.hb_version = 0  # moves whenever a replica starts or stops heartbeating
         self.pending_claims: Counter[tuple[int, str]] = Counter()
         self.hb_groups: dict[str, dict[str, None]] = {}  # group -> its replica ids, oldest first
         self.pending_groups: dict[str, dict[str, None]] = {}
@@ -269,6 +271,11 @@ class _Index:
         groups.setdefault(new.group, {})[rid] = None
         seq = next(self.seq)
         if table.is_heartbeats:
+            if old is not None:
+                self._unhold(rid, old)
+            else:
+                self.hb_version += 1
+            self.hb_holders.setdefault((new.step, new.chain), {})[rid] = None
             heapq.heappush(self.seen, (new.last_seen, seq, rid, new))
             heapq.heappush(self.progress, (_progress_at(new), seq, rid, new))
             if old is None:
@@ -296,6 +303,8 @@ class _Index:
     def removed(self, table: _Table, rid: str, old: Any) -> None:
         if table.is_heartbeats:
             self._uncount(self.hb_claims, self.hb_groups, rid, old)
+            self._unhold(rid, old)
+            self.hb_version += 1
             self._set_idle(rid, False)
             if rid in self.prev_ids:
                 self.prev_alive -= 1
@@ -310,6 +319,13 @@ class _Index:
                 # Its progress deadline counts again now that it no longer waits for a quorum.
                 heapq.heappush(self.progress, (_progress_at(hb), next(self.seq), rid, hb))
         self._recheck(rid)
+
+    def _unhold(self, rid: str, old: Any) -> None:
+        holders = self.hb_holders.get((old.step, old.chain))
+        if holders is not None:
+            holders.pop(rid, None)
+            if not holders:
+                del self.hb_holders[(old.step, old.chain)]
 
     @staticmethod
     def _uncount(claims: Counter[tuple[int, str]], groups: dict[str, dict[str, None]], rid: str,
@@ -867,7 +883,13 @@ def _compute_quorum_steady(now: float, state: CoordinatorState,
         n = _plural(len(pending), "healthy group")
         return None, f"only {n} asked, need min_replicas={options.min_replicas}"
     if not index.pending_claims.get(state.head):
-        return None
+        holders = index.hb_holders.get(state.head, {})
+        if not holders:
+            return None, f"no live group holds the newest state (step {state.head[0]}); waiting for the rollback"
+        named = sorted(state.heartbeats[r].group for r in itertools.islice(holders, MISSING_NAMED))
+        more = f" and {len(holders) - len(named)} more" if len(holders) > len(named) else ""
+        return None, (f"waiting for the holders of step {state.head[0]} ({', '.join(named)}{more}) to ask; "
+                      f"the groups asking must recover from them")
     prev = state.prev_quorum
 
     def build(reason: str) -> Quorum:

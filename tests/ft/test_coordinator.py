@@ -702,3 +702,25 @@ def test_status_pages_through_the_members(start, groups) -> None:
     for bad in ("offset=-1", "limit=0", f"limit={STATUS_LIMIT + 1}", "offset=x", "limit=1e3"):
         status, body = raw(coord, "GET", f"/status?{bad}")
         assert status == 400 and "must be an integer" in json.loads(body)["error"], bad
+
+
+def test_heartbeat_answers_list_the_dead_of_the_quorum_in_flight_until_they_return() -> None:
+    """The dead list of heartbeat answers is kept between heartbeats (issue 16); it must still
+    follow each death, a member that comes back, and the next quorum."""
+    from ftlm.ft.membership import Membership
+    from ftlm.ft.quorum import MemberRequest, QuorumOptions
+
+    m = Membership(QuorumOptions(1, 1.0, 1.0, 3, rebuild_grace=0.0), epoch="e")
+    beat = lambda g, t: m.heartbeat(t, Heartbeat(f"{g}:a", g, t, 0))[0]["dead"]  # noqa: E731
+    for g in ("g0", "g1", "g2"):
+        beat(g, 0.0)
+    issued = [o for g in ("g0", "g1", "g2")
+              for o in m.request(0.1, MemberRequest(f"{g}:a", g, 0, -1, False, {}, 0.1, GENESIS))
+              if isinstance(o, Issued)]
+    assert [len(o.quorum.members) for o in issued] == [3]
+    assert beat("g0", 0.9) == [] and beat("g1", 0.9) == []
+    assert beat("g0", 1.2) == ["g2:a"]  # g2 was silent for a heartbeat timeout
+    assert beat("g1", 1.3) == ["g2:a"]
+    assert beat("g2", 1.4) == []  # a hang that ended: alive again, nobody aborts for it
+    m.tick(2.5)  # g0 and g1 silent since 1.2/1.3: both dead now, g2 alive
+    assert beat("g2", 2.5) == ["g0:a", "g1:a"]

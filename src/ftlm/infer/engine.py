@@ -15,6 +15,7 @@ Not responsible for: the cached forward (``ftlm.infer.kv``), the sampling maths
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Sequence as Seq
@@ -98,8 +99,10 @@ class Engine:
         generator = None
         if params.temperature > 0:
             generator = torch.Generator()
+            # An unseeded request draws from the OS, not from torch's global generator (which
+            # belongs to the caller).
             generator.manual_seed(params.seed if params.seed is not None else
-                                  int(torch.randint(0, 2**62, ()).item()))
+                                  secrets.randbits(62))
         seq = Sequence(prompt, params, generator)
         if params.max_new_tokens == 0:
             self._finish(seq, "length")

@@ -411,7 +411,9 @@ def measure(groups: int, seconds: float, workdir: Path, profile: bool = False) -
                     rss_mib=rss, peak_rss_mib=peak)
     steady = [(t, lat, step) for t, lat, step in test.samples if t0 <= t <= t1]
     result.latencies = [lat for _, lat, _ in steady]
-    result.after_last = [t - test.last_ask[step] for t, _, step in steady if step in test.last_ask]
+    # A retried step (answers 504, asks again) can ask after some answers: those are not counted.
+    result.after_last = [t - test.last_ask[step] for t, _, step in steady
+                         if step in test.last_ask and t >= test.last_ask[step]]
     steps = {step for _, _, step in steady}
     result.steps = max(len(steps) - 1, 0)
     result.steady_seconds = t1 - t0

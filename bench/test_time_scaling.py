@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verifier", default="", help="run directory of the verifier (optional)")
     p.add_argument("--large-policy", default="", help="run directory of a larger policy")
     p.add_argument("--tasks", type=int, default=200, help="held-out tasks (default 200)")
+    p.add_argument("--families", default="add,mod,sort,count", help="task families")
     p.add_argument("--n-max", type=int, default=64, help="largest N, a power of 2 (default 64)")
     p.add_argument("--seeds", type=int, default=3, help="seeds (default 3)")
     p.add_argument("--temperature", type=float, default=0.8)
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--no-chat", action="store_true", help="prompt without the chat template")
     p.add_argument("--quick", action="store_true", help="random tiny models, prints only")
+    p.add_argument("--note", default="", help="a line on how the models were trained (written "
+                                               "under the table)")
     p.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
     from ftlm.infer.load import load_run
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verifier:
         judge = load_run(args.verifier)
         verifier, vparams = Verifier(judge.model, judge.tokenizer), param_count(judge.model.cfg)
-    tasks = generate_tasks(["add", "mod", "sort", "count"], "test", args.tasks, 0)
+    tasks = generate_tasks(args.families, "test", args.tasks, 0)
     ns = [2 ** i for i in range(int(math.log2(args.n_max)) + 1)]
     chat = not args.no_chat
     per_seed = []
@@ -190,13 +193,15 @@ def main(argv: list[str] | None = None) -> int:
                            "bench.test_time_scaling", [])
             + f"* Policy: `{args.policy}` ({param_count(policy.model.cfg) / 1e6:.2f}M)"
             + (f"; verifier `{args.verifier}` ({vparams / 1e6:.2f}M)" if verifier else "")
-            + f"; {args.tasks} held-out tasks, {args.seeds} seeds, temperature "
+            + f"; {args.tasks} held-out tasks ({args.families}), {args.seeds} seeds, temperature "
               f"{args.temperature}, up to {args.max_new_tokens} new tokens. Took "
               f"{time.perf_counter() - started:.0f} s. Plot: `bench/results/{figure.name}`\n\n"
             + table(["strategy", "N", "accuracy (95% CI)", "FLOPs per task"], rows))
     if large:
         body += (f"\n\nLarger policy `{args.large_policy}`, one sample: accuracy "
                  f"{large[0]:.3f} ± {large[2]:.3f} at {large[1]:.3g} FLOPs per task.")
+    if args.note:
+        body += "\n\n" + args.note
     print(body)
     if not args.no_write:
         write_section(SECTION, body)

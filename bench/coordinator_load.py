@@ -64,6 +64,7 @@ SWEEP = (100, 500, 1000, 2000, 4000)
 
 
 def _percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (nearest rank); NaN without values (printed as "-" in the table)."""
     if not values:
         return float("nan")
     ordered = sorted(values)
@@ -147,8 +148,8 @@ class Result:
         errors = ", ".join(f"{k}: {v}" for k, v in sorted(self.errors.items())) or "0"
         per_message = self.coord_cpu * self.steady_seconds / self.messages * 1e3 if self.messages else float("nan")
         last = self.after_last
-        return [str(self.groups), f"{_percentile(lat, 0.5) * 1000:.0f}", f"{_percentile(lat, 0.99) * 1000:.0f}",
-                f"{_percentile(last, 0.5) * 1000:.0f}", f"{_percentile(last, 0.99) * 1000:.0f}", f"{rate:.2f}", fmt(self.detect_dead), fmt(self.detect_quorum),
+        ms = (lambda values, q: f"{_percentile(values, q) * 1000:.0f}" if values else "-")
+        return [str(self.groups), ms(lat, 0.5), ms(lat, 0.99), ms(last, 0.5), ms(last, 0.99), f"{rate:.2f}", fmt(self.detect_dead), fmt(self.detect_quorum),
                 f"{self.coord_cpu * 100:.0f}%", f"{self.messages / self.steady_seconds:.0f}" if self.steady_seconds else "-",
                 f"{per_message:.2f}", f"{self.machine_us:.0f}",
                 f"{self.rss_mib:.0f} ({self.peak_rss_mib:.0f})",
@@ -510,13 +511,21 @@ heartbeat: 35% of the coordinator's time in a profile at 2,000 groups), the stat
 metrics take a member's role from sets.
 
 What remains at 2,000 groups (profile: `--profile`, py-spy): the HTTP layer. aiohttp's request
-handling, the guard middleware and writing answers cost far more than the rules (see CPU
-ms/message against state machine us/message); 2,000 groups at one step a second are 4,000
-requests a second on one event-loop thread, and every quorum answer names every member (about
-170 bytes each: 340 KB to each of 2,000 members, 0.7 GB a step at 2,000 groups, O(groups^2)
-bytes). A job of that size needs a compact answer (each member's own role and source, the
-members' list once per quorum id) and more than one core for HTTP; the long-polls also need
-2 connections per group against `max_connections=4096`, which 4,000 groups exceed.
+handling, the guard middleware and writing answers cost about 0.35-0.4 ms of coordinator CPU per
+message against 20-60 us for the rules (the two cost columns); reading a body that came with its
+headers without `asyncio.wait_for` (a task and a timer per request, 15% of the coordinator's time
+at 1,000 groups) and caching the Host check (6%) are in. At about 0.35 ms a message one event-loop
+core serves some 2,800 messages a second: about 1,400 groups at one heartbeat and one step a
+second on an otherwise idle core; 2,000 groups need about 1.4 cores, so p99 < 100 ms at 2,000
+groups is out of reach of one Python process speaking HTTP/JSON, however cheap the rules. Every
+quorum answer also names every member (about 170 bytes each: some 330 KB to each of 2,000 members,
+0.7 GB a step, O(groups^2) bytes). A job of that size needs a compact answer (each member's own
+role and source, the members' list once per quorum id) and HTTP spread over more than one core;
+the long-polls also need 2 connections per group against `max_connections=4096`, which 4,000
+groups exceed. How it breaks when CPU runs short (here: the shared machine): heartbeats are
+answered late, groups pass `ft.heartbeat_timeout` and are declared dead, their long-polls get 504
+and they ask again as joiners: each step then has a new quorum id, and the job stops stepping
+(the 504 and disconnect counts in the errors column).
 """
 
 

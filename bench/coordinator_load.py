@@ -35,7 +35,6 @@ import random
 import re
 import resource
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -68,7 +67,7 @@ def _percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 class CoordinatorUnderTest:
@@ -262,7 +261,7 @@ class LoadTest:
             try:
                 async with self.session.get(self.url + "/status?limit=1", headers=self.headers) as resp:
                     status = await resp.json()
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            except (TimeoutError, aiohttp.ClientError, ValueError) as e:
                 self._error(f"status {type(e).__name__}")
                 continue
             if any(d.get("replica_id") == victim for d in status.get("dead", [])):
@@ -274,8 +273,8 @@ class LoadTest:
         while time.monotonic() < self.end and not self.stopped[i]:
             step, chain, qid = self.state[i]
             try:
-                status, raw = await self._post("/v1/heartbeat", client.heartbeat_body(step, qid, chain))
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                status, _ = await self._post("/v1/heartbeat", client.heartbeat_body(step, qid, chain))
+            except (TimeoutError, aiohttp.ClientError) as e:
                 self._error(f"heartbeat {type(e).__name__}", e)
                 await asyncio.sleep(HEARTBEAT_SECONDS)
                 continue
@@ -305,7 +304,7 @@ class LoadTest:
             try:
                 status, raw = await self._post(
                     "/v1/quorum", client.quorum_body(step, qid, False, META, 30.0, chain))
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except (TimeoutError, aiohttp.ClientError) as e:
                 self._error(f"quorum {type(e).__name__}", e)
                 ask_at = time.monotonic() + 0.5
                 continue

@@ -21,11 +21,11 @@ from ftlm.ft.quorum import (
     StaleIncarnation,
     advance_head,
     commit_quorum,
-    remove_member,
     compute_quorum,
     expire,
     record_heartbeat,
     record_request,
+    remove_member,
     withdraw_request,
 )
 

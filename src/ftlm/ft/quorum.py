@@ -471,7 +471,7 @@ class _Table(dict):  # type: ignore[type-arg]
         for rid, value in dict(*args, **kwargs).items():
             self[rid] = value
 
-    def __ior__(self, other: Any) -> _Table:
+    def __ior__(self, other: Any) -> _Table:  # noqa: PYI034
         self.update(other)
         return self
 

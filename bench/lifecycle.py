@@ -36,7 +36,14 @@ from pathlib import Path
 
 import torch
 
-from bench.common import REPO_ROOT, ensure_demo, section_header, table, write_section
+from bench.common import (
+    REPO_ROOT,
+    command_line,
+    ensure_demo,
+    section_header,
+    table,
+    write_section,
+)
 
 # sort has the longest completions (up to ~80 tokens): left out to keep sampling affordable here.
 FAMILIES = "add,mod,count"
@@ -144,6 +151,26 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int) -> dict:
     return out
 
 
+def verdict(result: dict) -> str:
+    """The issue's targets, judged from the numbers: a stage beats another when its mean over seeds
+    exceeds the other's by more than the larger mean 95 % interval of the two."""
+    stages = result["stages"]
+
+    def mean(stage: str, key: str = "acc") -> float:
+        return statistics.fmean(e[key] for e in stages[stage].values())
+
+    lines = []
+    for better, worse in (("SFT", "pretrained"), ("DPO", "SFT"), ("GRPO", "SFT")):
+        if better not in stages or worse not in stages:
+            continue
+        diff = mean(better) - mean(worse)
+        interval = max(mean(better, "ci95"), mean(worse, "ci95"))
+        met = "met" if diff > interval else "NOT met"
+        lines.append(f"{better} - {worse}: {diff:+.3f} (interval {interval:.3f}): {met}")
+    return "Targets of issue 12 (a stage above another by more than the interval): " + \
+        "; ".join(lines) + "."
+
+
 def format_section(result: dict, flags: list[str]) -> str:
     sizes = result["sizes"]
     rows = []
@@ -161,6 +188,8 @@ def format_section(result: dict, flags: list[str]) -> str:
                      f"{secs:.0f} s{extra}", f"{tokens:,.0f}"])
     body = section_header("Lifecycle on CPU: pretrain -> SFT -> DPO / GRPO (issue 12)",
                           "bench.lifecycle", flags)
+    if "--from-json" in command_line():
+        body += f"* Trained by `{result.get('command', '?')}`; this text formatted from its JSON\n"
     body += (f"* Model: tiny (configs/tiny.toml), one group, 1 thread. Tasks: {FAMILIES}; "
              f"held-out: {sizes['heldout_tasks']} tasks of the test split (no problem shared "
              "with training), greedy pass@1 with completions of up to "
@@ -181,6 +210,7 @@ def format_section(result: dict, flags: list[str]) -> str:
         body += "\n\nPairs per seed (sampled correct vs incorrect / solution vs incorrect / all " \
                 "correct, skipped): " + "; ".join(
                     f"{p['sample']} / {p['solution']} / {p['all_correct']}" for p in pairs)
+    body += "\n\n" + verdict(result)
     fams = {stage: {f: statistics.fmean(e["families"][f] for e in by_seed.values())
                     for f in next(iter(by_seed.values()))["families"]}
             for stage, by_seed in result["stages"].items()}
@@ -206,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="ftlm-lifecycle-") as tmp:
             result = run_lifecycle(Path(tmp), QUICK if args.quick else FULL, args.seeds)
+        result["command"] = command_line()
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
     section = format_section(result, flags)

@@ -111,7 +111,9 @@ def engine_vs_hf(model: Transformer, batches: list[int], prompt_len: int, new: i
             ours.append(time_engine(model, prompts, new))
             theirs.append(time_hf(hf, prompts, new))
         same = sum(a == b for a, b in zip(ours[-1][2], theirs[-1][2])) / batch
-        rate = lambda r: batch * (new - 1) / max(r[1] - r[0], 1e-9)  # noqa: E731
+
+        def rate(r: tuple, batch: int = batch) -> float:
+            return batch * (new - 1) / max(r[1] - r[0], 1e-9)
         o_ttft, t_ttft = median(r[0] for r in ours), median(r[0] for r in theirs)
         o_rate, t_rate = median(rate(r) for r in ours), median(rate(r) for r in theirs)
         rows.append([batch, f"{o_ttft * 1000:.1f}", f"{t_ttft * 1000:.1f}", f"{o_rate:,.0f}",

@@ -9,9 +9,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from infer_helpers import tiny_model  # noqa: E402
+from infer_helpers import tiny_model
 
-from ftlm.model import Transformer  # noqa: E402
+from ftlm.model import Transformer
 
 
 @pytest.fixture(scope="module")

@@ -7,17 +7,15 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from infer_helpers import tiny_model
 
 from ftlm.cli import main
 from ftlm.config import build_config, save_config
 from ftlm.infer import Engine, SamplingParams
 from ftlm.infer.load import load_run
 
-from infer_helpers import tiny_model
-
 sys.path.insert(0, str(Path(__file__).parents[1] / "serve"))
-from serve_helpers import make_tokenizer  # noqa: E402
+from serve_helpers import make_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from infer_helpers import greedy_uncached, tiny_model
 
 from ftlm.errors import ConfigError
-from ftlm.infer import Engine, SamplingParams
-from ftlm.infer import kv
+from ftlm.infer import Engine, SamplingParams, kv
 from ftlm.model.generate import generate as uncached_generate
-
-from infer_helpers import greedy_uncached, tiny_model
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0)
 

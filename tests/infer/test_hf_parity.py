@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from infer_helpers import hf_llama, tiny_model
 
 from ftlm.infer import Engine, SamplingParams
-
-from infer_helpers import hf_llama, tiny_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -48,7 +48,7 @@ def test_draws_follow_the_distribution_and_each_row_its_own_settings():
 
 def test_text_stream_holds_back_partial_stops_and_cuts_at_them():
     pieces = ["Hel", "lo", " wo", "rld", "!", "EN", "D", "more"]
-    detok = lambda ids: "".join(pieces[i] for i in ids)  # noqa: E731
+    detok = lambda ids: "".join(pieces[i] for i in ids)
     stream = TextStream(detok, stops=("END",))
     deltas = [stream.update(list(range(n))) for n in range(1, len(pieces) + 1)]
     assert "".join(deltas) == "Hello world!"

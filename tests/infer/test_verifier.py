@@ -7,18 +7,21 @@ import sys
 from pathlib import Path
 
 import torch
+from infer_helpers import tiny_model
 
 from ftlm.infer import strategies as st
 from ftlm.infer.chat import render_chat
-from ftlm.infer.verifier import (Verifier, verification_messages, verifier_records,
-                                 write_verifier_data)
+from ftlm.infer.verifier import (
+    Verifier,
+    verification_messages,
+    verifier_records,
+    write_verifier_data,
+)
 from ftlm.tasks import check, extract_answer
 from ftlm.tasks import generate as generate_tasks
 
-from infer_helpers import tiny_model
-
 sys.path.insert(0, str(Path(__file__).parents[1] / "serve"))
-from serve_helpers import make_tokenizer  # noqa: E402
+from serve_helpers import make_tokenizer
 
 
 def test_records_label_reference_solutions_yes_and_changed_answers_no(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from serve_helpers import make_tokenizer, start_server  # noqa: E402
+from serve_helpers import make_tokenizer, start_server
 
 
 @pytest.fixture(scope="module")

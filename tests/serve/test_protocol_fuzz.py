@@ -11,7 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftlm.serve.protocol import CHAT_FIELDS, COMPLETION_FIELDS, APIError, Request, parse_request
+from ftlm.serve.protocol import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    APIError,
+    Request,
+    parse_request,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import urllib.error
 import urllib.request
 
 import pytest
-
 from serve_helpers import TOKEN, start_server
 
 openai = pytest.importorskip("openai")

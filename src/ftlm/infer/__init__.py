@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Engine", "Sequence", "SamplingParams"]
+__all__ = ["Engine", "SamplingParams", "Sequence"]
 
 
 def __getattr__(name: str) -> Any:

@@ -18,7 +18,8 @@ import itertools
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -230,9 +231,7 @@ class Engine:
             seq.logprobs.append(logprob)
             if p.stop and any(s in self.detokenize(seq.tokens) for s in p.stop):
                 self._finish(seq, "stop")
-            elif len(seq.tokens) >= p.max_new_tokens:
-                self._finish(seq, "length")
-            elif len(seq.prompt) + len(seq.tokens) >= self.max_seq_len:
+            elif len(seq.tokens) >= p.max_new_tokens or len(seq.prompt) + len(seq.tokens) >= self.max_seq_len:
                 self._finish(seq, "length")
             else:  # the token just drawn is the slot's next input
                 self._positions[seq.slot] = len(seq.prompt) + len(seq.tokens) - 1

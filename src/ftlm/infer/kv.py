@@ -37,7 +37,7 @@ class KVCache:
         length = max_seq_len or cfg.max_seq_len
         weight = model.tok_embeddings.weight
         shape = (slots, cfg.n_kv_heads, length, cfg.head_dim)
-        make = lambda: torch.zeros(shape, dtype=dtype or weight.dtype, device=weight.device)  # noqa: E731
+        make = lambda: torch.zeros(shape, dtype=dtype or weight.dtype, device=weight.device)
         return cls([make() for _ in range(cfg.n_layers)], [make() for _ in range(cfg.n_layers)])
 
     @property

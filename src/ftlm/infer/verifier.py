@@ -94,8 +94,7 @@ def write_verifier_data(tasks: Sequence[Task], path: Path, wrong_per_task: int =
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
-        for record in verifier_records(tasks, wrong_per_task, seed):
-            f.write(json.dumps(record) + "\n")
+        f.writelines(json.dumps(record) + "\n" for record in verifier_records(tasks, wrong_per_task, seed))
     os.replace(tmp, path)
     return path
 

@@ -13,7 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 SERVE_METRICS: dict[str, tuple[str, str]] = {
     "ftlm_serve_requests_total": ("counter", "Generation requests accepted"),

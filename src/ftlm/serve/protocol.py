@@ -21,6 +21,7 @@ silently ignored.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -219,8 +220,8 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
     value = body.get(name)
     if value is None:
         return default
-    if (not isinstance(value, (int, float)) or isinstance(value, bool) or value != value
-            or not low <= value <= high):
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not math.isfinite(value) or not low <= value <= high):
         raise bad(name, f"{name}={str(value)[:40]} must be a number in [{low:g}, {high:g}]")
     return float(value)
 

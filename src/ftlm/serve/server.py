@@ -181,7 +181,7 @@ class Server:
             return _error(e.status, f"{e.reason}: {request.method} {request.path[:100]}")
         except (ConnectionError, asyncio.CancelledError):
             raise
-        except Exception:  # noqa: BLE001 - a bug: answer 500, keep serving
+        except Exception:
             log.exception("failed answering %s %s", request.method, request.path[:100])
             return _error(500, "internal error; see the server's log", "server_error")
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
-import uuid
+from typing import Any
 from pathlib import Path
 
 from ftlm.errors import FtlmError
@@ -55,7 +56,17 @@ def _init_group(config) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
 
 
+def _exit_on_sigterm_during_setup() -> None:
+    """Until the trainer takes over SIGTERM (it then leaves the quorum explicitly), a stop
+    request during set-up ends the process at once with status 0: it has not joined yet."""
+    def stop(signum: int, _frame: Any) -> None:
+        print(f"ftlm train: stopped by signal {signum} during set-up", file=sys.stderr, flush=True)
+        os._exit(0)
+    signal.signal(signal.SIGTERM, stop)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    _exit_on_sigterm_during_setup()
     from ftlm.config import load_config
     from ftlm.train.trainer import Trainer
     config = load_config(args.config, args.overrides)
@@ -78,7 +89,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ftlm.observe.events import EventLog
     from ftlm.train.trainer import resolve_device
     group = os.environ.get("FTLM_GROUP_ID", "g0")
-    incarnation = os.environ.get("FTLM_INCARNATION") or uuid.uuid4().hex
+    # Empty: the manager draws one for the group (rank 0's, shared with the other ranks).
+    incarnation = os.environ.get("FTLM_INCARNATION", "")
     groups = int(os.environ.get("FTLM_GROUPS", "0")) or config.ft.groups
     token = os.environ.get("FTLM_TOKEN", "") or config.ft.read_token()
     rank = int(os.environ.get("RANK", "0"))
@@ -91,7 +103,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                          total_steps=config.train.steps, expected_groups=groups)
     trainer.ft.metrics = trainer.metrics
     result = trainer.train()
-    result["incarnation"] = incarnation
+    result["incarnation"] = trainer.ft.incarnation
     # The supervisor collects each group's final state hash from this line.
     print("FTLM_RESULT " + json.dumps(result), flush=True)
     return 0

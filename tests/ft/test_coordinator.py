@@ -724,3 +724,18 @@ def test_heartbeat_answers_list_the_dead_of_the_quorum_in_flight_until_they_retu
     assert beat("g2", 1.4) == []  # a hang that ended: alive again, nobody aborts for it
     m.tick(2.5)  # g0 and g1 silent since 1.2/1.3: both dead now, g2 alive
     assert beat("g2", 2.5) == ["g0:a", "g1:a"]
+
+
+def test_a_member_declared_dead_that_speaks_again_is_told_so() -> None:
+    """A group paused past the heartbeat timeout (SIGSTOP, swap, GC) came back and committed the
+    step its peers had failed without it: the answer now says it was declared dead."""
+    from ftlm.ft.membership import Membership
+    from ftlm.ft.quorum import QuorumOptions
+
+    m = Membership(QuorumOptions(1, 1.0, 1.0, 3, rebuild_grace=0.0), epoch="e")
+    answer = lambda g, t: m.heartbeat(t, Heartbeat(f"{g}:a", g, t, 0))[0]  # noqa: E731
+    assert "declared_dead" not in answer("g0", 0.0) and "declared_dead" not in answer("g1", 0.0)
+    answer("g0", 0.9)
+    answer("g0", 1.5)  # g1 silent past the timeout: declared dead
+    assert answer("g1", 1.6).get("declared_dead") is True  # it speaks again: told once
+    assert "declared_dead" not in answer("g1", 1.7)

@@ -21,6 +21,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,8 +87,17 @@ class Manager:
         self._fault_events = events or _NoEvents()
         self.events = self._fault_events if self.rank == 0 else _NoEvents()
         self.ranks = dist.get_world_size() if grouped else 1
+        # Control traffic inside the group (quorum broadcast, commit vote, recovery agreement) is
+        # small CPU tensors: always on gloo, never on the group's NCCL data group.
+        self.control = control_group() if grouped else None
+        # One incarnation id for the whole group: rank 0's (each rank drawing its own would make
+        # every other rank a stranger to the quorum).
+        if self.ranks > 1:
+            incarnation = _broadcast_json(incarnation or uuid.uuid4().hex if self.rank == 0 else None,
+                                          self.ranks, self.control)
+        self.incarnation = incarnation or uuid.uuid4().hex
         self.group = group
-        self.replica_id = f"{group}:{incarnation}"
+        self.replica_id = f"{group}:{self.incarnation}"
         self.proto = GroupProtocol(self.replica_id, config.max_consecutive_failures, total_steps)
         backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
         self.pg = ReconfigurablePG(backend, config.allreduce_timeout)
@@ -97,21 +107,27 @@ class Manager:
         self._server_tls = server_context(config.tls_cert, config.tls_key) if config.tls_cert else None
         self._client_tls = client_context(config.tls_ca) if config.tls_ca else None
         self.server = SnapshotServer(host=self.host, token=token,
-                                     chunk_bytes=config.transfer_chunk_bytes, keep=4,
+                                     chunk_bytes=config.transfer_chunk_bytes, keep=2,
                                      on_chunk=self._on_serve_chunk, ssl_context=self._server_tls)
         self.server.start()
-        self.transfer_urls = _gather_strings(self.server.url, self.ranks)
+        self.transfer_urls = _gather_strings(self.server.url, self.ranks, self.control)
         self.abort = threading.Event()
         self.quorum: Quorum | None = None
         self._progress_at = time.monotonic()
         self._fetch: _Fetch | None = None
         self._expected: ExpectedLayout | None = None  # what a pulled snapshot must look like
         self._left = False
+        self._snapshotting: tuple[threading.Event, dict] | None = None  # copy in flight
+        self._pending: list | None = None  # all-reduce buckets started this step
+        self._answered = threading.Condition()  # a heartbeat answer arrived (leader)
+        self._answered_at = time.monotonic()
+        self._declared_dead = False  # the coordinator declared this incarnation dead this step
+        self._allreduce_started = 0.0
         self.client: CoordinatorClient | None = None
         self.heartbeater: Heartbeater | None = None
         self.store: dist.TCPStore | None = None
         if self.rank == 0:
-            self.client = CoordinatorClient(coordinator, group, incarnation, token,
+            self.client = CoordinatorClient(coordinator, group, self.incarnation, token,
                                             timeout=max(1.0, config.heartbeat_timeout),
                                             tls_ca=config.tls_ca)
             self.store = _store_on(self.host)
@@ -143,13 +159,39 @@ class Manager:
     def _on_answer(self, answer: dict[str, Any]) -> None:
         """Abort the collective in flight when a member of our quorum is reported dead."""
         q = self.quorum
-        if q is None or answer.get("rebuilding"):
-            return
-        dead = answer.get("dead")
-        gone = [r for r in q.replica_ids() if isinstance(dead, list) and r in dead]
-        if gone and not self.abort.is_set():
-            log.warning("quorum %d member(s) %s reported dead: aborting", q.quorum_id, gone)
-            self.abort.set()
+        try:
+            if q is None or answer.get("rebuilding"):
+                return
+            dead = answer.get("dead")
+            gone = [r for r in q.replica_ids() if isinstance(dead, list) and r in dead]
+            if answer.get("declared_dead") is True or self.replica_id in gone:
+                self._declared_dead = True  # until the next quorum
+            if gone and not self.abort.is_set():
+                log.warning("quorum %d member(s) %s reported dead: aborting", q.quorum_id, gone)
+                self.abort.set()
+        finally:
+            with self._answered:
+                self._answered_at = time.monotonic()
+                self._answered.notify_all()
+
+    def _fresh_word(self) -> bool:
+        """Leader, before its vote: after a pause long enough to be declared dead (a stopped or
+        swapped process, a long GC), hear from the coordinator first, and never commit a step
+        of a quorum that declared this group dead meanwhile: its peers failed that step, and
+        an all-reduce may complete here against operations they left behind. Returns False
+        when the step must fail."""
+        if self.heartbeater is None:
+            return True
+        timeout = self.config.heartbeat_timeout
+        paused_since = time.monotonic()
+        with self._answered:
+            if paused_since - self._answered_at <= timeout:
+                return not self._declared_dead
+            log.warning("no word from the coordinator for %.1f s: asking before the vote",
+                        paused_since - self._answered_at)
+            self._answered.wait_for(lambda: self._answered_at > paused_since, timeout=timeout)
+            heard = self._answered_at > paused_since
+        return heard and not self._declared_dead
 
     def _on_kill(self) -> None:
         """The coordinator relayed a kill request (the dashboard's chaos button): die like a crash."""
@@ -159,7 +201,8 @@ class Manager:
 
     def _fire(self, point: str) -> None:
         if self.fault is not None:
-            self.fault.maybe_fire(point, self.proto.step, self._fault_events.emit)
+            self.fault.maybe_fire(point, self.proto.step, self._fault_events.emit,
+                                  committed=lambda: self.proto.step)
 
     def _on_serve_chunk(self, step: int, index: int) -> None:
         self._fire("during_serve")
@@ -205,12 +248,45 @@ class Manager:
         """The leader asks; every rank of the group gets the same answer."""
         if self.rank == 0:
             q = self._request_quorum()
-            _broadcast_json(q.to_json(), self.ranks)
+            _broadcast_json(q.to_json(), self.ranks, self.control)
             return q
-        return Quorum.from_json(_broadcast_json(None, self.ranks))
+        return Quorum.from_json(_broadcast_json(None, self.ranks, self.control))
+
+    def _publish_in_background(self, snapshot: SnapshotFn, step: int) -> None:
+        """Copy the state into a snapshot on a helper thread while this step's forward and
+        backward run (they read the parameters and optimizer state but never write them), and
+        publish it; ``commit`` waits for the copy before the update may change the state."""
+        self._wait_snapshot()
+        tensors, meta = snapshot()  # references to the live tensors: no copy yet
+        done = threading.Event()
+        box: dict[str, BaseException] = {}
+
+        def copy() -> None:
+            try:
+                self.server.publish(snapshot_state(tensors, meta, step))
+            except BaseException as e:  # noqa: BLE001 - reported on the training thread
+                box["error"] = e
+            finally:
+                done.set()
+
+        self._snapshotting = (done, box)
+        threading.Thread(target=copy, name="ftlm-snapshot", daemon=True).start()
+
+    def _wait_snapshot(self) -> None:
+        """Block until the snapshot copy in flight (if any) no longer reads the live state."""
+        pending, self._snapshotting = self._snapshotting, None
+        if pending is None:
+            return
+        done, box = pending
+        done.wait()
+        if "error" in box:
+            # No snapshot to serve: the joiner's pull fails and it asks again, nothing is lost.
+            log.warning("could not publish a snapshot for a recovering peer: %s", box["error"])
 
     def start_step(self, step: int, chain: str, snapshot: SnapshotFn) -> StepPlan:
         self.proto.sync(step, chain)
+        self._pending = None
+        self._declared_dead = False
         asked = time.monotonic()
         q = self._next_quorum()
         self._progress()
@@ -230,8 +306,9 @@ class Manager:
             except CollectiveError as e:
                 self._fail(str(e))
         if role.publish:
-            tensors, meta = snapshot()
-            self.server.publish(snapshot_state(tensors, meta, q.step))
+            self._publish_in_background(snapshot, q.step)
+        # Snapshots no recovering peer pulls any more are freed, not kept for the next one.
+        self.server.retain(role.retain)
         if role.fetch_from is not None:
             if self._expected is None:
                 # A peer's snapshot must have exactly this rank's own tensor layout: nothing it
@@ -246,21 +323,41 @@ class Manager:
                         participants=role.participants, recovering=role.recovering,
                         members=q.replica_ids(), drain=role.drain, quorum=q)
 
-    def allreduce(self, tensors: list[torch.Tensor]) -> None:
-        self._fire("before_allreduce")
+    def allreduce_start(self, tensors: list[torch.Tensor]) -> None:
+        """Issue the average of one bucket of ``tensors`` now (e.g. from a backward hook); the
+        step's ``allreduce`` waits for it. Every group must start the same buckets in the same
+        order (the bucket plan is a function of the model alone)."""
+        if self._pending is None:  # the first bucket of this step
+            self._fire("before_allreduce")
+            self._pending, self._allreduce_started = [], time.monotonic()
         if self.proto.failed:
             return
+        if len(self._pending) == 1:
+            self._fire("inside_allreduce")
         participants = len(self.quorum.participants) if self.quorum else 1
-        started = time.monotonic()
         try:
-            for i, bucket in enumerate(self._buckets(tensors)):
-                if i == 1:
-                    self._fire("inside_allreduce")
-                self.pg.allreduce_mean(bucket, participants, self.abort)
+            self._pending.append(self.pg.allreduce_start(tensors, participants,
+                                                         slot=len(self._pending)))
         except CollectiveError as e:
             self._fail(str(e))
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> None:
+        """Average ``tensors`` (in buckets) and wait for them and every bucket started before."""
+        for bucket in self._buckets(tensors):
+            self.allreduce_start(bucket)
+        if self._pending is None:  # nothing at all to average this step
+            self._fire("before_allreduce")
+            self._pending, self._allreduce_started = [], time.monotonic()
+        pending, self._pending = self._pending, None
+        for p in pending:
+            if self.proto.failed:
+                break
+            try:
+                p.wait(self.abort)
+            except CollectiveError as e:
+                self._fail(str(e))
         self._progress()
-        self.metrics.on_allreduce(time.monotonic() - started)
+        self.metrics.on_allreduce(time.monotonic() - self._allreduce_started)
         self._fire("after_allreduce")
 
     def _buckets(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -283,8 +380,12 @@ class Manager:
         self._fail(reason)
 
     def commit(self) -> bool:
+        self._wait_snapshot()  # the update may change the state only once the copy is done
+        if not self.proto.failed and not self._fresh_word():
+            self._fail("this group was silent past ft.heartbeat_timeout and the coordinator "
+                       "declared it dead (or did not answer): its peers failed this step")
         self._fire("before_commit")
-        ok = _group_all(not self.proto.failed, self.ranks)
+        ok = _group_all(not self.proto.failed, self.ranks, self.control)
         self._progress()
         return self.proto.on_outcome(ok)
 
@@ -325,11 +426,11 @@ class Manager:
     def poll_recovery(self) -> Recovered | None:
         fetch = self._fetch
         # Every rank of the group loads its shard in the same step, or none does.
-        if not _group_all(fetch is not None and fetch.done.is_set(), self.ranks):
+        if not _group_all(fetch is not None and fetch.done.is_set(), self.ranks, self.control):
             return None
         self._fetch = None
         self.proto.fetch_finished()
-        if not _group_all(not fetch.error and fetch.result is not None, self.ranks):
+        if not _group_all(not fetch.error and fetch.result is not None, self.ranks, self.control):
             self.events.emit("recovery_end", step=self.proto.step, ok=False, source=fetch.source,
                              error=fetch.error)
             return None
@@ -387,6 +488,7 @@ class Manager:
             log.warning("could not tell the coordinator that %s leaves: %s", self.replica_id, e)
 
     def close(self) -> None:
+        self._wait_snapshot()
         if self.heartbeater is not None:
             self.heartbeater.stop()
         self.pg.abort_current()
@@ -409,22 +511,30 @@ def _store_on(host: str) -> dist.TCPStore:
                          master_listen_fd=listener.detach())
 
 
-# -- collectives inside the replica group (its own default process group) ------------------------
-def _broadcast_json(value: Any, ranks: int) -> Any:
+# -- control collectives inside the replica group (CPU tensors on a gloo group) --------------------
+def control_group() -> dist.ProcessGroup | None:
+    """The gloo group of this replica group's ranks for control traffic: the default group when it
+    is gloo already, else a new gloo group (a collective: every rank calls it, in the same order)."""
+    if dist.get_backend() == "gloo":
+        return None  # None is the default group
+    return dist.new_group(backend="gloo")
+
+
+def _broadcast_json(value: Any, ranks: int, group: dist.ProcessGroup | None) -> Any:
     """Rank 0's JSON value on every rank of the group (bytes in tensors: no pickle)."""
     if ranks == 1:
         return value
     data = json.dumps(value).encode() if dist.get_rank() == 0 else b""
     size = torch.tensor([len(data)], dtype=torch.int64)
-    dist.broadcast(size, src=0)
+    dist.broadcast(size, src=0, group=group)
     buf = torch.zeros(int(size), dtype=torch.uint8)
     if dist.get_rank() == 0:
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    dist.broadcast(buf, src=0)
+    dist.broadcast(buf, src=0, group=group)
     return json.loads(bytes(buf.tolist()).decode())
 
 
-def _gather_strings(value: str, ranks: int) -> list[str]:
+def _gather_strings(value: str, ranks: int, group: dist.ProcessGroup | None) -> list[str]:
     """Every rank's ``value``, in rank order."""
     if ranks == 1:
         return [value]
@@ -433,14 +543,14 @@ def _gather_strings(value: str, ranks: int) -> list[str]:
     mine = torch.zeros(width, dtype=torch.uint8)
     mine[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     out = [torch.zeros(width, dtype=torch.uint8) for _ in range(ranks)]
-    dist.all_gather(out, mine)
+    dist.all_gather(out, mine, group=group)
     return [bytes(t.tolist()).rstrip(b"\0").decode() for t in out]
 
 
-def _group_all(flag: bool, ranks: int) -> bool:
+def _group_all(flag: bool, ranks: int, group: dist.ProcessGroup | None) -> bool:
     """True on every rank iff ``flag`` is true on every rank of the group."""
     if ranks == 1:
         return flag
     t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return bool(t.item())

@@ -89,11 +89,17 @@ class Membership:
     def heartbeat(self, now: float, hb: Heartbeat) -> tuple[dict[str, Any], list[Output]]:
         """Record a heartbeat; returns the answer body and the outputs. Raises StaleIncarnation."""
         out: list[Output] = []
+        # A member declared dead that speaks again (a pause that ended) is told so: its peers
+        # failed the step it was in, so it must not commit that step (see Manager.commit).
+        revived = hb.replica_id not in self.state.heartbeats and any(
+            rid == hb.replica_id for _, rid, _, _ in self.dead)
         for old in record_heartbeat(self.state, hb):
             self._mark_dead(now, old, hb.group, REASON_REPLACED, out)
         out += self.tick(now)
         answer: dict[str, Any] = {"quorum_id": self.state.quorum_id, "dead": self.dead_peers(now),
                                   "rebuilding": self.state.head is None}
+        if revived:
+            answer["declared_dead"] = True
         if self.kill_requests:
             self.kill_requests = {r for r in self.kill_requests if r in self.state.heartbeats}  # forget gone ones
             if hb.replica_id in self.kill_requests:

@@ -1,0 +1,93 @@
+"""Control traffic inside a multi-rank replica group stays on gloo when the data group is NCCL.
+
+NCCL refuses CPU tensors, so a quorum broadcast or commit vote on the NCCL default group crashes a
+multi-rank GPU group at start-up. Two real processes stand in for one group: their default group
+is gloo made to refuse CPU tensors the way NCCL does (and to report itself as "nccl"), and the
+manager's control collectives must still work.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch, torch.distributed as dist
+    rank, path = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=rank, world_size=2)
+    from ftlm.ft import manager
+    real_get_backend = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl" if group is None else real_get_backend(group)
+
+    def refuse_cpu(fn):
+        def wrapped(*args, group=None, **kwargs):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            tensors += [t for a in args if isinstance(a, list) for t in a]
+            if group is None and any(t.device.type == "cpu" for t in tensors):
+                raise RuntimeError("NCCL: CPU tensors are not supported")
+            return fn(*args, group=group, **kwargs)
+        return wrapped
+
+    control = manager.control_group()
+    for name in ("broadcast", "all_reduce", "all_gather"):
+        setattr(dist, name, refuse_cpu(getattr(dist, name)))
+    quorum = manager._broadcast_json({"quorum_id": 7} if rank == 0 else None, 2, control)
+    urls = manager._gather_strings(f"http://127.0.0.1:{rank}", 2, control)
+    vote = manager._group_all(rank == 0, 2, control)
+    print(json.dumps({"quorum": quorum, "urls": urls, "vote": vote,
+                      "backend": real_get_backend(control)}))
+    dist.destroy_process_group()
+""")
+
+
+def _run_pair(script: str, store) -> list[dict]:
+    """Run ``script`` as ranks 0 and 1 of one group; each prints one JSON line last."""
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(store)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-2000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def test_control_collectives_run_on_gloo_beside_an_nccl_data_group(tmp_path) -> None:
+    results = _run_pair(_SCRIPT, tmp_path / "store")
+    for r in results:
+        assert r["backend"] == "gloo"
+        assert r["quorum"] == {"quorum_id": 7}
+        assert r["urls"] == ["http://127.0.0.1:0", "http://127.0.0.1:1"]
+        assert r["vote"] is False
+
+
+_MANAGER = textwrap.dedent("""
+    import json, sys
+    import torch.distributed as dist
+    rank, path = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=rank, world_size=2)
+    from ftlm.ft.config import FTConfig
+    from ftlm.ft.manager import Manager
+    # No FTLM_INCARNATION (as under torchrun on a cluster): each rank passes nothing.
+    m = Manager(FTConfig(), "g0", "", "http://127.0.0.1:9")
+    print(json.dumps({"replica_id": m.replica_id, "urls": m.transfer_urls}))
+    m.close()
+    dist.destroy_process_group()
+""")
+
+
+def test_the_ranks_of_a_group_share_one_incarnation(tmp_path) -> None:
+    """Each rank drew its own incarnation id, so every rank but 0 was not in its own quorum."""
+    a, b = _run_pair(_MANAGER, tmp_path / "store")
+    assert a["replica_id"] == b["replica_id"] and a["replica_id"].startswith("g0:")
+    assert len(a["replica_id"]) > len("g0:") and a["urls"] == b["urls"]

@@ -101,3 +101,37 @@ def test_the_last_step_drains_without_training() -> None:
     g = GroupProtocol("A:a", 5, total_steps=10)
     role = g.on_quorum(quorum(9, 10, "f" * 64, ["A:a"], ["B:b"], meta={"B:b": {"recover_request": 0}}))
     assert role.drain and not role.reconfigure and role.publish
+
+
+def test_a_source_keeps_a_snapshot_only_while_a_peer_may_pull_it() -> None:
+    """Issue 11: snapshots were kept (up to four) after their transfer ended."""
+    source = GroupProtocol("A:a", 5)
+    b, c = GroupProtocol("B:b", 5), GroupProtocol("C:c", 5)
+    q1 = quorum(1, 3, "3" * 64, ["A:a"], ["B:b"], meta={"B:b": b.request()})
+    assert source.on_quorum(q1).retain == {3}
+    q2 = quorum(2, 5, "5" * 64, ["A:a"], ["B:b", "C:c"],
+                meta={"B:b": b.request(), "C:c": c.request()})
+    assert source.on_quorum(q2).retain == {3, 5}  # B still pulls step 3, C starts on step 5
+    q3 = quorum(3, 6, "6" * 64, ["A:a", "B:b"], ["C:c"], meta={"C:c": c.request()})
+    assert source.on_quorum(q3).retain == {5}  # B caught up: its snapshot is freed
+    q4 = quorum(4, 7, "7" * 64, ["A:a", "B:b", "C:c"])
+    assert source.on_quorum(q4).retain == frozenset()
+    # A joiner that now pulls from another source releases this one's snapshot too.
+    q5 = quorum(5, 8, "8" * 64, ["A:a", "B:b"], ["C:c"], sources={"C:c": "B:b"},
+                meta={"C:c": {"recover_request": 1}})
+    assert source.on_quorum(q5).retain == frozenset()
+
+
+def test_a_snapshot_dropped_between_two_joiners_is_published_again() -> None:
+    """A source that had dropped its snapshot of step 100 (no joiner pulled it any more) answered
+    the next joiner of the same step with nothing: 404 until the job gave up."""
+    source = GroupProtocol("A:a", 5, total_steps=100)
+    b, c = GroupProtocol("B:b", 5), GroupProtocol("C:c", 5)
+    q1 = quorum(1, 100, "1" * 64, ["A:a"], ["B:b"], meta={"B:b": b.request()})
+    r1 = source.on_quorum(q1)
+    assert r1.publish and r1.retain == {100}
+    r2 = source.on_quorum(quorum(2, 100, "1" * 64, ["A:a", "B:b"]))
+    assert r2.retain == frozenset()  # B is done: the snapshot is freed
+    q3 = quorum(3, 100, "1" * 64, ["A:a", "B:b"], ["C:c"], meta={"C:c": c.request()})
+    r3 = source.on_quorum(q3)
+    assert r3.publish and r3.retain == {100}

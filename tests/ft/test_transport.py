@@ -205,6 +205,34 @@ def test_joiner_asking_before_publication_waits_for_it(make_server):
     assert meta == META
 
 
+def test_a_header_still_hashing_is_answered_at_once_and_asked_again(make_server, monkeypatch):
+    """Issue 11: the header waited for the checksums of the whole state under the joiner's
+    socket timeout; now the source answers 425 at once and the joiner asks again."""
+    release = threading.Event()
+    real = transport.chunk_table
+
+    def slow_table(*args):
+        release.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(transport, "chunk_table", slow_table)
+    server = make_server()
+    state = mixed_state()
+    server.publish(snapshot_state(state, META, step=7))
+    t0 = time.monotonic()
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(f"{server.url}/v1/snapshot/7/header", timeout=10)
+    assert answer.value.code == 425 and time.monotonic() - t0 < 10
+    with ThreadPoolExecutor(1) as pool:
+        # A socket timeout far below the hashing time: the joiner must not wait on one request.
+        future = pool.submit(fetch_snapshot, server.url, 7, timeout=1, wait_available=30)
+        time.sleep(1.5)  # the joiner keeps asking past its socket timeout
+        release.set()
+        tensors, meta = future.result(timeout=30)
+    assert_bitwise_equal(tensors, state)
+    assert meta == META
+
+
 def test_snapshot_is_isolated_from_later_mutation(make_server):
     state = mixed_state()
     meta = {"step": 7, "rng": [1, 2, 3]}
@@ -249,6 +277,16 @@ def test_keep_two_evicts_the_oldest_steps(make_server):
         fetch_snapshot(server.url, 1, timeout=5, wait_available=0)
     tensors, meta = fetch_snapshot(server.url, 2, timeout=5)
     assert meta == {"step": 2} and torch.equal(tensors["x"], torch.full((4,), 2.0))
+
+
+def test_retain_frees_the_snapshots_no_peer_pulls(make_server):
+    server = make_server(keep=2)
+    for step in (1, 2):
+        server.publish(snapshot_state({"x": torch.full((4,), float(step))}, {"step": step}, step))
+    server.retain({2})
+    assert list_snapshots(server.url) == [2]
+    server.retain(set())
+    assert list_snapshots(server.url) == []
 
 
 def test_throttle_makes_a_transfer_take_at_least_bytes_over_rate(make_server):

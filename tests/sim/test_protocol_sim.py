@@ -22,6 +22,9 @@ REGRESSIONS = [
     (24, 100, "a replay that skipped the chain check reached the head with another history"),
     (196, 100, "a participant forked at the head's step (hang, rollback, resume)"),
     (2594, 200, "a hung process resumed by a later fault was counted as an undetected hang"),
+    (51, 200, "a source dropped a snapshot no joiner pulled, then never published that step "
+              "again for the next joiner (404 until the job gave up)"),
+    (208, 200, "same as seed 51"),
     (7309, 200, "a lagging group sent two requests at once and took a stale quorum's answer"),
     (7533, 200, "same as seed 7309, after an explicit rollback"),
     (901, 100, "every holder of the head died and the groups restarted from a checkpoint of a branch "

@@ -371,9 +371,10 @@ def decode_header(data: bytes, max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
 
 
 def tensors_from_buffer(
-    buffer: bytes | bytearray | memoryview, entries: tuple[TensorEntry, ...]
+    buffer: bytes | bytearray | memoryview, entries: tuple[TensorEntry, ...], copy: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Rebuild tensors from `buffer`; each result owns its memory (no view into `buffer`).
+    """Rebuild tensors from `buffer`: each result owns its memory with ``copy``; without, the
+    tensors are views into `buffer` (for a buffer nobody else holds or writes: no second copy).
 
     Raises FramingError if an entry does not describe bytes inside `buffer`; `entries` from
     `parse_header` over a buffer of its `total_bytes` always do.
@@ -393,7 +394,7 @@ def tensors_from_buffer(
             continue
         flat = torch.frombuffer(buffer, dtype=dtype, count=e.nbytes // dtype.itemsize,
                                 offset=e.offset)
-        out[e.name] = flat.reshape(e.shape).clone()
+        out[e.name] = flat.reshape(e.shape).clone() if copy else flat.reshape(e.shape)
     return out
 
 

@@ -40,6 +40,9 @@ class Role:
     """A recovering peer newly asked this group for its state: publish a snapshot of this step."""
     fetch_from: str | None
     """Start pulling the state from this replica id (a recovering group with no pull in flight)."""
+    retain: frozenset[int] = frozenset()
+    """Steps of the published snapshots a recovering peer may still be pulling; every other
+    snapshot can be dropped (its memory freed)."""
 
     @property
     def participants(self) -> int:
@@ -83,6 +86,7 @@ class GroupProtocol:
     _suspect: set[str] | None = None  # members of a failed step's quorum, judged at the next quorum
     _served: set[tuple[str, int]] = field(default_factory=set)
     _published_step: int | None = None
+    _serving: dict[str, int] = field(default_factory=dict)  # joiner -> step of its snapshot
 
     # -- asking ----------------------------------------------------------------------------------
     def sync(self, step: int, chain: str) -> None:
@@ -118,6 +122,13 @@ class GroupProtocol:
         drain = self.total_steps is not None and q.step >= self.total_steps
         reconfigure = not drain and (q.epoch, q.quorum_id) != self._pg_quorum
         publish = False
+        # A joiner that is done (or pulls from someone else now) needs its snapshot no more; a
+        # snapshot no joiner needs is dropped (Role.retain), so it must be published anew when
+        # a later request asks for the same step.
+        self._serving = {j: s for j, s in self._serving.items()
+                         if j in q.recovering and q.sources.get(j) == me}
+        if self._published_step not in self._serving.values():
+            self._published_step = None
         for joiner, source in q.sources.items():
             member = q.member(joiner)
             if source != me or member is None:
@@ -126,6 +137,7 @@ class GroupProtocol:
             if request in self._served:
                 continue
             self._served.add(request)
+            self._serving[joiner] = q.step
             if self._published_step != q.step:
                 publish = True
                 self._published_step = q.step
@@ -133,7 +145,8 @@ class GroupProtocol:
         if recovering and not self.fetching:
             fetch_from = q.sources.get(me)
             self.fetching = fetch_from is not None
-        self.role = Role(q, q.participant_index(me), recovering, drain, reconfigure, publish, fetch_from)
+        self.role = Role(q, q.participant_index(me), recovering, drain, reconfigure, publish,
+                         fetch_from, frozenset(self._serving.values()))
         return self.role
 
     def process_group_ready(self) -> None:

@@ -194,6 +194,13 @@ class SnapshotServer:
             for old in sorted(self._published)[:-self.keep]:
                 self._published.pop(old).hashes.cancel()
 
+    def retain(self, steps: set[int] | frozenset[int]) -> None:
+        """Drop every published snapshot whose step is not in ``steps``, freeing its memory once
+        no chunk of it is being written (a pull of a dropped step gets 404 and starts over)."""
+        with self._lock:
+            for step in [s for s in self._published if s not in steps]:
+                self._published.pop(step).hashes.cancel()
+
     def start(self, timeout: float = 10.0) -> str:
         """Bind and serve in a background thread; return the URL (with the OS-chosen port)."""
         if self._thread is not None:
@@ -290,6 +297,11 @@ class SnapshotServer:
         if isinstance(found, web.Response):
             return found
         step, published = found
+        if not published.hashes.done():
+            # The checksums of a large state take a while: answer at once and let the joiner
+            # ask again (within its wait_available), never hold its socket past its timeout.
+            return _json_error(425, f"snapshot of step {step} is still being prepared "
+                                    "(checksums); ask again shortly")
         try:
             chunks = await asyncio.wrap_future(published.hashes)
         except (asyncio.CancelledError, InterruptedError):
@@ -519,9 +531,9 @@ def _wait_for_header(source: _Source, step: int, wait_available: float, max_byte
                     raise _Problem(f"asked for step {step}, the header describes {header.step}")
                 return header
             remaining = deadline - time.monotonic()
-            if status != 404 or remaining <= 0:
+            if status not in (404, 425) or remaining <= 0:  # 425: published, still hashing
                 problem = _status_problem(status, body)
-                if status == 404:
+                if status in (404, 425):
                     problem = _Problem(f"not available after waiting {wait_available}s: {problem}")
                 raise problem
             # The source may publish this step a moment after we ask (it is one step ahead).
@@ -623,7 +635,8 @@ def fetch_snapshot(url: str, step: int, token: str = "", parallel: int = 4,
 
     Waits up to `wait_available` s for the source to publish `step`; `timeout` bounds every
     connect and read; `progress(bytes_done, total_bytes)` is called from worker threads after each
-    verified chunk. Returns CPU tensors that own their memory, and the meta dict. Any failure
+    verified chunk. Returns CPU tensors (views into one buffer of this call's, which they keep
+    alive: nothing else holds or writes it), and the meta dict. Any failure
     raises TransferError and returns nothing partial.
 
     `expected` (`expected_layout` of the receiver's own tensors) makes the receiver refuse a
@@ -645,7 +658,8 @@ def fetch_snapshot(url: str, step: int, token: str = "", parallel: int = 4,
         buffer = _allocate(header.total_bytes)
         _download(source, header, buffer, parallel, progress)
         try:
-            return tensors_from_buffer(buffer, header.tensors), header.meta
+            # The buffer is this call's alone: the tensors are views into it, not a second copy.
+            return tensors_from_buffer(buffer, header.tensors, copy=False), header.meta
         except (MemoryError, RuntimeError) as e:
             raise _Problem(f"cannot rebuild {len(header.tensors)} tensors of "
                            f"{header.total_bytes} bytes ({type(e).__name__})") from None

@@ -470,6 +470,8 @@ class Simulation:
                       f"{inc.state.step} with another history")
         if role.publish:
             inc.published[q.step] = _copy(inc.state)
+        # As the manager does: snapshots no joiner pulls any more are dropped.
+        inc.published = {s: v for s, v in inc.published.items() if s in role.retain}
         if role.fetch_from is not None:
             self.start_fetch(inc, q, role.fetch_from)
         if role.drain:

@@ -65,9 +65,12 @@ class TrainState:
         meta = _flatten(self.state_dict(), "", tensors)
         return tensors, {"state": meta, "step": self.step, "cursor": self.cursor, "chain": self.chain}
 
-    def load_flat(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        """Load a state produced by ``flat()``; copies, so the source may be reused afterwards."""
-        owned = {name: t.clone() for name, t in tensors.items()}
+    def load_flat(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+                  copy: bool = True) -> None:
+        """Load a state produced by ``flat()``. With ``copy`` the tensors are cloned first, so the
+        source may be reused afterwards; ``copy=False`` is for tensors nobody else holds (a
+        received snapshot), saving a full copy of the state on the training thread."""
+        owned = {name: t.clone() for name, t in tensors.items()} if copy else dict(tensors)
         self.load_state_dict(_unflatten(meta["state"], owned, self.mesh))
         chain = meta.get("chain", GENESIS)
         if not is_chain(chain):

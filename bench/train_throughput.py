@@ -43,6 +43,8 @@ class Case:
     steps: int
     warmup: int
     """Leading steps left out of the timing (allocator, caches, first data reads)."""
+    dtype: str = "auto"
+    """train.dtype: auto (float32 on CPU, bf16 autocast on CUDA) or bfloat16 (CPU autocast)."""
 
 
 def build_run_config(case: Case, run_dir: Path) -> RunConfig:
@@ -51,7 +53,7 @@ def build_run_config(case: Case, run_dir: Path) -> RunConfig:
         "model": {"size": case.size},
         "data": {"dir": str(DEMO_DIR), "seq_len": DEMO_SEQ_LEN},
         "train": {"steps": case.steps, "batch_size": case.batch, "threads": case.threads,
-                  "warmup_steps": 0},
+                  "warmup_steps": 0, "dtype": case.dtype},
         "checkpoint": {"every": 0, "resume": False},
         "observe": {"progress": False, "log_every": 10**6},
     })
@@ -69,25 +71,27 @@ def time_trainer(case: Case) -> list[float]:
         return steady([e["step_seconds"] for e in group_commits], case.warmup)
 
 
-def measure_peak(threads: int, device: str, seconds: float) -> float:
-    """Best matmul FLOP/s at ``threads`` intra-op threads (float32 on CPU, bfloat16 on CUDA)."""
+def measure_peak(threads: int, device: str, seconds: float, dtype: str = "auto") -> float:
+    """Best matmul FLOP/s at ``threads`` intra-op threads (on CPU float32, or bfloat16 when the
+    case trains under bf16 autocast; bfloat16 on CUDA)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         if device == "cuda":
             return measure_matmul_peak("cuda", torch.bfloat16, size=8192, seconds=seconds)
-        return measure_matmul_peak("cpu", torch.float32, size=1024, seconds=seconds)
+        cpu_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        return measure_matmul_peak("cpu", cpu_dtype, size=1024, seconds=seconds)
     finally:
         torch.set_num_threads(before)
 
 
-def plan(quick: bool, device: str) -> tuple[list[Case], int]:
+def plan(quick: bool, device: str, dtype: str = "auto") -> tuple[list[Case], int]:
     """The cases and the number of interleaved repetitions."""
     cores = usable_cores()
     threads = [cores] if quick or device == "cuda" else sorted({1, cores})
     batches = [8] if device == "cpu" else [8, 64]  # a GPU idles at batch 8 with these models
     tiny_steps, small_steps, warmup = (8, 4, 1) if quick else (40, 20, 5)
-    cases = [Case(size, b, t, steps, warmup) for t in threads for b in batches
+    cases = [Case(size, b, t, steps, warmup, dtype) for t in threads for b in batches
              for size, steps in (("tiny", tiny_steps), ("small", small_steps))]
     return cases, 1 if quick else 3
 
@@ -101,7 +105,7 @@ def run(cases: list[Case], reps: int, peak_seconds: float,
         for case in cases:
             # The peak at this thread count, re-measured every repetition; the best one counts.
             peaks[case.threads] = max(peaks.get(case.threads, 0.0),
-                                      measure_peak(case.threads, device, peak_seconds))
+                                      measure_peak(case.threads, device, peak_seconds, case.dtype))
             per_rep[case].append(median(time_trainer(case)))
             print(f"  rep {rep + 1}/{reps} {case.size:>5} batch={case.batch} "
                   f"threads={case.threads}: "
@@ -124,12 +128,16 @@ HEADERS = ["model", "params", "seq_len", "batch", "threads", "median step s",
 
 
 def render(rows: list[list[object]], reps: int, cases: list[Case], seconds: float,
-           flags: list[str], device: str) -> str:
+           flags: list[str], device: str, dtype: str = "auto") -> str:
     steps = ", ".join(sorted({f"{c.size}: {c.steps} steps, first {c.warmup} skipped"
                               for c in cases}))
-    peak = ("best float32 1024x1024 matmul rate at the same thread count" if device == "cpu"
+    cpu_dtype = "bfloat16" if dtype == "bfloat16" else "float32"
+    peak = (f"best {cpu_dtype} 1024x1024 matmul rate at the same thread count" if device == "cpu"
             else "best bfloat16 8192x8192 matmul rate (training runs under bf16 autocast)")
     title = f"Training throughput and MFU on {device.upper()} (one group, no fault tolerance)"
+    if device == "cpu" and dtype == "bfloat16":
+        title = ("Training throughput and MFU on CPU under bf16 autocast (one group, no fault "
+                 "tolerance; float32 weights and optimizer state)")
     return (section_header(title, "bench.train_throughput", flags)
             + f"* Method: `Trainer(config).train()` on the demo data; per-step `step_seconds` "
               f"from the `commit` events ({steps}); median per run, then the median of {reps} "
@@ -141,7 +149,8 @@ def render(rows: list[list[object]], reps: int, cases: list[Case], seconds: floa
 
 def _flags(args: argparse.Namespace) -> list[str]:
     """The flags that change the measurement (not where the result goes)."""
-    return (["--quick"] if args.quick else []) + ([f"--reps {args.reps}"] if args.reps else [])
+    return ((["--quick"] if args.quick else []) + ([f"--reps {args.reps}"] if args.reps else [])
+            + ([f"--dtype {args.dtype}"] if args.dtype != "auto" else []))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,20 +161,25 @@ def main(argv: list[str] | None = None) -> int:
                    "1 with --quick)")
     p.add_argument("--no-write", action="store_true", help="print the table, leave "
                    "BENCHMARKS.md alone")
+    p.add_argument("--dtype", choices=["auto", "bfloat16"], default="auto",
+                   help="train.dtype of every case; bfloat16 on CPU measures bf16 autocast "
+                        "against the bf16 matmul peak (its own section)")
     args = p.parse_args(argv)
     ensure_demo()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    cases, reps = plan(args.quick, device)
+    cases, reps = plan(args.quick, device, args.dtype)
     reps = args.reps or reps
     if reps < 1:
         p.error(f"--reps={reps} must be at least 1")
     print(f"train_throughput: {len(cases)} cases x {reps} repetition(s)", flush=True)
     rows, seconds = run(cases, reps, 0.3 if args.quick else 1.0, device)
-    body = render(rows, reps, cases, seconds, _flags(args), device)
+    body = render(rows, reps, cases, seconds, _flags(args), device, args.dtype)
     print(body)
     if not args.no_write:
-        # A GPU run gets its own section, so that it never replaces the CPU numbers.
-        write_section(SECTION if device == "cpu" else f"{SECTION}_gpu", body)
+        # A GPU run and a CPU bf16 run get sections of their own, never replacing the CPU fp32 one.
+        name = f"{SECTION}_gpu" if device == "cuda" else (
+            f"{SECTION}_bf16" if args.dtype == "bfloat16" else SECTION)
+        write_section(name, body)
     return 0
 
 

@@ -33,7 +33,7 @@ def test_slow_transfer_does_not_slow_the_healthy_group_and_joiner_ends_bitwise_e
     # A buffer large enough for the whole slow transfer: one catch-up, many replayed steps.
     summary, events = run_job(tmp_path, demo_data, groups=2, steps=LONG,
                               ft={"catchup_max_steps": 2000},
-                              extra_env={"FTLM_FAULT_SECONDS": "4"},
+                              extra_env={"FTLM_FAULT_STEPS": "5", "FTLM_FAULT_SECONDS": "120"},
                               faults={"g1": ["before_allreduce@10"], "g0": ["slow_serve"]})
     rec = recovered(events, "g1")
     assert rec and rec[0]["replayed"] >= 3, rec  # the transfer took several steps
@@ -52,7 +52,7 @@ def test_buffer_smaller_than_the_lag_restarts_catch_up_and_converges(tmp_path, d
     # (a fraction of a second) fits, so the second attempt converges.
     summary, events = run_job(tmp_path, demo_data, groups=2, steps=LONG,
                               ft={"catchup_max_steps": 60},
-                              extra_env={"FTLM_FAULT_SECONDS": "8"},
+                              extra_env={"FTLM_FAULT_STEPS": "70", "FTLM_FAULT_SECONDS": "300"},
                               faults={"g1": ["before_allreduce@10"], "g0": ["slow_serve"]})
     restarts = [e for e in events if e["kind"] == "recovery_end" and e["group"] == "g1"
                 and not e["ok"] and "buffer" in e.get("error", "")]
@@ -64,7 +64,7 @@ def test_buffer_smaller_than_the_lag_restarts_catch_up_and_converges(tmp_path, d
 def test_kill_during_replay(tmp_path, demo_data):
     summary, events = run_job(tmp_path, demo_data, groups=2, steps=LONG,
                               ft={"catchup_max_steps": 2000},
-                              extra_env={"FTLM_FAULT_SECONDS": "3"},
+                              extra_env={"FTLM_FAULT_STEPS": "3", "FTLM_FAULT_SECONDS": "120"},
                               faults={"g1": ["before_allreduce@10", "during_replay"],
                                       "g0": ["slow_serve"]})
     points = [e["point"] for e in events if e["kind"] == "failure_injected" and e["group"] == "g1"]

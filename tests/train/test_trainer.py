@@ -176,3 +176,30 @@ def test_model_vocab_smaller_than_the_tokenizer(tiny_config) -> None:
 def test_seq_len_longer_than_the_model_context(tiny_config) -> None:
     msg = _refused(tiny_config(model={"max_seq_len": 32}), ConfigError)
     assert "data.seq_len=64" in msg and "model.max_seq_len=32" in msg
+
+
+def test_a_catchup_budget_below_one_gradient_shard_is_refused_at_start(tiny_config) -> None:
+    """Issue 11: buffer sizes were counted in steps, whatever a step's gradient weighs."""
+    with pytest.raises(ConfigError, match=r"ft\.catchup_max_bytes=1000 cannot hold one step"):
+        Trainer(tiny_config(ft={"catchup_max_bytes": 1000}), standalone=False)
+
+
+def test_the_catchup_buffer_overflows_on_bytes_as_well_as_steps() -> None:
+    from ftlm.train.catchup import CatchUpBuffer
+    buf = CatchUpBuffer(max_steps=10, max_bytes=3 * 400)
+    for step in range(3):
+        buf.record(step, [torch.zeros(100)], 0.1, 8)
+    assert not buf.overflowing
+    buf.record(3, [torch.zeros(100)], 0.1, 8)
+    assert buf.overflowing and "ft.catchup_max_bytes" in buf.limit()
+
+
+def test_bf16_autocast_trains_on_cpu(tiny_config) -> None:
+    """Issue 11: bf16 autocast on CPU was refused; matmuls now run in bf16, state stays fp32."""
+    trainer = Trainer(tiny_config(train={"steps": 2, "eval_every": 0, "dtype": "bfloat16"}))
+    seen: list[torch.dtype] = []
+    trainer.model.output.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    summary = trainer.train()
+    assert summary["steps_committed"] == 2 and seen and set(seen) == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())

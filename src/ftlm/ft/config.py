@@ -160,6 +160,9 @@ class FTConfig:
     """LR scaling with P of N groups participating: none, linear (P/N) or sqrt (sqrt(P/N))."""
     catchup_max_steps: int = 64
     """Averaged updates a recovering group buffers before it asks for a fresher snapshot."""
+    catchup_max_bytes: int = 4 << 30
+    """Host memory (bytes, per rank) the catch-up buffer may hold; each buffered step costs one
+    gradient shard. Checked at start: it must hold at least one step of the real shard."""
     bucket_bytes: int = 25 << 20
     """Size of the flat buckets of the gradient all-reduce."""
     transfer_parallel: int = 4
@@ -200,7 +203,8 @@ class FTConfig:
         _require_number(s, "join_timeout", self.join_timeout, positive=False)
         _require_number(s, "restart_delay", self.restart_delay, positive=False)
         for name, low in (("groups", 0), ("min_replicas", 1), ("max_consecutive_failures", 1),
-                          ("catchup_max_steps", 1), ("bucket_bytes", 1), ("transfer_parallel", 1),
+                          ("catchup_max_steps", 1), ("catchup_max_bytes", 1), ("bucket_bytes", 1),
+                          ("transfer_parallel", 1),
                           ("crash_loop_restarts", 1),
                           ("transfer_chunk_bytes", 1024)):
             value = getattr(self, name)

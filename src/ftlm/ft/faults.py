@@ -6,8 +6,9 @@ that step (any step when omitted). It writes a ``failure_injected`` event first,
 account for it. The launcher passes one entry per incarnation (``faults={"g1": [...]}``).
 
 ``slow_serve`` is not a crash but a slow link: the first time the group serves a chunk of state
-it holds the transfer for ``FTLM_FAULT_SECONDS`` (default 3) seconds, so a recovering peer's
-pull takes several steps (catch-up tests).
+it holds the transfer until the group committed ``FTLM_FAULT_STEPS`` more steps (when set; at
+most ``FTLM_FAULT_SECONDS``, default 3, otherwise exactly that long), so a recovering peer's pull
+spans several steps however fast or loaded the machine is (catch-up tests).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ftlm.errors import ConfigError
@@ -53,15 +56,25 @@ class FaultPlan:
         except ValueError:
             raise ConfigError(f"FTLM_FAULT={text!r}: step must be an integer") from None
 
-    def maybe_fire(self, point: str, step: int, emit) -> None:
+    def maybe_fire(self, point: str, step: int, emit,
+                   committed: Callable[[], int] | None = None) -> None:
+        """Fire if this is the planned point (and step). ``committed`` returns the group's
+        committed step now (``slow_serve`` waits on it)."""
         if self.fired or point != self.point or (self.step is not None and step != self.step):
             return
         self.fired = True
         if point == "slow_serve":
             seconds = float(os.environ.get("FTLM_FAULT_SECONDS", "3"))
-            emit("failure_injected", step=step, point=point, signal="none", seconds=seconds)
+            steps = int(os.environ.get("FTLM_FAULT_STEPS", "0"))
+            emit("failure_injected", step=step, point=point, signal="none", seconds=seconds,
+                 steps=steps)
             # Deliberately blocks the serving thread: this *is* the slow link being simulated.
-            threading.Event().wait(seconds)
+            deadline = time.monotonic() + seconds
+            pause = threading.Event()
+            while time.monotonic() < deadline:
+                if steps and committed is not None and committed() >= step + steps:
+                    break
+                pause.wait(min(0.05, max(0.0, deadline - time.monotonic())))
             return
         emit("failure_injected", step=step, point=point, signal="SIGSTOP" if self.hang else "SIGKILL")
         os.kill(os.getpid(), signal.SIGSTOP if self.hang else signal.SIGKILL)

@@ -30,8 +30,9 @@ class BufferedUpdate:
 class CatchUpBuffer:
     """Averaged updates keyed by step; a retried step replaces its earlier record."""
 
-    def __init__(self, max_steps: int):
+    def __init__(self, max_steps: int, max_bytes: int | None = None):
         self.max_steps = max_steps
+        self.max_bytes = max_bytes
         self._updates: dict[int, BufferedUpdate] = {}
 
     def __len__(self) -> int:
@@ -39,7 +40,14 @@ class CatchUpBuffer:
 
     @property
     def overflowing(self) -> bool:
-        return len(self._updates) > self.max_steps
+        return len(self._updates) > self.max_steps or (
+            self.max_bytes is not None and self.nbytes > self.max_bytes)
+
+    def limit(self) -> str:
+        """The bound that ``overflowing`` checks, in words (for logs and events)."""
+        if self.max_bytes is not None and self.nbytes > self.max_bytes:
+            return f"{self.max_bytes} bytes (ft.catchup_max_bytes)"
+        return f"{self.max_steps} steps (ft.catchup_max_steps)"
 
     @property
     def nbytes(self) -> int:

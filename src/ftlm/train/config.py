@@ -81,7 +81,8 @@ class TrainConfig:
     device: str = "auto"
     """auto (CUDA when available), cpu or cuda."""
     dtype: str = "auto"
-    """Autocast dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16 (CUDA only)."""
+    """Autocast dtype: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16 (also on CPU:
+    matmuls in bf16, weights and optimizer state in float32)."""
     compile: bool = False
     """Compile the model with torch.compile."""
     activation_checkpointing: bool = False

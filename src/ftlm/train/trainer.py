@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ftlm.config import RunConfig, save_config
 from ftlm.data.loader import Loader, PackedDataset
@@ -38,6 +37,7 @@ from ftlm.observe.summary import build_summary, write_summary
 from ftlm.train.catchup import CatchUpBuffer, unflatten_into
 from ftlm.train.checkpoint import Checkpointer
 from ftlm.train.evaluate import build_evaluator
+from ftlm.train.grad_sync import GradientSync
 from ftlm.train.mfu import peak_flops
 from ftlm.train.objective import LanguageModeling, Objective, TrainData
 from ftlm.train.optim import apply_update, build_optimizer
@@ -72,10 +72,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The autocast dtype: bf16 on CUDA by default; on CPU float32 unless bfloat16 is asked for
+    (CPU autocast runs matmuls in bf16, which pays off on CPUs with AMX or AVX512-BF16)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name == "bfloat16" and device.type != "cuda":
-        raise ConfigError("train.dtype='bfloat16' autocast is for CUDA; use auto or float32 on CPU")
     return getattr(torch, name)
 
 
@@ -176,6 +176,11 @@ class Trainer:
                                       activation_checkpointing=tc.activation_checkpointing,
                                       compile=tc.compile)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # Cross-group buckets start from backward hooks (single-rank groups; FSDP2's sharded
+        # gradients are final only after its reduce-scatter, so sharded groups start them after).
+        self.sync = GradientSync(self.params, config.ft.bucket_bytes,
+                                 start=lambda grads: self.ft.allreduce_start(grads), local=_local,
+                                 hooks=self.mesh is None and not standalone)
         self.evaluator = build_evaluator(self.step_model, data.heldout, tc, rank=self.rank,
                                          ranks=self.ranks, device=self.device,
                                          autocast=self._autocast, objective=self.objective)
@@ -194,7 +199,8 @@ class Trainer:
             writer=self.rank == 0, on_rejected=self._on_checkpoint_rejected,
             # The job token authenticates checkpoint manifests (HMAC); none without a token.
             key=(os.environ.get("FTLM_TOKEN", "") or config.ft.read_token()).encode() or None)
-        self.catchup = CatchUpBuffer(config.ft.catchup_max_steps)
+        self.catchup = CatchUpBuffer(config.ft.catchup_max_steps, config.ft.catchup_max_bytes)
+        self._check_memory_budgets()
         self.metrics = self._start_metrics()
         self.tokens_per_sample = self.objective.tokens_per_sample
         self.flops_per_token = flops_per_token(config.model, config.data.seq_len)
@@ -205,6 +211,24 @@ class Trainer:
         self._stop = False
 
     # -- set-up ----------------------------------------------------------------------------------
+    def _check_memory_budgets(self) -> None:
+        """Refuse to start when one buffered catch-up step (a gradient shard of this rank) does
+        not fit in ``ft.catchup_max_bytes``: better now than when a peer fails."""
+        if self.standalone:
+            return
+        step_bytes = sum(_local(p).numel() * _local(p).element_size() for p in self.params)
+        budget = self.config.ft.catchup_max_bytes
+        if step_bytes > budget:
+            raise ConfigError(
+                f"ft.catchup_max_bytes={budget} cannot hold one step of this rank's gradient "
+                f"shard ({step_bytes} bytes, {step_bytes / 2**30:.2f} GiB); raise it to at least "
+                f"{step_bytes} x the steps a recovery may take (host memory per rank), or shard "
+                "the model over more ranks")
+        steps = min(self.config.ft.catchup_max_steps, budget // max(step_bytes, 1))
+        log.info("catch-up buffer: up to %d steps of %.1f MiB (ft.catchup_max_steps=%d, "
+                 "ft.catchup_max_bytes=%d)", steps, step_bytes / 2**20,
+                 self.config.ft.catchup_max_steps, budget)
+
     def _start_metrics(self):
         """Prometheus endpoint of this rank, or the null object when metrics are off."""
         oc = self.config.observe
@@ -218,8 +242,8 @@ class Trainer:
         return metrics
 
     def _autocast(self):
-        if self.device.type == "cuda" and self.dtype != torch.float32:
-            return torch.autocast("cuda", dtype=self.dtype)
+        if self.dtype != torch.float32:  # master weights and optimizer state stay float32
+            return torch.autocast(self.device.type, dtype=self.dtype)
         return contextlib.nullcontext()
 
     # -- one step --------------------------------------------------------------------------------
@@ -227,9 +251,11 @@ class Trainer:
         """Accumulate the gradient of the mean loss over ``batch``; returns that loss (detached)."""
         micro = batch.chunk(self.config.train.grad_accum)
         total = torch.zeros((), device=self.device)
-        for mb in micro:
+        for i, mb in enumerate(micro):
             with self._autocast():
                 loss = self.objective.loss(self.step_model, mb)
+            # Gradients are final in the last micro-batch's backward: start buckets from there.
+            self.sync.armed = i == len(micro) - 1
             (loss / len(micro)).backward()
             total += loss.detach() / len(micro)
         return total
@@ -249,6 +275,7 @@ class Trainer:
         if plan.drain:
             self._drain_step(plan)
             return
+        self.sync.begin()
         if plan.participating:
             batch = self.loader.batch(state.cursor, plan.participant_index, plan.participants,
                                       tc.batch_size)
@@ -259,21 +286,20 @@ class Trainer:
             for p in self.params:
                 p.grad = torch.zeros_like(p)
             loss = torch.zeros((), device=self.device)
-        grads = [_local(p.grad) for p in self.params]
-        # A non-finite gradient must not reach any replica: contribute zeros, raise the flag that
-        # travels with the loss, and every group fails this step together.
+        grads = self.sync.finish()  # starts the buckets backward did not start
+        # A non-finite gradient must not reach any replica's state: the flag that travels with
+        # the loss makes every group fail this step together, so no average that includes it is
+        # ever applied, nor buffered for a catch-up (the buckets are already on their way).
         # One device sync for all of them (a norm is non-finite iff an element is, or overflows).
+        # The gradients are only read here; the averages are written back in ft.allreduce.
         norms = torch._foreach_norm(grads) if grads else []
         finite = bool(torch.isfinite(torch.stack([loss.float().reshape(()), *[n.float() for n in norms]])).all())
-        if not finite:
-            for g in grads:
-                g.zero_()
         loss_buf = torch.stack([torch.nan_to_num(loss.float(), nan=0.0, posinf=0.0, neginf=0.0),
                                 torch.tensor(0.0 if finite else 1.0, device=loss.device)])
         if self.mesh is not None:  # the group's loss: FSDP already averaged the gradients
             dist.all_reduce(loss_buf)
             loss_buf /= self.ranks
-        self.ft.allreduce(grads + [loss_buf])
+        self.ft.allreduce([loss_buf])  # and waits for the gradient buckets started above
         nonfinite = bool(loss_buf[1] > 0)
         if nonfinite:
             self.ft.fail_step("non-finite loss or gradient")
@@ -343,7 +369,7 @@ class Trainer:
             self._catch_up(recovered, plan, ok, global_loss)
         elif self.catchup.overflowing:
             self.catchup.clear()
-            self.ft.restart_recovery(f"catch-up buffer exceeded {self.catchup.max_steps} steps")
+            self.ft.restart_recovery(f"catch-up buffer exceeded {self.catchup.limit()}")
 
     def _drain_step(self, plan: StepPlan) -> None:
         """The job reached its last step: a recovering group only catches up, nobody trains."""
@@ -358,7 +384,7 @@ class Trainer:
                   global_loss: float | None = None) -> None:
         """Load a peer's snapshot and replay the buffered updates up to the head, checked."""
         state = self.state
-        state.load_flat(rec.tensors, rec.meta)
+        state.load_flat(rec.tensors, rec.meta, copy=False)  # received tensors: ours alone
         updates = self.catchup.take_from(rec.step) or []
         check = check_replay(rec.step, state.chain,
                              [(u.step, u.quorum_id, u.participants) for u in updates],
@@ -408,12 +434,14 @@ class Trainer:
         tc, cfg = self.config.train, self.config
         if cfg.checkpoint.resume and (step := self.checkpointer.restore_latest(self.state)):
             log.info("resumed from checkpoint at step %d", step)
+        # From the first heartbeat on a SIGTERM (preemption, node drain) must end in an explicit
+        # leave, never in a silent death the others detect only by timeout.
+        old = signal.signal(signal.SIGTERM, self.request_stop) if _main_thread() else None
         self.events.emit("group_start", step=self.state.step,
                          metrics_port=getattr(self, "metrics_port", None))
         self.ft.join(self.state.step, self.state.chain)
         wall0 = time.time()
         bar = self._progress()
-        old = signal.signal(signal.SIGTERM, self.request_stop) if _main_thread() else None
         try:
             while self.state.step < tc.steps and not self._stop:
                 if tc.max_seconds and time.time() - wall0 > tc.max_seconds:

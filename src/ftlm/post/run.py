@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -189,7 +188,8 @@ def run(kind: str, config: RunConfig) -> dict:
     from ftlm.observe.events import EventLog
     from ftlm.train.trainer import resolve_device
     group = os.environ.get("FTLM_GROUP_ID", "g0")
-    incarnation = os.environ.get("FTLM_INCARNATION") or uuid.uuid4().hex
+    # Empty: the manager draws one for the group (rank 0's, shared with the other ranks).
+    incarnation = os.environ.get("FTLM_INCARNATION", "")
     groups = int(os.environ.get("FTLM_GROUPS", "0")) or config.ft.groups
     token = os.environ.get("FTLM_TOKEN", "") or config.ft.read_token()
     rank = int(os.environ.get("RANK", "0"))
@@ -201,7 +201,7 @@ def run(kind: str, config: RunConfig) -> dict:
                          total_steps=config.train.steps, expected_groups=groups)
     trainer.ft.metrics = trainer.metrics
     result = trainer.train()
-    result["incarnation"] = incarnation
+    result["incarnation"] = trainer.ft.incarnation
     print("FTLM_RESULT " + json.dumps(result), flush=True)
     return result
 

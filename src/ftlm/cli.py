@@ -84,28 +84,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         write_report(config.run.path, summary, read_events(config.run.path / "events.jsonl"))
         print(format_summary(summary))
         return 0
-    from ftlm.ft.faults import fault_from_env
-    from ftlm.ft.manager import Manager
-    from ftlm.observe.events import EventLog
-    from ftlm.train.trainer import resolve_device
-    group = os.environ.get("FTLM_GROUP_ID", "g0")
-    # Empty: the manager draws one for the group (rank 0's, shared with the other ranks).
-    incarnation = os.environ.get("FTLM_INCARNATION", "")
-    groups = int(os.environ.get("FTLM_GROUPS", "0")) or config.ft.groups
-    token = os.environ.get("FTLM_TOKEN", "") or config.ft.read_token()
-    rank = int(os.environ.get("RANK", "0"))
-    events = EventLog(config.run.path / "events.jsonl", group=group, rank=rank)
-    trainer = Trainer(config, group=group, groups=groups, standalone=False)
-    # Join the job only once the model and data are ready: from the first heartbeat on, the
-    # other groups count on this one answering within the heartbeat timeout.
-    trainer.ft = Manager(config.ft, group, incarnation, coordinator, token=token, events=events,
-                         device=resolve_device(config.train.device), fault=fault_from_env(),
-                         total_steps=config.train.steps, expected_groups=groups)
-    trainer.ft.metrics = trainer.metrics
-    result = trainer.train()
-    result["incarnation"] = trainer.ft.incarnation
-    # The supervisor collects each group's final state hash from this line.
-    print("FTLM_RESULT " + json.dumps(result), flush=True)
+    from ftlm.train.job import run_group
+    run_group(config, coordinator, lambda **kw: Trainer(config, **kw))
     return 0
 
 

@@ -12,7 +12,6 @@ argument parsing (``ftlm.post.cli``).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -183,27 +182,8 @@ def run(kind: str, config: RunConfig) -> dict:
             from ftlm.observe.report import write_report
             write_report(config.run.path, summary, read_events(config.run.path / "events.jsonl"))
         return summary
-    from ftlm.ft.faults import fault_from_env
-    from ftlm.ft.manager import Manager
-    from ftlm.observe.events import EventLog
-    from ftlm.train.trainer import resolve_device
-    group = os.environ.get("FTLM_GROUP_ID", "g0")
-    # Empty: the manager draws one for the group (rank 0's, shared with the other ranks).
-    incarnation = os.environ.get("FTLM_INCARNATION", "")
-    groups = int(os.environ.get("FTLM_GROUPS", "0")) or config.ft.groups
-    token = os.environ.get("FTLM_TOKEN", "") or config.ft.read_token()
-    rank = int(os.environ.get("RANK", "0"))
-    events = EventLog(config.run.path / "events.jsonl", group=group, rank=rank)
-    trainer = _trainer(kind, config, group=group, groups=groups, standalone=False)
-    # Join the job only once the model and data are ready (as ftlm train does).
-    trainer.ft = Manager(config.ft, group, incarnation, coordinator, token=token, events=events,
-                         device=resolve_device(config.train.device), fault=fault_from_env(),
-                         total_steps=config.train.steps, expected_groups=groups)
-    trainer.ft.metrics = trainer.metrics
-    result = trainer.train()
-    result["incarnation"] = trainer.ft.incarnation
-    print("FTLM_RESULT " + json.dumps(result), flush=True)
-    return result
+    from ftlm.train.job import run_group
+    return run_group(config, coordinator, lambda **kw: _trainer(kind, config, **kw))
 
 
 def launch(kind: str, config: RunConfig, groups: int, chaos_mtbf: float = 0.0,

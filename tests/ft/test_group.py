@@ -135,3 +135,17 @@ def test_a_snapshot_dropped_between_two_joiners_is_published_again() -> None:
     q3 = quorum(3, 100, "1" * 64, ["A:a", "B:b"], ["C:c"], meta={"C:c": c.request()})
     r3 = source.on_quorum(q3)
     assert r3.publish and r3.retain == {100}
+
+
+def test_a_joiner_missing_from_a_quorum_keeps_its_snapshot_for_a_while() -> None:
+    """A joiner busy pulling 1 GB asked too late for one quorum (join timeout): freeing its
+    snapshot then cut its transfer with a 404."""
+    from ftlm.ft.group import ABSENT_QUORUMS
+    source = GroupProtocol("A:a", 5)
+    b = GroupProtocol("B:b", 5)
+    q1 = quorum(1, 8, "8" * 64, ["A:a", "C:c"], ["B:b"], meta={"B:b": b.request()})
+    assert source.on_quorum(q1).retain == {8}
+    for i in range(ABSENT_QUORUMS):  # B is absent from these quorums: still pulling
+        assert source.on_quorum(quorum(2 + i, 9 + i, "9" * 64, ["A:a", "C:c"])).retain == {8}
+    # Absent for longer than that: presumed gone, the snapshot is freed.
+    assert source.on_quorum(quorum(40, 40, "4" * 64, ["A:a", "C:c"])).retain == frozenset()

@@ -24,6 +24,10 @@ class TooManyFailures(FtlmError):
     """The group failed too many steps in a row or could not get a quorum in time."""
 
 
+ABSENT_QUORUMS = 16
+"""Quorums a joiner may miss (it asked too late while pulling) before its snapshot is freed."""
+
+
 @dataclass
 class Role:
     """What one issued quorum asks of this group."""
@@ -87,6 +91,7 @@ class GroupProtocol:
     _served: set[tuple[str, int]] = field(default_factory=set)
     _published_step: int | None = None
     _serving: dict[str, int] = field(default_factory=dict)  # joiner -> step of its snapshot
+    _absent: dict[str, int] = field(default_factory=dict)  # joiner -> quorums it was missing from
 
     # -- asking ----------------------------------------------------------------------------------
     def sync(self, step: int, chain: str) -> None:
@@ -125,8 +130,17 @@ class GroupProtocol:
         # A joiner that is done (or pulls from someone else now) needs its snapshot no more; a
         # snapshot no joiner needs is dropped (Role.retain), so it must be published anew when
         # a later request asks for the same step.
-        self._serving = {j: s for j, s in self._serving.items()
-                         if j in q.recovering and q.sources.get(j) == me}
+        members = set(q.replica_ids())
+        serving: dict[str, int] = {}
+        for j, step in self._serving.items():
+            if j in q.recovering and q.sources.get(j) == me:
+                serving[j], self._absent[j] = step, 0
+            elif j not in members and self._absent.get(j, 0) < ABSENT_QUORUMS:
+                # Not in this quorum: a joiner busy pulling may ask too late for it (join
+                # timeout), so its snapshot stays for a while; a dead one's goes after that.
+                serving[j], self._absent[j] = step, self._absent.get(j, 0) + 1
+        self._absent = {j: n for j, n in self._absent.items() if j in serving}
+        self._serving = serving
         if self._published_step not in self._serving.values():
             self._published_step = None
         for joiner, source in q.sources.items():

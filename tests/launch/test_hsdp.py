@@ -57,6 +57,8 @@ def test_hsdp_2x2_matches_one_group_of_2_and_a_single_process(tmp_path, demo_dat
     summary = LocalLauncher(hsdp, groups=2, ranks_per_group=2, progress=False).run()
     events = read_events(hsdp.run.path / "events.jsonl")
     check_invariants(summary, events, 2, steps=steps)
+    # GPU-hours count both ranks of each group (the launcher records the group size).
+    assert [e["ranks_per_group"] for e in events if e["kind"] == "run_start"] == [2]
     # The same global batches: one group of 2 ranks, and one process, each taking 2 x 8 samples.
     fsdp = make_config(tmp_path / "fsdp", demo_data, steps=steps, batch_size=2 * per_group)
     run_torchrun_like(fsdp, ranks=2)

@@ -211,8 +211,10 @@ class LocalLauncher:
                                               tls=self._tls_context())
         self.coordinator.start(self.config.ft.startup_timeout)
         url = self.coordinator.url
+        # ranks_per_group: GPU-hours count every rank of a group (ftlm.observe.cost).
         events.emit("run_start", step=-1, groups=self.n, coordinator=url,
-                    chaos_mtbf=self.chaos.mtbf, coordinator_pid=self.coordinator.pid)
+                    chaos_mtbf=self.chaos.mtbf, coordinator_pid=self.coordinator.pid,
+                    ranks_per_group=self.ranks)
         wall0 = time.time()
         handlers = self._install_signals()
         view = ConsoleView(self.config.train.steps, self.groups, bool(self.progress))

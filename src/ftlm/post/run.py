@@ -57,25 +57,14 @@ def load_tokenizer(config: RunConfig) -> Tokenizer:
 
 def load_reference(config: RunConfig, device: torch.device) -> Transformer:
     """The frozen reference model: post.reference, else train.init_from (the starting model)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_model
+    from ftlm.train.trainer import load_weights
     name = "post.reference" if config.post.reference else "train.init_from"
     path = Path(config.post.reference or config.train.init_from)
     if not str(path) or str(path) == ".":
         raise ConfigError("DPO and GRPO need a reference model: set train.init_from (or "
                           "post.reference) to a model.safetensors of an earlier run")
-    if not path.is_file():
-        raise ConfigError(f"{name}={str(path)!r} does not exist; point it at a model.safetensors "
-                          "written by a run (RUN_DIR/model.safetensors)")
     model = Transformer(config.model).to(device)
-    try:
-        missing, unexpected = load_model(model, str(path), strict=False)
-    except (SafetensorError, RuntimeError, OSError) as e:
-        raise DataError(f"{name}={str(path)!r} is not a model of this shape (model.* config) "
-                        f"or not a safetensors file: {e}") from None
-    if missing or unexpected:
-        raise DataError(f"{name}={str(path)!r} does not match the model config: missing "
-                        f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    load_weights(model, path, name)
     return model.eval().requires_grad_(False)
 
 

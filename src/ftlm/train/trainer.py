@@ -114,20 +114,21 @@ def build_model(config: RunConfig, device: torch.device) -> Transformer:
     return model
 
 
-def load_weights(model: Transformer, path: Path) -> None:
-    """Load ``model.safetensors`` weights (as ``Trainer.save_model`` writes them) into ``model``."""
+def load_weights(model: Transformer, path: Path, field: str = "train.init_from") -> None:
+    """Load ``model.safetensors`` weights (as ``Trainer.save_model`` writes them) into ``model``;
+    errors name the config ``field`` the path came from."""
     from safetensors import SafetensorError
     from safetensors.torch import load_model
     if not path.is_file():
-        raise ConfigError(f"train.init_from={str(path)!r} does not exist; point it at a "
+        raise ConfigError(f"{field}={str(path)!r} does not exist; point it at a "
                           "model.safetensors written by a run (RUN_DIR/model.safetensors)")
     try:
         missing, unexpected = load_model(model, str(path), strict=False)
     except (SafetensorError, RuntimeError, OSError) as e:
-        raise DataError(f"train.init_from={str(path)!r} is not a model of this shape "
+        raise DataError(f"{field}={str(path)!r} is not a model of this shape "
                         f"(model.* config) or not a safetensors file: {e}") from None
     if missing or unexpected:
-        raise DataError(f"train.init_from={str(path)!r} does not match the model config: "
+        raise DataError(f"{field}={str(path)!r} does not match the model config: "
                         f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
 
 

@@ -739,3 +739,37 @@ def test_a_member_declared_dead_that_speaks_again_is_told_so() -> None:
     answer("g0", 1.5)  # g1 silent past the timeout: declared dead
     assert answer("g1", 1.6).get("declared_dead") is True  # it speaks again: told once
     assert "declared_dead" not in answer("g1", 1.7)
+
+
+def test_a_job_finished_through_leave_is_never_rolled_back_for_a_late_group() -> None:
+    """Soak finding: every group finished and left (``POST /v1/leave`` reason "finished") while
+    one was dead; its restart at step 0 rolled the job back and trained it again alone. The rule
+    existed in ``quorum.remove_member`` but the coordinator's leave never passed it on."""
+    from ftlm.ft.membership import Event, Issued, Membership
+    from ftlm.ft.quorum import MemberRequest, QuorumOptions
+
+    m = Membership(QuorumOptions(1, 1.0, 1.0, 2, rebuild_grace=0.0, rollback_grace=0.5), epoch="e")
+    claims = {g: (0, GENESIS, -1) for g in ("g0", "g1")}
+    now = 0.0
+    for _ in range(3):  # both groups train three steps
+        for g in claims:
+            m.heartbeat(now, Heartbeat(f"{g}:a", g, now, claims[g][0], claims[g][2], claims[g][1]))
+        issued = [o.quorum for g in claims for o in m.request(now, MemberRequest(
+            f"{g}:a", g, claims[g][0], claims[g][2], False, {}, now, claims[g][1])) if isinstance(o, Issued)]
+        q = issued[-1]
+        claims = {g: (q.step + 1, q.next_chain(), q.quorum_id) for g in claims}
+        now += 0.1
+    for g in claims:
+        m.heartbeat(now, Heartbeat(f"{g}:a", g, now, claims[g][0], claims[g][2], claims[g][1]))
+    m.tick(now)
+    assert m.state.head == (3, claims["g0"][1])
+    m.leave(now, "g0:a", "g0", "finished")
+    m.report_dead(now, "g1:a", "g1", "SIGKILL")  # g1 died before it could leave
+    outputs = []
+    for t in (1.0, 2.0, 4.0):  # g1's new incarnation starts from scratch, past the rollback grace
+        outputs += m.heartbeat(t, Heartbeat("g1:b", "g1", t, 0))[1]
+        outputs += m.request(t, MemberRequest("g1:b", "g1", 0, -1, False, {}, t, GENESIS))
+        outputs += m.tick(t + 0.5)
+    assert not [o for o in outputs if isinstance(o, Issued) or getattr(o, "kind", "") == "restore"], outputs
+    assert not [o for o in outputs if isinstance(o, Event) and o.kind == "restore"]
+    assert m.state.head[0] == 3 and "the job finished at step 3" in m.reason

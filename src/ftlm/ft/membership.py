@@ -120,7 +120,8 @@ class Membership:
     def leave(self, now: float, replica_id: str, group: str, reason: str) -> list[Output]:
         """A group leaves on purpose (finished, preempted, stopped): not a failure."""
         out: list[Output] = []
-        if remove_member(self.state, replica_id, now):
+        # A group that leaves having finished holds the job's final state: it is never rolled back.
+        if remove_member(self.state, replica_id, now, finished=reason == "finished"):
             out.append(Event("member_left", {"group": group, "replica_id": replica_id, "reason": reason}))
         out.append(Answer(replica_id, 409, {"error": f"{replica_id} left the job ({reason})"}))
         return out + self.tick(now)

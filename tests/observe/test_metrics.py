@@ -10,8 +10,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ftlm.errors import ConfigError
+from ftlm.observe.events import NullEvents
 from ftlm.observe.metrics import (
     COORDINATOR_METRICS,
+    LAZY,
     TRAINING_METRICS,
     NullMetrics,
     TrainingMetrics,
@@ -50,24 +52,29 @@ def exporter():
 def feed(m: TrainingMetrics, steps: int) -> None:
     for step in range(steps):
         m.on_quorum(quorum_id=3, participants=2, recovering=1, wait_seconds=0.02)
-        m.on_allreduce(0.03)
+        m.on_allreduce(0.03, nbytes=4096)
         m.on_commit(step, loss=4.0 - step, tokens=1024, step_seconds=0.5, lr=1e-3, grad_norm=0.7,
                     mfu=0.41, data_wait_seconds=0.05)
 
 
-def test_every_family_in_the_table_is_exported_with_only_job_group_rank(exporter) -> None:
+def test_every_family_in_the_table_is_exported_with_only_job_group_rank(exporter, tmp_path) -> None:
     m = exporter("chaos", "g0", 1)
+    m.watch_storage(tmp_path, tmp_path / "checkpoints")
+    events = m.watch_events(NullEvents("g0"))
+    for step in range(3):
+        events.emit("commit", step=step, samples=[8 * step, 8 * step + 8], tokens=1024)
     feed(m, 3)
     m.on_step_failed()
     m.on_recovery(seconds=2.5, nbytes=4096)
     m.on_catchup_lag(7)
     m.on_stall(1.25)
+    (tmp_path / "checkpoints" / "step-3").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-3" / "data.distcp").write_bytes(b"x" * 1000)
+    m.on_checkpoint(3, 0.75, tmp_path / "checkpoints" / "step-3")
     got = scrape(m.port)
-    memory_only = {"ftlm_cuda_memory_allocated_bytes", "ftlm_cuda_memory_reserved_bytes",
-                   "ftlm_cuda_memory_peak_bytes", "ftlm_gpu_utilization_ratio", "ftlm_gpu_power_watts"}
     ftlm = {name for name in got if name.startswith("ftlm_")}
     assert ftlm == set(TRAINING_METRICS), ftlm ^ set(TRAINING_METRICS)
-    for name in set(TRAINING_METRICS) - memory_only:
+    for name in set(TRAINING_METRICS) - LAZY:
         for labels in got[name]["labels"]:
             assert {k: v for k, v in labels.items() if k != "le"} == {"job": "chaos", "group": "g0", "rank": "1"}
     assert got["ftlm_train_step"]["ftlm_train_step"] == 2
@@ -92,6 +99,15 @@ def test_every_family_in_the_table_is_exported_with_only_job_group_rank(exporter
     assert got["ftlm_ft_recovery_duration_seconds"]["ftlm_ft_recovery_duration_seconds_sum"] == 2.5
     assert got["ftlm_ft_catchup_lag_steps"]["ftlm_ft_catchup_lag_steps"] == 7
     assert got["ftlm_ft_stall_seconds"]["ftlm_ft_stall_seconds_sum"] == 1.25
+    assert got["ftlm_ft_allreduce_bytes_total"]["ftlm_ft_allreduce_bytes_total"] == 3 * 4096
+    assert got["ftlm_checkpoint_written_bytes_total"]["ftlm_checkpoint_written_bytes_total"] == 1000
+    assert got["ftlm_checkpoint_write_seconds"]["ftlm_checkpoint_write_seconds_sum"] == 0.75
+    assert 0 <= got["ftlm_checkpoint_age_seconds"]["ftlm_checkpoint_age_seconds"] < 60
+    assert got["ftlm_run_dir_free_bytes"]["ftlm_run_dir_free_bytes"] > 0
+    assert 0 < got["ftlm_train_ett_ratio"]["ftlm_train_ett_ratio"] <= 1
+    # No GPU in use: the GPU and CUDA families have no series at all (not zeros).
+    for name in LAZY:
+        assert got[name]["labels"] == [], name
 
 
 def test_names_follow_the_design_conventions() -> None:

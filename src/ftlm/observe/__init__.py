@@ -2,7 +2,8 @@
 
 ``events`` writes and reads ``events.jsonl``; ``summary`` turns events into ``summary.json``
 (data accounting, stalls, ETT); ``report`` renders ``report.md`` and the console summary.
-Prometheus metrics and dashboards are not here yet.
+``metrics`` exports a rank's Prometheus families (with ``gpu``: NVML, ``live``: the live ETT,
+``tracing``: OpenTelemetry spans); ``charts`` draws the coordinator page's charts.
 """
 
 from ftlm.observe.events import KINDS, EventLog, Events, NullEvents, read_events

@@ -2,7 +2,10 @@
 
 Responsible for: the names, types and help texts of all metric families (training ranks and the
 coordinator; dashboards and tests read them from here), recording what the trainer and the FT
-manager report, sampling process and accelerator memory, and serving one rank's registry over HTTP.
+manager report, sampling process and accelerator memory and GPU health (``ftlm.observe.gpu``),
+the families computed when Prometheus scrapes (checkpoint age, free space of the run directory,
+live ETT from ``ftlm.observe.live``), handing the same reports to the rank's OpenTelemetry tracer
+(``ftlm.observe.tracing``), and serving one rank's registry over HTTP.
 
 Not responsible for: deciding when to report (the trainer and manager call the ``on_*`` methods),
 the coordinator's own bookkeeping (``ftlm.ft.coordinator`` fills the coordinator families), or
@@ -25,13 +28,22 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import shutil
 import sys
 import threading
-from typing import Any
+import time
+from pathlib import Path
+from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 from ftlm.errors import ConfigError
+from ftlm.observe.config import ObserveConfig
+from ftlm.observe.events import Events
+from ftlm.observe.gpu import cuda_device, gpu_sampler
+from ftlm.observe.live import LiveEtt, WatchedEvents
+from ftlm.observe.tracing import NullTracer, StepTracer, make_tracer
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +71,38 @@ TRAINING_METRICS: dict[str, tuple[str, str]] = {
     "ftlm_cuda_memory_peak_bytes": ("gauge", "Peak CUDA memory held by tensors since start"),
     "ftlm_gpu_utilization_ratio": ("gauge", "GPU busy fraction reported by NVML (0..1)"),
     "ftlm_gpu_power_watts": ("gauge", "GPU power draw reported by NVML"),
+    "ftlm_gpu_temperature_celsius": ("gauge", "GPU temperature reported by NVML"),
+    "ftlm_gpu_memory_used_bytes": ("gauge", "Device memory in use on the GPU (all processes) reported by NVML"),
     "ftlm_ft_quorum_id": ("gauge", "Id of the quorum of the current step"),
     "ftlm_ft_participants": ("gauge", "Replica groups training in the current quorum"),
     "ftlm_ft_recovering": ("gauge", "Replica groups catching up in the current quorum"),
     "ftlm_ft_quorum_wait_seconds": ("histogram", "Seconds waiting for the coordinator's quorum"),
     "ftlm_ft_allreduce_seconds": ("histogram", "Seconds of the cross-group gradient all-reduce"),
+    "ftlm_ft_allreduce_bytes_total": ("counter", "Gradient bytes this rank put into the cross-group all-reduce"),
     "ftlm_ft_steps_failed_total": ("counter", "Steps this rank voted not to commit"),
     "ftlm_ft_recoveries_total": ("counter", "Completed recoveries from a healthy peer"),
     "ftlm_ft_recovery_duration_seconds": ("histogram", "Seconds of one recovery from a healthy peer"),
     "ftlm_ft_recovery_bytes_total": ("counter", "Bytes of state received while recovering"),
     "ftlm_ft_catchup_lag_steps": ("gauge", "Steps this group is behind the participants"),
     "ftlm_ft_stall_seconds": ("histogram", "Stall per failure or rejoin as seen by this group"),
+    "ftlm_checkpoint_write_seconds": ("histogram", "Seconds to write one durable checkpoint (save to marker)"),
+    "ftlm_checkpoint_written_bytes_total": ("counter", "Bytes of durable checkpoints this rank wrote"),
+    "ftlm_checkpoint_last_saved_timestamp_seconds": ("gauge", "Unix time of the newest durable checkpoint"),
+    "ftlm_checkpoint_age_seconds": ("gauge", "Seconds since the newest durable checkpoint"),
+    "ftlm_run_dir_free_bytes": ("gauge", "Free bytes on the file system of the run directory"),
+    "ftlm_train_ett_ratio": ("gauge", "Effective training time so far as this group saw it, as summary.json computes it (0..1)"),
 }
+
+LAZY = frozenset(("ftlm_cuda_memory_allocated_bytes", "ftlm_cuda_memory_reserved_bytes",
+                  "ftlm_cuda_memory_peak_bytes", "ftlm_gpu_utilization_ratio", "ftlm_gpu_power_watts",
+                  "ftlm_gpu_temperature_celsius", "ftlm_gpu_memory_used_bytes"))
+"""Families with a series only once a value exists: without a GPU they are not exported at all."""
+AT_SCRAPE = ("ftlm_checkpoint_last_saved_timestamp_seconds", "ftlm_checkpoint_age_seconds",
+             "ftlm_run_dir_free_bytes", "ftlm_train_ett_ratio")
+"""Families computed when Prometheus scrapes (``_ScrapeTimeCollector``), each exported once known."""
+CHECKPOINT_MARKER = "COMPLETE"
+"""The file that makes a checkpoint directory valid (``ftlm.train.checkpoint.MARKER``; observe may
+not import train): its modification time is the checkpoint's time."""
 
 COORDINATOR_METRICS: dict[str, tuple[str, str]] = {
     "ftlm_coordinator_quorum_id": ("gauge", "Id of the latest issued quorum"),
@@ -87,6 +119,7 @@ COORDINATOR_METRICS: dict[str, tuple[str, str]] = {
     "ftlm_coordinator_quorum_latency_seconds": ("histogram", "Seconds from a round's first request to its quorum"),
 }
 
+CHECKPOINT_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 RECOVERY_BUCKETS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -128,25 +161,41 @@ class TrainingMetrics:
     any thread; each updates a few prometheus_client values (lock-free reads for the scraper).
     """
 
-    def __init__(self, job: str, group: str, rank: int | str, port: int = 0, host: str = "127.0.0.1") -> None:
+    def __init__(self, job: str, group: str, rank: int | str, port: int = 0, host: str = "127.0.0.1",
+                 tracer: NullTracer | StepTracer | None = None) -> None:
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
             raise ConfigError(f"metrics port={port!r} must be an integer in [0, 65535] (0: any free port)")
         self.job, self.group, self.rank = str(job), str(group), str(rank)
         self.host, self._want_port = host, port
         self.registry = CollectorRegistry(auto_describe=True)
-        values = (self.job, self.group, self.rank)
+        self._values = (self.job, self.group, self.rank)
         buckets = {"ftlm_train_step_duration_seconds": STEP_BUCKETS,
                    "ftlm_ft_recovery_duration_seconds": RECOVERY_BUCKETS,
-                   "ftlm_ft_stall_seconds": RECOVERY_BUCKETS}
-        # One child per family: the label values are fixed for the life of this exporter.
-        self._m: dict[str, Any] = {
-            name: make_metric(name, self.registry, LABELS, buckets.get(name, WAIT_BUCKETS)).labels(*values)
-            for name in TRAINING_METRICS
-        }
+                   "ftlm_ft_stall_seconds": RECOVERY_BUCKETS,
+                   "ftlm_checkpoint_write_seconds": CHECKPOINT_BUCKETS}
+        self._families = {name: make_metric(name, self.registry, LABELS, buckets.get(name, WAIT_BUCKETS))
+                          for name in TRAINING_METRICS if name not in AT_SCRAPE}
+        # One child per family: the label values are fixed for the life of this exporter. The
+        # LAZY families get theirs on their first value (see _set).
+        self._m: dict[str, Any] = {name: family.labels(*self._values)
+                                   for name, family in self._families.items() if name not in LAZY}
+        self.tracer = tracer if tracer is not None else NullTracer()
+        self.live = LiveEtt()
+        self._storage: tuple[Path, Path | None] | None = None  # (run dir, checkpoints dir)
+        self._saved_at: float | None = None  # unix time of this process's newest checkpoint
+        self.registry.register(_ScrapeTimeCollector(self))
         self._server: Any = None
         self._thread: threading.Thread | None = None
-        self._gpu_failed = False  # NVML missing or broken: stop asking (and logging) every sample
+        self._gpu: Any = None  # None: not tried yet (no CUDA in use yet); False: unavailable
+        self._step_started: float | None = None  # monotonic end of the previous step (tracing)
+        self._last_step = -1  # the last committed step: a failed attempt is of the one after it
         self._m["ftlm_eval_loss"].set(float("nan"))  # no evaluation yet; 0 would read as a loss
+
+    def _set(self, name: str, value: float) -> None:
+        child = self._m.get(name)
+        if child is None:
+            child = self._m[name] = self._families[name].labels(*self._values)
+        child.set(value)
 
     @property
     def port(self) -> int:
@@ -166,7 +215,12 @@ class TrainingMetrics:
         return self.port
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop serving and join the server thread (bounded); safe to call twice."""
+        """Stop serving and join the server thread (bounded), flush the tracer; safe to call twice."""
+        tracer, self.tracer = self.tracer, NullTracer()
+        tracer.shutdown()
+        if self._gpu:
+            self._gpu.close()
+            self._gpu = False
         server, thread = self._server, self._thread
         if server is None:
             return
@@ -199,9 +253,15 @@ class TrainingMetrics:
         if mfu is not None:
             m["ftlm_train_mfu_ratio"].set(mfu)
         m["ftlm_train_data_wait_seconds_total"].inc(max(data_wait_seconds, 0.0))
+        self.tracer.end_step(step, step_seconds, "commit", tokens=tokens)
+        self._step_started, self._last_step = time.monotonic(), step
 
     def on_step_failed(self) -> None:
         self._m["ftlm_ft_steps_failed_total"].inc()
+        now = time.monotonic()
+        seconds = now - self._step_started if self._step_started is not None else 0.0
+        self.tracer.end_step(self._last_step + 1, seconds, "failed")
+        self._step_started = now
 
     def on_eval(self, loss: float) -> None:
         """The held-out loss of the model just evaluated (ftlm.train.evaluate)."""
@@ -215,15 +275,22 @@ class TrainingMetrics:
         self._m["ftlm_ft_participants"].set(participants)
         self._m["ftlm_ft_recovering"].set(recovering)
         self._m["ftlm_ft_quorum_wait_seconds"].observe(max(wait_seconds, 0.0))
+        self.tracer.phase("quorum", wait_seconds, quorum_id=quorum_id, participants=participants,
+                          recovering=recovering)
 
-    def on_allreduce(self, seconds: float) -> None:
+    def on_allreduce(self, seconds: float, nbytes: int = 0) -> None:
+        """The cross-group all-reduce of a step took ``seconds`` for ``nbytes`` of this rank's
+        gradient (bytes over seconds is the rate per link that dashboards show)."""
         self._m["ftlm_ft_allreduce_seconds"].observe(max(seconds, 0.0))
+        self._m["ftlm_ft_allreduce_bytes_total"].inc(max(nbytes, 0))
+        self.tracer.phase("allreduce", seconds, bytes=max(nbytes, 0))
 
     def on_recovery(self, seconds: float, nbytes: int) -> None:
         """A recovery from a healthy peer completed, receiving ``nbytes`` in ``seconds``."""
         self._m["ftlm_ft_recoveries_total"].inc()
         self._m["ftlm_ft_recovery_duration_seconds"].observe(max(seconds, 0.0))
         self._m["ftlm_ft_recovery_bytes_total"].inc(max(nbytes, 0))
+        self.tracer.span("recovery", seconds, bytes=max(nbytes, 0))
 
     def on_catchup_lag(self, steps: int) -> None:
         self._m["ftlm_ft_catchup_lag_steps"].set(max(steps, 0))
@@ -231,6 +298,55 @@ class TrainingMetrics:
     def on_stall(self, seconds: float) -> None:
         """This (healthy) group waited ``seconds`` longer than a normal step because of a failure."""
         self._m["ftlm_ft_stall_seconds"].observe(max(seconds, 0.0))
+
+    # ----------------------------------------------------------------- storage and the record
+
+    def on_checkpoint(self, step: int, seconds: float, path: Path | str) -> None:
+        """A durable checkpoint of ``step`` is complete in ``path`` after ``seconds``; its bytes
+        are the files in ``path`` (this rank's share when several ranks write)."""
+        nbytes = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+        self._m["ftlm_checkpoint_write_seconds"].observe(max(seconds, 0.0))
+        self._m["ftlm_checkpoint_written_bytes_total"].inc(nbytes)
+        self._saved_at = time.time()
+        self.tracer.span("checkpoint", seconds, step=step, bytes=nbytes)
+
+    def watch_storage(self, run_dir: Path | str, checkpoints: Path | str | None = None) -> None:
+        """Export the free space of ``run_dir``'s file system and, from ``checkpoints`` (the
+        durable checkpoints' root, shared or not), the time and age of the newest one; both are
+        read when Prometheus scrapes."""
+        self._storage = (Path(run_dir), Path(checkpoints) if checkpoints is not None else None)
+
+    def watch_events(self, events: Events) -> Events:
+        """``events``, wrapped so that every event emitted also feeds the live ETT gauge."""
+        return WatchedEvents(events, self.live)
+
+    def _newest_checkpoint(self) -> float | None:
+        times = [self._saved_at] if self._saved_at is not None else []
+        root = self._storage[1] if self._storage else None
+        if root is not None:
+            for marker in root.glob(f"*/{CHECKPOINT_MARKER}"):
+                try:
+                    times.append(marker.stat().st_mtime)
+                except OSError:
+                    continue  # rotated away meanwhile
+        return max(times, default=None)
+
+    def at_scrape(self) -> dict[str, float]:
+        """The ``AT_SCRAPE`` families that have a value now, by name."""
+        got: dict[str, float] = {}
+        newest = self._newest_checkpoint()
+        if newest is not None:
+            got["ftlm_checkpoint_last_saved_timestamp_seconds"] = newest
+            got["ftlm_checkpoint_age_seconds"] = max(0.0, time.time() - newest)
+        if self._storage is not None:
+            try:
+                got["ftlm_run_dir_free_bytes"] = float(shutil.disk_usage(self._storage[0]).free)
+            except OSError:
+                pass  # the directory is gone (end of a test, an unmounted volume): not known
+        ett = self.live.value()
+        if ett is not None:
+            got["ftlm_train_ett_ratio"] = ett
+        return got
 
     # -------------------------------------------------------------------------------- memory
 
@@ -240,29 +356,37 @@ class TrainingMetrics:
         Cheap enough to call once per step (NVML adds about a millisecond on a GPU machine).
         """
         got: dict[str, float] = {"ftlm_process_resident_memory_bytes": float(_rss_bytes())}
-        torch = sys.modules.get("torch")  # never import torch just for metrics
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            dev = torch.cuda.current_device()
+        cuda = cuda_device()
+        if cuda is not None:
+            torch, dev = cuda
             got["ftlm_cuda_memory_allocated_bytes"] = float(torch.cuda.memory_allocated(dev))
             got["ftlm_cuda_memory_reserved_bytes"] = float(torch.cuda.memory_reserved(dev))
             got["ftlm_cuda_memory_peak_bytes"] = float(torch.cuda.max_memory_allocated(dev))
-            got.update(self._nvml(torch, dev))
+            if self._gpu is None:  # first sample with CUDA in use: find NVML once
+                self._gpu = gpu_sampler(torch, dev) or False
+        if self._gpu:
+            got.update(self._gpu.sample())
         for name, value in got.items():
-            self._m[name].set(value)
+            self._set(name, value)
         return got
 
-    def _nvml(self, torch: Any, dev: int) -> dict[str, float]:
-        # torch maps the device through CUDA_VISIBLE_DEVICES to NVML's index for us; it needs
-        # pynvml (package nvidia-ml-py), which is optional, so its absence only disables these two.
-        if self._gpu_failed:
-            return {}
-        try:
-            return {"ftlm_gpu_utilization_ratio": torch.cuda.utilization(dev) / 100.0,
-                    "ftlm_gpu_power_watts": torch.cuda.power_draw(dev) / 1000.0}  # NVML reports mW
-        except Exception as e:  # noqa: BLE001 - ModuleNotFoundError, NVML errors: both mean "not here"
-            self._gpu_failed = True
-            log.info("GPU utilisation and power not exported (install nvidia-ml-py for them): %s", e)
-            return {}
+
+class _ScrapeTimeCollector:
+    """Yields a rank's ``AT_SCRAPE`` families, computed when Prometheus asks."""
+
+    def __init__(self, metrics: TrainingMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(name, TRAINING_METRICS[name][1], labels=LABELS) for name in AT_SCRAPE]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        values = self.metrics.at_scrape()
+        for name in AT_SCRAPE:
+            if name in values:
+                family = GaugeMetricFamily(name, TRAINING_METRICS[name][1], labels=LABELS)
+                family.add_metric(list(self.metrics._values), values[name])
+                yield family
 
 
 class NullMetrics:
@@ -290,7 +414,7 @@ class NullMetrics:
     def on_quorum(self, quorum_id: int, participants: int, recovering: int, wait_seconds: float) -> None:
         pass
 
-    def on_allreduce(self, seconds: float) -> None:
+    def on_allreduce(self, seconds: float, nbytes: int = 0) -> None:
         pass
 
     def on_recovery(self, seconds: float, nbytes: int) -> None:
@@ -302,5 +426,43 @@ class NullMetrics:
     def on_stall(self, seconds: float) -> None:
         pass
 
+    def on_checkpoint(self, step: int, seconds: float, path: Path | str) -> None:
+        pass
+
+    def watch_storage(self, run_dir: Path | str, checkpoints: Path | str | None = None) -> None:
+        pass
+
+    def watch_events(self, events: Events) -> Events:
+        return events
+
+    def at_scrape(self) -> dict[str, float]:
+        return {}
+
     def sample_memory(self) -> dict[str, float]:
         return {}
+
+
+def start_rank_metrics(config: ObserveConfig, job: str, group: str, rank: int,
+                       run_dir: Path | str | None = None, checkpoints: Path | str | None = None,
+                       ) -> tuple[TrainingMetrics | NullMetrics, int]:
+    """The metrics (and tracer) of one training rank as ``config`` asks, started; returns them
+    with the port they serve on (0 when not serving).
+
+    Metrics on: served on ``FTLM_METRICS_PORT`` (what the launchers set), else
+    ``observe.metrics_port + rank`` when a base port is configured, else a free port. Tracing on
+    and metrics off: the same reports feed the tracer, nothing is served. Both off: ``NullMetrics``.
+    ``run_dir`` and ``checkpoints`` turn on the storage families (``TrainingMetrics.watch_storage``).
+    """
+    if not config.metrics and not config.tracing:
+        return NullMetrics(), 0
+    tracer = make_tracer(config.tracing, config.otlp_endpoint, job, group, rank)
+    from_env = os.environ.get("FTLM_METRICS_PORT", "")
+    try:
+        port = int(from_env or 0) or (config.metrics_port + rank if config.metrics_port else 0)
+    except ValueError:
+        raise ConfigError(f"FTLM_METRICS_PORT={from_env!r} must be a port number") from None
+    metrics = TrainingMetrics(job=job, group=group, rank=rank, port=port, host=config.metrics_host,
+                              tracer=tracer)
+    if run_dir is not None:
+        metrics.watch_storage(run_dir, checkpoints)
+    return metrics, metrics.start() if config.metrics else 0

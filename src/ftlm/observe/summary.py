@@ -475,6 +475,37 @@ def ett(tokens_committed: float, wall_seconds: float, steady_tps: float) -> floa
     return tokens_committed / denominator if denominator > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class EttFigures:
+    """ETT and its inputs, all measured over one record (see ``ett_figures``)."""
+
+    ett: float
+    tokens: int
+    """Tokens of the committed steps, each step counted once."""
+    wall_seconds: float
+    """The record's wall time (``record_wall_seconds``)."""
+    steady_tps: float
+    """The steady committed-token rate, at least the record's average rate."""
+    median_step_seconds: float
+
+
+def ett_figures(events: list[dict], wall_seconds: float,
+                steps: list[StepRecord] | None = None) -> EttFigures:
+    """ETT of ``events`` (a final history: ``final_history`` applied) over ``wall_seconds``,
+    exactly as ``summary.json`` reports it; ``ftlm.observe.live`` computes the live gauge with it.
+    ``steps`` may pass ``commit_steps(events)`` when the caller has it already."""
+    steps = commit_steps(events) if steps is None else steps
+    median = median_step_seconds(events)
+    margin = max(STEADY_MARGIN_STEPS * median, STEADY_MARGIN_SECONDS)
+    steady = steady_tokens_per_second(events, disturbance_times(events), margin)
+    tokens = sum(rec.tokens for rec in steps)
+    # One record for all three inputs of ETT, so that it cannot exceed 1 (see ``ett``).
+    wall = record_wall_seconds(events, wall_seconds)
+    steady = max(steady, tokens / wall) if steady > 0 and wall > 0 else steady
+    return EttFigures(ett=ett(tokens, wall, steady), tokens=tokens, wall_seconds=wall,
+                      steady_tps=steady, median_step_seconds=median)
+
+
 def final_eval_loss(events: list[dict]) -> float | None:
     """Held-out loss of the last evaluated step (``eval`` events; any group, they agree)."""
     evals = [e for e in events if e["kind"] == "eval" and e.get("loss") is not None]
@@ -495,20 +526,16 @@ def build_summary(events: list[dict], *, wall_seconds: float, state_hashes: dict
     events = final_history(recorded)[0]
     ledger = failure_ledger(events)
     steps = commit_steps(events)
-    median = median_step_seconds(events)
-    margin = max(STEADY_MARGIN_STEPS * median, STEADY_MARGIN_SECONDS)
-    steady = steady_tokens_per_second(events, disturbance_times(events), margin)
-    tokens = sum(rec.tokens for rec in steps)
-    # One record for all three inputs of ETT, so that it cannot exceed 1 (see ``ett``).
-    wall_seconds = record_wall_seconds(events, wall_seconds)
-    steady = max(steady, tokens / wall_seconds) if steady > 0 and wall_seconds > 0 else steady
+    figures = ett_figures(events, wall_seconds, steps)
+    median, steady, tokens = figures.median_step_seconds, figures.steady_tps, figures.tokens
+    wall_seconds = figures.wall_seconds
     hashes = dict(state_hashes)
     summary = {
         "steps_committed": len(steps),
         "steps_failed": sum(1 for e in events if e["kind"] == "step_failed"),
         "wall_seconds": round(float(wall_seconds), 3),
         "tokens_committed": tokens,
-        "ett": round(ett(tokens, wall_seconds, steady), 4),
+        "ett": round(figures.ett, 4),
         "failures_injected": len(ledger.injected),
         "failures_detected": len(ledger.detected),
         "failures_undetected": len(ledger.undetected),

@@ -9,7 +9,8 @@ that each alert fires when it should and not otherwise).
 The alerts: a replica group down (seen in the last 30 minutes, no fresh heartbeat now); no
 committed step for a while; the p90 stall of the healthy groups above a bound; member failures
 above a rate; effective training time (ETT, the share of wall time spent in committed steps)
-below a bound; the last durable checkpoint too old, once the trainers export its time.
+below a bound; the newest durable checkpoint older than a bound (``ftlm_checkpoint_age_seconds``,
+which every rank computes from the checkpoint directory when scraped).
 
 It only writes rules: it does not evaluate them, and it reads no metric (names come from
 ``ftlm.observe.metrics``, so a rule never refers to a family nobody exports).
@@ -25,9 +26,8 @@ from ftlm.errors import ConfigError
 from ftlm.observe.metrics import metric_names
 from ftlm.launch.yaml_text import dump_yaml
 
-# The trainers' time of their last durable checkpoint; the checkpoint alert appears once the
-# trainers export it (ftlm.observe.metrics lists it).
-CHECKPOINT_TIME = "ftlm_checkpoint_last_saved_timestamp_seconds"
+CHECKPOINT_AGE = "ftlm_checkpoint_age_seconds"
+"""Seconds since the newest durable checkpoint, as each rank sees its checkpoint directory."""
 
 
 @dataclass(frozen=True)
@@ -113,15 +113,16 @@ def prometheus_rule_groups(bounds: AlertBounds, job: str = "") -> list[dict[str,
              "15m", "warning", "{{ $labels.job }} trains {{ $value | humanizePercentage }} of the time",
              "Effective training time (committed steps x mean step time, per wall second) of the "
              "best group over 30 minutes: the rest goes to stalls, recoveries and failed steps."),
+        # The freshest view of any rank: a group without the shared volume sees no checkpoint
+        # (no series), one that wrote or can read the newest sees its true age.
+        rule("FtlmCheckpointStale",
+             f"min by (job) ({m(CHECKPOINT_AGE)}) > {b.checkpoint_age_seconds:g}",
+             "5m", "warning",
+             "The newest checkpoint of {{ $labels.job }} is {{ $value | humanizeDuration }} old",
+             "No durable checkpoint recently: a loss of every group at once would cost this much "
+             "training. Check checkpoint.every, the writer group's log and the volume's free "
+             "space (ftlm_run_dir_free_bytes)."),
     ]
-    if CHECKPOINT_TIME in metric_names():
-        rules.append(rule(
-            "FtlmCheckpointStale",
-            f"time() - max by (job) ({m(CHECKPOINT_TIME)}) > {b.checkpoint_age_seconds:g}",
-            "5m", "warning",
-            "The newest checkpoint of {{ $labels.job }} is {{ $value | humanizeDuration }} old",
-            "No durable checkpoint recently: a loss of every group at once would cost this much "
-            "training. Check checkpoint.every and the volume."))
     return [{"name": f"ftlm-{job}" if job else "ftlm", "rules": rules}]
 
 

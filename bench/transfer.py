@@ -6,9 +6,16 @@ in one run and as the median of ``--reps`` interleaved repetitions:
 
 * the source's snapshot copy (``snapshot_state``) into a fresh buffer, and the same bytes copied
   into an already-touched buffer (the part of the copy that is page faults);
-* the per-chunk sha256 table a source computes before it serves the header;
-* ``fetch_snapshot`` with 1 and 4 connections, and a raw loopback socket moving the same bytes
-  (the ceiling), as GB/s and as a fraction of loopback (issue 11's target: >= 70%).
+* the per-chunk digests a source computes as it first serves each chunk (XXH3-128), and what
+  sha256, the digest before issue 11, costs for the same chunks;
+* ``fetch_snapshot`` of a freshly published snapshot (the source computes each chunk's digest as
+  it serves it) with 4 connections, and of an already served one with 1 and 4 connections;
+* a raw loopback socket moving the same bytes (the ceiling): ``sendall`` from the snapshot's
+  buffer, ``recv_into`` a fresh buffer of the same kind the fetch allocates, no HTTP, no checks.
+
+Each row also gives the CPU seconds the whole process spent (both ends run in it), which says
+where the time goes on a machine with few cores: the kernel's two copies of every byte (send and
+receive), page faults of the fresh destination buffer, and the digests.
 
 Not measured here: the healthy groups' step time during a rejoin, which needs whole jobs
 (``python -m bench.ft_vs_torchft --parts 3``).
@@ -17,24 +24,33 @@ Not measured here: the healthy groups' step time during a rejoin, which needs wh
 from __future__ import annotations
 
 import argparse
+import hashlib
+import resource
 import socket
 import statistics
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
 from bench.common import section_header, table, write_section
-from ftlm.ft.framing import chunk_table
+from ftlm.ft.framing import ChunkTable, chunk_digest
 from ftlm.ft.transport import SnapshotServer, fetch_snapshot, snapshot_state
 
 SECTION = "transfer"
+CHUNK = 4 << 20
 
 
-def _loopback(nbytes: int) -> float:
-    """Seconds to move ``nbytes`` through one loopback TCP connection (sendall / recv_into)."""
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _loopback(payload: memoryview) -> None:
+    """Move ``payload`` through one loopback TCP connection (sendall / recv_into)."""
+    nbytes = payload.nbytes
     server = socket.create_server(("127.0.0.1", 0))
-    payload = memoryview(bytearray(nbytes))
 
     def send() -> None:
         conn, _ = server.accept()
@@ -43,77 +59,99 @@ def _loopback(nbytes: int) -> float:
 
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
-    sink = memoryview(bytearray(nbytes))
+    sink = memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy())  # like fetch's buffer
     got = 0
     with socket.create_connection(server.getsockname()) as conn:
-        t0 = time.perf_counter()
         while got < nbytes:
-            n = conn.recv_into(sink[got:], min(1 << 20, nbytes - got))
+            n = conn.recv_into(sink[got:], min(CHUNK, nbytes - got))
             if not n:
                 raise RuntimeError(f"loopback closed after {got} of {nbytes} bytes")
             got += n
-        seconds = time.perf_counter() - t0
     sender.join(30)
     server.close()
-    return seconds
 
 
-def measure(mb: int, reps: int) -> dict[str, list[float]]:
+def _digests(view: memoryview, digest: Callable[[memoryview], object]) -> None:
+    for chunk in ChunkTable(view.nbytes, CHUNK):
+        digest(view[chunk.offset:chunk.offset + chunk.nbytes])
+
+
+ROWS = ("copy_fresh", "copy_touched", "xxh3", "sha256", "fetch4_fresh", "fetch1", "fetch4",
+        "loopback")
+
+
+def _one_rep(server: SnapshotServer, state: dict[str, torch.Tensor], step: int,
+             timed: Callable[[str, Callable[[], object]], object]) -> None:
+    snap = timed("copy_fresh", lambda: snapshot_state(state, {"step": step}, step))
+    buf = snap.buffer
+
+    def copy_again() -> None:
+        for entry, t in zip(snap.tensors, state.values()):
+            buf[entry.offset:entry.offset + entry.nbytes].copy_(t.reshape(-1).view(torch.uint8))
+
+    timed("copy_touched", copy_again)
+    timed("xxh3", lambda: _digests(snap.view(), chunk_digest))
+    timed("sha256", lambda: _digests(snap.view(), lambda b: hashlib.sha256(b).digest()))
+    server.publish(snap)  # fresh: no chunk digest computed yet
+    for key, par in (("fetch4_fresh", 4), ("fetch1", 1), ("fetch4", 4)):
+        timed(key, lambda par=par: fetch_snapshot(server.url, step, timeout=120, parallel=par))
+    timed("loopback", lambda: _loopback(snap.view()))
+
+
+def measure(mb: int, reps: int) -> dict[str, list[tuple[float, float]]]:
+    """(wall seconds, process CPU seconds) per repetition of each operation."""
     nbytes = mb << 20
     state = {"w": torch.randn(nbytes // 8), "m": torch.randn(nbytes // 8)}
-    meta = {"step": 1}
-    out: dict[str, list[float]] = {k: [] for k in (
-        "copy_fresh", "copy_touched", "hash", "fetch1", "fetch4", "loopback")}
-    server = SnapshotServer(chunk_bytes=4 << 20, keep=1)
+    out: dict[str, list[tuple[float, float]]] = {k: [] for k in ROWS}
+
+    def timed(key: str, fn: Callable[[], object]) -> object:
+        c0, t0 = _cpu(), time.perf_counter()
+        result = fn()
+        out[key].append((time.perf_counter() - t0, _cpu() - c0))
+        return result
+
+    server = SnapshotServer(chunk_bytes=CHUNK, keep=1)
     server.start()
     try:
         for rep in range(reps):
-            t0 = time.perf_counter()
-            snap = snapshot_state(state, meta, rep + 1)
-            out["copy_fresh"].append(time.perf_counter() - t0)
-            buf = snap.buffer
-            t0 = time.perf_counter()
-            for entry, t in zip(snap.tensors, state.values()):
-                buf[entry.offset:entry.offset + entry.nbytes].copy_(t.reshape(-1).view(torch.uint8))
-            out["copy_touched"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            chunk_table(snap.view(), 4 << 20, lambda: False)
-            out["hash"].append(time.perf_counter() - t0)
-            server.publish(snap)
-            fetch_snapshot(server.url, rep + 1, timeout=120, parallel=1)  # header hashed: warm
-            for par in (1, 4):
-                t0 = time.perf_counter()
-                fetch_snapshot(server.url, rep + 1, timeout=120, parallel=par)
-                out[f"fetch{par}"].append(time.perf_counter() - t0)
-            out["loopback"].append(_loopback(snap.total_bytes))
-            print(f"  rep {rep + 1}/{reps}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in out.items()),
-                  flush=True)
+            _one_rep(server, state, rep + 1, timed)
+            print(f"  rep {rep + 1}/{reps}: "
+                  + ", ".join(f"{k} {v[-1][0]:.3f}s" for k, v in out.items()), flush=True)
     finally:
         server.stop()
     return out
 
 
-def render(out: dict[str, list[float]], mb: int, reps: int, flags: list[str]) -> str:
+LABELS = {
+    "copy_fresh": "snapshot copy, fresh buffer (source)",
+    "copy_touched": "same copy, touched buffer",
+    "xxh3": "XXH3-128 of every 4 MiB chunk (source, as first served)",
+    "sha256": "sha256 of every 4 MiB chunk (the digest before issue 11)",
+    "fetch4_fresh": "fetch_snapshot, 4 connections, first pull (digests computed while serving)",
+    "fetch1": "fetch_snapshot, 1 connection",
+    "fetch4": "fetch_snapshot, 4 connections",
+    "loopback": "raw loopback socket (ceiling)",
+}
+
+
+def render(out: dict[str, list[tuple[float, float]]], mb: int, reps: int, flags: list[str]) -> str:
     gb = (mb << 20) / 1e9
-    med = {k: statistics.median(v) for k, v in out.items()}
-    loop = gb / med["loopback"]
-    rows = [
-        ["snapshot copy, fresh buffer (source)", f"{med['copy_fresh']:.3f}", f"{gb / med['copy_fresh']:.2f}", ""],
-        ["same copy, touched buffer", f"{med['copy_touched']:.3f}", f"{gb / med['copy_touched']:.2f}", ""],
-        ["sha256 chunk table (source, before the header)", f"{med['hash']:.3f}", f"{gb / med['hash']:.2f}", ""],
-        ["fetch_snapshot, 1 connection", f"{med['fetch1']:.3f}", f"{gb / med['fetch1']:.2f}",
-         f"{gb / med['fetch1'] / loop:.0%}"],
-        ["fetch_snapshot, 4 connections", f"{med['fetch4']:.3f}", f"{gb / med['fetch4']:.2f}",
-         f"{gb / med['fetch4'] / loop:.0%}"],
-        ["raw loopback socket (ceiling)", f"{med['loopback']:.3f}", f"{loop:.2f}", "100%"],
-    ]
-    return (section_header("Live state transfer: copy, hash, fetch vs loopback (issue 11)",
+    wall = {k: statistics.median(w for w, _ in v) for k, v in out.items()}
+    cpu = {k: statistics.median(c for _, c in v) for k, v in out.items()}
+    loop = gb / wall["loopback"]
+    rows = []
+    for key in ROWS:
+        share = f"{gb / wall[key] / loop:.0%}" if key.startswith(("fetch", "loopback")) else ""
+        rows.append([LABELS[key], f"{wall[key]:.3f}", f"{gb / wall[key]:.2f}", share,
+                     f"{cpu[key]:.2f}"])
+    return (section_header("Live state transfer: copy, digests, fetch vs loopback (issue 11)",
                            "bench.transfer", flags)
             + f"\nA flat state of {mb} MiB; median of {reps} interleaved repetitions. "
               "The snapshot copy runs on a helper thread during the step's forward and backward "
               "(only `commit` waits for it); the fetch runs on the joiner's background threads "
-              "and returns views into its receive buffer (no second copy).\n\n"
-            + table(["operation", "seconds", "GB/s", "of loopback"], rows) + "\n")
+              "and returns views into its receive buffer (no second copy). CPU seconds are the "
+              "whole process's (source and receiver both run in it).\n\n"
+            + table(["operation", "seconds", "GB/s", "of loopback", "CPU s"], rows) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

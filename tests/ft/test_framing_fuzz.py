@@ -20,8 +20,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ftlm.ft.framing import (
-    ALIGN, DTYPES, ExpectedLayout, FramingError, Header, LayoutMismatch, decode_header,
-    expected_layout, layout, parse_header, tensors_from_buffer,
+    ALIGN, DIGEST, DTYPES, MAX_CHUNKS, ExpectedLayout, FramingError, Header, LayoutMismatch,
+    decode_header, expected_layout, layout, parse_header, tensors_from_buffer,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,8 +35,8 @@ SMALL_INTS = st.one_of(st.integers(-3, 70), st.sampled_from([2**31, 2**40, 2**48
 JSON_SCALARS = st.one_of(st.none(), st.booleans(), SMALL_INTS,
                          st.floats(allow_nan=False, allow_infinity=False),
                          st.text(max_size=8), st.sampled_from(list(DTYPES) + ["complex64"]))
-HEADER_KEYS = ["step", "meta", "total_bytes", "tensors", "chunks",
-               "name", "dtype", "shape", "offset", "nbytes", "index", "sha256"]
+HEADER_KEYS = ["step", "meta", "total_bytes", "tensors", "chunk_bytes", "digest",
+               "name", "dtype", "shape", "offset", "nbytes"]
 
 
 def nest(inner: st.SearchStrategy, keys: st.SearchStrategy) -> st.SearchStrategy:
@@ -77,11 +77,8 @@ def valid_header(spec: dict, step: int, chunks: int) -> dict[str, Any]:
         tensors.append({"name": name, "dtype": dtype, "shape": list(shape), "offset": offset,
                         "nbytes": nbytes})
         end = offset + nbytes
-    size = max(1, -(-end // chunks))
-    table = [{"index": i, "offset": offset, "nbytes": min(size, end - offset),
-              "sha256": f"{i:064x}"} for i, offset in enumerate(range(0, end, size))]
     return {"step": step, "meta": {"step": step, "cursor": [step, 4]}, "total_bytes": end,
-            "tensors": tensors, "chunks": table}
+            "tensors": tensors, "chunk_bytes": max(1, -(-end // chunks)), "digest": DIGEST}
 
 
 VALID_HEADERS = st.builds(valid_header, STATES, st.integers(0, 2**40), st.integers(1, 4))
@@ -123,8 +120,14 @@ def mutate(header: dict, data: st.DataObject) -> dict:
 
 def check_parsed(header: Header, expected: ExpectedLayout | None = None) -> None:
     """What a successful parse promises to the transport."""
-    assert header.total_bytes >= 0
-    assert sum(c.nbytes for c in header.chunks) == header.total_bytes
+    assert header.total_bytes >= 0 and 1 <= header.chunk_bytes
+    chunks = header.chunks
+    assert len(chunks) <= MAX_CHUNKS
+    if len(chunks):  # contiguous from 0 to total_bytes, every chunk non-empty
+        assert chunks[0].offset == 0 and chunks[-1].offset + chunks[-1].nbytes == header.total_bytes
+        assert all(c.nbytes >= 1 for c in (chunks[0], chunks[-1]))
+    else:
+        assert header.total_bytes == 0
     for t in header.tensors:
         assert 0 <= t.offset and t.offset + t.nbytes <= header.total_bytes
         assert t.nbytes == math.prod(t.shape) * DTYPES[t.dtype].itemsize
@@ -164,8 +167,9 @@ OWN = expected_layout({"w": torch.zeros(2, 3), "step": torch.zeros((), dtype=tor
                  st.sampled_from([b"NaN", b'{"step": Infinity}', b"1e999", b"\xff\xfe{}",
                                   b'{"a": "\xed\xa0\x80"}', b"9" * 5000])))
 @example(json.dumps({"step": 1, "meta": {}, "total_bytes": 2**40, "tensors": [],
-                     "chunks": [{"index": 0, "offset": 0, "nbytes": 2**40,
-                                 "sha256": "0" * 64}]}).encode())
+                     "chunk_bytes": 2**40, "digest": DIGEST}).encode())
+@example(json.dumps({"step": 1, "meta": {}, "total_bytes": 2**29, "tensors": [],
+                     "chunk_bytes": 1, "digest": DIGEST}).encode())
 def test_fuzz_arbitrary_bytes_decode_to_a_header_or_framing_error(data: bytes):
     decode_or_framing_error(data)
     decode_or_framing_error(data, OWN)

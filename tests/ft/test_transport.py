@@ -188,8 +188,8 @@ def test_joiner_asking_before_publication_waits_for_it(make_server):
     class RecordsMisses(SnapshotServer):
         misses = threading.Event()
 
-        async def _header(self, request):
-            response = await super()._header(request)
+        def _header(self, step_text):
+            response = super()._header(step_text)
             if response.status == 404:
                 self.misses.set()
             return response
@@ -205,32 +205,28 @@ def test_joiner_asking_before_publication_waits_for_it(make_server):
     assert meta == META
 
 
-def test_a_header_still_hashing_is_answered_at_once_and_asked_again(make_server, monkeypatch):
-    """Issue 11: the header waited for the checksums of the whole state under the joiner's
-    socket timeout; now the source answers 425 at once and the joiner asks again."""
-    release = threading.Event()
-    real = transport.chunk_table
-
-    def slow_table(*args):
-        release.wait(30)
-        return real(*args)
-
-    monkeypatch.setattr(transport, "chunk_table", slow_table)
-    server = make_server()
+def test_the_header_is_answered_before_any_digest_and_each_chunk_is_hashed_once(
+        make_server, monkeypatch):
+    """Issue 11: the header waited for a sha256 of the whole state (425 while hashing); now it
+    is answered at once, and a chunk's digest is computed when the chunk is first served."""
+    hashed: list[int] = []
+    real = transport.chunk_digest
+    monkeypatch.setattr(transport, "chunk_digest", lambda data: hashed.append(len(data)) or real(data))
+    server = make_server(chunk_bytes=256)
     state = mixed_state()
-    server.publish(snapshot_state(state, META, step=7))
-    t0 = time.monotonic()
-    with pytest.raises(urllib.error.HTTPError) as answer:
-        urllib.request.urlopen(f"{server.url}/v1/snapshot/7/header", timeout=10)
-    assert answer.value.code == 425 and time.monotonic() - t0 < 10
-    with ThreadPoolExecutor(1) as pool:
-        # A socket timeout far below the hashing time: the joiner must not wait on one request.
-        future = pool.submit(fetch_snapshot, server.url, 7, timeout=1, wait_available=30)
-        time.sleep(1.5)  # the joiner keeps asking past its socket timeout
-        release.set()
-        tensors, meta = future.result(timeout=30)
+    snapshot = snapshot_state(state, META, step=7)
+    server.publish(snapshot)
+    with urllib.request.urlopen(f"{server.url}/v1/snapshot/7/header", timeout=10) as answer:
+        header = json.loads(answer.read())
+    assert answer.status == 200 and hashed == []  # nothing hashed to answer the header
+    assert header["chunk_bytes"] == 256 and header["digest"] == "xxh3_128"
+    chunks = -(-snapshot.total_bytes // 256)
+
+    tensors, _ = fetch_snapshot(server.url, 7, parallel=3, timeout=5)
     assert_bitwise_equal(tensors, state)
-    assert meta == META
+    assert len(hashed) == 2 * chunks  # the source once per chunk, the receiver once per chunk
+    fetch_snapshot(server.url, 7, parallel=3, timeout=5)
+    assert len(hashed) == 3 * chunks  # the source's digests are kept: only the receiver hashes
 
 
 def test_snapshot_is_isolated_from_later_mutation(make_server):
@@ -339,8 +335,7 @@ def _valid_header() -> dict:
     return {"step": 1, "meta": {}, "total_bytes": 16,
             "tensors": [{"name": "a", "dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8},
                         {"name": "b", "dtype": "int64", "shape": [], "offset": 8, "nbytes": 8}],
-            "chunks": [{"index": 0, "offset": 0, "nbytes": 10, "sha256": "0" * 64},
-                       {"index": 1, "offset": 10, "nbytes": 6, "sha256": "f" * 64}]}
+            "chunk_bytes": 10, "digest": "xxh3_128"}
 
 
 @pytest.mark.parametrize("corrupt, problem", [
@@ -351,9 +346,11 @@ def _valid_header() -> dict:
     (lambda h: h["tensors"][1].update(offset=12), "outside the buffer"),
     (lambda h: h["tensors"][1].update(offset=4), "overlaps"),
     (lambda h: h["tensors"][0].update(offset=True), "offset must be an integer"),
-    (lambda h: h["chunks"].pop(), "cover 10 bytes"),
-    (lambda h: h["chunks"][1].update(offset=9), "contiguous"),
-    (lambda h: h["chunks"][0].update(sha256="xyz"), "sha256"),
+    (lambda h: h.pop("chunk_bytes"), "chunk_bytes must be an integer >= 1"),
+    (lambda h: h.update(chunk_bytes=0), "chunk_bytes must be an integer >= 1"),
+    (lambda h: h.update(total_bytes=2**30, chunk_bytes=1), "more than 16777216 chunks"),
+    (lambda h: h.update(digest="sha256"), "digest must be 'xxh3_128'"),
+    (lambda h: h.pop("digest"), "digest must be 'xxh3_128', got None"),
     (lambda h: h.update(total_bytes=2**50), "exceeds the limit"),
     (lambda h: h.update(meta=[]), "meta must be"),
 ])
@@ -436,8 +433,7 @@ def claim(nbytes: int, name: str = "w", step: int = 7) -> dict:
     return {"step": step, "meta": {}, "total_bytes": nbytes,
             "tensors": [{"name": name, "dtype": "uint8", "shape": [nbytes], "offset": 0,
                          "nbytes": nbytes}],
-            "chunks": [{"index": 0, "offset": 0, "nbytes": nbytes, "sha256": "0" * 64}]
-            if nbytes else []}
+            "chunk_bytes": max(nbytes, 1), "digest": "xxh3_128"}
 
 
 OWN_STATE = {"w": torch.zeros(1000, dtype=torch.uint8)}
@@ -508,13 +504,14 @@ MALFORMED = {
     "dtype an object": {**claim(8), "tensors": [{**claim(8)["tensors"][0], "dtype": {}}]},
     "total a string": {**claim(8), "total_bytes": "8"},
     "negative total": {**claim(8), "total_bytes": -8},
-    "negative nbytes": {**claim(8), "chunks": [{**claim(8)["chunks"][0], "nbytes": -8}]},
+    "negative chunk size": {**claim(8), "chunk_bytes": -8},
     "shape overflowing int64": {**claim(0), "tensors": [{**claim(0)["tensors"][0],
                                                         "shape": [2**70, 0]}]},
     "shape overflowing strides": {**claim(0), "tensors": [{**claim(0)["tensors"][0],
                                                           "shape": [2**40, 2**40, 0]}]},
     "too many dims": {**claim(0), "tensors": [{**claim(0)["tensors"][0], "shape": [0] * 65}]},
-    "chunks past the end": {**claim(8), "chunks": [{**claim(8)["chunks"][0], "nbytes": 2**70}]},
+    "chunk size a string": {**claim(8), "chunk_bytes": "8"},
+    "another digest": {**claim(8), "digest": "sha256"},
     "another step": claim(8, step=8),
 }
 

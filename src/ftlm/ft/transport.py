@@ -2,13 +2,18 @@
 
 A healthy peer takes a CPU `Snapshot` of its replicated state at a step boundary
 (`snapshot_state`), publishes it on its `SnapshotServer` and keeps training; a restarted group
-calls `fetch_snapshot`, which downloads the chunks in parallel, verifies every chunk's sha256 and
+calls `fetch_snapshot`, which downloads the chunks in parallel, verifies every chunk's digest and
 rebuilds the tensors. Bytes travel as described in `ftlm.ft.framing`; nothing is ever unpickled.
 
-Chunk hashes are computed lazily, once per published snapshot, on the server's own hashing
-thread (started by `publish`), so the training thread pays only for the memory copy; header
-requests wait for the hashes. A snapshot's buffer is never written after `snapshot_state`
-returns, so lazy hashes and served bytes are always consistent.
+The protocol: the header (JSON: tensors, meta, total size, chunk size) is answered as soon as a
+snapshot is published; each chunk's answer is the raw bytes with the chunk's XXH3-128 digest in
+its `X-Ftlm-Digest` header, computed by the source when it first serves that chunk (and kept:
+later pulls are checked against that first digest). So no request waits for a hash of the whole
+state, and a receiver verifies each chunk as it lands, naming the chunk that is corrupt. The
+server writes chunks with `socket.sendall` straight from the snapshot's buffer, one thread per
+connection (`ftlm.ft.bulk_http`), and the receiver reads them with `recv_into` straight into its
+destination buffer: no copy in user space on either side. A snapshot's buffer is never written
+after `snapshot_state` returns, so digests and served bytes are always consistent.
 
 A receiver bounds what a peer can make it allocate: `fetch_snapshot(..., expected=)` takes the
 `ExpectedLayout` of the receiver's own state (`expected_layout(tensors)`) and refuses a header
@@ -27,12 +32,10 @@ replaying them (the manager and `ftlm.ft.catchup` do that), or making certificat
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import hashlib
 import hmac
 import http.client
 import json
+import logging
 import os
 import socket
 import ssl
@@ -40,17 +43,17 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from aiohttp import web
 
 from ftlm.errors import ConfigError, FtlmError
+from ftlm.ft.bulk_http import CLOSE, BulkHTTPServer, Request, Response, json_response
 from ftlm.ft.framing import (
-    DEFAULT_MAX_TOTAL_BYTES, MAX_HEADER_BYTES, ChunkEntry, ExpectedLayout, FramingError, Header,
-    LayoutMismatch, TensorEntry, canonical_json, chunk_table, decode_header, expected_layout,
-    layout, state_digest, tensors_from_buffer,
+    DEFAULT_MAX_TOTAL_BYTES, DIGEST, DIGEST_HEX, MAX_HEADER_BYTES, ChunkEntry, ExpectedLayout,
+    FramingError, Header, LayoutMismatch, TensorEntry, canonical_json, chunk_digest,
+    decode_header, expected_layout, layout, state_digest, tensors_from_buffer,
 )
 
 __all__ = ["ExpectedLayout", "Snapshot", "SnapshotServer", "TransferError", "default_max_bytes",
@@ -58,7 +61,7 @@ __all__ = ["ExpectedLayout", "Snapshot", "SnapshotServer", "TransferError", "def
            "state_digest"]
 
 _MAX_HEADER_BYTES = MAX_HEADER_BYTES
-_WRITE_PIECE = 256 << 10  # bytes per socket write; small enough for smooth throttling
+log = logging.getLogger(__name__)
 
 
 class TransferError(FtlmError):
@@ -119,12 +122,12 @@ def snapshot_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
 @dataclass(eq=False)
 class _Published:
     snapshot: Snapshot
-    hashes: concurrent.futures.Future  # -> tuple[ChunkEntry, ...]
-    header_json: bytes | None = field(default=None)
+    header_json: bytes
+    digests: list[str | None]  # per chunk, computed when the chunk is first served
 
 
-def _json_error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+def _json_error(status: int, message: str) -> Response:
+    return json_response(status, {"error": message})
 
 
 def _parse_index(text: str) -> int | None:
@@ -135,18 +138,19 @@ def _parse_index(text: str) -> int | None:
 
 
 class SnapshotServer:
-    """Serves published snapshots over HTTP(S) from a background thread with its own event loop.
+    """Serves published snapshots over HTTP(S), one thread per connection (`ftlm.ft.bulk_http`).
 
     Endpoints: `GET /v1/snapshots`, `GET /v1/snapshot/{step}/header`,
-    `GET /v1/snapshot/{step}/chunk/{index}`. Single use: `start()` once, `stop()` once or more.
+    `GET /v1/snapshot/{step}/chunk/{index}`; a chunk's answer carries its digest in the
+    `X-Ftlm-Digest: xxh3_128=<hex>` header. Single use: `start()` once, `stop()` once or more.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str = "",
                  chunk_bytes: int = 4 << 20, keep: int = 2,
                  throttle_bytes_per_s: float | None = None,
                  on_chunk: Callable[[int, int], None] | None = None,
-                 shutdown_grace_s: float = 0.5,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None,
+                 max_connections: int = 64, read_timeout: float = 10.0) -> None:
         if chunk_bytes < 1:
             raise ConfigError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         if keep < 1:
@@ -154,22 +158,22 @@ class SnapshotServer:
         if throttle_bytes_per_s is not None and not throttle_bytes_per_s > 0:
             raise ConfigError(f"throttle_bytes_per_s must be > 0 or None, got "
                               f"{throttle_bytes_per_s}")
+        if max_connections < 1 or not read_timeout > 0:
+            raise ConfigError(f"need max_connections >= 1 and read_timeout > 0, got "
+                              f"{max_connections} and {read_timeout}")
         self.host, self.port, self.token = host, port, token
         self.chunk_bytes, self.keep = chunk_bytes, keep
         self.throttle_bytes_per_s = throttle_bytes_per_s
         self.on_chunk = on_chunk  # test hook: called (step, index) before serving each chunk
         self.ssl_context = ssl_context  # serves https:// when set (ftlm.ft.tls.server_context)
-        self._grace = shutdown_grace_s
         self._lock = threading.Lock()
         self._published: dict[int, _Published] = {}
-        self._hasher = concurrent.futures.ThreadPoolExecutor(1, "ftlm-snapshot-hash")
-        self._stopping = threading.Event()
-        self._started = threading.Event()
-        self._start_error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop_requested: asyncio.Event | None = None
-        self._throttle_free_at = 0.0  # loop time at which the throttle has sent all reserved bytes
+        self._throttle_free_at = 0.0  # monotonic time at which the throttle has sent all bytes
+        self._http = BulkHTTPServer(
+            self._handle, host=host, port=port, ssl_context=ssl_context,
+            max_connections=max_connections, read_timeout=read_timeout,
+            pace=self._pace if throttle_bytes_per_s is not None else None,
+            name="ftlm-snapshot-server", logger=log)
         self._url: str | None = None
 
     @property
@@ -184,107 +188,74 @@ class SnapshotServer:
             return sorted(self._published)
 
     def publish(self, snapshot: Snapshot) -> None:
-        """Make `snapshot` available by its step (replacing one of the same step), keep newest."""
-        if self._stopping.is_set():
+        """Make `snapshot` available by its step (replacing one of the same step), keep newest.
+
+        Cheap: the header names the chunk size only; each chunk's digest is computed when that
+        chunk is first served (`chunk_digest`, on the serving thread) and kept for later pulls.
+        """
+        if self._http.stopping.is_set():
             raise RuntimeError("SnapshotServer is stopped; publish to a running server")
-        hashes = self._hasher.submit(chunk_table, snapshot.view(), self.chunk_bytes,
-                                     self._stopping.is_set)
+        header = Header(snapshot.step, snapshot.meta, snapshot.total_bytes, snapshot.tensors,
+                        self.chunk_bytes)
+        published = _Published(snapshot, json.dumps(header.to_json()).encode(),
+                               [None] * len(header.chunks))
         with self._lock:
-            self._published[snapshot.step] = _Published(snapshot, hashes)
+            self._published[snapshot.step] = published
             for old in sorted(self._published)[:-self.keep]:
-                self._published.pop(old).hashes.cancel()
+                del self._published[old]
 
     def retain(self, steps: set[int] | frozenset[int]) -> None:
         """Drop every published snapshot whose step is not in ``steps``, freeing its memory once
         no chunk of it is being written (a pull of a dropped step gets 404 and starts over)."""
         with self._lock:
             for step in [s for s in self._published if s not in steps]:
-                self._published.pop(step).hashes.cancel()
+                del self._published[step]
 
-    def start(self, timeout: float = 10.0) -> str:
-        """Bind and serve in a background thread; return the URL (with the OS-chosen port)."""
-        if self._thread is not None:
-            raise RuntimeError("SnapshotServer.start() may be called once")
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()),
-                                        name="ftlm-snapshot-server", daemon=True)
-        self._thread.start()
-        if not self._started.wait(timeout):
-            self.stop()
-            raise TimeoutError(f"SnapshotServer did not start within {timeout}s")
-        if self._start_error is not None:
-            self.stop()
+    def start(self) -> str:
+        """Bind and serve from background threads; return the URL (with the OS-chosen port)."""
+        try:
+            host, port = self._http.start()
+        except OSError as e:
             raise OSError(f"SnapshotServer could not listen on {self.host}:{self.port}: "
-                          f"{self._start_error}") from self._start_error
-        return self.url
+                          f"{e}") from e
+        scheme = "https" if self.ssl_context is not None else "http"
+        self._url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+        return self._url
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop serving; in-flight transfers are cut after a short grace. Safe from any thread.
+        """Stop serving and cut in-flight transfers (their pullers get an error at once).
 
-        From the server's own thread (e.g. inside `on_chunk`) it only requests the stop, since
-        that thread cannot wait for itself; a later call from another thread joins it.
+        Safe from any thread; from a serving thread (e.g. inside `on_chunk`) it cuts and returns,
+        and a later call from another thread joins the threads.
         """
-        self._stopping.set()
-        own_thread = threading.current_thread() is self._thread
-        loop, stop_requested = self._loop, self._stop_requested
-        if loop is not None and stop_requested is not None:
-            if own_thread:
-                stop_requested.set()
-            else:
-                try:
-                    loop.call_soon_threadsafe(stop_requested.set)
-                except RuntimeError:  # the loop has already closed
-                    pass
-        self._hasher.shutdown(wait=not own_thread, cancel_futures=True)
-        if self._thread is not None and not own_thread:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise TimeoutError(f"SnapshotServer thread did not stop within {timeout}s")
+        self._http.stop(timeout)
 
-    async def _serve(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stop_requested = asyncio.Event()
-        app = web.Application(middlewares=[self._authorize], client_max_size=4096)
-        app.add_routes([
-            web.get("/v1/snapshots", self._list),
-            web.get("/v1/snapshot/{step}/header", self._header),
-            web.get("/v1/snapshot/{step}/chunk/{index}", self._chunk),
-        ])
-        runner = web.AppRunner(app, shutdown_timeout=self._grace, access_log=None)
-        try:
-            await runner.setup()
-            await web.TCPSite(runner, self.host, self.port, ssl_context=self.ssl_context).start()
-            host, port = runner.addresses[0][:2]
-            scheme = "https" if self.ssl_context is not None else "http"
-            self._url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
-        except Exception as e:  # reported to start() in the caller's thread
-            self._start_error = e
-            self._started.set()
-            await runner.cleanup()
-            return
-        self._started.set()
-        try:
-            if not self._stopping.is_set():
-                await self._stop_requested.wait()
-        finally:
-            await runner.cleanup()
+    # -- answering -----------------------------------------------------------------------------
 
-    @web.middleware
-    async def _authorize(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+    def _handle(self, request: Request) -> Response:
         if self.token:
-            got = request.headers.get("Authorization", "").encode()
+            got = request.headers.get("authorization", "").encode("latin-1")
             if not hmac.compare_digest(got, f"Bearer {self.token}".encode()):
+                self._http.abuse.note("HTTP 401")
                 return _json_error(401, "missing or wrong job token: send "
                                         "'Authorization: Bearer <token>' with the job's FTLM_TOKEN")
-        return await handler(request)
+        if request.method != "GET":
+            return _json_error(405, f"method {request.method[:20]!r} not allowed; use GET")
+        parts = request.path.split("/")
+        if parts[:2] == ["", "v1"]:
+            if parts[2:] == ["snapshots"]:
+                return json_response(200, {"steps": self.steps()})
+            if len(parts) == 5 and parts[2] == "snapshot" and parts[4] == "header":
+                return self._header(parts[3])
+            if len(parts) == 6 and parts[2] == "snapshot" and parts[4] == "chunk":
+                return self._chunk(parts[3], parts[5])
+        return _json_error(404, f"no such endpoint {request.path[:80]!r}; see SnapshotServer")
 
-    async def _list(self, request: web.Request) -> web.Response:
-        return web.json_response({"steps": self.steps()})
-
-    def _lookup(self, request: web.Request) -> tuple[int, _Published] | web.Response:
-        step = _parse_index(request.match_info["step"])
+    def _lookup(self, step_text: str) -> tuple[int, _Published] | Response:
+        step = _parse_index(step_text)
         if step is None:
             return _json_error(400, f"step must be a non-negative integer, got "
-                                    f"{request.match_info['step'][:40]!r}")
+                                    f"{step_text[:40]!r}")
         with self._lock:
             published, available = self._published.get(step), sorted(self._published)
         if published is None:
@@ -292,74 +263,53 @@ class SnapshotServer:
                                     f"(available steps: {available})")
         return step, published
 
-    async def _header(self, request: web.Request) -> web.Response:
-        found = self._lookup(request)
-        if isinstance(found, web.Response):
+    def _header(self, step_text: str) -> Response:
+        found = self._lookup(step_text)
+        if isinstance(found, Response):
             return found
-        step, published = found
-        if not published.hashes.done():
-            # The checksums of a large state take a while: answer at once and let the joiner
-            # ask again (within its wait_available), never hold its socket past its timeout.
-            return _json_error(425, f"snapshot of step {step} is still being prepared "
-                                    "(checksums); ask again shortly")
-        try:
-            chunks = await asyncio.wrap_future(published.hashes)
-        except (asyncio.CancelledError, InterruptedError):
-            if not published.hashes.done():
-                raise  # this handler itself was cancelled (server shutting down)
-            return _json_error(404 if not self._stopping.is_set() else 503,
-                               f"snapshot of step {step} was evicted or the server is stopping")
-        if published.header_json is None:
-            snap = published.snapshot
-            header = Header(snap.step, snap.meta, snap.total_bytes, snap.tensors, chunks)
-            published.header_json = json.dumps(header.to_json()).encode()
-        return web.Response(body=published.header_json, content_type="application/json")
+        return Response(200, found[1].header_json)
 
-    async def _chunk(self, request: web.Request) -> web.StreamResponse:
-        found = self._lookup(request)
-        if isinstance(found, web.Response):
+    def _chunk(self, step_text: str, index_text: str) -> Response:
+        found = self._lookup(step_text)
+        if isinstance(found, Response):
             return found
         step, published = found
-        index = _parse_index(request.match_info["index"])
-        total = published.snapshot.total_bytes
-        count = -(-total // self.chunk_bytes)
+        index = _parse_index(index_text)
+        count = len(published.digests)
         if index is None:
             return _json_error(400, f"chunk index must be a non-negative integer, got "
-                                    f"{request.match_info['index'][:40]!r}")
+                                    f"{index_text[:40]!r}")
         if index >= count:
             return _json_error(404, f"step {step} has {count} chunks; "
                                     f"index {index} is out of range")
         if self.on_chunk is not None:
             self.on_chunk(step, index)
-        if self._stopping.is_set():
-            request.transport.close()  # a stopping server drops the connection, like a dead peer
-            return _json_error(503, "server is stopping")
+        if self._http.stopping.is_set():
+            return CLOSE  # a stopping server drops the connection, like a dead peer
+        snap = published.snapshot
         offset = index * self.chunk_bytes
-        data = published.snapshot.view()[offset:min(offset + self.chunk_bytes, total)]
-        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-        response.content_length = len(data)
-        await response.prepare(request)
-        for start in range(0, len(data), _WRITE_PIECE):
-            piece = data[start:start + _WRITE_PIECE]
-            await self._pace(len(piece))
-            if self._stopping.is_set():
-                request.transport.close()
-                break
-            await response.write(piece)
-        return response
+        data = snap.view()[offset:min(offset + self.chunk_bytes, snap.total_bytes)]
+        digest = published.digests[index]
+        if digest is None:
+            # Once per chunk and snapshot: later pulls compare against this first digest, so a
+            # snapshot buffer corrupted after it was first served is caught too.
+            digest = published.digests[index] = chunk_digest(data)
+        return Response(200, data, "application/octet-stream",
+                        (("X-Ftlm-Digest", f"{DIGEST}={digest}"),), paced=True)
 
-    async def _pace(self, nbytes: int) -> None:
-        """Reserve nbytes of the shared byte budget, then sleep until the reservation ends.
+    def _pace(self, nbytes: int) -> bool:
+        """Reserve nbytes of the shared byte budget, then sleep until the reservation ends;
+        False when the server stops meanwhile.
 
         Ending (not starting) each reservation before writing means that B bytes are never all
         written before B / rate seconds have passed, whatever the number of connections.
         """
-        if self.throttle_bytes_per_s is None:
-            return
-        now = asyncio.get_running_loop().time()
-        seconds = nbytes / self.throttle_bytes_per_s
-        self._throttle_free_at = max(now, self._throttle_free_at) + seconds
-        await asyncio.sleep(self._throttle_free_at - now)
+        assert self.throttle_bytes_per_s is not None
+        with self._lock:
+            now = time.monotonic()
+            self._throttle_free_at = max(now, self._throttle_free_at) + nbytes / self.throttle_bytes_per_s
+            wait = self._throttle_free_at - now
+        return not self._http.stopping.wait(wait)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -531,7 +481,7 @@ def _wait_for_header(source: _Source, step: int, wait_available: float, max_byte
                     raise _Problem(f"asked for step {step}, the header describes {header.step}")
                 return header
             remaining = deadline - time.monotonic()
-            if status not in (404, 425) or remaining <= 0:  # 425: published, still hashing
+            if status not in (404, 425) or remaining <= 0:  # 425 Too Early: published, not ready
                 problem = _status_problem(status, body)
                 if status in (404, 425):
                     problem = _Problem(f"not available after waiting {wait_available}s: {problem}")
@@ -552,19 +502,25 @@ def _fetch_chunk(source: _Source, conn: http.client.HTTPConnection, step: int,
     if length != str(chunk.nbytes):
         raise _Problem(f"chunk {chunk.index}: the source sends {length} bytes, "
                        f"the header says {chunk.nbytes}")
+    claimed = response.getheader("X-Ftlm-Digest") or ""
+    algorithm, _, expected = claimed.partition("=")
+    if algorithm != DIGEST or not DIGEST_HEX.fullmatch(expected):
+        raise _Problem(f"chunk {chunk.index}: the source sent no valid digest (X-Ftlm-Digest: "
+                       f"{claimed[:80]!r}; expected '{DIGEST}=' and 32 hex digits)")
     target = buffer[chunk.offset:chunk.offset + chunk.nbytes]
     received = 0
     while received < chunk.nbytes:
+        # Straight into the destination: http.client hands reads this large to recv_into.
         n = response.readinto(target[received:])
         if not n:
             raise _Problem(f"chunk {chunk.index}: truncated body, {received} of "
                            f"{chunk.nbytes} bytes arrived")
         received += n
-    digest = hashlib.sha256(target).hexdigest()
-    if digest != chunk.sha256:
+    digest = chunk_digest(target)
+    if digest != expected:
         raise _Problem(f"checksum mismatch in chunk {chunk.index} (bytes [{chunk.offset}, "
-                       f"{chunk.offset + chunk.nbytes})): sha256 {digest}, header says "
-                       f"{chunk.sha256}")
+                       f"{chunk.offset + chunk.nbytes})): {DIGEST} {digest}, the source says "
+                       f"{expected}")
 
 
 def _download(source: _Source, header: Header, buffer: memoryview, parallel: int,

@@ -25,6 +25,7 @@ from collections import deque
 from typing import Any
 
 from ftlm.ft.quorum import Quorum
+from ftlm.observe.charts import CHARTS_HTML, CHARTS_SCRIPT, CHARTS_STYLE, ChartHistory
 
 HISTORY = 50
 """Issued quorums (distinct ids), recoveries and kills remembered for the page, each."""
@@ -60,10 +61,12 @@ class DashboardLog:
         self.quorums: deque[dict[str, Any]] = deque(maxlen=size)
         self.recoveries: deque[dict[str, Any]] = deque(maxlen=size)
         self.kills: deque[dict[str, Any]] = deque(maxlen=size)
+        self.charts = ChartHistory()  # the page's charts (ftlm.observe.charts)
 
     def quorum_issued(self, quorum: Quorum, unix: float | None = None) -> None:
         """Record an issued quorum; the same id again (the next step) only extends its step range."""
         unix = time.time() if unix is None else unix
+        self.charts.record_quorum(quorum.quorum_id, quorum.step, quorum.participants, quorum.recovering, unix)
         last = self.quorums[-1] if self.quorums else None
         if last is not None and last["quorum_id"] == quorum.quorum_id:
             last["last_step"] = quorum.step
@@ -88,7 +91,7 @@ class DashboardLog:
     def to_json(self) -> dict[str, Any]:
         """Newest first, as the page lists them."""
         return {"quorums": list(reversed(self.quorums)), "recoveries": list(reversed(self.recoveries)),
-                "kills": list(reversed(self.kills))}
+                "kills": list(reversed(self.kills)), "charts": self.charts.to_json()}
 
 
 def render_page(status: dict[str, Any] | None) -> str:
@@ -96,7 +99,9 @@ def render_page(status: dict[str, Any] | None) -> str:
     no request, or None when the caller is not authorised yet (the script then asks for a token)."""
     # "<" escaped as \u003c: the JSON cannot close the script element whatever the names hold.
     initial = json.dumps(status).replace("<", "\\u003c")
-    return _PAGE.replace("__INITIAL__", initial).replace("__REFRESH_MS__", str(int(REFRESH_SECONDS * 1000)))
+    page = _PAGE.replace("__CHARTS_STYLE__", CHARTS_STYLE).replace("__CHARTS_HTML__", CHARTS_HTML)
+    page = page.replace("__CHARTS_SCRIPT__", CHARTS_SCRIPT)
+    return page.replace("__INITIAL__", initial).replace("__REFRESH_MS__", str(int(REFRESH_SECONDS * 1000)))
 
 
 _PAGE = """<!doctype html>
@@ -109,12 +114,12 @@ th { background: #eee; }
 .participating { background: #e3f6e3; } .recovering { background: #fff3cd; } .joining { background: #e8eefc; }
 #notice { color: #a40; } #updated { color: #666; font-size: 12px; }
 button { color: #a00; }
-</style></head>
+__CHARTS_STYLE__</style></head>
 <body>
 <h1>ftlm coordinator</h1>
 <p id="summary">loading...</p>
 <p id="notice"></p>
-<h2>Members</h2>
+__CHARTS_HTML__<h2>Members</h2>
 <table id="members"><thead><tr><th>group</th><th>incarnation</th><th>state</th><th>step</th>
 <th>heartbeat age (s)</th><th>asking</th><th>role in last quorum</th><th>chaos</th></tr></thead>
 <tbody></tbody></table>
@@ -187,6 +192,7 @@ async function kill(group) {
   refresh(false);
 }
 
+__CHARTS_SCRIPT__
 function render(s) {
   const last = s.last_quorum || {};
   const sources = last.sources || {};
@@ -213,6 +219,7 @@ function render(s) {
     " at step " + r.step + " (quorum " + r.quorum_id + ", " + clock(r.unix) + ")")), "none");
   fill("kills", s.kills.map(k => el("li", k.group + " (" + k.replica_ids.join(", ") + ") at " +
     clock(k.unix))), "none");
+  drawCharts(s.charts);
 }
 
 async function refresh(again) {

@@ -1,9 +1,11 @@
 """The job's coordinator as a supervised process, and the supervisor's side of its HTTP API.
 
 Responsible for: starting ``ftlm coordinator`` on a fixed port (so that a restarted one comes back
-where the groups look for it), waiting until it answers, killing it (chaos, a restart), and the
-calls the supervisor makes with the job token: ``GET /status`` and ``POST /v1/dead``. Also the
-adapter that writes the coordinator's events into the run's ``events.jsonl``.
+where the groups look for it), keeping a warm standby (``ftlm.launch.coordinator_standby``) that
+takes over within tens of milliseconds when the coordinator dies instead of the seconds a cold
+start costs, waiting until it answers, killing it (chaos, a restart), and the calls the supervisor
+makes with the job token: ``GET /status`` and ``POST /v1/dead``. Also the adapter that writes the
+coordinator's events into the run's ``events.jsonl``.
 
 Not responsible for: deciding when to restart it (``ftlm.launch.local`` does), or anything the
 coordinator decides (``ftlm.ft.coordinator``).
@@ -66,7 +68,7 @@ class CoordinatorProcess:
     """``ftlm coordinator`` for one job, started (and restarted) by the supervisor."""
 
     def __init__(self, config_file: Path, port: int, token: str, events: Path, log: Path,
-                 host: str = "127.0.0.1", tls: ssl.SSLContext | None = None):
+                 host: str = "127.0.0.1", tls: ssl.SSLContext | None = None, standby: bool = True):
         self.config_file = Path(config_file)
         self.tls = tls  # the coordinator serves HTTPS (ft.tls_cert): verify it with this
         self.host = host
@@ -76,6 +78,9 @@ class CoordinatorProcess:
         self.log = Path(log)
         self.proc: subprocess.Popen | None = None
         self.started = 0.0  # when the current process began answering
+        self.standby = standby  # keep a warm process ready to take over (see module docstring)
+        self._standby: subprocess.Popen | None = None
+        self.warm_starts = 0  # starts served by the standby (the others were cold)
         self._log_offset = 0
 
     @property
@@ -93,16 +98,20 @@ class CoordinatorProcess:
         return self.proc.poll() if self.proc is not None else None
 
     def start(self, ready_timeout: float) -> None:
-        """Start the process and wait (at most ``ready_timeout`` s) until ``/status`` answers;
-        ``FtlmError`` with its own error line when it exits or never answers."""
-        cmd = [sys.executable, "-m", "ftlm.cli", "coordinator", str(self.config_file),
-               "--host", self.host, "--port", str(self.port), "--events", str(self.events)]
-        env = dict(os.environ, FTLM_TOKEN=self.token, PYTHONUNBUFFERED="1")
+        """Start the process (the warm standby when one is ready, else a cold one) and wait (at
+        most ``ready_timeout`` s) until ``/status`` answers; ``FtlmError`` with its own error line
+        when it exits or never answers. Then start the next standby."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self._log_offset = self.log.stat().st_size if self.log.is_file() else 0
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
+        self.proc = self._take_standby()
+        if self.proc is None:
+            cmd = [sys.executable, "-m", "ftlm.cli", "coordinator", str(self.config_file),
+                   "--host", self.host, "--port", str(self.port), "--events", str(self.events)]
+            with open(self.log, "ab") as log:
+                self.proc = subprocess.Popen(cmd, env=self._env(), stdout=log,
+                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        else:
+            self.warm_starts += 1
         deadline = time.monotonic() + ready_timeout
         while True:
             code = self.proc.poll()
@@ -117,8 +126,34 @@ class CoordinatorProcess:
                     self.kill()
                     raise FtlmError(f"the coordinator did not answer on {self.url} within "
                                     f"{ready_timeout:.0f} s (ft.startup_timeout); see {self.log}")
-                time.sleep(0.1)
+                time.sleep(0.02)
         self.started = time.time()
+        if self.standby:
+            self._spawn_standby()
+
+    def _env(self) -> dict[str, str]:
+        return dict(os.environ, FTLM_TOKEN=self.token, PYTHONUNBUFFERED="1")
+
+    def _spawn_standby(self) -> None:
+        cmd = [sys.executable, "-m", "ftlm.launch.coordinator_standby", str(self.config_file),
+               "--host", self.host, "--port", str(self.port), "--events", str(self.events)]
+        with open(self.log, "ab") as log:
+            self._standby = subprocess.Popen(cmd, env=self._env(), stdout=log,
+                                             stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
+
+    def _take_standby(self) -> subprocess.Popen | None:
+        """The standby, told to serve; None when there is none or it died (then start cold)."""
+        proc, self._standby = self._standby, None
+        if proc is None or proc.poll() is not None:
+            return None
+        try:
+            proc.stdin.write(b"serve\n")
+            proc.stdin.close()
+        except OSError:  # it died meanwhile
+            proc.kill()
+            proc.wait(timeout=10)
+            return None
+        return proc
 
     def kill(self) -> None:
         """SIGKILL the process (a coordinator failure) and reap it."""
@@ -128,7 +163,11 @@ class CoordinatorProcess:
             self.proc.wait(timeout=10)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM (it closes its server and exits), SIGKILL after ``timeout`` s."""
+        """SIGTERM (it closes its server and exits), SIGKILL after ``timeout`` s; the standby too."""
+        standby, self._standby = self._standby, None
+        if standby is not None and standby.poll() is None:
+            standby.kill()  # it serves nothing yet: nothing to close cleanly
+            standby.wait(timeout=10)
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.terminate()

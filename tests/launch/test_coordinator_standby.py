@@ -1,0 +1,47 @@
+"""The supervised coordinator comes back from a crash through its warm standby."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ftlm.config import build_config, save_config
+from ftlm.launch.coordinator_process import CoordinatorProcess
+from ftlm.launch.local import _free_port
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "config.toml"
+    save_config(build_config({"run": {"dir": str(tmp_path / "run")}}), path)
+    return path
+
+
+def test_a_killed_coordinator_is_replaced_by_the_standby_on_the_same_port(config_file, tmp_path):
+    coordinator = CoordinatorProcess(config_file, _free_port(), "tok", tmp_path / "events.jsonl",
+                                     tmp_path / "coordinator.log")
+    try:
+        coordinator.start(ready_timeout=120)
+        first = coordinator.pid
+        standby = coordinator._standby
+        assert standby is not None and standby.poll() is None and coordinator.warm_starts == 0
+        coordinator.kill()
+        coordinator.start(ready_timeout=120)  # served by the standby, which is the process now
+        assert coordinator.warm_starts == 1 and coordinator.pid == standby.pid != first
+        assert coordinator.status()["members"] == []  # a fresh coordinator: no state
+        assert coordinator._standby is not None and coordinator._standby.pid != standby.pid
+    finally:
+        spare = coordinator._standby
+        coordinator.stop()
+    assert coordinator.exit_code() is not None and spare.poll() is not None  # nothing left behind
+
+
+def test_a_standby_the_supervisor_never_needed_exits_on_eof(config_file, tmp_path):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ftlm.launch.coordinator_standby", str(config_file),
+                             "--port", str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    out, _ = proc.communicate(b"", timeout=120)  # EOF at once: it loads, reads EOF, exits
+    assert proc.returncode == 0, out.decode()[-2000:]

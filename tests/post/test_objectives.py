@@ -183,3 +183,46 @@ def test_grpo_samples_are_seeded_by_step_and_task(model, tokenizer) -> None:
     loss = objective.loss(model, rows)
     loss.backward()
     assert torch.isfinite(loss) and any(p.grad is not None for p in model.parameters())
+
+
+def test_dpo_nll_term_is_the_mean_nll_per_chosen_token(model) -> None:
+    reference = copy.deepcopy(model)
+    rows = _pairs(1)
+    plain = DPO(reference, 19, beta=0.1).loss(model, rows)
+    rpo = DPO(reference, 19, beta=0.1, nll_coef=0.5).loss(model, rows)
+    logits = model(rows[:, 0, :-1]).float()
+    per_token = torch.gather(logits.log_softmax(-1), 2, rows[:, 0, 1:, None]).squeeze(2)
+    m = rows[:, 1, 1:].float()
+    nll = -(per_token * m).sum() / m.sum()
+    torch.testing.assert_close(rpo, plain + 0.5 * nll, rtol=1e-5, atol=1e-6)
+
+
+def test_grpo_trains_on_the_log_probs_the_sampler_drew_from(model, tokenizer) -> None:
+    """The engine's log-prob of each sampled token equals the training forward's (temperature 1),
+    and the loss at temperature T uses log_softmax(logits / T) of the same tokens."""
+    from ftlm.post.chat import prompt_ids
+    from ftlm.post.forward import completion_logprobs
+    from ftlm.post.rollout import sample_group
+    task = generate("count", "train", 1, 0)[0]
+    prompt = prompt_ids(tokenizer, task.prompt)
+    end = tokenizer.token_id("<|end|>")
+    completions, sampler = sample_group(model, prompt, 4, 10, end, tokenizer.pad_id, 1.0, 0, 3)
+    again, _ = sample_group(model, prompt, 4, 10, end, tokenizer.pad_id, 1.0, 0, 3)
+    assert completions == again, "the same seed draws the same group"
+    width = len(prompt) + max(map(len, completions))
+    tokens = torch.full((4, width), tokenizer.pad_id, dtype=torch.long)
+    mask = torch.zeros((4, width), dtype=torch.long)
+    for i, c in enumerate(completions):
+        tokens[i, :len(prompt) + len(c)] = torch.tensor(prompt + c)
+        mask[i, len(prompt):len(prompt) + len(c)] = 1
+    with torch.no_grad():
+        logp, m = completion_logprobs(model, tokens, mask)
+        hot, _ = completion_logprobs(model, tokens, mask, 0.7)
+        logits = model(tokens[:, :-1]).float() / 0.7
+    for i, c in enumerate(completions):
+        drawn = logp[i, len(prompt) - 1:len(prompt) - 1 + len(sampler[i])]
+        torch.testing.assert_close(drawn, torch.tensor(sampler[i]), rtol=0, atol=1e-4)
+        if len(c) > len(sampler[i]):  # stopped: <|end|> is the last target, counted in the mask
+            assert c[-1] == end and m[i, len(prompt) - 2 + len(c)] == 1
+    expected = torch.gather(logits.log_softmax(-1), 2, tokens[:, 1:, None]).squeeze(2)
+    torch.testing.assert_close(hot * m, expected * m, rtol=1e-5, atol=1e-5)

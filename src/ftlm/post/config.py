@@ -58,6 +58,8 @@ class PostConfig:
     """DPO: strength of the implicit KL constraint (the temperature of the preference logits)."""
     dpo_loss: str = "sigmoid"
     """DPO loss: sigmoid (Rafailov et al.) or ipo (Azar et al., length-normalised log-probs)."""
+    dpo_nll: float = 0.0
+    """DPO: weight of the NLL per chosen token added to the loss (RPO; 0: plain DPO)."""
     group_size: int = 8
     """GRPO: completions sampled per prompt (G)."""
     clip: float = 0.2
@@ -85,6 +87,7 @@ class PostConfig:
         _real("beta", self.beta, 0.0)
         _real("clip", self.clip, 0.0, 1.0)
         _real("kl_coef", self.kl_coef, 0.0, low_closed=True)
+        _real("dpo_nll", self.dpo_nll, 0.0, low_closed=True)
         _real("temperature", self.temperature, 0.0)
         if self.dpo_loss not in DPO_LOSSES:
             _fail("dpo_loss", self.dpo_loss, f"one of {', '.join(DPO_LOSSES)}")

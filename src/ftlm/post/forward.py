@@ -62,13 +62,16 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return -flat.view(targets.shape)
 
 
-def completion_logprobs(model: nn.Module, tokens: torch.Tensor,
-                        mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs ``[B, T]`` of the targets ``tokens[:, 1:]`` and their mask (float).
+def completion_logprobs(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor,
+                        temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs ``[B, T]`` of the targets ``tokens[:, 1:]`` and their mask (float),
+    under ``softmax(logits / temperature)``.
 
     One sequence per row (right padding needs no attention mask under causal attention).
     """
     logits = model(tokens[:, :-1])
+    if temperature != 1.0:
+        logits = logits.float() / temperature
     return token_logprobs(logits, tokens[:, 1:]), mask[:, 1:].float()
 
 

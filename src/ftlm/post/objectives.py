@@ -31,7 +31,7 @@ from torch import nn
 from ftlm.data.tokenizer import Tokenizer
 from ftlm.post.chat import completion_text, prompt_ids
 from ftlm.post.forward import completion_logprobs, packed_logits, token_logprobs
-from ftlm.post.rollout import rollout, sample_seed
+from ftlm.post.rollout import sample_group, sample_seed
 from ftlm.tasks import Task, check
 
 
@@ -74,34 +74,64 @@ def dpo_losses(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
 
 
 class DPO:
-    """DPO over preference rows ``[4, seq_len + 1]`` (chosen, its mask, rejected, its mask)."""
+    """DPO over preference rows ``[4, seq_len + 1]`` (chosen, its mask, rejected, its mask).
+
+    ``nll_coef > 0`` adds RPO's term (Pang et al. 2024, "Iterative Reasoning Preference
+    Optimization"): ``nll_coef`` times the mean negative log-likelihood per chosen completion
+    token of the micro-batch, as TRL's ``loss_type=["sigmoid", "sft"]`` with
+    ``loss_weights=[1, nll_coef]``. Without it DPO may lower the chosen answers' likelihood too
+    (it only widens the margin), which on reasoning tasks costs accuracy.
+    """
 
     def __init__(self, reference: nn.Module, seq_len: int, beta: float = 0.1,
-                 loss_type: str = "sigmoid") -> None:
+                 loss_type: str = "sigmoid", nll_coef: float = 0.0) -> None:
         self.reference = reference.eval().requires_grad_(False)
-        self.beta, self.loss_type = beta, loss_type
+        self.beta, self.loss_type, self.nll_coef = beta, loss_type, nll_coef
         self.tokens_per_sample = 2 * seq_len
+
+    def _logps(self, model: nn.Module, rows: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-token log-probs and masks ``[B, T]`` of the chosen and the rejected side."""
+        tokens = torch.cat((rows[:, 0], rows[:, 2]))  # one forward for both sides
+        mask = torch.cat((rows[:, 1], rows[:, 3]))
+        # Rows are right-padded to seq_len + 1: the padding after the last completion token of
+        # the micro-batch changes nothing under causal attention, so it is not computed.
+        learned = mask.any(dim=0).nonzero()
+        width = max(2, int(learned[-1]) + 1) if len(learned) else tokens.shape[1]
+        logp, m = completion_logprobs(model, tokens[:, :width], mask[:, :width])
+        (chosen, rejected), (mc, mr) = logp.chunk(2), m.chunk(2)
+        return chosen, rejected, mc, mr
+
+    def _sequence(self, logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        seq = (logp * mask).sum(-1)
+        return seq / mask.sum(-1).clamp(min=1.0) if self.loss_type == "ipo" else seq
 
     def sequence_logps(self, model: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen, rejected) completion log-probs ``[B]`` (length-normalised for IPO)."""
-        tokens = torch.cat((rows[:, 0], rows[:, 2]))  # one forward for both sides
-        mask = torch.cat((rows[:, 1], rows[:, 3]))
-        logp, m = completion_logprobs(model, tokens, mask)
-        seq = (logp * m).sum(-1)
-        if self.loss_type == "ipo":
-            seq = seq / m.sum(-1).clamp(min=1.0)
-        return seq.chunk(2)
+        chosen, rejected, mc, mr = self._logps(model, rows)
+        return self._sequence(chosen, mc), self._sequence(rejected, mr)
 
-    def losses(self, model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
-        chosen, rejected = self.sequence_logps(model, rows)
+    def _terms(self, model: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-pair preference losses ``[B]`` and the mean NLL per chosen token (a scalar)."""
+        chosen, rejected, mc, mr = self._logps(model, rows)
         with torch.no_grad():
             ref_chosen, ref_rejected = self.sequence_logps(self.reference, rows)
-        return dpo_losses(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type)
+        losses = dpo_losses(self._sequence(chosen, mc), self._sequence(rejected, mr),
+                            ref_chosen, ref_rejected, self.beta, self.loss_type)
+        nll = -(chosen * mc).sum() / mc.sum().clamp(min=1.0)
+        return losses, nll
+
+    def losses(self, model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        """Per-pair preference losses ``[B]`` (without the NLL term)."""
+        return self._terms(model, rows)[0]
 
     def loss(self, model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
-        return self.losses(model, rows).mean()
+        losses, nll = self._terms(model, rows)
+        loss = losses.mean()
+        return loss + self.nll_coef * nll if self.nll_coef else loss
 
     def eval_sums(self, model: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum of held-out per-pair preference losses (the NLL term left out) and pairs."""
         losses = self.losses(model, rows)
         return losses.sum().double(), torch.tensor(float(len(losses)), dtype=torch.float64)
 
@@ -151,13 +181,12 @@ class GRPO:
         self._end = tokenizer.token_id("<|end|>")
 
     def _complete(self, model: nn.Module, task_index: int, n: int, temperature: float,
-                  generator: torch.Generator | None, device: torch.device
-                  ) -> tuple[list[list[int]], int]:
+                  seed: int) -> tuple[list[list[int]], int]:
         """``n`` sequences (prompt + completion) of task ``task_index``, and the prompt length."""
         prompt = prompt_ids(self.tokenizer, self.tasks[task_index].prompt)
-        return [prompt + c for c in rollout(
-            model, prompt, n, self.max_new_tokens, self._end, self.tokenizer.pad_id,
-            temperature, self.top_k, generator, device)], len(prompt)
+        completions, _ = sample_group(model, prompt, n, self.max_new_tokens, self._end,
+                                      self.tokenizer.pad_id, temperature, self.top_k, seed)
+        return [prompt + c for c in completions], len(prompt)
 
     def samples(self, model: nn.Module, rows: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -165,9 +194,8 @@ class GRPO:
         step = self.clock()
         seqs, masks, rewards = [], [], []
         for index in rows[:, 0].tolist():
-            gen = torch.Generator(device="cpu").manual_seed(sample_seed(self.seed, step, index))
-            full, plen = self._complete(model, index, self.group_size, self.temperature, gen,
-                                        rows.device)
+            full, plen = self._complete(model, index, self.group_size, self.temperature,
+                                        sample_seed(self.seed, step, index))
             for ids in full:
                 seqs.append(ids)
                 masks.append([0] * plen + [1] * (len(ids) - plen))
@@ -184,16 +212,17 @@ class GRPO:
         tokens, mask, rewards = self.samples(model, rows)
         self.last_reward = float(rewards.mean())
         advantages = group_advantages(rewards).reshape(-1).to(tokens.device)
-        logp, m = completion_logprobs(model, tokens, mask)
+        # The policy that sampled is softmax(logits / temperature): its log-probs (TRL's choice).
+        logp, m = completion_logprobs(model, tokens, mask, self.temperature)
         with torch.no_grad():
-            ref_logp, _ = completion_logprobs(self.reference, tokens, mask)
+            ref_logp, _ = completion_logprobs(self.reference, tokens, mask, self.temperature)
         return grpo_loss(logp, logp.detach(), ref_logp, advantages, m, self.clip, self.kl_coef)
 
     def eval_sums(self, model: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Held-out error rate (1 - accuracy) of greedy completions: sum of errors, prompts."""
         errors = 0
         for index in rows[:, 0].tolist():
-            full, plen = self._complete(model, index, 1, 0.0, None, rows.device)
+            full, plen = self._complete(model, index, 1, 0.0, 0)
             errors += 0 if check(self.tasks[index], completion_text(self.tokenizer, full[0][plen:])) else 1
         return (torch.tensor(float(errors), dtype=torch.float64),
                 torch.tensor(float(len(rows)), dtype=torch.float64))

@@ -116,7 +116,7 @@ def build_dpo(config: RunConfig, tokenizer: Tokenizer,
     else:
         train, heldout = _split(rows, config, post.data)
     objective = DPO(load_reference(config, device), seq_len, beta=post.beta,
-                    loss_type=post.dpo_loss)
+                    loss_type=post.dpo_loss, nll_coef=post.dpo_nll)
     return objective, TrainData(tokenizer, train, heldout)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
+import struct
 import threading
 import time
 import urllib.error
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from ftlm.ft import transport
-from ftlm.ft.framing import DTYPES, FramingError, parse_header
+from ftlm.ft.framing import DTYPES, FramingError, chunk_digest, parse_header
 from ftlm.ft.tls import client_context, server_context
 from ftlm.ft.transport import (
     SnapshotServer, TransferError, expected_layout, fetch_snapshot, list_snapshots,
@@ -638,3 +640,150 @@ def test_hostname_is_checked_unless_the_client_opts_out(make_server, tls_files):
     tensors, _ = fetch_snapshot(server.url, 7, timeout=5,
                                 ssl_context=client_context(tls_files.ca, check_hostname=False))
     assert_bitwise_equal(tensors, mixed_state())
+
+
+# ---------------------------------------------------------------------------------------------
+# A source that breaks the chunk protocol: every failure is one clear TransferError, in bounded
+# time, naming the chunk
+
+
+class BrokenSource:
+    """A raw-socket source: a valid header for PAYLOAD in chunks of CHUNK bytes; each chunk
+    request is answered by ``behave(conn, index, data)``, which may send anything."""
+
+    CHUNK = 4096
+    PAYLOAD = bytes(range(256)) * 64  # 16 KiB: four chunks
+
+    def __init__(self, behave) -> None:
+        self.behave, self.release = behave, threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def header(self) -> bytes:
+        n = len(self.PAYLOAD)
+        return json.dumps({"step": 7, "meta": {}, "total_bytes": n, "chunk_bytes": self.CHUNK,
+                           "digest": "xxh3_128",
+                           "tensors": [{"name": "w", "dtype": "uint8", "shape": [n],
+                                        "offset": 0, "nbytes": n}]}).encode()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self.threads.append(thread)
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as requests:
+            while True:
+                line = requests.readline()
+                while requests.readline() not in (b"\r\n", b""):
+                    pass
+                if not line:
+                    return
+                path = line.split()[1].decode()
+                if path.endswith("/header"):
+                    body = self.header()
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
+                                 % (len(body), body))
+                    continue
+                index = int(path.rsplit("/", 1)[1])
+                data = self.PAYLOAD[index * self.CHUNK:(index + 1) * self.CHUNK]
+                if not self.behave(self, conn, index, data):
+                    return
+
+    @staticmethod
+    def answer(conn: socket.socket, data: bytes, digest: str | None, body: bytes | None = None):
+        extra = b"" if digest is None else b"X-Ftlm-Digest: %s\r\n" % digest.encode()
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s"
+                     % (len(data), extra, data if body is None else body))
+
+    def close(self) -> None:
+        self.release.set()
+        self.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        self.listener.close()
+        for thread in self.threads:
+            thread.join(5)
+
+
+def good(data: bytes) -> str:
+    return f"xxh3_128={chunk_digest(data)}"
+
+
+def at_chunk_2(misbehave):
+    """Serve chunks 0, 1 and 3 correctly and break chunk 2 with ``misbehave(source, conn, data)``."""
+    def behave(source, conn, index, data):
+        if index != 2:
+            BrokenSource.answer(conn, data, good(data))
+            return True
+        return misbehave(source, conn, data)
+    return behave
+
+
+def truncate(source, conn, data):
+    BrokenSource.answer(conn, data, good(data), body=data[:1000])  # and close
+    return False
+
+
+def flip_a_bit(source, conn, data):
+    BrokenSource.answer(conn, data, good(data), body=bytes([data[0] ^ 1]) + data[1:])
+    return True
+
+
+def no_digest(source, conn, data):
+    BrokenSource.answer(conn, data, None)
+    return True
+
+
+def malformed_digest(source, conn, data):
+    BrokenSource.answer(conn, data, "sha256=" + "0" * 64)
+    return True
+
+
+def stall(source, conn, data):
+    BrokenSource.answer(conn, data, good(data), body=data[:1000])
+    source.release.wait(30)  # alive but silent: the receiver's timeout must fire
+    return False
+
+
+def reset(source, conn, data):
+    BrokenSource.answer(conn, data, good(data), body=data[:1000])
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    return False  # closing with SO_LINGER 0 sends RST
+
+
+@pytest.mark.parametrize("misbehave, problem", [
+    (truncate, r"chunk 2: truncated body, 1000 of 4096 bytes arrived"),
+    (flip_a_bit, r"checksum mismatch in chunk 2 \(bytes \[8192, 12288\)\): xxh3_128 [0-9a-f]{32}, "
+                 r"the source says [0-9a-f]{32}"),
+    (no_digest, r"chunk 2: the source sent no valid digest \(X-Ftlm-Digest: ''"),
+    (malformed_digest, r"chunk 2: the source sent no valid digest \(X-Ftlm-Digest: 'sha256="),
+    (stall, r"chunk 2: timed out: no progress for 1.0s"),
+    (reset, r"chunk 2: connection closed by the source mid-transfer \(ConnectionResetError\)"),
+], ids=["truncated", "wrong digest", "no digest", "malformed digest", "stalled", "died (reset)"])
+def test_a_source_that_breaks_a_chunk_gives_one_clear_bounded_error(misbehave, problem):
+    source = BrokenSource(at_chunk_2(misbehave))
+    try:
+        start = time.monotonic()
+        with pytest.raises(TransferError, match=problem) as e:
+            fetch_snapshot(source.url, 7, parallel=2, timeout=1.0, wait_available=0)
+        assert time.monotonic() - start < 10  # every wait is bounded by the 1 s timeout
+        message = str(e.value)
+        assert source.url in message and "step 7" in message and "\n" not in message
+    finally:
+        source.close()
+
+
+def test_a_source_that_serves_every_chunk_correctly_round_trips():
+    source = BrokenSource(lambda src, conn, index, data: BrokenSource.answer(conn, data, good(data))
+                          or True)
+    try:
+        tensors, meta = fetch_snapshot(source.url, 7, parallel=2, timeout=5, wait_available=0)
+        assert tensors["w"].numpy().tobytes() == BrokenSource.PAYLOAD and meta == {}
+    finally:
+        source.close()

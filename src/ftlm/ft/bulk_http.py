@@ -225,7 +225,14 @@ class BulkHTTPServer:
         try:
             conn.settimeout(1.0)
             conn.sendall(_head(503, "application/json", len(_BUSY), (), False) + _BUSY)
-        except OSError:
+            conn.shutdown(socket.SHUT_WR)
+            # Drop a request that already arrived without waiting for more: closing with unread
+            # bytes would reset the connection, and the client would lose the 503 with it.
+            conn.settimeout(0)
+            for _ in range(16):
+                if not conn.recv(65536):
+                    break
+        except OSError:  # BlockingIOError included: nothing more to drop
             pass
         finally:
             conn.close()
@@ -284,14 +291,14 @@ class BulkHTTPServer:
         data = bytearray(pending)
         while True:
             end = data.find(b"\r\n\r\n")
-            if end >= 0:
+            if 0 <= end <= MAX_HEAD_BYTES:
                 return bytes(data[:end]), bytes(data[end + 4:])
             if data and not (65 <= data[0] <= 90):  # a method is upper-case letters
                 # e.g. a TLS ClientHello sent to a plain server: answer at once, do not wait.
                 self.abuse.note("malformed HTTP", f"request starting with byte {data[0]:#04x}")
                 self._write(sock, json_response(400, {"error": "not an HTTP request"}), False)
                 return None, b""
-            if len(data) > MAX_HEAD_BYTES:
+            if end > MAX_HEAD_BYTES or len(data) > MAX_HEAD_BYTES:
                 self.abuse.note("malformed HTTP", f"request head over {MAX_HEAD_BYTES} bytes")
                 self._write(sock, json_response(431, {"error": f"request head over "
                                                                 f"{MAX_HEAD_BYTES} bytes"}), False)

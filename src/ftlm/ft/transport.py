@@ -541,7 +541,10 @@ def _download(source: _Source, header: Header, buffer: memoryview, parallel: int
                 if chunk is None:
                     return
                 conn = conn or source.connect()
-                _fetch_chunk(source, conn, header.step, chunk, buffer)
+                try:
+                    _fetch_chunk(source, conn, header.step, chunk, buffer)
+                except (OSError, http.client.HTTPException) as e:  # name the chunk
+                    raise _Problem(f"chunk {chunk.index}: {_describe(e, source.timeout)}") from e
                 with lock:  # under the lock so that reports are monotonic
                     done[0] += chunk.nbytes
                     if progress is not None:

@@ -11,7 +11,9 @@ what the launcher's watch loop does for a crash, without its 0.1 s polling delay
 its stall like any other failure: the longest gap between the job's commits around it, minus the
 median step time.
 
-Reported per repetition: the coordinator's downtime (kill to the new process answering), the
+Each repetition is two launches: coordinator restarts cold (a new ``ftlm coordinator`` process,
+as before the standby existed) then warm (the launcher's standby takes over). Reported per
+launch: the coordinator's downtime (kill to the new process answering), the
 stall per kill, and whether the run still proves itself (identical replicas, exactly-once data).
 It does not test anything; the tests of coordinator restarts are in tests/launch and tests/ft.
 
@@ -48,8 +50,9 @@ def _killer(launcher, kills: int, every: float, first_step: int, done: threading
         log.append(time.time() - t0)
 
 
-def run_one(root: Path, steps: int, kills: int, every: float) -> dict:
-    """One launch with ``kills`` coordinator crashes; its summary figures for the table."""
+def run_one(root: Path, steps: int, kills: int, every: float, standby: bool) -> dict:
+    """One launch with ``kills`` coordinator crashes (replaced by the warm standby, or started
+    cold); its summary figures for the table."""
     from ftlm.config import load_config
     from ftlm.launch.local import LocalLauncher
     from ftlm.observe.events import read_events
@@ -57,8 +60,10 @@ def run_one(root: Path, steps: int, kills: int, every: float) -> dict:
 
     run_dir = root / f"run-{time.time_ns()}"
     config = load_config(write_config(run_dir, Settings(steps=steps, mtbf=0.0)),
-                         [f"run.dir={run_dir}"])
-    launcher = LocalLauncher(config, groups=GROUPS, progress=False)
+                         # Start-up and give-up room for a loaded shared box (group start-up
+                         # is not what this measures).
+                         [f"run.dir={run_dir}", "ft.startup_timeout=150", "ft.give_up_seconds=300"])
+    launcher = LocalLauncher(config, groups=GROUPS, progress=False, coordinator_standby=standby)
     done, downtimes = threading.Event(), []
     killer = threading.Thread(target=_killer, args=(launcher, kills, every, 5, done, downtimes),
                               daemon=True)
@@ -73,7 +78,7 @@ def run_one(root: Path, steps: int, kills: int, every: float) -> dict:
     events = read_events(run_dir / "events.jsonl")
     fails = failure_events(sorted(events, key=lambda e: e["ts"]))
     stalls = [s for f, s in zip(fails, summary["stall_seconds"]) if f.group == "coordinator"]
-    return {"kills": len(downtimes), "downtime": downtimes, "stalls": stalls,
+    return {"standby": standby, "kills": len(downtimes), "downtime": downtimes, "stalls": stalls,
             "median_step": summary["median_step_seconds"], "steps": summary["steps_committed"],
             "ett": summary["ett"], "problems": summary["problems"]}
 
@@ -82,29 +87,34 @@ def render(results: list[dict], flags: list[str], steps: int, every: float, took
     rows = []
     for i, r in enumerate(results):
         stalls = r["stalls"] or [float("nan")]
-        rows.append([i + 1, r["kills"], f"{r['median_step']:.3f}",
+        rows.append([i // 2 + 1, "warm standby" if r["standby"] else "cold start", r["kills"],
+                     f"{r['median_step']:.3f}",
                      f"{statistics.median(r['downtime']):.2f}" if r["downtime"] else "-",
                      f"{statistics.median(stalls):.3f}", f"{max(stalls):.3f}",
                      " ".join(f"{s:.2f}" for s in r["stalls"]), r["steps"], f"{r['ett']:.3f}",
                      "; ".join(r["problems"]) or "none"])
-    all_stalls = [s for r in results for s in r["stalls"]]
-    all_down = [d for r in results for d in r["downtime"]]
     head = section_header("Coordinator crash under `ftlm launch local` (issue 14)",
                           "bench.coordinator_crash", flags)
     lines = [head,
              f"* Method: {GROUPS} groups x 1 rank, the soak's tiny model, {steps} steps, "
              f"`ft.heartbeat_timeout=2`; from step 5 on the coordinator is SIGKILLed every "
              f"{every:g} s and the launcher starts a fresh one on the same port at once "
-             "(`LocalLauncher.restart_coordinator`). Downtime: kill to the new process answering. "
+             "(`LocalLauncher.restart_coordinator`): cold (a new `ftlm coordinator` process) or "
+             "from the warm standby (`ftlm.launch.coordinator_standby`), alternating launch by "
+             "launch. Downtime: kill to the new process answering. "
              "Stall: `ftlm.observe.summary`'s stall of each kill (longest gap between the job's "
              "commits around it, minus the median step).",
              f"* Took {took:.0f} s.", "",
-             table(["rep", "kills", "median step s", "median downtime s", "median stall s",
+             table(["rep", "restart", "kills", "median step s", "median downtime s", "median stall s",
                     "max stall s", "stall per kill s", "steps", "ETT", "problems"], rows), ""]
-    if all_stalls:
-        lines.append(f"Over all {len(all_stalls)} kills: stall median {statistics.median(all_stalls):.3f} s, "
-                     f"max {max(all_stalls):.3f} s; coordinator downtime median "
-                     f"{statistics.median(all_down):.2f} s.")
+    for standby in (False, True):
+        mine = [r for r in results if r["standby"] == standby]
+        stalls = [x for r in mine for x in r["stalls"]]
+        down = [x for r in mine for x in r["downtime"]]
+        if stalls:
+            lines.append(f"* {'Warm standby' if standby else 'Cold start'}: {len(stalls)} kills, stall "
+                         f"median {statistics.median(stalls):.3f} s (max {max(stalls):.3f} s), "
+                         f"coordinator downtime median {statistics.median(down):.2f} s.")
     return "\n".join(lines) + "\n"
 
 
@@ -112,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.coordinator_crash", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="one repetition, 2 kills")
-    p.add_argument("--reps", type=int, default=2, help="launches (default 2)")
+    p.add_argument("--reps", type=int, default=2, help="pairs of launches, cold then warm (default 2)")
     p.add_argument("--kills", type=int, default=4, help="coordinator kills per launch (default 4)")
     p.add_argument("--every", type=float, default=10.0, help="seconds between kills (default 10)")
     p.add_argument("--steps", type=int, default=0, help="steps per launch (default: enough for the kills)")
@@ -125,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     results = []
     with tempfile.TemporaryDirectory(prefix="ftlm-coordcrash-") as tmp:
-        for rep in range(reps):
-            r = run_one(Path(tmp), steps, kills, args.every)
-            print(f"rep {rep + 1}: kills {r['kills']}, stalls {r['stalls']}, downtime "
+        for rep, standby in ((rep, standby) for rep in range(reps) for standby in (False, True)):
+            r = run_one(Path(tmp), steps, kills, args.every, standby)
+            print(f"rep {rep + 1} standby={standby}: kills {r['kills']}, stalls {r['stalls']}, downtime "
                   f"{[round(d, 2) for d in r['downtime']]}, problems {r['problems']}", flush=True)
             results.append(r)
     flags = [f for f, on in (("--quick", args.quick),) if on]

@@ -1,8 +1,9 @@
 """Local launcher and supervisor: a coordinator process plus N replica groups on this machine.
 
 It starts the coordinator as its own process (``ftlm coordinator``, restarted on the same port
-when it dies) and each group as ``ftlm train`` processes (one per rank) with the environment of
-DESIGN.md section 10. It restarts a group whose process exits as a new incarnation and reports
+when it dies, by a warm standby that takes over at once: ``ftlm.launch.coordinator_process``)
+and each group as ``ftlm train`` processes (one per rank) with the environment of DESIGN.md
+section 10. It restarts a group whose process exits as a new incarnation and reports
 the death to the coordinator (``POST /v1/dead``); kills a group that is hung so that it restarts:
 one that never registered within ``ft.startup_timeout``, one whose heartbeat stopped, one the
 coordinator declared dead (it made no progress); stops the launch with the group's own error when
@@ -101,7 +102,7 @@ class LocalLauncher:
                  start_delays: dict[str, float] | None = None, ranks_per_group: int = 1,
                  kill_hung: bool = True,
                  extra_env: dict[str, str] | None = None, progress: bool | None = None,
-                 command: str = "train"):
+                 command: str = "train", coordinator_standby: bool = True):
         if groups < 1:
             raise ConfigError(f"--groups={groups} must be at least 1")
         if ranks_per_group < 1:
@@ -110,6 +111,7 @@ class LocalLauncher:
             raise ConfigError(f"--chaos-mtbf={chaos_mtbf} must be >= 0 (0 disables chaos)")
         self.config = config
         self.command = command  # the ftlm subcommand each rank runs: train, sft, dpo, grpo
+        self.coordinator_standby = coordinator_standby  # a warm process ready to replace it
         self.n = groups
         self.ranks = ranks_per_group
         self.kill_hung = kill_hung  # off: a hung group stays stopped until someone resumes it
@@ -208,7 +210,8 @@ class LocalLauncher:
         self.coordinator = CoordinatorProcess(config_file, _free_port(), self.token,
                                               self.run_dir / "events.jsonl",
                                               self.run_dir / "logs" / "coordinator.log",
-                                              tls=self._tls_context())
+                                              tls=self._tls_context(),
+                                              standby=self.coordinator_standby)
         self.coordinator.start(self.config.ft.startup_timeout)
         url = self.coordinator.url
         # ranks_per_group: GPU-hours count every rank of a group (ftlm.observe.cost).

@@ -12,7 +12,12 @@ import pytest
 
 from ftlm.ft.dashboard import DashboardLog, render_page
 from ftlm.ft.quorum import Quorum
-from ftlm.observe.charts import BUCKET_SECONDS, TIMELINE_GROUPS, WINDOW_SECONDS, ChartHistory
+from ftlm.observe.charts import (
+    BUCKET_SECONDS,
+    TIMELINE_GROUPS,
+    WINDOW_SECONDS,
+    ChartHistory,
+)
 from ftlm.observe.summary import build_summary
 
 

@@ -15,8 +15,13 @@ from ftlm.observe.config import ObserveConfig
 from ftlm.observe.events import EventLog, NullEvents, read_events
 from ftlm.observe.gpu import NvmlSampler, cuda_device, gpu_sampler
 from ftlm.observe.live import LiveEtt, WatchedEvents
-from ftlm.observe.metrics import (CHECKPOINT_MARKER, LAZY, NullMetrics, TrainingMetrics,
-                                  start_rank_metrics)
+from ftlm.observe.metrics import (
+    CHECKPOINT_MARKER,
+    LAZY,
+    NullMetrics,
+    TrainingMetrics,
+    start_rank_metrics,
+)
 from ftlm.observe.summary import build_summary
 from ftlm.observe.tracing import NullTracer, StepTracer, make_tracer
 
@@ -63,7 +68,7 @@ def test_a_reading_the_board_refuses_is_left_out_not_zero() -> None:
 
 def test_gpu_families_are_exported_once_nvml_has_read_them() -> None:
     m = TrainingMetrics("j", "g0", 0)
-    names = lambda: {f.name for f in m.registry.collect() for s in f.samples}  # noqa: E731
+    names = lambda: {f.name for f in m.registry.collect() for s in f.samples}
     m.sample_memory()
     assert not (names() & {"ftlm_gpu_temperature_celsius", "ftlm_gpu_power_watts"})
     m._gpu = NvmlSampler(0, nvml=fake_nvml())  # what sample_memory finds on a CUDA rank
@@ -225,7 +230,9 @@ def test_tracing_off_is_the_null_tracer_and_on_without_the_sdk_names_the_fix(mon
 
 def test_a_step_is_one_span_with_its_quorum_and_allreduce_as_children() -> None:
     pytest.importorskip("opentelemetry.sdk.trace", reason="opentelemetry-sdk is not installed (ftlm[otel])")
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+        InMemorySpanExporter,
+    )
     from opentelemetry.trace import StatusCode
 
     exporter = InMemorySpanExporter()

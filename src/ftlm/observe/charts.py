@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ftlm.observe.live import LiveEtt
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ftlm.observe.events import Events
 from ftlm.observe.summary import DISTURBANCE_KINDS, ett_figures, final_history

@@ -105,7 +105,10 @@ def make_tracer(enabled: bool, endpoint: str, job: str, group: str, rank: int | 
     try:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export import (
+            BatchSpanProcessor,
+            SimpleSpanProcessor,
+        )
     except ImportError as e:
         raise ConfigError(f"observe.tracing=true needs the OpenTelemetry SDK ({e.name} is missing): "
                           "pip install 'ftlm[otel]', or set observe.tracing=false") from e
@@ -116,7 +119,9 @@ def make_tracer(enabled: bool, endpoint: str, job: str, group: str, rank: int | 
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     else:
         try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                OTLPSpanExporter,
+            )
         except ImportError as e:
             raise ConfigError("observe.tracing=true needs the OTLP exporter "
                               "(opentelemetry-exporter-otlp-proto-http): pip install 'ftlm[otel]'"

@@ -167,3 +167,15 @@ def test_stop_cuts_a_transfer_in_flight_and_joins_every_thread(serve):
     with pytest.raises(OSError):
         socket.create_connection(address, timeout=2).close()
 
+
+
+def test_stop_cuts_a_tls_handshake_in_progress(serve, tls_files):
+    from ftlm.ft.tls import server_context
+
+    server, address = serve(read_timeout=30,
+                            ssl_context=server_context(tls_files.cert, tls_files.key))
+    with socket.create_connection(address, timeout=10):  # connects, never says hello
+        assert wait_until(lambda: server.open_connections == 1)
+        start = time.monotonic()
+        server.stop(timeout=5)  # raises TimeoutError if the handshake were not cut
+        assert time.monotonic() - start < 5

@@ -597,6 +597,17 @@ def test_transfer_over_tls_round_trips(make_server, tls_files):
     assert list_snapshots(server.url, token="s3cret", ssl_context=client) == [7]
 
 
+def test_megabyte_chunks_over_tls_round_trip_in_parallel(make_server, tls_files):
+    state = {"w": torch.randn(3 << 20, generator=torch.Generator().manual_seed(1))}  # 12 MiB
+    server = make_server(chunk_bytes=1 << 20,
+                         ssl_context=server_context(tls_files.cert, tls_files.key))
+    server.publish(snapshot_state(state, {}, step=3))
+
+    tensors, _ = fetch_snapshot(server.url, 3, parallel=4, timeout=10,
+                                ssl_context=client_context(tls_files.ca))
+    assert_bitwise_equal(tensors, state)
+
+
 def test_client_without_the_ca_fails_with_a_clear_error(make_server, tls_files):
     server = make_server(ssl_context=server_context(tls_files.cert, tls_files.key))
     server.publish(snapshot_state(mixed_state(), META, step=7))

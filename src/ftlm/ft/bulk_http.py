@@ -246,11 +246,13 @@ class BulkHTTPServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no delayed-ACK stalls
             if self.ssl_context is not None:
                 conn.settimeout(self.read_timeout)  # bounds the handshake
-                sock = self.ssl_context.wrap_socket(conn, server_side=True)
-                with self._lock:
+                sock = self.ssl_context.wrap_socket(conn, server_side=True,
+                                                    do_handshake_on_connect=False)
+                with self._lock:  # `conn` is detached now: `stop` must cut the TLS socket
                     self._open[me] = sock
-                if self.stopping.is_set():
+                if self.stopping.is_set():  # set before `stop` looked at the open sockets
                     return
+                sock.do_handshake()
             pending = b""
             while not self.stopping.is_set():
                 head, pending = self._read_head(sock, pending)

@@ -47,27 +47,37 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _loopback(payload: memoryview) -> None:
-    """Move ``payload`` through one loopback TCP connection (sendall / recv_into)."""
+def _loopback(payload: memoryview, connections: int = 1) -> None:
+    """Move ``payload`` through loopback TCP (sendall / recv_into), split in ``connections``
+    contiguous parts that travel at once, each on its own connection and pair of threads."""
     nbytes = payload.nbytes
-    server = socket.create_server(("127.0.0.1", 0))
+    sink = memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy())  # like fetch's buffer
+    bounds = [nbytes * i // connections for i in range(connections + 1)]
+    server = socket.create_server(("127.0.0.1", 0), backlog=connections)
 
     def send() -> None:
         conn, _ = server.accept()
         with conn:
-            conn.sendall(payload)
+            part = int.from_bytes(conn.recv(1), "big")
+            conn.sendall(payload[bounds[part]:bounds[part + 1]])
 
-    sender = threading.Thread(target=send, daemon=True)
-    sender.start()
-    sink = memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy())  # like fetch's buffer
-    got = 0
-    with socket.create_connection(server.getsockname()) as conn:
-        while got < nbytes:
-            n = conn.recv_into(sink[got:], min(CHUNK, nbytes - got))
-            if not n:
-                raise RuntimeError(f"loopback closed after {got} of {nbytes} bytes")
-            got += n
-    sender.join(30)
+    def receive(part: int) -> None:
+        got, end = bounds[part], bounds[part + 1]
+        with socket.create_connection(server.getsockname()) as conn:
+            conn.sendall(bytes([part]))
+            while got < end:
+                n = conn.recv_into(sink[got:end], min(CHUNK, end - got))
+                if not n:
+                    raise RuntimeError(f"loopback closed at byte {got} of [.., {end})")
+                got += n
+
+    threads = [threading.Thread(target=send, daemon=True) for _ in range(connections)]
+    threads += [threading.Thread(target=receive, args=(i,), daemon=True)
+                for i in range(connections)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
     server.close()
 
 
@@ -77,7 +87,7 @@ def _digests(view: memoryview, digest: Callable[[memoryview], object]) -> None:
 
 
 ROWS = ("copy_fresh", "copy_touched", "xxh3", "sha256", "fetch4_fresh", "fetch1", "fetch4",
-        "loopback")
+        "loopback4", "loopback")
 
 
 def _one_rep(server: SnapshotServer, state: dict[str, torch.Tensor], step: int,
@@ -96,6 +106,7 @@ def _one_rep(server: SnapshotServer, state: dict[str, torch.Tensor], step: int,
     for key, par in (("fetch4_fresh", 4), ("fetch1", 1), ("fetch4", 4)):
         timed(key, lambda par=par: fetch_snapshot(server.url, step, timeout=120, parallel=par))
     timed("loopback", lambda: _loopback(snap.view()))
+    timed("loopback4", lambda: _loopback(snap.view(), 4))
 
 
 def measure(mb: int, reps: int) -> dict[str, list[tuple[float, float]]]:
@@ -130,7 +141,8 @@ LABELS = {
     "fetch4_fresh": "fetch_snapshot, 4 connections, first pull (digests computed while serving)",
     "fetch1": "fetch_snapshot, 1 connection",
     "fetch4": "fetch_snapshot, 4 connections",
-    "loopback": "raw loopback socket (ceiling)",
+    "loopback4": "raw loopback, 4 connections at once",
+    "loopback": "raw loopback socket (ceiling: the target's reference)",
 }
 
 

@@ -133,7 +133,7 @@ def test_malformed_requests_are_answered_at_once_and_closed(serve, raw, status):
 
 
 def test_a_handler_bug_is_a_500_and_the_server_keeps_serving(serve, caplog):
-    server, address = serve()
+    _, address = serve()
     with caplog.at_level(logging.ERROR):
         answer = request(address, b"GET /boom HTTP/1.1\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 500") and b"RuntimeError" in answer

@@ -770,8 +770,8 @@ def reset(source, conn, data):
 
 @pytest.mark.parametrize("misbehave, problem", [
     (truncate, r"chunk 2: truncated body, 1000 of 4096 bytes arrived"),
-    (flip_a_bit, r"checksum mismatch in chunk 2 \(bytes \[8192, 12288\)\): xxh3_128 [0-9a-f]{32}, "
-                 r"the source says [0-9a-f]{32}"),
+    (flip_a_bit, (r"checksum mismatch in chunk 2 \(bytes \[8192, 12288\)\): xxh3_128 [0-9a-f]{32}, "
+                  r"the source says [0-9a-f]{32}")),
     (no_digest, r"chunk 2: the source sent no valid digest \(X-Ftlm-Digest: ''"),
     (malformed_digest, r"chunk 2: the source sent no valid digest \(X-Ftlm-Digest: 'sha256="),
     (stall, r"chunk 2: timed out: no progress for 1.0s"),

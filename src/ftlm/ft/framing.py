@@ -115,7 +115,7 @@ class ChunkTable:
     chunk_bytes: int
 
     def __len__(self) -> int:
-        return -(-self.total_bytes // self.chunk_bytes)
+        return (self.total_bytes + self.chunk_bytes - 1) // self.chunk_bytes
 
     def __getitem__(self, index: int) -> ChunkEntry:
         count = len(self)

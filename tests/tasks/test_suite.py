@@ -22,8 +22,8 @@ def _independent_answer(task: Task) -> str:
         return str(numbers[0] % numbers[1])
     if task.family == "sort":
         return ", ".join(map(str, sorted(numbers)))
-    letter, word = re.fullmatch(r"How many (\w) in (\w+)\?", task.prompt).groups()
-    return str(word.count(letter))
+    letter, word = re.fullmatch(r"How many (\w) in ((?:\w )*\w)\?", task.prompt).groups()
+    return str(word.split().count(letter))
 
 
 def test_train_and_test_splits_never_share_a_problem():

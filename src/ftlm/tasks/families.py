@@ -102,7 +102,7 @@ _LETTERS = "abcdefgh"
 
 
 def draw_count(rng: random.Random) -> Problem:
-    """Count one letter in a word of 4-8 letters from a-h, keeping a running count."""
+    """Count one letter in a word of 4-8 letters from a-h (spelled out), keeping a running count."""
     word = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(4, 8)))
     # Mostly a letter that occurs (so counts above zero are common), sometimes any letter.
     letter = rng.choice(word) if rng.random() < 0.8 else rng.choice(_LETTERS)
@@ -111,7 +111,10 @@ def draw_count(rng: random.Random) -> Problem:
     for ch in word:
         count += ch == letter
         running.append(f"{ch}:{count}")
-    return Problem(key=f"{letter}@{word}", prompt=f"How many {letter} in {word}?",
+    # The word is spelled with spaces: a BPE tokenizer then gives one token per letter, as in the
+    # trace (written together, "chgbaeff" becomes " ch", "g", "b", "ae", "ff", and a small model
+    # cannot see the letters it must count).
+    return Problem(key=f"{letter}@{word}", prompt=f"How many {letter} in {' '.join(word)}?",
                    answer=str(count), steps=(" ".join(running),))
 
 

@@ -48,12 +48,20 @@ from bench.common import (
 # sort has the longest completions (up to ~80 tokens): left out to keep sampling affordable here.
 FAMILIES = "add,mod,count"
 
-FULL = {"pretrain_steps": 200, "sft_steps": 150, "train_tasks": 1000, "heldout_tasks": 200,
-        "pair_tasks": 150, "dpo_steps": 40, "grpo_steps": 12, "group_size": 6,
-        "grpo_batch": 4, "max_new_tokens": 96}
-QUICK = {"pretrain_steps": 20, "sft_steps": 10, "train_tasks": 100, "heldout_tasks": 20,
+FULL = {
+    "families": FAMILIES, "pretrain_steps": 200, "heldout_tasks": 200, "max_new_tokens": 96,
+    "train_tasks": 1000, "sft_steps": 150, "sft_lr": 1e-3,
+    "pair_tasks": 150, "pair_samples": 4, "pair_temperature": 1.0,
+    "dpo_steps": 40, "dpo_lr": 2e-4, "dpo_beta": 0.1, "dpo_nll": 0.0,
+    "grpo_steps": 12, "grpo_batch": 4, "group_size": 6, "grpo_lr": 2e-4, "grpo_kl": 0.04,
+    "grpo_clip": 0.2, "grpo_temperature": 1.0, "grpo_tasks": 1000,
+}
+"""Sizes and hyper-parameters of the full run (``--set KEY=VALUE`` overrides one)."""
+QUICK = {**FULL, "pretrain_steps": 20, "sft_steps": 10, "train_tasks": 100, "heldout_tasks": 20,
          "pair_tasks": 16, "dpo_steps": 4, "grpo_steps": 2, "group_size": 4, "grpo_batch": 2,
-         "max_new_tokens": 48}
+         "grpo_tasks": 100, "max_new_tokens": 48}
+VAL_SEED = 4321
+"""Seed of the validation draw (training split, problems of every training stage removed)."""
 
 
 def _config(run_dir: Path, seed: int, **sections):
@@ -71,25 +79,31 @@ def _post_sections(sizes: dict, lr: float, steps: int, init_from: Path, **post) 
     return {"data": {"seq_len": 256, "eval_samples": 0},
             "train": {"steps": steps, "lr": lr, "warmup_steps": max(1, steps // 10),
                       "init_from": str(init_from), "batch_size": 8},
-            "post": {"families": FAMILIES, "train_tasks": sizes["train_tasks"],
+            "post": {"families": sizes["families"], "train_tasks": sizes["train_tasks"],
                      "heldout_tasks": 0, "max_new_tokens": sizes["max_new_tokens"], **post}}
 
 
 def _accuracy(weights: Path, tasks, max_new_tokens: int) -> dict:
+    """Greedy pass@1 of a model on ``tasks``: mean, 95 % interval, per family, per task."""
     from safetensors.torch import load_model
 
     from ftlm.data.tokenizer import Tokenizer
-    from ftlm.evaluate_cli import task_accuracy
+    from ftlm.evaluate_cli import sample_tasks
     from ftlm.model import Transformer
     from ftlm.model.config import ModelConfig
+    from ftlm.tasks import check
+    from ftlm.tasks.scoring import summarise
     model = Transformer(ModelConfig(size="tiny"))
     load_model(model, str(weights))
     tokenizer = Tokenizer.load(REPO_ROOT / "data" / "demo" / "tokenizer.json")
-    result = task_accuracy(model, tokenizer, tasks, max_new_tokens=max_new_tokens)
-    score = result["scores"]["all"]["pass@1"]
-    per_family = {f: s["pass@1"]["mean"] for f, s in result["scores"].items() if f != "all"}
-    return {"acc": score["mean"], "ci95": score["ci95"], "eval_seconds": result["seconds"],
-            "families": per_family}
+    t0 = time.perf_counter()
+    completions = sample_tasks(model, tokenizer, tasks, 1, 0.0, 0, max_new_tokens, 0)
+    correct = [int(check(t, c[0])) for t, c in zip(tasks, completions)]
+    scores = summarise([t.family for t in tasks], correct, 1, [1])
+    score = scores["all"]["pass@1"]
+    per_family = {f: s["pass@1"]["mean"] for f, s in scores.items() if f != "all"}
+    return {"acc": score["mean"], "ci95": score["ci95"], "eval_seconds": time.perf_counter() - t0,
+            "families": per_family, "correct": correct}
 
 
 def _train(kind: str, config) -> dict:
@@ -101,14 +115,35 @@ def _train(kind: str, config) -> dict:
             "steps": summary["steps_committed"], "final_loss": summary["final_loss"]}
 
 
-def run_lifecycle(root: Path, sizes: dict, seeds: int) -> dict:
+def evaluation_tasks(sizes: dict, split: str, seeds: int) -> list:
+    """The tasks every model is scored on: the suite's held-out split (``test``, what the table
+    reports), or a validation set for choosing hyper-parameters (``val``): training-split
+    problems that no training stage of any seed sees."""
+    from ftlm.tasks import generate
+    families, n = sizes["families"], sizes["heldout_tasks"]
+    if split == "test":
+        return generate(families, "test", n, 1234)
+    used = set()
+    for seed in range(seeds):
+        for count, task_seed in ((sizes["train_tasks"], seed), (sizes["pair_tasks"], 100 + seed),
+                                 (sizes["grpo_tasks"], 200 + seed)):
+            used |= {(t.family, t.key) for t in generate(families, "train", count, task_seed)}
+    pool = generate(families, "train", 2 * n + len(used) // 4, VAL_SEED)
+    return [t for t in pool if (t.family, t.key) not in used][:n]
+
+
+def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
+                  stages: tuple[str, ...] = ("dpo", "grpo"), reuse: bool = False,
+                  only: list[int] | None = None) -> dict:
+    """Pretrain once, then SFT, DPO and GRPO for each seed (``only``: these seeds of
+    ``range(seeds)``; the validation set still leaves out every seed's training tasks)."""
     from ftlm.post.pairs import make_pairs, write_pairs
     from ftlm.post.run import load_reference, load_tokenizer
     from ftlm.tasks import generate
     torch.set_num_threads(1)
     ensure_demo()
-    heldout = generate(FAMILIES, "test", sizes["heldout_tasks"], 1234)
-    out: dict = {"sizes": sizes, "stages": {}}
+    heldout = evaluation_tasks(sizes, split, seeds)
+    out: dict = {"sizes": sizes, "split": split, "stages": {}}
 
     def record(stage: str, seed: int, compute: dict, weights: Path) -> None:
         acc = _accuracy(weights, heldout, sizes["max_new_tokens"])
@@ -117,43 +152,77 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int) -> dict:
         print(f"{stage} seed {seed}: acc {acc['acc']:.3f} +- {acc['ci95']:.3f} "
               f"({compute.get('seconds', 0):.0f} s) {acc['families']}", flush=True)
 
+    def train(kind: str, config) -> dict:
+        """Train, or with ``reuse`` take the model an earlier run left in the same folder."""
+        done = config.run.path / "summary.json"
+        if reuse and done.is_file() and (config.run.path / "model.safetensors").is_file():
+            s = json.loads(done.read_text())
+            print(f"reusing {config.run.path}", flush=True)
+            return {"seconds": s.get("wall_seconds", float("nan")),
+                    "tokens": s.get("tokens_committed", 0),
+                    "steps": s.get("steps_committed", 0), "final_loss": s.get("final_loss")}
+        return _train(kind, config)
+
     pre = _config(root / "pretrain", 0, train={"steps": sizes["pretrain_steps"]})
-    compute = _train("pretrain", pre)
+    compute = train("pretrain", pre)
     base_weights = pre.run.path / "model.safetensors"
     record("pretrained", 0, compute, base_weights)
-    for seed in range(seeds):
+    for seed in (range(seeds) if only is None else only):
         sft = _config(root / f"sft{seed}", seed, **_post_sections(
-            sizes, 1e-3, sizes["sft_steps"], base_weights, task_seed=seed))
-        record("SFT", seed, _train("sft", sft), sft.run.path / "model.safetensors")
+            sizes, sizes["sft_lr"], sizes["sft_steps"], base_weights, task_seed=seed))
+        record("SFT", seed, train("sft", sft), sft.run.path / "model.safetensors")
         sft_weights = sft.run.path / "model.safetensors"
-        # DPO: pairs sampled from this SFT model on training tasks it was trained on.
-        t0 = time.perf_counter()
-        pcfg = _config(root / f"pairs{seed}", seed, **_post_sections(
-            sizes, 1e-4, 1, sft_weights, train_tasks=sizes["pair_tasks"], task_seed=100 + seed,
-            pair_samples=4, temperature=1.0))
-        tasks = generate(FAMILIES, "train", sizes["pair_tasks"], 100 + seed)
-        records, counts = make_pairs(load_reference(pcfg, torch.device("cpu")),
-                                     load_tokenizer(pcfg), tasks, samples=4,
-                                     max_new_tokens=sizes["max_new_tokens"],
-                                     temperature=1.0, top_k=0, seed=seed)
-        pairs = write_pairs(records, root / f"pairs{seed}.jsonl")
-        pair_seconds = time.perf_counter() - t0
-        dpo = _config(root / f"dpo{seed}", seed, **_post_sections(
-            sizes, 2e-4, sizes["dpo_steps"], sft_weights, data=str(pairs), beta=0.1))
-        compute = _train("dpo", dpo)
-        compute["pair_seconds"], compute["pairs"] = pair_seconds, counts
-        record("DPO", seed, compute, dpo.run.path / "model.safetensors")
-        grpo = _config(root / f"grpo{seed}", seed, **_post_sections(
-            sizes, 2e-4, sizes["grpo_steps"], sft_weights, group_size=sizes["group_size"],
-            kl_coef=0.04, clip=0.2, temperature=1.0, task_seed=200 + seed))
-        grpo.train.batch_size = sizes["grpo_batch"]
-        record("GRPO", seed, _train("grpo", grpo), grpo.run.path / "model.safetensors")
+        if "dpo" in stages:
+            # DPO: pairs sampled from this SFT model on training tasks, checked.
+            t0 = time.perf_counter()
+            pcfg = _config(root / f"pairs{seed}", seed, **_post_sections(
+                sizes, 1e-4, 1, sft_weights))
+            tasks = generate(sizes["families"], "train", sizes["pair_tasks"], 100 + seed)
+            records, counts = make_pairs(load_reference(pcfg, torch.device("cpu")),
+                                         load_tokenizer(pcfg), tasks,
+                                         samples=sizes["pair_samples"],
+                                         max_new_tokens=sizes["max_new_tokens"],
+                                         temperature=sizes["pair_temperature"], top_k=0,
+                                         seed=seed)
+            pairs = write_pairs(records, root / f"pairs{seed}.jsonl")
+            pair_seconds = time.perf_counter() - t0
+            dpo = _config(root / f"dpo{seed}", seed, **_post_sections(
+                sizes, sizes["dpo_lr"], sizes["dpo_steps"], sft_weights, data=str(pairs),
+                beta=sizes["dpo_beta"], dpo_nll=sizes["dpo_nll"]))
+            compute = _train("dpo", dpo)
+            compute["pair_seconds"], compute["pairs"] = pair_seconds, counts
+            record("DPO", seed, compute, dpo.run.path / "model.safetensors")
+        if "grpo" in stages:
+            grpo = _config(root / f"grpo{seed}", seed, **_post_sections(
+                sizes, sizes["grpo_lr"], sizes["grpo_steps"], sft_weights,
+                group_size=sizes["group_size"], kl_coef=sizes["grpo_kl"],
+                clip=sizes["grpo_clip"], temperature=sizes["grpo_temperature"],
+                train_tasks=sizes["grpo_tasks"], task_seed=200 + seed))
+            grpo.train.batch_size = sizes["grpo_batch"]
+            record("GRPO", seed, _train("grpo", grpo), grpo.run.path / "model.safetensors")
     return out
+
+
+def paired(result: dict, better: str, worse: str) -> tuple[float, float] | None:
+    """Mean per-task difference ``better - worse`` over every (seed, task), with its 95 %
+    interval (normal approximation over the paired differences): both stages answer the same
+    tasks, so the pairing removes the tasks' shared difficulty from the interval."""
+    stages = result["stages"]
+    low = stages.get(worse, {})
+    # The pretrained model is one (seed 0): every seed's SFT is compared with it.
+    base = lambda seed: low.get(seed, next(iter(low.values())) if len(low) == 1 else None)
+    diffs = [a - b for seed, e in stages.get(better, {}).items()
+             if base(seed) is not None and "correct" in e and "correct" in base(seed)
+             for a, b in zip(e["correct"], base(seed)["correct"])]
+    if len(diffs) < 2:
+        return None
+    return statistics.fmean(diffs), 1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5
 
 
 def verdict(result: dict) -> str:
     """The issue's targets, judged from the numbers: a stage beats another when its mean over seeds
-    exceeds the other's by more than the larger mean 95 % interval of the two."""
+    exceeds the other's by more than the larger mean 95 % interval of the two; the paired
+    difference over the same tasks (``paired``) is given with it."""
     stages = result["stages"]
 
     def mean(stage: str, key: str = "acc") -> float:
@@ -166,9 +235,17 @@ def verdict(result: dict) -> str:
         diff = mean(better) - mean(worse)
         interval = max(mean(better, "ci95"), mean(worse, "ci95"))
         met = "met" if diff > interval else "NOT met"
-        lines.append(f"{better} - {worse}: {diff:+.3f} (interval {interval:.3f}): {met}")
+        line = f"{better} - {worse}: {diff:+.3f} (interval {interval:.3f}): {met}"
+        pair = paired(result, better, worse)
+        if pair is not None:
+            line += f" [paired per task: {pair[0]:+.3f} ± {pair[1]:.3f}]"
+        lines.append(line)
     return "Targets of issue 12 (a stage above another by more than the interval): " + \
         "; ".join(lines) + "."
+
+
+def _fmt(value: float) -> str:
+    return f"{value:g}"
 
 
 def format_section(result: dict, flags: list[str]) -> str:
@@ -190,20 +267,26 @@ def format_section(result: dict, flags: list[str]) -> str:
                           "bench.lifecycle", flags)
     if "--from-json" in command_line():
         body += f"* Trained by `{result.get('command', '?')}`; this text formatted from its JSON\n"
-    body += (f"* Model: tiny (configs/tiny.toml), one group, 1 thread. Tasks: {FAMILIES}; "
-             f"held-out: {sizes['heldout_tasks']} tasks of the test split (no problem shared "
-             "with training), greedy pass@1 with completions of up to "
-             f"{sizes['max_new_tokens']} tokens, ± = 95 % interval over tasks\n"
-             f"* Pretrain {sizes['pretrain_steps']} steps (seed 0, shared by the seeds); SFT "
-             f"{sizes['sft_steps']} steps on {sizes['train_tasks']} tasks (lr 1e-3, batch 8 rows "
-             f"of 256 packed tokens); DPO {sizes['dpo_steps']} steps on pairs from "
-             f"{sizes['pair_tasks']} tasks x 4 samples (beta 0.1, lr 2e-4); GRPO "
-             f"{sizes['grpo_steps']} steps of {sizes['grpo_batch']} prompts x G="
-             f"{sizes['group_size']} (clip 0.2, KL 0.04, lr 2e-4)\n"
+    z = {k: _fmt(v) if isinstance(v, float) else v for k, v in sizes.items()}
+    where = ("held-out: {n} tasks of the test split (no problem shared with training)"
+             if result.get("split", "test") == "test" else
+             "VALIDATION: {n} training-split tasks no stage trains on")
+    body += (f"* Model: tiny (configs/tiny.toml), one group, 1 thread. Tasks: {z['families']}; "
+             + where.format(n=z["heldout_tasks"]) + ", greedy pass@1 with completions of up to "
+             f"{z['max_new_tokens']} tokens, ± = 95 % interval over tasks\n"
+             f"* Pretrain {z['pretrain_steps']} steps (seed 0, shared by the seeds); SFT "
+             f"{z['sft_steps']} steps on {z['train_tasks']} tasks (lr {z['sft_lr']}, batch 8 "
+             f"rows of 256 packed tokens); DPO {z['dpo_steps']} steps (batch 8 pairs) on pairs "
+             f"from {z['pair_tasks']} training tasks x {z['pair_samples']} samples at "
+             f"temperature {z['pair_temperature']} (beta {z['dpo_beta']}, NLL weight "
+             f"{z['dpo_nll']}, lr {z['dpo_lr']}); GRPO {z['grpo_steps']} steps of "
+             f"{z['grpo_batch']} prompts x G={z['group_size']} at temperature "
+             f"{z['grpo_temperature']} from {z['grpo_tasks']} training tasks (clip "
+             f"{z['grpo_clip']}, KL {z['grpo_kl']}, lr {z['grpo_lr']})\n"
              "* Compute: mean wall seconds per run on this shared machine (evaluation not "
              "included), tokens = committed training tokens (row budget: GRPO counts G x 256 per "
              "prompt)\n\n")
-    body += table(["stage", "held-out pass@1, mean over seeds", "per seed (± 95 % CI)",
+    body += table(["stage", "pass@1, mean over seeds", "per seed (± 95 % CI)",
                    "compute (wall)", "tokens"], rows)
     pairs = [e["pairs"] for e in result["stages"].get("DPO", {}).values()]
     if pairs:
@@ -220,28 +303,95 @@ def format_section(result: dict, flags: list[str]) -> str:
     return body + "\n"
 
 
+def merge(results: list[dict]) -> dict:
+    """One result from runs over disjoint seeds, scored on the same tasks (the pretrained
+    model's entry is taken from the first run; a seed present twice is refused). The runs after
+    the first must agree on every size; the first (e.g. ``--only-seeds none``, the pretraining
+    alone) on the pretraining and the evaluation."""
+    first, rest = results[0], results[1:] or results
+    shared = ("families", "pretrain_steps", "heldout_tasks", "max_new_tokens")
+    out = {"sizes": rest[0]["sizes"], "split": first.get("split", "test"), "stages": {}}
+    for r in results:
+        same = r["sizes"] == out["sizes"] if r is not first else all(
+            r["sizes"][k] == out["sizes"][k] for k in shared)
+        if not same or r.get("split", "test") != out["split"]:
+            raise SystemExit("--merge: the runs differ in sizes or split")
+        for stage, by_seed in r["stages"].items():
+            into = out["stages"].setdefault(stage, {})
+            if stage == "pretrained":
+                into.update({k: v for k, v in by_seed.items() if not into})
+                continue
+            twice = set(into) & set(by_seed)
+            if twice:
+                raise SystemExit(f"--merge: seed(s) {sorted(twice)} of {stage} in two runs")
+            into.update(by_seed)
+    for stage in out["stages"]:
+        out["stages"][stage] = dict(sorted(out["stages"][stage].items(), key=lambda kv: int(kv[0])))
+    return out
+
+
+def _override(sizes: dict, assignments: list[str]) -> dict:
+    sizes = dict(sizes)
+    for item in assignments:
+        key, sep, value = item.partition("=")
+        if not sep or key not in sizes:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE with KEY one of "
+                             f"{', '.join(sorted(sizes))}")
+        kind = type(sizes[key])
+        sizes[key] = value if kind is str else kind(float(value)) if kind is int else kind(value)
+    return sizes
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.lifecycle", description=__doc__)
     p.add_argument("--quick", action="store_true", help="smoke-test sizes (a few minutes)")
     p.add_argument("--seeds", type=int, default=3, help="seeds of SFT, DPO and GRPO (default 3)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a size or hyper-parameter of FULL (repeatable)")
+    p.add_argument("--eval-split", choices=("test", "val"), default="test",
+                   help="score on the held-out test split (the table) or on a validation set "
+                   "of unseen training-split tasks (for choosing hyper-parameters; not written)")
+    p.add_argument("--stages", default="dpo,grpo", help="post-SFT stages to run (dpo,grpo)")
+    p.add_argument("--workdir", default="", help="keep the runs here (default: a temporary "
+                   "folder, removed at the end)")
+    p.add_argument("--reuse", action="store_true", help="with --workdir: take the pretrained "
+                   "and SFT models an earlier run left there instead of training them again")
     p.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
+    p.add_argument("--only-seeds", default="", help="run only these seeds (comma list) of "
+                   "--seeds: with --workdir and --reuse, seeds can run as separate processes "
+                   "that share the pretrained model (`none`: pretrain only); --merge joins "
+                   "their JSON files")
+    p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
+                   help="do not train: join the results of runs over disjoint seeds")
     p.add_argument("--json", default="", help="also write the raw results here")
     p.add_argument("--from-json", default="", help="do not train: format (and write) the section "
                    "from results saved by an earlier --json run")
     args = p.parse_args(argv)
+    sizes = _override(QUICK if args.quick else FULL, args.set)
+    stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
     flags = [f for f, on in (("--quick", args.quick), ("--no-write", args.no_write)) if on]
-    if args.from_json:
+    only = (None if not args.only_seeds else [] if args.only_seeds == "none" else
+            [int(x) for x in args.only_seeds.split(",") if x.strip()])
+    if args.merge:
+        result = merge([json.loads(Path(f).read_text()) for f in args.merge])
+        result["command"] = "; ".join(r.get("command", "?") for r in
+                                      (json.loads(Path(f).read_text()) for f in args.merge))
+    elif args.from_json:
         result = json.loads(Path(args.from_json).read_text())
         args.json = ""
+    elif args.workdir:
+        result = run_lifecycle(Path(args.workdir), sizes, args.seeds, args.eval_split, stages,
+                               args.reuse, only)
+        result["command"] = command_line()
     else:
         with tempfile.TemporaryDirectory(prefix="ftlm-lifecycle-") as tmp:
-            result = run_lifecycle(Path(tmp), QUICK if args.quick else FULL, args.seeds)
+            result = run_lifecycle(Path(tmp), sizes, args.seeds, args.eval_split, stages)
         result["command"] = command_line()
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
     section = format_section(result, flags)
     print(section)
-    if not args.no_write and not args.quick:
+    if not args.no_write and not args.quick and result.get("split", "test") == "test":
         write_section("lifecycle", section)
     return 0
 

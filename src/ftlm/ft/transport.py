@@ -142,7 +142,10 @@ class SnapshotServer:
 
     Endpoints: `GET /v1/snapshots`, `GET /v1/snapshot/{step}/header`,
     `GET /v1/snapshot/{step}/chunk/{index}`; a chunk's answer carries its digest in the
-    `X-Ftlm-Digest: xxh3_128=<hex>` header. Single use: `start()` once, `stop()` once or more.
+    `X-Ftlm-Digest: xxh3_128=<hex>` header. At most `max_connections` connections are open (one
+    more is answered 503), and a client that does not send a complete request within
+    `read_timeout` of connecting or of its last answer is closed. Single use: `start()` once,
+    `stop()` once or more.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str = "",

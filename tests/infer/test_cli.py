@@ -79,3 +79,39 @@ def test_chat_prompts_use_the_post_training_template(run_dir):
     tok = Tokenizer.load(run_dir / "tokenizer.json")
     assert render_chat([{"role": "user", "content": "hi"}], tok) == prompt_ids(tok, "hi")
     assert tok.token_id("<|end|>") in chat_stop_ids(tok)
+
+
+def test_generate_beam_search_uses_the_verifier_as_process_scorer(run_dir, capsys):
+    assert main(["generate", str(run_dir), "--tasks", "2", "-n", "4", "--strategy", "beam-search",
+                 "--verifier", str(run_dir), "--beam-width", "2", "--max-new-tokens", "6",
+                 "--json", "--device", "cpu", "--chat"]) == 0
+    captured = capsys.readouterr()
+    rows = [json.loads(line) for line in captured.out.splitlines()]
+    assert len(rows) == 2 and all(r["samples"] and r["completion"] in r["samples"] for r in rows)
+    assert "accuracy" in captured.err and "beam-search" in captured.err
+
+
+def test_beam_search_and_verifier_errors_are_one_line(run_dir, tmp_path, capsys):
+    base = ["generate", str(run_dir), "--prompt", "x", "--device", "cpu", "--strategy",
+            "beam-search"]
+    assert main(base) == 2
+    assert "needs --verifier" in capsys.readouterr().err
+    assert main(base + ["--verifier", str(run_dir), "-n", "6", "--beam-width", "4"]) == 2
+    assert "must divide" in capsys.readouterr().err
+    assert main(["verifier", "data", "--policy", str(run_dir), "--split", "test", "--out",
+                 str(tmp_path / "v.jsonl")]) == 2
+    assert "train split only" in capsys.readouterr().err
+    # the verifier config is configs/tiny.toml: larger than this 64-wide policy
+    assert main(["verifier", "train", str(Path(__file__).parents[2] / "configs" / "tiny.toml"),
+                 "--policy", str(run_dir), "--set", f"run.dir={tmp_path / 'v'}"]) == 2
+    assert "not smaller than the policy" in capsys.readouterr().err
+
+
+def test_verifier_data_labels_policy_samples_with_the_checker(run_dir, tmp_path, capsys):
+    out = tmp_path / "v.jsonl"
+    assert main(["verifier", "data", "--policy", str(run_dir), "--n", "3", "--samples", "2",
+                 "--max-new-tokens", "4", "--out", str(out)]) == 0
+    assert "6 samples of 3 train tasks, 0 correct" in capsys.readouterr().out
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert records and all(r["label"] == "no" and r["messages"][1]["content"] == "no"
+                           for r in records)

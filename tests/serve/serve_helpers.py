@@ -27,7 +27,8 @@ def start_server(tokenizer, **overrides):
     engine_cls = overrides.pop("engine_cls", Engine)
     engine = engine_cls(model, max_batch=overrides.pop("max_batch", 4), eos_id=tokenizer.eos_id,
                         detokenize=tokenizer.decode)
+    scorer = overrides.pop("scorer", None)
     config = ServeConfig(port=0, token=TOKEN, model_name="tiny", **overrides)
-    server = Server(engine, tokenizer, config)
+    server = Server(engine, tokenizer, config, scorer=scorer)
     server.start()
     return server

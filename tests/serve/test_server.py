@@ -181,6 +181,32 @@ def test_a_strategy_turns_n_samples_into_one_choice(server):
                              extra_body={"strategy": "self-consistency"})
 
 
+def test_a_verifier_given_to_the_server_picks_the_best_of_n_sample(tokenizer):
+    class ShortestIsBest:
+        """A scorer that prefers short completions and records what it was asked about."""
+
+        def __init__(self) -> None:
+            self.asked: list[tuple[str, str]] = []
+
+        def __call__(self, prompt, candidate) -> float:
+            self.asked.append((prompt, candidate.text))
+            return 1.0 / (1 + len(candidate.text))
+
+    scorer = ShortestIsBest()
+    server = start_server(tokenizer, max_n=4, scorer=scorer)
+    try:
+        c = client(server)
+        kwargs = {"model": "tiny", "messages": [{"role": "user", "content": "What is 1 + 2?"}],
+                  "max_tokens": 8, "temperature": 1.0, "seed": 5, "n": 4}
+        samples = [ch.message.content for ch in c.chat.completions.create(**kwargs).choices]
+        picked = c.chat.completions.create(extra_body={"strategy": "best-of-n"}, **kwargs)
+        assert picked.choices[0].message.content == min(samples, key=len)
+        assert {p for p, _ in scorer.asked} == {"What is 1 + 2?"}  # the user's question
+        assert sorted(t for _, t in scorer.asked) == sorted(samples)
+    finally:
+        server.stop()
+
+
 def test_a_streaming_client_that_disconnects_frees_its_slot(tokenizer):
     import socket
 

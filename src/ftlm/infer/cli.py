@@ -14,7 +14,7 @@ from pathlib import Path
 
 # As ftlm.infer.strategies names them (a test keeps the two equal); here so that registering the
 # commands does not import torch.
-STRATEGIES = ("sample", "self-consistency", "best-of-n", "weighted-best-of-n")
+STRATEGIES = ("sample", "self-consistency", "best-of-n", "weighted-best-of-n", "beam-search")
 SCORERS = ("confidence", "has-answer")
 
 
@@ -86,6 +86,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError("--thinking-budget runs one sample per prompt; drop -n")
     if args.scorer == "oracle" and not tasks:
         raise ConfigError("--scorer oracle checks answers of --tasks only")
+    if args.strategy == "beam-search":
+        if not args.verifier:
+            raise ConfigError("--strategy beam-search needs --verifier RUN_DIR (the process "
+                              "scorer; `ftlm verifier train`)")
+        if args.thinking_budget:
+            raise ConfigError("--strategy beam-search and --thinking-budget do not combine")
+        width = args.beam_width or min(4, args.n)
+        if args.n % width:
+            raise ConfigError(f"--beam-width={width} must divide -n={args.n}")
     loaded, engine = _load(args)
     tok = loaded.tokenizer
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -98,18 +107,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompts = [[tok.bos_id] + tok.encode(t) if args.bos else tok.encode(t) for t in texts]
     for p in prompts:
         engine.check_prompt(p)
-    if args.thinking_budget:
+    searched = None
+    if args.strategy == "beam-search":
+        from ftlm.infer.search import beam_search
+        judge = _verifier(args.verifier, args.device, args.dtype)
+        searched = beam_search(engine, tok, prompts, texts, judge.probabilities, args.n,
+                               args.beam_width or min(4, args.n), params)
+        cands = [r.choice.candidates for r in searched]
+    elif args.thinking_budget:
         cands = [[c] for c in st.thinking_budget(engine, tok, prompts, args.thinking_budget,
                                                 params)]
     else:
         cands = st.sample_candidates(engine, tok, prompts, args.n, params)
-    if args.scorer == "verifier":
-        from ftlm.infer.load import load_run
-        from ftlm.infer.verifier import Verifier
-        judge = load_run(args.verifier, device=args.device, dtype=args.dtype)
-        if judge.tokenizer is None:
-            raise ConfigError(f"no tokenizer found for the verifier {args.verifier}")
-        scorer = Verifier(judge.model, judge.tokenizer)
+    if searched is not None:
+        scorer = st.confidence  # unused: the search has picked
+    elif args.scorer == "verifier":
+        scorer = _verifier(args.verifier, args.device, args.dtype)
         for text, row in zip(texts, cands):
             scorer.score_all(text, row)  # batched; best_of_n then reads the memo
     elif args.scorer == "oracle":
@@ -118,7 +131,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         scorer = st.SCORERS.get(args.scorer, st.confidence)
     correct = 0
     for i, (text, row) in enumerate(zip(texts, cands)):
-        if args.strategy == "self-consistency":
+        if searched is not None:
+            choice = searched[i].choice
+        elif args.strategy == "self-consistency":
             choice = st.self_consistency(row)
         elif args.strategy == "best-of-n":
             choice = st.best_of_n(row, text, scorer)
@@ -152,14 +167,87 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_verifier_data(args: argparse.Namespace) -> int:
     from ftlm.errors import ConfigError
-    from ftlm.infer.verifier import write_verifier_data
     from ftlm.tasks import generate as generate_tasks
     if args.n < 1:
         raise ConfigError(f"--n={args.n} must be at least 1")
+    if args.policy:
+        if args.split != "train":
+            raise ConfigError(f"--split={args.split}: labels from --policy samples come from the "
+                              "train split only (the held-out split measures the verifier)")
+        records, counts = _sample_verifier_data(args, args.policy, args.families)
+        from ftlm.infer.verifier_data import write_records
+        path = write_records(records, Path(args.out))
+        print(f"{_counts_line(counts)}; written to {path}")
+        return 0
+    from ftlm.infer.verifier import write_verifier_data
     tasks = generate_tasks(args.families, args.split, args.n, args.seed)
     path = write_verifier_data(tasks, Path(args.out), wrong_per_task=args.wrong, seed=args.seed)
     print(f"{len(tasks) * (1 + args.wrong)} labelled solutions of {len(tasks)} {args.split} tasks "
           f"written to {path}; train a verifier with `ftlm sft` on it")
+    return 0
+
+
+def _sample_verifier_data(args: argparse.Namespace, policy_path: str, families: str):
+    """Sample ``args.samples`` completions of ``args.n`` train tasks from the policy; label them."""
+    from ftlm.errors import ConfigError
+    from ftlm.infer.chat import chat_stop_ids
+    from ftlm.infer.engine import Engine
+    from ftlm.infer.load import load_run
+    from ftlm.infer.sampling import SamplingParams
+    from ftlm.infer.verifier_data import sampled_records
+    from ftlm.tasks import generate as generate_tasks
+    if args.samples < 1:
+        raise ConfigError(f"--samples={args.samples} must be at least 1")
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    policy = load_run(policy_path, device=args.device)
+    if policy.tokenizer is None:
+        raise ConfigError(f"no tokenizer found for the policy {policy_path}")
+    tok = policy.tokenizer
+    engine = Engine(policy.model, max_batch=args.max_batch, eos_id=tok.eos_id,
+                    detokenize=tok.decode)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            seed=args.seed, stop_ids=chat_stop_ids(tok))
+    tasks = generate_tasks(families, "train", args.n, args.seed)
+    return sampled_records(engine, tok, tasks, args.samples, params,
+                           prefixes=not args.no_prefixes, seed=args.seed)
+
+
+def _counts_line(c: dict) -> str:
+    return (f"{c['samples']} samples of {c['tasks']} train tasks, {c['correct_samples']} correct; "
+            f"{c['outcome_records']} distinct completions + {c['prefix_records']} line prefixes "
+            f"labelled ({c['yes_records']} yes)")
+
+
+def cmd_verifier_train(args: argparse.Namespace) -> int:
+    """Sample the policy on train tasks, label by the checkers, then ``ftlm sft`` the verifier."""
+    from ftlm.config import load_config
+    from ftlm.errors import ConfigError
+    from ftlm.infer.load import load_run
+    from ftlm.infer.verifier_data import write_records
+    from ftlm.model.counts import param_count
+    from ftlm.observe.report import format_summary
+    from ftlm.post import run
+    if args.n < 1:
+        raise ConfigError(f"--n={args.n} must be at least 1")
+    config = load_config(args.config, args.overrides)
+    policy_cfg = load_run(args.policy, device="cpu").model.cfg
+    small, big = param_count(config.model), param_count(policy_cfg)
+    if small >= big and not args.allow_larger:
+        raise ConfigError(f"the verifier ({small / 1e6:.2f}M parameters, [model] of {args.config}) "
+                          f"is not smaller than the policy ({big / 1e6:.2f}M); shrink it with "
+                          "--set model.dim=... or pass --allow-larger")
+    data = config.run.path / "verifier_data.jsonl"
+    records, counts = _sample_verifier_data(args, args.policy, args.families or
+                                            config.post.families)
+    write_records(records, data)
+    print(f"{_counts_line(counts)}; training the verifier ({small / 1e6:.2f}M parameters, policy "
+          f"{big / 1e6:.2f}M) on {data}", flush=True)
+    config = load_config(args.config, [*args.overrides, f"post.data={data}"])
+    print(format_summary(run.run("sft", config)))
+    print(f"verifier written to {config.run.path}; use it with `ftlm generate --scorer verifier "
+          f"--verifier {config.run.path}` or `ftlm serve --verifier {config.run.path}`")
     return 0
 
 
@@ -181,15 +269,45 @@ def _serve_token(args: argparse.Namespace, loaded) -> str:
     return ""
 
 
+def _verifier(path: str, device: str, dtype: str):
+    """A ``Verifier`` over the model of run directory ``path``."""
+    from ftlm.errors import ConfigError
+    from ftlm.infer.load import load_run
+    from ftlm.infer.verifier import Verifier
+    judge = load_run(path, device=device, dtype=dtype)
+    if judge.tokenizer is None:
+        raise ConfigError(f"no tokenizer found for the verifier {path}")
+    return Verifier(judge.model, judge.tokenizer)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from ftlm.serve import ServeConfig, Server
+    scorer = _verifier(args.verifier, args.device, args.dtype) if args.verifier else None
     loaded, engine = _load(args)
     config = ServeConfig(host=args.host, port=args.port, model_name=args.name or loaded.name,
                          token=_serve_token(args, loaded), insecure=args.insecure,
                          max_batch=args.max_batch, max_queue=args.max_queue, max_n=args.max_n,
                          default_max_tokens=args.default_max_tokens)
-    Server(engine, loaded.tokenizer, config).serve_forever()
+    Server(engine, loaded.tokenizer, config, scorer=scorer).serve_forever()
     return 0
+
+
+def _add_verifier_data_args(p: argparse.ArgumentParser, families: str = "add,mod,sort,count"
+                            ) -> None:
+    p.add_argument("--n", type=int, default=2000, help="tasks (default 2000)")
+    p.add_argument("--families", default=families,
+                   help="task families (default: " + (families or "the config's post.families")
+                        + ")")
+    p.add_argument("--seed", type=int, default=0, help="seed of the tasks and samples (default 0)")
+    p.add_argument("--samples", type=int, default=8, help="with a policy: samples per task (8)")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0.8)")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per sample (96)")
+    p.add_argument("--max-batch", type=int, default=64, help="sequences decoded together (64)")
+    p.add_argument("--device", default="cpu", help="device of the policy (default cpu)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads while sampling (default 1; 0: torch's default)")
+    p.add_argument("--no-prefixes", action="store_true",
+                   help="label whole samples only (no line prefixes: no process scores)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -209,28 +327,49 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bos", action="store_true", help="start each prompt with <|bos|>")
     p.add_argument("-n", type=int, default=1, help="samples per prompt (default 1)")
     p.add_argument("--strategy", default="sample", choices=STRATEGIES,
-                   help="how to pick among the n samples (default: the first sample)")
+                   help="how to pick among the n samples (default: the first sample); "
+                        "beam-search: step-level search, n partials per round, scored by "
+                        "--verifier")
     p.add_argument("--scorer", default="confidence",
                    help=f"scorer of best-of-n: {', '.join(SCORERS)}, verifier (--verifier), or "
                         "oracle (the exact task checker; --tasks only: an upper bound)")
     p.add_argument("--verifier", default="", metavar="RUN_DIR",
-                   help="verifier model (trained with `ftlm sft` on `ftlm verifier data`)")
+                   help="verifier model (`ftlm verifier train`): --scorer verifier, beam-search")
+    p.add_argument("--beam-width", type=int, default=0,
+                   help="beam-search: next steps sampled per kept partial; n/width partials are "
+                        "kept per round (default min(4, n))")
     p.add_argument("--thinking-budget", type=int, default=0, metavar="TOKENS",
                    help="cap the reasoning at TOKENS, then force </think> and the answer")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(fn=cmd_generate)
 
-    p = sub.add_parser("verifier", help="outcome verifier for best-of-N: its training data")
+    p = sub.add_parser("verifier", help="outcome/process verifier for best-of-N and beam "
+                                        "search: its training data, its training")
     vsub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    vp = vsub.add_parser("data", help="write labelled solutions (yes: reference, no: a wrong "
-                                      "final answer) of the task suite as JSONL for `ftlm sft`")
+    vp = vsub.add_parser("data", help="write labelled solutions of the task suite as JSONL for "
+                                      "`ftlm sft`: with --policy, the policy's samples labelled "
+                                      "by the exact checkers; without, reference solutions (yes) "
+                                      "and changed final answers (no)")
     vp.add_argument("--out", required=True, help="output .jsonl")
-    vp.add_argument("--n", type=int, default=2000, help="tasks (default 2000)")
-    vp.add_argument("--wrong", type=int, default=1, help="wrong solutions per task (default 1)")
+    vp.add_argument("--policy", default="", metavar="RUN_DIR",
+                    help="label samples of this policy (train split only)")
+    vp.add_argument("--wrong", type=int, default=1,
+                    help="without --policy: wrong solutions per task (default 1)")
     vp.add_argument("--split", default="train", help="task split (default train)")
-    vp.add_argument("--families", default="add,mod,sort,count", help="task families")
-    vp.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    _add_verifier_data_args(vp)
     vp.set_defaults(fn=cmd_verifier_data)
+    vt = vsub.add_parser("train", help="sample a policy on train tasks, label the samples with "
+                                       "the exact checkers, and train a (smaller) verifier on "
+                                       "them with `ftlm sft` (yes/no reply token)")
+    vt.add_argument("config", help="TOML run config of the verifier (its [model], [train], "
+                                   "run.dir), e.g. configs/tiny.toml --set model.dim=64")
+    vt.add_argument("--policy", required=True, metavar="RUN_DIR", help="the policy to sample")
+    vt.add_argument("--set", dest="overrides", action="append", default=[],
+                    metavar="SECTION.KEY=VALUE", help="override a verifier config field")
+    vt.add_argument("--allow-larger", action="store_true",
+                    help="allow a verifier as large as the policy or larger")
+    _add_verifier_data_args(vt, families="")
+    vt.set_defaults(fn=cmd_verifier_train)
 
     p = sub.add_parser("serve", help="serve a trained model over an OpenAI-compatible HTTP API")
     _add_model_args(p)
@@ -246,4 +385,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="file holding the bearer key (default: FTLM_TOKEN, the run's job token)")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without a token")
+    p.add_argument("--verifier", default="", metavar="RUN_DIR",
+                   help="verifier model (`ftlm verifier train`) that scores the samples of "
+                        "requests with strategy best-of-n / weighted-best-of-n (default: the "
+                        "policy's confidence)")
     p.set_defaults(fn=cmd_serve)

@@ -16,9 +16,11 @@ Responsible for, over an ``Engine`` and a tokenizer-like object (``encode``/``de
 Every strategy returns a ``Choice`` with the chosen completion, its answer, the candidates and the
 tokens generated (the inference cost, for accuracy-vs-compute studies).
 
-Not responsible for: a learned verifier (an outcome reward model trained on the task suite would
-plug in as a ``Scorer``; not built yet), step-level beam search, or the answer format
-(``ftlm.tasks``: ``<think>...</think>`` then ``Answer: ...``).
+A learned verifier (``ftlm.infer.verifier.Verifier``, trained by ``ftlm verifier train``) is a
+``Scorer``; ``beam-search`` (in ``STRATEGIES`` for the command line) is ``ftlm.infer.search``.
+
+Not responsible for: training a verifier, step-level search (``ftlm.infer.search``), or the
+answer format (``ftlm.tasks``: ``<think>...</think>`` then ``Answer: ...``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from ftlm.infer.text import cut_at_stop
 from ftlm.tasks import Task, check, extract_answer
 
 THINK_CLOSE, ANSWER_PREFIX = "</think>", "Answer:"
-STRATEGIES = ("sample", "self-consistency", "best-of-n", "weighted-best-of-n")
+STRATEGIES = ("sample", "self-consistency", "best-of-n", "weighted-best-of-n", "beam-search")
 
 
 class TextCodec(Protocol):

@@ -12,8 +12,12 @@ Responsible for:
   one batched prefill over the candidates (no decoding), usable as a ``Scorer`` of
   ``ftlm.infer.strategies`` (best-of-N, weighted best-of-N).
 
-Not responsible for: training (``ftlm sft`` on the written file), process (step-level) scores or
-beam search, or the measured scaling study (issue 13 part 4; not built yet).
+Labelled samples of a policy (the data ``ftlm verifier train`` uses) are
+``ftlm.infer.verifier_data``; a partial solution is scored like a whole one, which is how step-level
+beam search (``ftlm.infer.search``) uses a verifier as its process scorer.
+
+Not responsible for: training (``ftlm verifier train`` runs ``ftlm sft``), beam search, or the
+scaling study (``bench/test_time_scaling.py``).
 """
 
 from __future__ import annotations
@@ -110,6 +114,8 @@ class Verifier:
         if self.yes == self.no:
             raise ConfigError("the tokenizer starts 'yes' and 'no' with the same token")
         self._cache: dict[tuple[str, str], float] = {}
+        self.cache_limit = 100_000
+        """Memoised scores kept; the memo is emptied beyond it (a server runs for long)."""
 
     @torch.no_grad()
     def probabilities(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
@@ -136,12 +142,19 @@ class Verifier:
     def __call__(self, prompt: str, candidate: Candidate) -> float:
         """A ``Scorer`` for ``ftlm.infer.strategies``: ``P(yes)`` of one candidate (memoised)."""
         key = (prompt, candidate.text)
-        if key not in self._cache:
-            self._cache[key] = self.probabilities([key])[0]
-        return self._cache[key]
+        score = self._cache.get(key)
+        if score is None:
+            score = self.probabilities([key])[0]
+            self._remember([(key, score)])
+        return score
 
     def score_all(self, prompt: str, candidates: Sequence[Candidate]) -> None:
         """Score many candidates of one prompt in batches (fills the memo ``__call__`` reads)."""
-        todo = [(prompt, c.text) for c in candidates if (prompt, c.text) not in self._cache]
-        for key, p in zip(todo, self.probabilities(todo)):
-            self._cache[key] = p
+        todo = list(dict.fromkeys((prompt, c.text) for c in candidates
+                                  if (prompt, c.text) not in self._cache))
+        self._remember(list(zip(todo, self.probabilities(todo))))
+
+    def _remember(self, scored: list[tuple[tuple[str, str], float]]) -> None:
+        if len(self._cache) + len(scored) > self.cache_limit:
+            self._cache = {}
+        self._cache.update(scored)

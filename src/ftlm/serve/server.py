@@ -51,7 +51,11 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 class Server:
     """Serves ``engine`` (with ``tokenizer``) on ``config.host:config.port``."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, config: ServeConfig) -> None:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, config: ServeConfig,
+                 scorer: Any = None) -> None:
+        """``scorer`` rates samples for the ``best-of-n`` and ``weighted-best-of-n`` strategies
+        (a ``Scorer`` of ``ftlm.infer.strategies``, e.g. a ``Verifier``); None: the policy's
+        own confidence."""
         if config.host not in _LOOPBACK and not config.token and not config.insecure:
             raise ConfigError(f"serving on {config.host} without a token lets anyone who reaches "
                               "the port use the model: set FTLM_TOKEN (or ft.token_file) or pass "
@@ -59,6 +63,7 @@ class Server:
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config
+        self.scorer = scorer
         self.metrics = ServeMetrics(config.model_name)
         self.runner = EngineRunner(engine, config.max_queue, self.metrics)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -283,7 +288,9 @@ class Server:
             reasons.append(u.finish_reason)
             generated += len(u.tokens)
         if req.strategy is not None:
-            texts, reasons = _pick(req, texts, reasons, [final[i] for i in range(count)])
+            # A verifier runs a model: off the event loop, so other requests keep streaming.
+            texts, reasons = await asyncio.to_thread(
+                _pick, req, texts, reasons, [final[i] for i in range(count)], self.scorer)
         return web.json_response(protocol.response(req, rid, texts, reasons, prompt_tokens,
                                                    generated))
 
@@ -327,22 +334,34 @@ class Server:
         return response
 
 
+def _question(req: protocol.Request, index: int) -> str:
+    """The text a verifier is asked about: the prompt, or the chat's last user message."""
+    if req.kind == "chat":
+        return next((m["content"] for m in reversed(req.messages) if m["role"] == "user"), "")
+    prompt = req.prompts[index]
+    return prompt if isinstance(prompt, str) else ""
+
+
 def _pick(req: protocol.Request, texts: list[str], reasons: list[str | None],
-          updates: list[Update]) -> tuple[list[str], list[str | None]]:
-    """One choice per prompt out of its ``n`` samples, by ``req.strategy``."""
+          updates: list[Update], scorer: Any = None) -> tuple[list[str], list[str | None]]:
+    """One choice per prompt out of its ``n`` samples, by ``req.strategy`` and ``scorer``."""
     from ftlm.infer import strategies as st
     from ftlm.tasks import extract_answer
+    scorer = scorer or st.confidence
     picked_texts, picked_reasons = [], []
     for start in range(0, len(texts), req.n):
         cands = [st.Candidate(texts[i], updates[i].tokens, updates[i].logprobs or [],
                               reasons[i] or "stop", extract_answer(texts[i]))
                  for i in range(start, start + req.n)]
+        question = _question(req, start // req.n)
+        if req.strategy != "self-consistency" and hasattr(scorer, "score_all"):
+            scorer.score_all(question, cands)  # one batched pass of the verifier
         if req.strategy == "self-consistency":
             choice = st.self_consistency(cands)
         elif req.strategy == "best-of-n":
-            choice = st.best_of_n(cands, "", st.confidence)
+            choice = st.best_of_n(cands, question, scorer)
         else:
-            choice = st.weighted_best_of_n(cands, "", st.confidence)
+            choice = st.weighted_best_of_n(cands, question, scorer)
         index = next(i for i, c in enumerate(cands) if c.text == choice.text)
         picked_texts.append(choice.text)
         picked_reasons.append(cands[index].finish_reason)

@@ -39,7 +39,10 @@ CPU_READING = (
     "load of the shared box. The engine's advantage (no per-step cache reallocation, batched "
     "per-row sampling, continuous batching, optional `torch.compile` of the step) shows where "
     "per-token overhead dominates, i.e. on a GPU; issue 13's >= 2x target at batch 8 is a GPU "
-    "figure that needs a GPU run of this script (its section is then `inference_gpu`).")
+    "figure that needs a GPU run of this script (its section is then `inference_gpu`).\n\n"
+    "| target (issue 13) | result |\n|---|---|\n"
+    "| decode >= 2x `transformers` `generate` at batch 8, on a GPU | not measured: no GPU was "
+    "lent to this project's sessions so far (the CPU ratio above is not that figure) |")
 
 
 def hf_copy(model: Transformer):

@@ -309,6 +309,10 @@ def measure(args) -> dict:
             result = evaluate(tasks, pools, plens, ns, pparams, verifier, vparams)
             print(f"seed {seed}: sampling strategies done ({time.perf_counter() - started:.0f} s)",
                   flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"per_seed": per_seed + [
+                    {name: {str(n): v for n, v in per_n.items()} for name, per_n in result.items()}],
+                    "meta": _meta(args, pparams, vparams, [], len(per_seed) + 1, started)}))
             if beam_ns:
                 result.update(evaluate_beam(engine, tok, tasks, chat, beam_ns, args.beam_width,
                                             _params(tok, args, seed), pparams, verifier, vparams,
@@ -317,13 +321,11 @@ def measure(args) -> dict:
                       flush=True)
             per_seed.append({name: {str(n): v for n, v in per_n.items()}
                              for name, per_n in result.items()})
+            if args.json:  # what is measured so far survives an interrupted run
+                Path(args.json).write_text(json.dumps({"per_seed": per_seed, "meta": _meta(
+                    args, pparams, vparams, beam_ns, len(per_seed), started)}))
         data["per_seed"] = per_seed
-        data["meta"] = {"policy": args.policy, "policy_params": pparams,
-                        "verifier": args.verifier, "verifier_params": vparams,
-                        "tasks": args.tasks, "families": args.families, "seeds": args.seeds,
-                        "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-                        "n_max": args.n_max, "beam_ns": beam_ns, "beam_width": args.beam_width,
-                        "seconds": time.perf_counter() - started}
+        data["meta"] = _meta(args, pparams, vparams, beam_ns, args.seeds, started)
     if args.large_policy:
         t0 = time.perf_counter()
         big = load_run(args.large_policy, device="cpu")
@@ -339,6 +341,15 @@ def measure(args) -> dict:
         data["large"] = {"path": args.large_policy, "params": param_count(big.model.cfg),
                          "accs": accs, "flops": cost, "seconds": time.perf_counter() - t0}
     return data
+
+
+def _meta(args, pparams: int, vparams: int, beam_ns: list[int], seeds: int,
+          started: float) -> dict:
+    return {"policy": args.policy, "policy_params": pparams, "verifier": args.verifier,
+            "verifier_params": vparams, "tasks": args.tasks, "families": args.families,
+            "seeds": seeds, "temperature": args.temperature,
+            "max_new_tokens": args.max_new_tokens, "n_max": args.n_max, "beam_ns": beam_ns,
+            "beam_width": args.beam_width, "seconds": time.perf_counter() - started}
 
 
 def report(data: dict, note: str, figure: Path) -> str:

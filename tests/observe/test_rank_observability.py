@@ -265,3 +265,15 @@ def test_a_step_is_one_span_with_its_quorum_and_allreduce_as_children() -> None:
     assert ok.start_time <= first_quorum.start_time and ok.end_time >= first_quorum.end_time
     assert by_name["recovery"][0].attributes["bytes"] == 1 << 24
     assert by_name["recovery"][0].resource.attributes["ftlm.group"] == "g1"
+
+
+def test_an_unreachable_collector_does_not_hold_up_the_ranks_exit() -> None:
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http",
+                        reason="the OTLP exporter is not installed (ftlm[otel])")
+    from ftlm.observe.tracing import EXPORT_TIMEOUT_SECONDS
+
+    tracer = make_tracer(True, "http://127.0.0.1:9", "j", "g0", 0)  # port 9: nobody listens
+    tracer.span("checkpoint", 1.0, step=1)
+    t0 = time.monotonic()
+    tracer.shutdown()
+    assert time.monotonic() - t0 < EXPORT_TIMEOUT_SECONDS + 2.0

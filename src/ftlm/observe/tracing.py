@@ -25,6 +25,8 @@ from typing import Any
 
 from ftlm.errors import ConfigError
 
+EXPORT_TIMEOUT_SECONDS = 3.0
+"""Most seconds one OTLP export (retries included) may take; spans that miss it are dropped."""
 SPAN_NAMES = ("step", "quorum", "allreduce", "checkpoint", "recovery")
 """Every span a rank exports (``catch-up`` is the ``recovery`` span: fetch, verify and replay)."""
 
@@ -126,7 +128,10 @@ def make_tracer(enabled: bool, endpoint: str, job: str, group: str, rank: int | 
             raise ConfigError("observe.tracing=true needs the OTLP exporter "
                               "(opentelemetry-exporter-otlp-proto-http): pip install 'ftlm[otel]'"
                               ) from e
-        otlp = OTLPSpanExporter(endpoint=endpoint.rstrip("/") + "/v1/traces") if endpoint \
-            else OTLPSpanExporter()
+        # A bounded export: an unreachable collector must not hold up a rank's exit for long.
+        kwargs: dict[str, Any] = {"timeout": EXPORT_TIMEOUT_SECONDS}
+        if endpoint:
+            kwargs["endpoint"] = endpoint.rstrip("/") + "/v1/traces"
+        otlp = OTLPSpanExporter(**kwargs)
         provider.add_span_processor(BatchSpanProcessor(otlp))
     return StepTracer(provider)

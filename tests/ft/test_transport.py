@@ -6,6 +6,8 @@ import http.server
 import json
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -798,3 +800,49 @@ def test_a_source_that_serves_every_chunk_correctly_round_trips():
         assert tensors["w"].numpy().tobytes() == BrokenSource.PAYLOAD and meta == {}
     finally:
         source.close()
+
+
+DYING_SOURCE = r"""
+import json, socket, time
+n = 1 << 20
+header = json.dumps({"step": 7, "meta": {}, "total_bytes": n, "chunk_bytes": n,
+                     "digest": "xxh3_128", "tensors": [{"name": "w", "dtype": "uint8",
+                     "shape": [n], "offset": 0, "nbytes": n}]}).encode()
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+while True:  # the header and the chunks come on separate connections
+    conn, _ = listener.accept()
+    requests = conn.makefile("rb")
+    line = requests.readline()
+    while requests.readline() not in (b"\r\n", b""):
+        pass
+    if b"/header" in line:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                     % (len(header), header))
+        conn.close()
+        continue
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nX-Ftlm-Digest: xxh3_128=%s\r\n\r\n"
+                 % (n, b"0" * 32) + bytes(n // 2))
+    print("half sent", flush=True)
+    time.sleep(60)  # until SIGKILL
+"""
+
+
+def test_a_source_process_killed_mid_chunk_gives_a_clear_error_at_once():
+    source = subprocess.Popen([sys.executable, "-c", DYING_SOURCE], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        port = int(source.stdout.readline())
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(fetch_snapshot, f"http://127.0.0.1:{port}", 7, parallel=1,
+                                 timeout=30, wait_available=0)
+            assert source.stdout.readline() == "half sent\n"
+            source.kill()  # SIGKILL: the kernel closes its sockets, nothing else happens
+            start = time.monotonic()
+            with pytest.raises(TransferError, match=r"chunk 0: (truncated body|connection closed"
+                                                    r" by the source mid-transfer)"):
+                future.result(timeout=20)
+            assert time.monotonic() - start < 10  # noticed at once, not after the 30 s timeout
+    finally:
+        source.kill()
+        source.wait(10)

@@ -30,8 +30,10 @@ BUCKET_SECONDS = 2.0
 """One point per this many seconds (300 points over the window)."""
 TIMELINE_GROUPS = 32
 """Groups shown on the state timeline; a larger job shows counts only."""
-ETT_EVENTS = 3000
-"""Quorums the coordinator's ETT estimate covers (the newest): a bounded cost per refresh."""
+ETT_EVENTS = 600
+"""Events the coordinator's ETT estimate covers (the newest; about the charts' 10 minutes at a
+step per second). It is computed on the coordinator's event loop at most every 5 s, so its cost
+must stay small: about 10 ms for 600 events on an idle core."""
 
 
 class ChartHistory:

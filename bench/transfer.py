@@ -11,7 +11,10 @@ in one run and as the median of ``--reps`` interleaved repetitions:
 * ``fetch_snapshot`` of a freshly published snapshot (the source computes each chunk's digest as
   it serves it) with 4 connections, and of an already served one with 1 and 4 connections;
 * a raw loopback socket moving the same bytes (the ceiling): ``sendall`` from the snapshot's
-  buffer, ``recv_into`` a fresh buffer of the same kind the fetch allocates, no HTTP, no checks.
+  buffer, ``recv_into`` a fresh buffer of the same kind the fetch allocates, no HTTP, no checks;
+  also with 4 connections, and from a never-written ``bytearray`` as this benchmark did before
+  (every page of it is the kernel's one zero page, always in cache: a faster source than any
+  real state, so it overstates the ceiling).
 
 Each row also gives the CPU seconds the whole process spent (both ends run in it), which says
 where the time goes on a machine with few cores: the kernel's two copies of every byte (send and
@@ -87,7 +90,7 @@ def _digests(view: memoryview, digest: Callable[[memoryview], object]) -> None:
 
 
 ROWS = ("copy_fresh", "copy_touched", "xxh3", "sha256", "fetch4_fresh", "fetch1", "fetch4",
-        "loopback4", "loopback")
+        "loopback4", "loopback_zero", "loopback")
 
 
 def _one_rep(server: SnapshotServer, state: dict[str, torch.Tensor], step: int,
@@ -107,6 +110,8 @@ def _one_rep(server: SnapshotServer, state: dict[str, torch.Tensor], step: int,
         timed(key, lambda par=par: fetch_snapshot(server.url, step, timeout=120, parallel=par))
     timed("loopback", lambda: _loopback(snap.view()))
     timed("loopback4", lambda: _loopback(snap.view(), 4))
+    zeros = memoryview(bytearray(snap.total_bytes))  # calloc: every page the one zero page
+    timed("loopback_zero", lambda: _loopback(zeros))
 
 
 def measure(mb: int, reps: int) -> dict[str, list[tuple[float, float]]]:
@@ -142,6 +147,7 @@ LABELS = {
     "fetch1": "fetch_snapshot, 1 connection",
     "fetch4": "fetch_snapshot, 4 connections",
     "loopback4": "raw loopback, 4 connections at once",
+    "loopback_zero": "raw loopback from a never-written buffer (the earlier reference)",
     "loopback": "raw loopback socket (ceiling: the target's reference)",
 }
 

@@ -27,6 +27,7 @@ from ftlm.ft.dashboard import render_page
 from ftlm.ft.history import GENESIS
 from ftlm.ft.membership import MAX_DEAD_LISTED, Issued
 from ftlm.ft.quorum import Heartbeat, Member, Quorum, StaleIncarnation, commit_quorum
+from ftlm.ft.quorum_answer import MemberQuorum
 
 HB_TIMEOUT = 0.4
 HB_INTERVAL = 0.05
@@ -75,7 +76,7 @@ class Group:
         self.heartbeater.beat()
         self.heartbeater.start()
 
-    def ask(self, failed: bool = False, timeout: float = 5.0) -> Quorum:
+    def ask(self, failed: bool = False, timeout: float = 5.0) -> MemberQuorum:
         q = self.client.quorum(self.step, self.quorum_id, failed, {"url": f"http://{self.client.group}"}, timeout,
                                chain=self.chain)
         self.quorum_id = q.quorum_id
@@ -106,13 +107,13 @@ def groups() -> Iterator[Callable[..., Group]]:
         g.stop()
 
 
-def ask_all(members: list[Group], **kw: Any) -> list[Quorum]:
+def ask_all(members: list[Group], **kw: Any) -> list[MemberQuorum]:
     with ThreadPoolExecutor(len(members)) as pool:
         futures = [pool.submit(m.ask, **kw) for m in members]
         return [f.result(timeout=10) for f in futures]
 
 
-def train_until(member: Group, done: Callable[[Quorum], bool], steps: int = 200) -> Quorum:
+def train_until(member: Group, done: Callable[[MemberQuorum], bool], steps: int = 200) -> MemberQuorum:
     """Step like a training loop (ask, commit) until a quorum satisfies ``done``."""
     for _ in range(steps):
         q = member.ask()
@@ -153,6 +154,7 @@ def stable_status(coord: Coordinator, token: str = "") -> dict[str, Any]:
         m.pop("heartbeat_age_seconds")
     for d in data["dead"]:
         d.pop("seconds_ago")
+    data.pop("charts", None)  # the dashboard's time series: they move with the clock
     return data
 
 
@@ -162,9 +164,14 @@ def test_members_get_the_same_quorum(start, groups) -> None:
     members = [groups(coord.url, f"g{i}") for i in range(3)]
     quorums = ask_all(members)
     assert len({q.quorum_id for q in quorums}) == 1
-    assert all(q == quorums[0] for q in quorums)
-    assert quorums[0].participants == ["g0:a", "g1:a", "g2:a"]
-    assert quorums[0].member("g1:a").meta == {"url": "http://g1"}
+    # Each member gets its own compact answer of the same quorum (issue 16): the shared part is
+    # the same, its rank and data slice are its own; no answer lists the members.
+    shared = [{k: v for k, v in q.to_json().items() if k not in ("replica_id", "rank", "participant_index")}
+              for q in quorums]
+    assert all(s == shared[0] for s in shared)
+    assert [(q.replica_id, q.own_rank, q.index) for q in quorums] == [(f"g{i}:a", i, i) for i in range(3)]
+    assert quorums[0].size == quorums[0].participant_count == 3 and quorums[0].store == ""
+    assert "members" not in quorums[0].to_json() and "participant_ids" not in quorums[0].to_json()
     # The next step with the same members is answered at once and keeps the id.
     for m in members:
         m.step = 1
@@ -172,7 +179,10 @@ def test_members_get_the_same_quorum(start, groups) -> None:
     assert {q.quorum_id for q in again} == {quorums[0].quorum_id} and again[0].step == 1
     assert [f["quorum_id"] for f in events.of("quorum")] == [quorums[0].quorum_id]
     snapshot = coord.status_snapshot()  # the in-process view matches the endpoint
-    assert snapshot["last_quorum"] == stable_status(coord)["last_quorum"] == again[0].to_json()
+    assert snapshot["last_quorum"] == stable_status(coord)["last_quorum"]
+    last = snapshot["last_quorum"]
+    assert last["participants"] == ["g0:a", "g1:a", "g2:a"] and last["quorum_id"] == again[0].quorum_id
+    assert last["members"][1]["meta"] == {"url": "http://g1"}
 
 
 def test_hung_member_is_expired_and_survivors_get_a_higher_quorum(start, groups) -> None:
@@ -186,7 +196,8 @@ def test_hung_member_is_expired_and_survivors_get_a_higher_quorum(start, groups)
     elapsed = time.monotonic() - t0
     assert elapsed < HB_TIMEOUT + MARGIN
     assert {q.quorum_id for q in survivors} == {first.quorum_id + 1}
-    assert survivors[0].replica_ids() == ["g0:a", "g1:a"]
+    assert [q.size for q in survivors] == [2, 2]
+    assert stable_status(coord)["last_quorum"]["participants"] == ["g0:a", "g1:a"]
     assert survivors[0].reason.startswith("fast path")
     dead = events.of("member_dead")
     assert dead == [{"group": "g2", "replica_id": "g2:a", "reason": "heartbeat timeout"}]
@@ -211,11 +222,16 @@ def test_new_incarnation_replaces_the_old_one(start, groups) -> None:
         old.ask()
     # g0 keeps training; the new incarnation joins at one of its steps as a recovering member.
     with ThreadPoolExecutor(2) as pool:
-        healthy = pool.submit(train_until, g0, lambda q: "g1:new" in q.replica_ids())
+        healthy = pool.submit(train_until, g0, lambda q: q.size == 2)
         joined = pool.submit(new.ask).result(timeout=10)
-        assert healthy.result(timeout=10) == joined
+        source = healthy.result(timeout=10)
+        assert (source.quorum_id, source.digest) == (joined.quorum_id, joined.digest)
     assert joined.quorum_id > first.quorum_id
-    assert joined.participants == ["g0:a"] and joined.sources == {"g1:new": "g0:a"}
+    # The joiner's answer names its source (with its meta) and the participants its replay needs;
+    # the source's names the joiner pulling from it.
+    assert joined.participants == ["g0:a"] and joined.source_of("g1:new") == "g0:a"
+    assert joined.member("g0:a").meta == {"url": "http://g0"} and joined.index is None
+    assert [m.replica_id for m in source.joiners_of("g0:a")] == ["g1:new"] and source.index == 0
 
 
 def test_restarted_coordinator_never_issues_a_lower_id(start, groups) -> None:

@@ -17,13 +17,15 @@ import json
 import logging
 import ssl
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
 from ftlm.errors import ConfigError
 from ftlm.ft.history import GENESIS
-from ftlm.ft.quorum import Quorum, StaleIncarnation
+from ftlm.ft.quorum import StaleIncarnation
+from ftlm.ft.quorum_answer import MemberQuorum
 from ftlm.ft.tls import client_context
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,7 @@ class CoordinatorClient:
         self._all: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
         self._answered = False  # any answer yet (a first failure may be a scheme mix-up)
+        self.last_request_at = float("-inf")  # when the last quorum request was sent (monotonic)
 
     @property
     def replica_id(self) -> str:
@@ -130,26 +133,35 @@ class CoordinatorClient:
         self._request("POST", "/v1/dead", body, self.timeout)
 
     def quorum(self, step: int, last_quorum_id: int, failed: bool, meta: dict[str, Any], timeout: float,
-               chain: str = GENESIS) -> Quorum:
+               chain: str = GENESIS, watch: list[str] | tuple[str, ...] = ()) -> MemberQuorum:
         """Ask for the quorum of the next step, waiting up to ``timeout`` seconds (server caps at 60 s).
 
+        Returns this member's answer (``ftlm.ft.quorum_answer``), which says which of the replica
+        ids in ``watch`` are members. ``failed`` with the current quorum's id reports that its step
+        failed here: the coordinator then declares dead the peers that stay silent.
         Raises QuorumTimeout when none was issued in time, CoordinatorUnavailable when the server is
         unreachable, StaleIncarnation when this incarnation was replaced by a newer one.
         """
-        body = self.quorum_body(step, last_quorum_id, failed, meta, timeout, chain)
+        body = self.quorum_body(step, last_quorum_id, failed, meta, timeout, chain, watch)
+        # A quorum request is a heartbeat too (the coordinator records it as one): the heartbeat
+        # thread skips a beat when one went out within its interval.
+        self.last_request_at = time.monotonic()
         # The socket waits for the long-poll plus the ordinary timeout for the answer to travel.
         _, answer = self._request("POST", "/v1/quorum", body, timeout + self.timeout)
         try:
-            return Quorum.from_json(answer)
+            return MemberQuorum.from_json(answer)
         except ValueError as e:
             raise CoordinatorError(f"coordinator at {self.url} sent a malformed quorum: {e}") from e
 
     def quorum_body(self, step: int, last_quorum_id: int, failed: bool, meta: dict[str, Any], timeout: float,
-                    chain: str = GENESIS) -> dict[str, Any]:
+                    chain: str = GENESIS, watch: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
         """The JSON body ``quorum`` sends (load tests send it over their own connections)."""
-        return {"group": self.group, "incarnation": self.incarnation, "step": step,
+        body = {"group": self.group, "incarnation": self.incarnation, "step": step,
                 "last_quorum_id": last_quorum_id, "failed": failed, "meta": meta, "timeout": timeout,
                 "chain": chain}
+        if watch:
+            body["watch"] = list(watch)
+        return body
 
     @property
     def headers(self) -> dict[str, str]:
@@ -260,7 +272,8 @@ class Heartbeater:
     known_head])`` to
     report; ``on_answer(answer)`` receives each answer (the manager aborts an all-reduce when a
     member of its quorum is listed dead).
-    An unreachable coordinator is retried quietly (one log line when it goes away and one when it
+    A quorum request of the same client counts as a beat: the thread sends one only when neither
+    went out for ``interval``. An unreachable coordinator is retried quietly (one log line when it goes away and one when it
     comes back). A replaced incarnation stops the thread and is kept in ``stale``.
     ``on_kill()`` is called once, from this thread, when an answer carries ``"kill": true`` (a chaos
     kill requested through the coordinator's ``POST /v1/kill``); the thread keeps beating after it.
@@ -322,6 +335,12 @@ class Heartbeater:
 
     def _beat_until_stopped(self) -> None:
         while not self._stop.is_set():
+            # A quorum request sent within the interval was a heartbeat already: a member that
+            # steps faster than it heartbeats sends one message a step (issue 16).
+            since = time.monotonic() - self.client.last_request_at
+            if since < self.interval:
+                self._stop.wait(self.interval - since)
+                continue
             try:
                 self.beat()
                 if self.failures:

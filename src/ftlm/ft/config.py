@@ -55,6 +55,9 @@ class CoordinatorConfig:
     progress_timeout: float = 0.0
     """Seconds a heartbeating group may make no protocol progress before it is declared hung
     (0: never; ``ft.progress_timeout`` sets it for a job)."""
+    suspect_window: float = 0.0
+    """Seconds after a member reports its quorum's step failed within which the other members
+    must be heard from, or be declared dead (no supervisor needed); 0: off, below heartbeat_timeout."""
     read_timeout: float = 5.0
     """Seconds a client may take to send a whole request (headers, then body) and the longest an
     idle connection stays open; slower clients are disconnected (slowloris)."""
@@ -88,6 +91,10 @@ class CoordinatorConfig:
         if not isinstance(self.token, str):
             raise ConfigError(f"{s}.token must be a string (empty disables auth), got {type(self.token).__name__}")
         _require_number(s, "progress_timeout", self.progress_timeout, positive=False)
+        _require_number(s, "suspect_window", self.suspect_window, positive=False)
+        if self.suspect_window >= self.heartbeat_timeout:
+            raise ConfigError(f"{s}.suspect_window={self.suspect_window!r} must be below {s}.heartbeat_timeout="
+                              f"{self.heartbeat_timeout!r} (0 turns it off)")
         mrb = self.max_request_bytes
         if not isinstance(mrb, int) or isinstance(mrb, bool) or mrb < 1024:
             raise ConfigError(f"{s}.max_request_bytes={mrb!r} must be an integer >= 1024")
@@ -141,6 +148,11 @@ class FTConfig:
     """Seconds between a group leader's heartbeats."""
     heartbeat_timeout: float = 1.0
     """Seconds without a heartbeat after which a group is declared dead."""
+    suspect_window: float = 0.0
+    """Seconds after a group reports a failed step (a peer's transport error) within which its
+    quorum's other groups must be heard from, or be declared dead before heartbeat_timeout.
+    0 means two heartbeat intervals (at most halfway to heartbeat_timeout); must lie between
+    heartbeat_interval and heartbeat_timeout."""
     join_timeout: float = 2.0
     """Seconds a changed quorum waits for stragglers before forming without them."""
     allreduce_timeout: float = 10.0
@@ -194,6 +206,9 @@ class FTConfig:
     def __post_init__(self) -> None:
         s = "ft"
         _require_number(s, "progress_timeout", self.progress_timeout, positive=False)
+        _require_number(s, "suspect_window", self.suspect_window, positive=False)
+        if self.suspect_window == 0 and _is_number(self.heartbeat_interval) and _is_number(self.heartbeat_timeout):
+            self.suspect_window = min(2 * self.heartbeat_interval, (self.heartbeat_interval + self.heartbeat_timeout) / 2)
         if self.progress_timeout == 0 and _is_number(self.allreduce_timeout) and _is_number(self.quorum_timeout):
             self.progress_timeout = (self.allreduce_timeout + self.quorum_timeout) / 2
         for name in ("heartbeat_interval", "heartbeat_timeout", "allreduce_timeout",
@@ -220,6 +235,11 @@ class FTConfig:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError(f"{s}.tls_cert={self.tls_cert!r} and {s}.tls_key={self.tls_key!r}: "
                               f"set both (the certificate and its private key) or neither")
+        if not self.heartbeat_interval < self.suspect_window < self.heartbeat_timeout:
+            raise ConfigError(
+                f"{s}.suspect_window={self.suspect_window} must lie between {s}.heartbeat_interval="
+                f"{self.heartbeat_interval} (a healthy group must have time to speak) and "
+                f"{s}.heartbeat_timeout={self.heartbeat_timeout} (or 0: two heartbeat intervals)")
         chain = [("heartbeat_interval", self.heartbeat_interval),
                  ("heartbeat_timeout", self.heartbeat_timeout),
                  ("allreduce_timeout", self.allreduce_timeout),
@@ -250,5 +270,6 @@ class FTConfig:
                                  join_timeout=self.join_timeout, expected_groups=self.groups,
                                  heartbeat_timeout=self.heartbeat_timeout,
                                  progress_timeout=self.progress_timeout,
+                                 suspect_window=self.suspect_window,
                                  token=token or self.read_token(), insecure=insecure,
                                  tls_cert=self.tls_cert, tls_key=self.tls_key)

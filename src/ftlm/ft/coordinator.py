@@ -15,9 +15,14 @@ issues an id below one members report.
 Endpoints (all require ``Authorization: Bearer <token>`` when a token is configured, ``GET /``
 and ``GET /metrics`` included, as DESIGN.md section 9 asks; Prometheus sends it with
 ``authorization: {credentials: ...}``):
-  POST /v1/heartbeat  {group, incarnation, step, quorum_id} -> {quorum_id, dead, rebuilding}
-  POST /v1/quorum     {group, incarnation, step, last_quorum_id, failed, meta, timeout}
-                      -> 200 Quorum JSON | 504 {error, reason} | 409 {error} (replaced incarnation)
+  POST /v1/heartbeat  {group, incarnation, step, quorum_id} -> {quorum_id, dead, dead_quorums, epoch,
+                      rebuilding}: ``dead_quorums`` are the ids of the quorums in flight (of ``epoch``)
+                      with a dead member, whose members abort their all-reduce
+  POST /v1/quorum     {group, incarnation, step, last_quorum_id, failed, meta, timeout[, chain, watch]}
+                      -> 200 this member's answer (``ftlm.ft.quorum_answer``) | 504 {error, reason}
+                      | 409 {error} (replaced incarnation). ``failed`` with ``last_quorum_id`` of the
+                      current quorum reports its step failed: peers silent since are declared dead
+                      after ``suspect_window`` (corroborated by their silence)
   POST /v1/leave, /v1/dead  {group, incarnation, reason}: a replica left on purpose / its process ended
   POST /v1/kill       {group} -> {replica_ids} | 404 {error}: marks the group's live replica; its
                       next heartbeat answers carry ``"kill": true`` (chaos drills; its manager kills it)
@@ -65,6 +70,7 @@ from ftlm.ft.coordinator_requests import decode_body, parse_heartbeat, parse_kil
 from ftlm.ft.dashboard import DashboardLog, member_state, render_page
 from ftlm.ft.membership import MAX_DEAD_LISTED, Answer, Event, Issued, Membership, Output
 from ftlm.ft.quorum import Heartbeat, MemberRequest, Quorum, QuorumOptions, StaleIncarnation
+from ftlm.ft.quorum_answer import AnswerEncoder
 from ftlm.ft.tls import server_context
 from ftlm.observe.metrics import make_metric
 
@@ -95,9 +101,10 @@ class _SlowBody(Exception):
     """The request body did not arrive within ``read_timeout``."""
 
 
-# What a waiting long-poll is woken with: (HTTP status, JSON body, the body encoded). One quorum
-# answers every member with the same body: it is encoded once, not once per member (issue 16).
-_Answer = tuple[int, dict[str, Any], bytes]
+# What a waiting long-poll is woken with: (HTTP status, JSON body or None, the body encoded). A
+# quorum answers each member with its own compact part (``ftlm.ft.quorum_answer``), whose common
+# part is encoded once per quorum, not once per member (issue 16).
+_Answer = tuple[int, dict[str, Any] | None, bytes]
 
 
 class Coordinator:
@@ -107,7 +114,9 @@ class Coordinator:
         self.config = config
         self.events = events if events is not None else _NoEvents()
         self.options = QuorumOptions(config.min_replicas, config.join_timeout, config.heartbeat_timeout,
-                                     config.expected_groups, progress_timeout=config.progress_timeout)
+                                     config.expected_groups, progress_timeout=config.progress_timeout,
+                                     suspect_window=config.suspect_window)
+        self._encoder = AnswerEncoder()
         self.metrics = _Metrics()
         self.dashboard = DashboardLog()
         self.membership = Membership(self.options)
@@ -312,12 +321,14 @@ class Coordinator:
 
     def _apply(self, outputs: list[Output]) -> None:
         """Carry out what the membership state machine decided: answers, events, metrics."""
-        encoded: dict[int, bytes] = {}  # id(body) -> its JSON, while ``outputs`` keeps the bodies alive
         for o in outputs:
             if isinstance(o, Answer):
-                if id(o.body) not in encoded and o.replica_id in self._waiters:
-                    encoded[id(o.body)] = json.dumps(o.body).encode()
-                self._answer(o.replica_id, o.status, o.body, encoded.get(id(o.body)))
+                if o.replica_id not in self._waiters:
+                    continue  # nobody waits (it asked again, or gave up): nothing to encode
+                if o.quorum is not None:  # each member gets its own part (issue 16)
+                    self._answer(o.replica_id, o.status, None, self._encoder.encode(o.quorum, o.replica_id))
+                else:
+                    self._answer(o.replica_id, o.status, o.body)
             elif isinstance(o, Event):
                 if o.kind == "member_dead":
                     log.warning("member %s is dead: %s", o.fields["replica_id"], o.fields["reason"])
@@ -343,7 +354,7 @@ class Coordinator:
         loop.call_soon_threadsafe(
             lambda: self._apply(self.membership.report_dead(time.monotonic(), replica_id, group, reason)))
 
-    def _answer(self, replica_id: str, status: int, body: dict[str, Any], raw: bytes | None = None) -> None:
+    def _answer(self, replica_id: str, status: int, body: dict[str, Any] | None, raw: bytes | None = None) -> None:
         waiting = self._waiters.pop(replica_id, [])
         if not waiting:
             return
@@ -500,7 +511,7 @@ class Coordinator:
         now = time.monotonic()
         rid = f"{body.group}:{body.incarnation}"
         req = MemberRequest(rid, body.group, body.step, body.last_quorum_id, body.failed, body.meta, now,
-                            body.chain)
+                            body.chain, body.watch)
         fut: asyncio.Future[_Answer] = asyncio.get_running_loop().create_future()
         try:
             outputs = self.membership.request(now, req)

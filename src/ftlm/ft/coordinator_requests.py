@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftlm.ft.history import GENESIS, is_chain
-from ftlm.ft.quorum import MAX_CLAIM
+from ftlm.ft.quorum import MAX_CLAIM, MAX_WATCH
 
 __all__ = ["HeartbeatBody", "MemberBody", "QuorumBody", "decode_body", "parse_heartbeat",
            "parse_kill", "parse_member", "parse_quorum_request"]
@@ -32,6 +32,7 @@ MAX_TIMEOUT = 1e9
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _NAME_RULE = "1-64 letters, digits, '_', '.' or '-' (no ':')"
 _MAX_TEXT = 200
+_REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}:[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 @dataclass
@@ -44,6 +45,7 @@ class QuorumBody:
     meta: dict[str, Any]
     timeout: float
     chain: str
+    watch: tuple[str, ...] = ()
 
 
 @dataclass
@@ -197,7 +199,7 @@ def parse_heartbeat(body: Any) -> HeartbeatBody:
 
 
 def parse_quorum_request(body: Any) -> QuorumBody:
-    """``POST /v1/quorum``: {group, incarnation, step, last_quorum_id, failed, meta, timeout[, chain]}."""
+    """``POST /v1/quorum``: {group, incarnation, step, last_quorum_id, failed, meta, timeout[, chain, watch]}."""
     group, incarnation = _name_field(body, "group"), _name_field(body, "incarnation")
     step, last_quorum_id = _int_field(body, "step", 0), _int_field(body, "last_quorum_id", -1)
     failed, meta = _field(body, "failed"), _field(body, "meta")
@@ -206,7 +208,17 @@ def parse_quorum_request(body: Any) -> QuorumBody:
     if not isinstance(meta, dict):
         raise ValueError(f"meta must be a JSON object, got {type(meta).__name__}")
     timeout = _seconds_field(_field(body, "timeout"), "timeout", zero_ok=False)
-    return QuorumBody(group, incarnation, step, last_quorum_id, failed, meta, timeout, _chain_field(body))
+    return QuorumBody(group, incarnation, step, last_quorum_id, failed, meta, timeout, _chain_field(body),
+                      _watch_field(body))
+
+
+def _watch_field(body: dict[str, Any]) -> tuple[str, ...]:
+    value = body.get("watch", [])
+    if (not isinstance(value, list) or len(value) > MAX_WATCH
+            or not all(isinstance(r, str) and _REPLICA_ID.fullmatch(r) for r in value)):
+        raise ValueError(f"watch={_show(value)} must be a list of at most {MAX_WATCH} replica ids "
+                         "('<group>:<incarnation>')")
+    return tuple(dict.fromkeys(value))
 
 
 def parse_member(body: Any) -> MemberBody:

@@ -17,7 +17,11 @@ from dataclasses import dataclass, field
 
 from ftlm.errors import FtlmError
 from ftlm.ft.history import GENESIS, extend_chain
-from ftlm.ft.quorum import Quorum
+from ftlm.ft.quorum import MAX_WATCH, Quorum
+from ftlm.ft.quorum_answer import MemberQuorum
+
+AnyQuorum = Quorum | MemberQuorum
+"""The coordinator's whole quorum, or one member's answer: both answer what a group asks."""
 
 
 class TooManyFailures(FtlmError):
@@ -32,7 +36,7 @@ ABSENT_QUORUMS = 16
 class Role:
     """What one issued quorum asks of this group."""
 
-    quorum: Quorum
+    quorum: AnyQuorum
     participant_index: int | None
     """Data slice among the participants; None while recovering."""
     recovering: bool
@@ -50,7 +54,7 @@ class Role:
 
     @property
     def participants(self) -> int:
-        return len(self.quorum.participants)
+        return self.quorum.participant_count
 
 
 @dataclass
@@ -81,13 +85,13 @@ class GroupProtocol:
     """The step in progress failed (reported with the next request)."""
     failure: str = ""
     consecutive: int = 0
-    quorum: Quorum | None = None
+    quorum: AnyQuorum | None = None
     role: Role | None = None
     fetching: bool = False
     known_head: int = 0
     """The highest step this group saw the job reach (reported in heartbeats)."""
     _pg_quorum: tuple[str, int] | None = None
-    _suspect: set[str] | None = None  # members of a failed step's quorum, judged at the next quorum
+    _suspect: str | None = None  # membership digest of a failed step's quorum, judged at the next quorum
     _served: set[tuple[str, int]] = field(default_factory=set)
     _published_step: int | None = None
     _serving: dict[str, int] = field(default_factory=dict)  # joiner -> step of its snapshot
@@ -100,17 +104,19 @@ class GroupProtocol:
         self.known_head = max(self.known_head, step)
 
     def request(self) -> dict:
-        """The fields of this group's next quorum request."""
+        """The fields of this group's next quorum request; ``watch``: the joiners it serves, whose
+        membership the answer reports (the answer does not list the members, issue 16)."""
         return {"step": self.step, "chain": self.chain, "last_quorum_id": self.quorum_id,
-                "failed": self.failed, "recover_request": self.recover_request}
+                "failed": self.failed, "recover_request": self.recover_request,
+                "watch": sorted(self._serving)[:MAX_WATCH]}
 
     # -- an issued quorum ------------------------------------------------------------------------
-    def on_quorum(self, q: Quorum) -> Role:
+    def on_quorum(self, q: AnyQuorum) -> Role:
         """What ``q`` asks of this group. Raises TooManyFailures after too many own failures."""
         if self._suspect is not None:
             # A failed step counts against this group only if the same members came back: when a
             # peer died or a joiner came and went, the failure was theirs, not this group's.
-            if set(q.replica_ids()) == self._suspect:
+            if q.digest == self._suspect:
                 self.consecutive += 1
             self._suspect = None
             if self.consecutive >= self.max_consecutive_failures:
@@ -123,19 +129,20 @@ class GroupProtocol:
         self.known_head = max(self.known_head, q.step, self.step)
         self.failed, self.failure = False, ""
         me = self.replica_id
-        recovering = me in q.recovering
+        recovering = q.is_recovering(me)
         drain = self.total_steps is not None and q.step >= self.total_steps
         reconfigure = not drain and (q.epoch, q.quorum_id) != self._pg_quorum
         publish = False
         # A joiner that is done (or pulls from someone else now) needs its snapshot no more; a
         # snapshot no joiner needs is dropped (Role.retain), so it must be published anew when
         # a later request asks for the same step.
-        members = set(q.replica_ids())
+        joiners = q.joiners_of(me)
+        mine = {m.replica_id for m in joiners}
         serving: dict[str, int] = {}
         for j, step in self._serving.items():
-            if j in q.recovering and q.sources.get(j) == me:
+            if j in mine:
                 serving[j], self._absent[j] = step, 0
-            elif j not in members and self._absent.get(j, 0) < ABSENT_QUORUMS:
+            elif not q.present(j) and self._absent.get(j, 0) < ABSENT_QUORUMS:
                 # Not in this quorum: a joiner busy pulling may ask too late for it (join
                 # timeout), so its snapshot stays for a while; a dead one's goes after that.
                 serving[j], self._absent[j] = step, self._absent.get(j, 0) + 1
@@ -143,21 +150,18 @@ class GroupProtocol:
         self._serving = serving
         if self._published_step not in self._serving.values():
             self._published_step = None
-        for joiner, source in q.sources.items():
-            member = q.member(joiner)
-            if source != me or member is None:
-                continue
-            request = (joiner, int(member.meta.get("recover_request", 0)))
+        for member in joiners:
+            request = (member.replica_id, int(member.meta.get("recover_request", 0)))
             if request in self._served:
                 continue
             self._served.add(request)
-            self._serving[joiner] = q.step
+            self._serving[member.replica_id] = q.step
             if self._published_step != q.step:
                 publish = True
                 self._published_step = q.step
         fetch_from = None
         if recovering and not self.fetching:
-            fetch_from = q.sources.get(me)
+            fetch_from = q.source_of(me)
             self.fetching = fetch_from is not None
         self.role = Role(q, q.participant_index(me), recovering, drain, reconfigure, publish,
                          fetch_from, frozenset(self._serving.values()))
@@ -187,7 +191,7 @@ class GroupProtocol:
         assert role is not None, "on_outcome before on_quorum"
         if not ok:
             self.failed = True
-            self._suspect = set(role.quorum.replica_ids())
+            self._suspect = role.quorum.digest
             return False
         self.consecutive = 0
         if not role.recovering and not role.drain:
@@ -207,7 +211,7 @@ class GroupProtocol:
 
 
 def check_replay(snapshot_step: int, snapshot_chain: str, records: list[tuple[int, int, list[str]]],
-                 quorum: Quorum, committed_now: bool) -> ReplayCheck:
+                 quorum: AnyQuorum, committed_now: bool) -> ReplayCheck:
     """Whether a snapshot plus buffered updates reproduces the head, and how far to apply.
 
     ``records`` are ``(step, quorum_id, participants)`` of the buffered updates from

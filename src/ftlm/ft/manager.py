@@ -34,7 +34,7 @@ from ftlm.ft.faults import FaultPlan
 from ftlm.ft.group import GroupProtocol, Role, TooManyFailures
 from ftlm.ft.process_group import CollectiveError, ReconfigurablePG
 from ftlm.ft.protocol import Recovered, SnapshotFn, StepPlan
-from ftlm.ft.quorum import Quorum
+from ftlm.ft.quorum_answer import MemberQuorum
 from ftlm.observe.logs import CONTEXT as LOG_CONTEXT
 from ftlm.observe.metrics import NullMetrics
 from ftlm.ft.framing import ExpectedLayout, expected_layout
@@ -112,7 +112,7 @@ class Manager:
         self.server.start()
         self.transfer_urls = _gather_strings(self.server.url, self.ranks, self.control)
         self.abort = threading.Event()
-        self.quorum: Quorum | None = None
+        self.quorum: MemberQuorum | None = None
         self._progress_at = time.monotonic()
         self._fetch: _Fetch | None = None
         self._expected: ExpectedLayout | None = None  # what a pulled snapshot must look like
@@ -162,12 +162,13 @@ class Manager:
         try:
             if q is None or answer.get("rebuilding"):
                 return
-            dead = answer.get("dead")
-            gone = [r for r in q.replica_ids() if isinstance(dead, list) and r in dead]
-            if answer.get("declared_dead") is True or self.replica_id in gone:
+            dead, aborted = answer.get("dead"), answer.get("dead_quorums")
+            if answer.get("declared_dead") is True or (isinstance(dead, list) and self.replica_id in dead):
                 self._declared_dead = True  # until the next quorum
+            # The answer names the quorums in flight with a dead member (ours names no peers).
+            gone = answer.get("epoch") == q.epoch and isinstance(aborted, list) and q.quorum_id in aborted
             if gone and not self.abort.is_set():
-                log.warning("quorum %d member(s) %s reported dead: aborting", q.quorum_id, gone)
+                log.warning("a member of quorum %d was reported dead: aborting", q.quorum_id)
                 self.abort.set()
         finally:
             with self._answered:
@@ -223,7 +224,7 @@ class Manager:
         return {"store": f"{self.host}:{self.store.port}", "transfer": self.transfer_urls,
                 "recover_request": self.proto.recover_request}
 
-    def _request_quorum(self) -> Quorum:
+    def _request_quorum(self) -> MemberQuorum:
         deadline = time.monotonic() + self.config.quorum_timeout
         reason = "no answer yet"
         while True:
@@ -237,20 +238,22 @@ class Manager:
             ask = self.proto.request()
             try:
                 return self.client.quorum(ask["step"], ask["last_quorum_id"], ask["failed"], self._meta(),
-                                          timeout=min(remaining, 5.0), chain=ask["chain"])
+                                          timeout=min(remaining, 5.0), chain=ask["chain"], watch=ask["watch"])
             except QuorumTimeout as e:
                 reason = e.reason
             except CoordinatorUnavailable as e:
                 reason = f"coordinator unavailable ({e})"
                 self.abort.wait(min(0.2, max(0.0, remaining)))
 
-    def _next_quorum(self) -> Quorum:
+    def _next_quorum(self) -> MemberQuorum:
         """The leader asks; every rank of the group gets the same answer."""
         if self.rank == 0:
             q = self._request_quorum()
+            with self._answered:  # a quorum answer is word from the coordinator, as a heartbeat's
+                self._answered_at = time.monotonic()
             _broadcast_json(q.to_json(), self.ranks, self.control)
             return q
-        return Quorum.from_json(_broadcast_json(None, self.ranks, self.control))
+        return MemberQuorum.from_json(_broadcast_json(None, self.ranks, self.control))
 
     def _publish_in_background(self, snapshot: SnapshotFn, step: int) -> None:
         """Copy the state into a snapshot on a helper thread while this step's forward and
@@ -293,15 +296,13 @@ class Manager:
         role = self.proto.on_quorum(q)
         self.quorum = q
         LOG_CONTEXT.update(quorum_id=q.quorum_id, step=step)
-        self.metrics.on_quorum(q.quorum_id, len(q.participants), len(q.recovering),
+        self.metrics.on_quorum(q.quorum_id, q.participant_count, q.recovering_count,
                                time.monotonic() - asked)
         self.abort.clear()
         if role.reconfigure:
-            members = q.replica_ids()
-            store = q.members[0].meta.get("store", "")
             try:
-                self.pg.configure(store, f"q{q.quorum_id}.{q.epoch}/r{self.rank}", members.index(self.replica_id),
-                                  len(members), self.abort)
+                self.pg.configure(q.store, f"q{q.quorum_id}.{q.epoch}/r{self.rank}", q.rank(self.replica_id),
+                                  q.size, self.abort)
                 self.proto.process_group_ready()
             except CollectiveError as e:
                 self._fail(str(e))
@@ -321,7 +322,7 @@ class Manager:
         q = role.quorum
         return StepPlan(quorum_id=q.quorum_id, step=q.step, participant_index=role.participant_index,
                         participants=role.participants, recovering=role.recovering,
-                        members=q.replica_ids(), drain=role.drain, quorum=q)
+                        drain=role.drain, quorum=q)
 
     def allreduce_start(self, tensors: list[torch.Tensor]) -> None:
         """Issue the average of one bucket of ``tensors`` now (e.g. from a backward hook); the
@@ -334,7 +335,7 @@ class Manager:
             return
         if len(self._pending) == 1:
             self._fire("inside_allreduce")
-        participants = len(self.quorum.participants) if self.quorum else 1
+        participants = self.quorum.participant_count if self.quorum else 1
         try:
             self._pending.append(self.pg.allreduce_start(tensors, participants,
                                                          slot=len(self._pending)))
@@ -390,7 +391,7 @@ class Manager:
         return self.proto.on_outcome(ok)
 
     # -- live recovery -------------------------------------------------------------------------------
-    def _start_fetch(self, q: Quorum, source: str) -> None:
+    def _start_fetch(self, q: MemberQuorum, source: str) -> None:
         member = q.member(source)
         urls = member.meta.get("transfer") if member is not None else None
         if not isinstance(urls, list) or len(urls) != self.ranks or not isinstance(urls[self.rank], str):
@@ -468,9 +469,9 @@ class Manager:
                 log.warning("stopped waiting for the other groups to finish: %s", e)
                 break
             q = plan.quorum
-            if not q.recovering and len({m.group for m in q.members}) >= max(1, self.expected_groups):
+            if not q.recovering_count and q.group_count >= max(1, self.expected_groups):
                 break
-            if q.recovering:  # someone is pulling from us: stay for as long as that takes
+            if q.recovering_count:  # someone is pulling from us: stay for as long as that takes
                 deadline = time.monotonic() + self.config.quorum_timeout
             self.abort.wait(0.25)
         self.leave("finished")

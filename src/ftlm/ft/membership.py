@@ -45,11 +45,16 @@ REASON_REPLACED = "replaced by new incarnation"
 
 @dataclass
 class Answer:
-    """Wake the long-polls of ``replica_id`` with this HTTP status and JSON body."""
+    """Wake the long-polls of ``replica_id`` with this HTTP status and JSON body.
+
+    A quorum answer carries the issued ``quorum`` instead of a body: each member is sent only its
+    own part of it (``ftlm.ft.quorum_answer``), built by whoever sends it.
+    """
 
     replica_id: str
     status: int
-    body: dict[str, Any]
+    body: dict[str, Any] | None
+    quorum: Quorum | None = None
 
 
 @dataclass
@@ -84,6 +89,7 @@ class Membership:
         self._last_emitted_id: int | None = None
         self._dead_peers_key: tuple[Any, ...] | None = None
         self._dead_peers: list[str] = []
+        self._dead_quorums: list[int] = []
 
     # -- inputs ----------------------------------------------------------------------------------
     def heartbeat(self, now: float, hb: Heartbeat) -> tuple[dict[str, Any], list[Output]]:
@@ -96,8 +102,9 @@ class Membership:
         for old in record_heartbeat(self.state, hb):
             self._mark_dead(now, old, hb.group, REASON_REPLACED, out)
         out += self.tick(now)
-        answer: dict[str, Any] = {"quorum_id": self.state.quorum_id, "dead": self.dead_peers(now),
-                                  "rebuilding": self.state.head is None}
+        dead, aborted = self._dead_in_flight(now)
+        answer: dict[str, Any] = {"quorum_id": self.state.quorum_id, "dead": dead, "dead_quorums": aborted,
+                                  "epoch": self.state.epoch, "rebuilding": self.state.head is None}
         if revived:
             answer["declared_dead"] = True
         if self.kill_requests:
@@ -160,8 +167,7 @@ class Membership:
                                         "participants": list(quorum.participants),
                                         "recovering": list(quorum.recovering), "reason": quorum.reason}))
         out.append(Issued(quorum, now - started if started is not None else 0.0, new_id))
-        body = quorum.to_json()
-        out += [Answer(rid, 200, body) for rid in quorum.replica_ids()]
+        out += [Answer(rid, 200, None, quorum) for rid in quorum.replica_ids()]
         return out
 
     # -- queries ---------------------------------------------------------------------------------
@@ -175,10 +181,16 @@ class Membership:
 
         Called for every heartbeat: its work grows with the recent deaths, not with the job's size.
         """
+        return self._dead_in_flight(now)[0]
+
+    def _dead_in_flight(self, now: float) -> tuple[list[str], list[int]]:
+        """``dead_peers`` and the ids of the quorums in flight that have one of them as a member
+        (a member aborts its all-reduce when its quorum is listed: its answer does not name its
+        peers, issue 16)."""
         while self.dead and now - self.dead[0][0] > DEAD_MEMORY_SECONDS:
             self.dead.popleft()
         if not self.dead:
-            return []
+            return [], []
         state = self.state
         index = state.index
         index.track_prev(state.prev_quorum)
@@ -186,7 +198,7 @@ class Membership:
         key = (len(self.dead), self.dead[0][:2], self.dead[-1][:2], index.hb_version, id(index.prev),
                state.head, tuple(qid for qid, _ in state.head_quorums))
         if key == self._dead_peers_key:
-            return list(self._dead_peers)
+            return list(self._dead_peers), list(self._dead_quorums)
         in_head = [ids for _, ids in index.head_quorum_info(state)] if state.head is not None else []
         if state.head is None and state.head_quorums:  # not kept by the index without a head
             in_head = [frozenset(parts) for _, parts in state.head_quorums]
@@ -194,8 +206,14 @@ class Membership:
         # it would fail every step it takes part in.
         dead = [rid for _, rid, _, _ in self.dead
                 if (rid in index.prev_ids or any(rid in ids for ids in in_head)) and rid not in state.heartbeats]
+        gone = set(dead)
+        in_flight = [(qid, ids) for (qid, _), ids in zip(state.head_quorums, in_head)]
+        if index.prev is not None:
+            in_flight.append((index.prev.quorum_id, index.prev_ids))
+        aborted = sorted({qid for qid, ids in in_flight if not gone.isdisjoint(ids)})
         self._dead_peers_key, self._dead_peers = key, dead[-MAX_DEAD_LISTED:]
-        return list(self._dead_peers)
+        self._dead_quorums = aborted[-MAX_DEAD_LISTED:]
+        return list(self._dead_peers), list(self._dead_quorums)
 
     # -- internals -------------------------------------------------------------------------------
     def _mark_dead(self, now: float, replica_id: str, group: str, reason: str, out: list[Output]) -> None:

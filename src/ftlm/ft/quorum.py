@@ -29,6 +29,8 @@ Time values are seconds on one monotonic clock chosen by the caller. A replica i
 from __future__ import annotations
 
 import copy
+import functools
+import hashlib
 import heapq
 import itertools
 import json
@@ -44,6 +46,8 @@ from ftlm.ft.history import GENESIS, extend_chain
 _MAX_RETIRED = 4096
 MAX_CLAIM = 2**53
 """Largest step or quorum id a member may claim (beyond it JSON numbers lose precision)."""
+MAX_WATCH = 256
+"""Most replica ids one quorum request may ask about (``watch``: the joiners a source serves)."""
 
 
 class StaleIncarnation(FtlmError):
@@ -63,6 +67,8 @@ class MemberRequest:
     asked_at: float
     chain: str = GENESIS
     """Hash chain of the group's committed history at ``step``."""
+    watch: tuple[str, ...] = ()
+    """Replica ids whose membership the group wants to know (the joiners it serves)."""
 
 
 @dataclass
@@ -93,6 +99,10 @@ class QuorumOptions:
     progress_timeout: float = 0.0  # 0: a live heartbeat is enough (no hang detection by progress)
     rebuild_grace: float | None = None  # None: one heartbeat timeout
     rollback_grace: float | None = None  # None: two heartbeat timeouts
+    suspect_window: float = 0.0
+    """Seconds after a member of the current quorum reports its step failed within which every
+    other member must be heard from (a heartbeat or a request), or be declared dead; 0: off (only
+    ``heartbeat_timeout`` expires a member). A report alone never expires a member that speaks."""
 
     @property
     def rebuild_seconds(self) -> float:
@@ -111,6 +121,8 @@ class Member:
     group: str
     step: int
     meta: dict[str, Any] = field(default_factory=dict)
+    watch: tuple[str, ...] = ()
+    """Replica ids the member asked about (the joiners it serves): its answer says which are members."""
 
 
 @dataclass
@@ -130,16 +142,88 @@ class Quorum:
 
     def participant_index(self, replica_id: str) -> int | None:
         """Position of ``replica_id`` among the participants (its data slice), None if it is not one."""
-        try:
-            return self.participants.index(replica_id)
-        except ValueError:
-            return None
+        return self._slices.get(replica_id)
 
     def member(self, replica_id: str) -> Member | None:
-        return next((m for m in self.members if m.replica_id == replica_id), None)
+        rank = self._ranks.get(replica_id)
+        return self.members[rank] if rank is not None else None
 
     def replica_ids(self) -> list[str]:
         return [m.replica_id for m in self.members]
+
+    # -- what a member asks of its quorum; ``ftlm.ft.quorum_answer.MemberQuorum`` answers the same
+    # questions from one member's compact answer, so ``GroupProtocol`` takes either.
+    @property
+    def size(self) -> int:
+        """Members (the cross-group process group's world size)."""
+        return len(self.members)
+
+    @property
+    def participant_count(self) -> int:
+        return len(self.participants)
+
+    @property
+    def recovering_count(self) -> int:
+        return len(self.recovering)
+
+    @property
+    def group_count(self) -> int:
+        return len({m.group for m in self.members})
+
+    @property
+    def store(self) -> str:
+        """The rendezvous store of the quorum's process group: the first member's."""
+        return str(self.members[0].meta.get("store", "")) if self.members else ""
+
+    def rank(self, replica_id: str) -> int:
+        """``replica_id``'s rank in the quorum's process group (its position among the members)."""
+        try:
+            return self._ranks[replica_id]
+        except KeyError:
+            raise ValueError(f"{replica_id} is not a member of quorum {self.quorum_id}") from None
+
+    def present(self, replica_id: str) -> bool:
+        """Whether ``replica_id`` is a member."""
+        return replica_id in self._ranks
+
+    def is_recovering(self, replica_id: str) -> bool:
+        return replica_id in self.sources or replica_id in self._recovering
+
+    def source_of(self, replica_id: str) -> str | None:
+        """The participant ``replica_id`` pulls the state from (None unless it recovers)."""
+        return self.sources.get(replica_id)
+
+    def joiners_of(self, replica_id: str) -> list[Member]:
+        """The recovering members that pull the state from ``replica_id``, in member order."""
+        return [self.members[self._ranks[j]] for j in self._joiners.get(replica_id, ()) if j in self._ranks]
+
+    @property
+    def digest(self) -> str:
+        """A digest of who the members are: two quorums with the same members have the same one."""
+        return self._digest
+
+    @functools.cached_property
+    def _ranks(self) -> dict[str, int]:
+        return {m.replica_id: i for i, m in enumerate(self.members)}
+
+    @functools.cached_property
+    def _slices(self) -> dict[str, int]:
+        return {r: i for i, r in enumerate(self.participants)}
+
+    @functools.cached_property
+    def _recovering(self) -> frozenset[str]:
+        return frozenset(self.recovering)
+
+    @functools.cached_property
+    def _joiners(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for joiner, source in self.sources.items():
+            out.setdefault(source, []).append(joiner)
+        return out
+
+    @functools.cached_property
+    def _digest(self) -> str:
+        return membership_digest(self.replica_ids())
 
     def next_chain(self) -> str:
         """The chain of a participant that commits this quorum's step."""
@@ -185,6 +269,11 @@ class Quorum:
             )
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"not a quorum: {e!r} in {str(data)[:200]}") from e
+
+
+def membership_digest(replica_ids: Iterable[str]) -> str:
+    """A short digest of a set of replica ids (order does not matter)."""
+    return hashlib.sha256(",".join(sorted(replica_ids)).encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True)
@@ -477,6 +566,18 @@ class _Table(dict):  # type: ignore[type-arg]
 
 
 @dataclass
+class Suspicion:
+    """Members of quorum ``quorum_id`` reported that its step failed (a peer's transport error, a
+    timeout), the first at ``opened_at``. Once ``suspect_window`` has passed, the members of that
+    quorum not heard from since ``opened_at`` are declared dead: the reports are corroborated by
+    the silence of whom they suspect, so a report never expires a member that still speaks."""
+
+    quorum_id: int
+    opened_at: float
+    reporters: set[str] = field(default_factory=set)
+
+
+@dataclass
 class CoordinatorState:
     """Everything the coordinator knows; soft state, rebuilt from traffic after a restart."""
 
@@ -494,6 +595,7 @@ class CoordinatorState:
     finished: bool = False  # holders of the head left the job as finished: never roll back from it
     top: int = 0  # the furthest step the head ever reached here (a rollback target cannot be beyond)
     epoch: str = ""  # this coordinator's start nonce, stamped on every quorum it issues
+    suspicion: Suspicion | None = None  # members reported the current quorum's step failed
     index: _Index = field(default_factory=_Index, compare=False, repr=False)
     """Counts and heaps over ``heartbeats`` and ``pending`` (kept by the tables themselves)."""
 
@@ -591,7 +693,42 @@ def record_request(state: CoordinatorState, req: MemberRequest) -> list[str]:
     state.pending[req.replica_id] = req
     if state.round_started is None:
         state.round_started = req.asked_at
+    if req.failed:
+        _suspect(state, req)
     return replaced
+
+
+def _suspect(state: CoordinatorState, req: MemberRequest) -> None:
+    """A member of the current quorum failed its step: open (or join) a suspicion of its peers."""
+    prev = state.prev_quorum
+    if prev is None or req.last_quorum_id != prev.quorum_id or not prev.present(req.replica_id):
+        return  # a failure of an older quorum: a newer one exists already
+    s = state.suspicion
+    if s is None or s.quorum_id != prev.quorum_id:
+        s = state.suspicion = Suspicion(prev.quorum_id, req.asked_at)
+    s.reporters.add(req.replica_id)
+
+
+def _expire_suspected(now: float, state: CoordinatorState, options: QuorumOptions) -> list[tuple[str, str]]:
+    """Members of a quorum whose step peers reported failed and that were silent since the first
+    report, once ``suspect_window`` passed (DESIGN.md section 5: a peer's transport error)."""
+    s = state.suspicion
+    if s is None or options.suspect_window <= 0 or now - s.opened_at < options.suspect_window:
+        return []
+    state.suspicion = None
+    prev = state.prev_quorum
+    if prev is None or prev.quorum_id != s.quorum_id:
+        return []
+    gone: list[tuple[str, str]] = []
+    for r in prev.replica_ids():
+        hb = state.heartbeats.get(r)
+        if hb is None or r in s.reporters or hb.last_seen >= s.opened_at:
+            continue
+        gone.append((r, f"silent for {now - hb.last_seen:.2f} s after {_plural(len(s.reporters), 'peer')} "
+                        f"reported the step of quorum {s.quorum_id} failed"))
+        del state.heartbeats[r]
+        state.pending.pop(r, None)
+    return gone
 
 
 def expire(now: float, state: CoordinatorState, options: QuorumOptions) -> list[tuple[str, str]]:
@@ -601,9 +738,11 @@ def expire(now: float, state: CoordinatorState, options: QuorumOptions) -> list[
     progress (a hung rank, a wedged training thread) is retired: its next heartbeat is refused, so
     that the process exits instead of coming back with a state nobody vouches for.
     """
+    gone = _expire_suspected(now, state, options)
     if _nobody_due(now, state, options):
-        return []
-    gone: list[tuple[str, str]] = []
+        if gone:
+            _sync_round(state)
+        return gone
     for r, hb in list(state.heartbeats.items()):
         if not _is_fresh(now, state, r, options):
             gone.append((r, "heartbeat timeout"))
@@ -648,6 +787,7 @@ def remove_member(state: CoordinatorState, replica_id: str, now: float, retire: 
 def commit_quorum(state: CoordinatorState, quorum: Quorum) -> None:
     """Record ``quorum`` as issued: its members' requests are answered and a new round begins."""
     state.prev_quorum = quorum
+    state.suspicion = None  # a new quorum formed: whoever it left out is no longer waited for
     state.quorum_id = max(state.quorum_id, quorum.quorum_id)
     if state.head is not None and quorum.step == state.head[0]:
         state.head_quorums.append((quorum.quorum_id, list(quorum.participants)))
@@ -937,7 +1077,7 @@ def _build(now: float, state: CoordinatorState, candidates: dict[str, MemberRequ
     assert state.head is not None
     holders = set(up)
     reqs = sorted(candidates.values(), key=lambda q: (q.group, q.replica_id))
-    members = [Member(q.replica_id, q.group, q.step, q.meta) for q in reqs]
+    members = [Member(q.replica_id, q.group, q.step, q.meta, q.watch) for q in reqs]
     participants = [m.replica_id for m in members if m.replica_id in holders]
     recovering = [m.replica_id for m in members if m.replica_id not in holders]
     sources = {r: participants[i % len(participants)] for i, r in enumerate(recovering)}

@@ -11,7 +11,7 @@ from ftlm.ft.group import GroupProtocol
 from ftlm.sim.check import check, format_report
 from ftlm.sim.protocol import FAULTS, SimConfig, Simulation, run
 
-CI_SEEDS = 1000
+CI_SEEDS = 800  # with faults at the end of each job (1000 before them, in the same time)
 CI_STEPS = 100
 
 # Seeds that found bugs while the protocol was built; each must hold every invariant forever.
@@ -37,12 +37,13 @@ FOCUSED = [
 ]
 
 
-def test_a_thousand_seeded_jobs_hold_every_invariant() -> None:
+def test_hundreds_of_seeded_jobs_hold_every_invariant() -> None:
     config = SimConfig(steps=CI_STEPS)
     report = check(CI_SEEDS, config, jobs=2)
     assert report.ok, format_report(report, config)
     assert sum(report.faults.values()) > 3 * CI_SEEDS  # the faults really happened
-    assert set(report.faults) == set(FAULTS)  # every kind of fault was visited
+    assert set(FAULTS) <= set(report.faults)  # every kind of fault was visited
+    assert report.faults["crash_slow_restart"] > 0  # and the end of the job was hit
     assert report.restores > 0  # and some of them took every holder of the newest state
 
 
@@ -82,6 +83,28 @@ def test_a_planted_bug_is_found_and_its_seed_replays(monkeypatch: pytest.MonkeyP
     assert "without every participant's slice" in first.error or "another" in first.error
     assert run(first.seed, config).error == first.error  # the failing seed replays exactly
     assert f"--start {first.seed} --seeds 1" in format_report(report, config)
+
+
+def test_a_job_rolled_back_after_it_finished_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug outside testers saw: a group killed while the others finished restarted from an old
+    checkpoint, and the coordinator, not told the job had finished, rolled it back. Faults around
+    the end of the job find it when the coordinator's leave forgets that the job finished."""
+    import ftlm.ft.membership as membership
+
+    real = membership.remove_member
+    monkeypatch.setattr(membership, "remove_member",
+                        lambda state, rid, now, retire=True, finished=False: real(state, rid, now, retire))
+    config = SimConfig(steps=35, faults=("old_checkpoint",), fault_mtbf=0)  # faults at the end only
+    errors = (run(seed, config).error for seed in range(300))
+    found = next((e for e in errors if e), "")
+    assert "the job finished at step 35 and was rolled back" in found, found
+
+
+def test_faults_at_the_end_of_the_job_never_roll_it_back() -> None:
+    config = SimConfig(steps=35, faults=("old_checkpoint", "crash", "coordinator_crash"), fault_mtbf=0)
+    report = check(100, config, jobs=2)
+    assert report.ok, format_report(report, config)
+    assert sum(report.faults.values()) > 40
 
 
 def test_sim_check_command_reports_and_exits_zero() -> None:

@@ -27,7 +27,6 @@ from ftlm.ft.group import GroupProtocol, TooManyFailures, check_replay
 from ftlm.ft.history import GENESIS, extend_chain
 from ftlm.ft.membership import Answer, Event, Issued, Membership
 from ftlm.ft.quorum import Heartbeat, MemberRequest, Quorum, QuorumOptions, StaleIncarnation
-from ftlm.ft.quorum_answer import AnswerEncoder, MemberQuorum
 
 FAULTS = ("crash", "hang", "hang_resume", "hang_training", "crash_starting", "hang_starting", "coordinator_crash",
           "lag", "slow_transfer", "source_crash_mid_transfer", "bogus_claim", "partition_drop",
@@ -47,20 +46,22 @@ class SimConfig:
     faults: tuple[str, ...] = FAULTS
     faults_until_step: float = 0.8
     """Faults stop once the job reached this fraction of its steps (then liveness is judged)."""
+    endgame_faults: float = 1.0
+    """Probability that one more fault strikes around the end of the job: within a second of a
+    group committing the third-last step, so before, while or after groups finish and leave."""
     loss: float = 0.01
     """Probability that one message is lost."""
     latency: tuple[float, float] = (0.001, 0.02)
     step_seconds: tuple[float, float] = (0.02, 0.06)
     startup_seconds: tuple[float, float] = (0.2, 1.0)
     checkpoint_every: int = 10
+    drain_seconds: float = 10.0
+    """How long a finished group keeps serving for the groups not yet up to date (the manager's
+    ``ft.quorum_timeout``)."""
+    quorum_seconds: float = 10.0
+    """A group that waited this long for a quorum gives up and exits (``ft.quorum_timeout``)."""
     heartbeat_interval: float = 0.1
     heartbeat_timeout: float = 0.5
-    suspect_window: float = 0.2
-    """Members silent this long after a peer reported their quorum's step failed are declared dead."""
-    supervisor_reports: str = "odd"
-    """Which seeds' supervisor reports a process's death to the coordinator: "all", "none", or
-    "odd" (odd seeds; the others run as on Kubernetes/Slurm, where only the peers' reports and
-    the heartbeat timeout detect a death)."""
     join_timeout: float = 1.0
     allreduce_timeout: float = 2.0
     progress_timeout: float = 3.0
@@ -117,8 +118,8 @@ class Incarnation:
     lagged: bool = False
     abort_pending: bool = False
     progress_at: float = 0.0  # the last protocol point the training thread reached
-    asked_at: float = float("-inf")  # when it last sent a quorum request (which is a heartbeat)
     absent_since: float | None = None  # not a live member of the coordinator since
+    asking_since: float = 0.0  # when its current wait for a quorum began
 
     @property
     def replica_id(self) -> str:
@@ -162,10 +163,7 @@ class Simulation:
         self._queue: list[tuple[float, int, Callable[[], None], str]] = []
         self._seq = 0
         self.options = QuorumOptions(1, self.c.join_timeout, self.c.heartbeat_timeout, self.c.groups,
-                                     progress_timeout=self.c.progress_timeout,
-                                     suspect_window=self.c.suspect_window)
-        self.reports_deaths = {"all": True, "none": False}.get(self.c.supervisor_reports, seed % 2 == 1)
-        self.encoder = AnswerEncoder()
+                                     progress_timeout=self.c.progress_timeout)
         self.coordinator: Membership | None = Membership(self.options, self._epoch())
         self.coordinator_epoch = 0
         self.groups: dict[str, Incarnation | None] = {f"g{i}": None for i in range(self.c.groups)}
@@ -181,6 +179,10 @@ class Simulation:
         self.seen_states: dict[str, State] = {}  # chain -> state (same chain, same history)
         self.pending_hung: dict[str, tuple[float, str]] = {}  # replica id -> (since, kind)
         self.finished: dict[str, State] = {}
+        self.lost_groups: set[str] = set()  # died after every other group had finished: not restarted
+        self.endgame = False  # a group came within 3 steps of the end
+        self.slow_restart: set[str] = set()  # groups whose next restart outlasts the drain
+        self.exited: dict[str, float] = {}  # finished group -> when the supervisor sees its process end
         self._inc_seq = 0
         self.loss = self.c.loss
         self.last_commit = 0.0
@@ -217,13 +219,13 @@ class Simulation:
             self.at(0.05, self.tick, "tick")
             if self.c.fault_mtbf > 0:
                 self.at(self.rng.expovariate(1 / self.c.fault_mtbf), self.inject, "fault")
-            while self._queue and len(self.finished) < self.c.groups:
+            while self._queue and len(self.finished) + len(self.lost_groups) < self.c.groups:
                 self.now, _, fn, what = heapq.heappop(self._queue)
                 if self.now > self.c.max_seconds:
                     self.fail("the run did not finish within max_seconds")
                 fn()
                 self.check(what)
-            if len(self.finished) < self.c.groups:
+            if len(self.finished) + len(self.lost_groups) < self.c.groups:
                 self.fail(f"the run stalled: {sorted(self.finished)} finished of {self.c.groups}")
             self.check_end()
             return SimResult(self.seed, True, self.c.steps, self.faults, self.restores, self.now)
@@ -234,6 +236,14 @@ class Simulation:
     # -- processes (the supervisor's view) -------------------------------------------------------
     def spawn(self, group: str, delay: float) -> None:
         def start() -> None:
+            others = [g for g in self.groups if g != group]
+            if self.finished and all(g in self.lost_groups or self.exited.get(g, self.now + 1) <= self.now
+                                     for g in others):
+                # As the local supervisor does: every other group finished and its process
+                # exited, so a new incarnation would have nobody to recover from.
+                self.lost_groups.add(group)
+                self.log(f"lost {group}: died after every other group had finished")
+                return
             self._inc_seq += 1
             inc = Incarnation(group, f"i{self._inc_seq}", GroupProtocol(
                 f"{group}:i{self._inc_seq}", self.c.max_consecutive_failures, self.c.steps), State(),
@@ -266,15 +276,15 @@ class Simulation:
             return
         inc.alive = False
         self.log(f"exit {inc.replica_id}: {why}")
-        # Its connections reset: peers inside an all-reduce with it fail at once (transport error).
-        for other in self.groups.values():
-            if (other is not None and other is not inc and other.phase == "collective" and other.quorum is not None
-                    and other.quorum.present(inc.replica_id)):
-                self.at(self.latency(), lambda o=other, q=other.quorum: self.peer_reset(o, q), "connection reset")
         if self.groups.get(inc.group) is inc and restart:
-            if self.coordinator is not None and self.reports_deaths:
+            if self.coordinator is not None:
                 self.deliver_outputs(self.coordinator.report_dead(self.now, inc.replica_id, inc.group, why))
-            self.spawn(inc.group, self.c.restart_delay)
+            delay = self.c.restart_delay
+            if inc.group in self.slow_restart:  # its node takes long to come back
+                self.slow_restart.discard(inc.group)
+                delay += self.rng.uniform(0.5, 1.5) * self.c.drain_seconds
+                self.at(delay, lambda: setattr(self, "last_fault", self.now), "slow restart")  # liveness from here
+            self.spawn(inc.group, delay)
 
     def startup_watchdog(self, inc: Incarnation) -> None:
         if inc.alive and not inc.registered:
@@ -329,6 +339,9 @@ class Simulation:
                 self.max_issued_id[q.epoch] = q.quorum_id
             elif isinstance(o, Event):
                 if o.kind == "restore":
+                    if self.finished:
+                        self.fail(f"the job finished at step {next(iter(self.finished.values())).step} "
+                                  f"and was rolled back: {o.fields['reason']}")
                     self.restores += 1
                     self.log(f"restore {o.fields['from_step']} -> {o.fields['to_step']}")
                     self.head = None  # an explicit rollback: the next head is judged afresh
@@ -371,12 +384,6 @@ class Simulation:
     def heartbeat(self, inc: Incarnation) -> None:
         if not inc.alive:
             return
-        since = self.now - inc.asked_at
-        if since < self.c.heartbeat_interval - 1e-9 and not inc.hung:  # (float rounding: no zero waits)
-            # As the real Heartbeater: a quorum request went out within the interval, so it was
-            # the heartbeat; the next one is due an interval after it.
-            self.at(self.c.heartbeat_interval - since, lambda: self.heartbeat(inc), "hb")
-            return
         if not inc.hung:
             p = inc.proto
             beat = Heartbeat(inc.replica_id, inc.group, 0.0, p.step, max(p.quorum_id, 0), p.chain,
@@ -398,10 +405,6 @@ class Simulation:
                 self.at(self.latency(), arrive, f"heartbeat {inc.replica_id}")
         self.at(self.c.heartbeat_interval, lambda: self.heartbeat(inc), "hb")
 
-    def alive(self, replica_id: str) -> bool:
-        inc = self.groups.get(replica_id.split(":")[0])
-        return (inc is not None and inc.replica_id == replica_id and inc.alive) or replica_id.split(":")[0] in self.finished
-
     def to_coordinator(self, inc: Incarnation, call: Callable[[Membership], Any]) -> Any:
         """A message of ``inc`` reaches the coordinator; None when its incarnation was refused
         (the process then exits, as the real one does on a 409)."""
@@ -416,8 +419,8 @@ class Simulation:
     def on_heartbeat_answer(self, inc: Incarnation, answer: dict) -> None:
         if not inc.running or answer.get("rebuilding") or inc.quorum is None:
             return
-        # As the manager: the answer names the quorums in flight that lost a member.
-        if answer.get("epoch") == inc.quorum.epoch and inc.quorum.quorum_id in answer.get("dead_quorums", []):
+        dead = set(answer.get("dead", []))
+        if dead & set(inc.quorum.replica_ids()):
             # As the manager's abort event: it fails this step's collective whenever it comes
             # (until the next quorum clears it), not only while the collective runs.
             inc.abort_pending = True
@@ -429,6 +432,8 @@ class Simulation:
         (synchronous) client has; a newer ask supersedes an older one that was not sent yet."""
         if not inc.running or inc.hung_training:
             return
+        if inc.phase != "asking":
+            inc.asking_since = self.now
         inc.phase = "asking"
         inc.progress_at = self.now
         inc.request_seq += 1
@@ -449,10 +454,8 @@ class Simulation:
         inc.proto.sync(inc.state.step, inc.state.chain)  # as Manager.start_step does
         fields = inc.proto.request()
         req = MemberRequest(inc.replica_id, inc.group, fields["step"], fields["last_quorum_id"], fields["failed"],
-                            {"recover_request": fields["recover_request"]}, 0.0, fields["chain"],
-                            tuple(fields["watch"]))
+                            {"recover_request": fields["recover_request"]}, 0.0, fields["chain"])
         inc.request = req
-        inc.asked_at = self.now  # a quorum request is a heartbeat: the next beat waits an interval
 
         def arrive() -> None:
             if self.coordinator is None or not inc.alive or inc.request is not req:
@@ -467,7 +470,10 @@ class Simulation:
 
         def poll_timeout() -> None:
             if inc.running and inc.phase == "asking" and inc.request_seq == seq:
-                self.ask(inc)
+                if self.now - inc.asking_since > self.c.quorum_seconds:
+                    self.die(inc, "no quorum within ft.quorum_timeout")  # as Manager._request_quorum
+                else:
+                    self.ask(inc)
         self.at(self.c.poll_timeout, poll_timeout, "poll timeout")
 
     def on_answer(self, inc: Incarnation, seq: int, answer: Answer) -> None:
@@ -481,11 +487,9 @@ class Simulation:
         if answer.status != 200:
             self.at(0.01, lambda: self.ask(inc), "re-ask")
             return
-        q = answer.quorum  # the whole quorum, for the simulator's own bookkeeping and checks
-        # The group sees only its own answer, through the same encoding the coordinator sends.
-        view = MemberQuorum.from_json(self.encoder.encode(q, inc.replica_id))
+        q = Quorum.from_json(answer.body)
         try:
-            role = inc.proto.on_quorum(view)
+            role = inc.proto.on_quorum(q)
         except TooManyFailures as e:
             if not inc.injected:
                 self.fail(f"healthy group {inc.replica_id} gave up: {e}")
@@ -523,7 +527,7 @@ class Simulation:
             return
         if inc.draining_since is None or q.recovering:
             inc.draining_since = self.now
-        if self.now - inc.draining_since > 60.0:
+        if self.now - inc.draining_since > self.c.drain_seconds:
             self.finish(inc)
             return
         inc.phase = "idle"
@@ -534,9 +538,15 @@ class Simulation:
         inc.phase = "done"
         self.finished[inc.group] = _copy(inc.state)
         self.log(f"finished {inc.replica_id} at step {inc.state.step}")
+        # It left the job; its process writes its results and exits a moment later.
+        self.exited[inc.group] = self.now + self.rng.uniform(0.2, 3.0)
         if self.coordinator is not None:
             self.deliver_outputs(self.coordinator.leave(self.now, inc.replica_id, inc.group, "finished"))
         inc.alive = False
+        first = next(iter(self.finished.values()))
+        if (inc.state.step, inc.state.chain) != (first.step, first.chain):
+            self.fail(f"{inc.replica_id} finished at step {inc.state.step} with another state than the "
+                      f"first group to finish (step {first.step})")
 
     # -- the all-reduce and the vote -------------------------------------------------------------
     def enter_collective(self, inc: Incarnation, q: Quorum) -> None:
@@ -547,8 +557,6 @@ class Simulation:
         if inc.abort_pending:
             self.abort(inc, "a quorum member was reported dead")
             return
-        if any(not self.alive(r) for r in q.replica_ids()):  # a dead peer refuses the connection
-            self.at(self.latency(), lambda: self.peer_reset(inc, q), "connection refused")
         key = (q.epoch, q.quorum_id, q.step)
         coll = self.collectives.setdefault(key, Collective(q))
         if coll.quorum.replica_ids() != q.replica_ids():
@@ -570,10 +578,6 @@ class Simulation:
                 self.at(self.latency(), lambda m=member, ok=ok: self.outcome(m, m.quorum, ok), f"allreduce {rid}")
             return
         self.at(self.c.allreduce_timeout, lambda: self.collective_timeout(inc, q, coll), "allreduce timeout")
-
-    def peer_reset(self, inc: Incarnation, q: Quorum) -> None:
-        if inc.running and inc.phase == "collective" and inc.quorum is q:
-            self.abort(inc, "connection reset by a quorum member")
 
     def collective_timeout(self, inc: Incarnation, q: Quorum, coll: Collective) -> None:
         if inc.running and inc.phase == "collective" and inc.quorum is q:
@@ -615,8 +619,13 @@ class Simulation:
             self.remember(inc.state)
             self.last_commit = self.now
             self.log(f"{inc.replica_id} committed step {q.step} (quorum {q.quorum_id})")
-            if role.participant_index == 0 and inc.state.step % self.c.checkpoint_every == 0:
-                self.disk[inc.state.step] = _copy(inc.state)
+            last = inc.state.step == self.c.steps
+            if role.participant_index == 0 and (inc.state.step % self.c.checkpoint_every == 0 or last):
+                self.disk[inc.state.step] = _copy(inc.state)  # the final step always (as the trainer)
+            if inc.state.step >= self.c.steps - 3 and not self.endgame:
+                self.endgame = True  # from 3 steps before the end: the fault lands before, during or after the finish
+                if self.rng.random() < self.c.endgame_faults:
+                    self.at(self.rng.uniform(0.0, 1.0), self.endgame_fault, "endgame fault")
         elif committed and role.recovering:
             inc.buffer[q.step] = (q.quorum_id, list(q.participants), samples)
         if role.recovering:
@@ -679,7 +688,19 @@ class Simulation:
         best = max((g.state.step for g in self.groups.values() if g is not None), default=0)
         if best >= self.c.faults_until_step * self.c.steps or self.finished:
             return
-        kind = self.rng.choice(self.c.faults)
+        self.strike(self.rng.choice(self.c.faults))
+        self.at(self.rng.expovariate(1 / self.c.fault_mtbf), self.inject, "fault")
+
+    def endgame_fault(self) -> None:
+        """One fault at the end of the job, when groups drain, serve late joiners and leave."""
+        kinds = [k for k in ("crash", "hang", "hang_resume", "coordinator_crash", "old_checkpoint")
+                 if k in self.c.faults]
+        if "crash" in kinds:
+            kinds.append("crash_slow_restart")  # back only after the others may have left
+        if kinds:
+            self.strike(self.rng.choice(kinds))
+
+    def strike(self, kind: str) -> None:
         self.faults[kind] = self.faults.get(kind, 0) + 1
         self.last_fault = self.now
         live = [g for g in self.groups.values() if g is not None and g.alive and not g.hung]
@@ -689,6 +710,10 @@ class Simulation:
             self.coordinator_crash()
         elif target is None:
             pass
+        elif kind == "crash_slow_restart":
+            target.injected = True
+            self.slow_restart.add(target.group)
+            self.die(target, "SIGKILL (slow restart)")
         elif kind in ("crash", "crash_starting"):
             if kind == "crash" or not target.registered:
                 target.injected = True
@@ -748,7 +773,6 @@ class Simulation:
             target.injected = True
             self.loss = 0.5
             self.at(self.rng.uniform(0.2, 1.0), lambda: setattr(self, "loss", self.c.loss), "heal partition")
-        self.at(self.rng.expovariate(1 / self.c.fault_mtbf), self.inject, "fault")
 
     # -- invariants ------------------------------------------------------------------------------
     def remember(self, st: State) -> None:
@@ -764,7 +788,7 @@ class Simulation:
             self.fail(f"state at step {st.step} trained samples not exactly once: {st.ranges[:4]}...")
 
     def check(self, what: str) -> None:
-        if not self.finished and self.now - self.last_commit > self.c.progress_seconds:
+        if not self.endgame and self.now - self.last_commit > self.c.progress_seconds:  # draining is no livelock
             self.fail(f"no step committed for {self.c.progress_seconds:g} simulated s (a livelock?)")
         if self.c.fault_mtbf and self.now - self.last_fault > self.c.liveness_seconds:
             best = max((g.state.step for g in self.groups.values() if g is not None), default=0)

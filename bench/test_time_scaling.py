@@ -295,17 +295,18 @@ def measure(args) -> dict:
         policy = load_run(args.policy, device="cpu")
         tok, pparams = policy.tokenizer, param_count(policy.model.cfg)
         verifier, vparams = None, 0
-        if args.verifier:
-            judge = load_run(args.verifier, device="cpu")
-            verifier, vparams = Verifier(judge.model, judge.tokenizer), param_count(judge.model.cfg)
         ns = [2 ** i for i in range(int(math.log2(args.n_max)) + 1)]
-        beam_ns = [int(x) for x in args.beam_ns.split(",") if x.strip()] if verifier else []
+        beam_ns = [int(x) for x in args.beam_ns.split(",") if x.strip()] if args.verifier else []
         per_seed = []
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             engine = Engine(policy.model, max_batch=args.max_batch, eos_id=tok.eos_id,
                             detokenize=tok.decode)
             pools, plens = sample_pool(engine, tok, tasks, args.n_max, _params(tok, args, seed),
                                        chat)
+            if args.verifier and verifier is None:  # loaded late: it may still be training
+                judge = load_run(args.verifier, device="cpu")
+                verifier = Verifier(judge.model, judge.tokenizer)
+                vparams = param_count(judge.model.cfg)
             result = evaluate(tasks, pools, plens, ns, pparams, verifier, vparams)
             print(f"seed {seed}: sampling strategies done ({time.perf_counter() - started:.0f} s)",
                   flush=True)

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from infer_helpers import tiny_model
 
@@ -57,3 +58,18 @@ def test_verifier_probability_is_the_yes_no_softmax_of_the_model(tmp_path):
     verifier.score_all(pairs[0][0], cands)
     choice = st.best_of_n(cands, pairs[0][0], verifier)
     assert choice.text == pairs[int(got[1] > got[0])][1]
+
+
+def test_the_verifier_memo_stays_bounded_and_scores_stay_exact(tmp_path):
+    tok = make_tokenizer(tmp_path)
+    verifier = Verifier(tiny_model(vocab_size=tok.vocab_size, max_seq_len=128), tok)
+    verifier.cache_limit = 4
+    cands = [st.Candidate(f"Answer: {i}", [1], [-1.0], "stop", str(i)) for i in range(6)]
+    want = verifier.probabilities([("q", c.text) for c in cands])
+    for batch in (cands[:3], cands[3:]):
+        verifier.score_all("q", batch)
+        assert len(verifier._cache) <= 4  # a long-running server does not grow without bound
+        assert [verifier("q", c) for c in batch] == pytest.approx(want[cands.index(batch[0]):][:3],
+                                                                 abs=1e-6)
+    assert [verifier("q", c) for c in cands] == pytest.approx(want, abs=1e-6)
+    assert len(verifier._cache) <= 4

@@ -9,10 +9,10 @@ What runs for real: ``ftlm coordinator`` in a process of its own (its CPU and me
 /proc, apart from the clients'), over HTTP on 127.0.0.1, with the request bodies and headers of
 ``ftlm.ft.client.CoordinatorClient``. What is simulated: the groups, all in this one asyncio process
 (aiohttp, one pooled connector): a group "trains" by waiting for its next step time, commits the
-quorum's step (``Quorum.next_chain``) and asks again with the new state; heartbeats report the
-committed state. To keep the clients from being the bottleneck, a quorum answer is read whole but
-parsed once per distinct quorum (its id and step are read from the first bytes, which the
-coordinator writes first); every member adopts the quorum's next state, as participants do.
+quorum's step (the answer's ``next_chain``) and asks again with the new state; heartbeats report the
+committed state, and, as ``ftlm.ft.client.Heartbeater`` does, a group skips a heartbeat when its
+quorum request went out within the heartbeat interval. Each member reads and parses its own compact
+answer (``ftlm.ft.quorum_answer``).
 
 Measured, over the steady window (after the first quorum and a warm-up, before the failure drill):
 quorum latency per request (ask to answer, which includes waiting for the slowest peer of the
@@ -45,7 +45,6 @@ import aiohttp
 
 from ftlm.ft.client import CoordinatorClient
 from ftlm.ft.history import GENESIS
-from ftlm.ft.quorum import Quorum
 
 STEP_SECONDS = 1.0
 HEARTBEAT_SECONDS = 1.0
@@ -58,7 +57,6 @@ DRILL_BEFORE_END = 8.0
 """Seconds before the end at which one group stops (its detection is then measured)."""
 META = {"store": "10.0.0.1:29500", "transfer": ["http://10.0.0.1:29600"], "recover_request": 0}
 """What a real manager puts in ``meta`` (sizes the quorum answers like a real job's)."""
-_HEAD = re.compile(rb'\{"quorum_id": (\d+), "step": (\d+),')
 SWEEP = (100, 500, 1000, 2000, 4000)
 
 
@@ -207,7 +205,7 @@ class LoadTest:
         self.headers = self.clients[0].headers
         self.state = [(0, GENESIS, -1) for _ in range(groups)]  # (step, chain, last quorum id)
         self.stopped = [False] * groups
-        self.next_chain: dict[tuple[int, int], tuple[str, int]] = {}  # (qid, step) -> (chain, members)
+        self.asked_at = [float("-inf")] * groups  # a quorum request is a heartbeat (the client skips one)
         self.samples: list[tuple[float, float, int]] = []  # (answer time, latency, quorum step)
         self.errors: dict[str, int] = {}
         self.victim = groups // 2
@@ -271,6 +269,10 @@ class LoadTest:
         client = self.clients[i]
         await asyncio.sleep(self.ramp(i) + random.random() * HEARTBEAT_SECONDS)  # spread over the interval
         while time.monotonic() < self.end and not self.stopped[i]:
+            since = time.monotonic() - self.asked_at[i]
+            if since < HEARTBEAT_SECONDS:  # as ftlm.ft.client.Heartbeater: the request was the beat
+                await asyncio.sleep(HEARTBEAT_SECONDS - since)
+                continue
             step, chain, qid = self.state[i]
             try:
                 status, _ = await self._post("/v1/heartbeat", client.heartbeat_body(step, qid, chain))
@@ -301,6 +303,7 @@ class LoadTest:
             step, chain, qid = self.state[i]
             asked = time.monotonic()
             self.last_ask[step] = asked
+            self.asked_at[i] = asked
             try:
                 status, raw = await self._post(
                     "/v1/quorum", client.quorum_body(step, qid, False, META, 30.0, chain))
@@ -316,24 +319,21 @@ class LoadTest:
                     self.first_timeout = f"{now - self.start:.1f} s: {raw[:300].decode(errors='replace')}"
                 ask_at = now + 0.1
                 continue
-            head = _HEAD.match(raw[:200])
-            if head is None:
+            try:  # this member's own compact answer (ftlm.ft.quorum_answer): parsed by each member
+                answer = json.loads(raw)
+                qid, qstep, new_chain, size = (int(answer["quorum_id"]), int(answer["step"]),
+                                               str(answer["next_chain"]), int(answer["size"]))
+            except (ValueError, KeyError, TypeError):
                 self._error("quorum answer unreadable")
                 return
-            key = (int(head.group(1)), int(head.group(2)))
-            if key not in self.next_chain:  # the first member to see this quorum parses it for all
-                quorum = Quorum.from_json(raw)
-                self.next_chain[key] = (quorum.next_chain(), len(quorum.members))
-                self.answer_bytes = max(self.answer_bytes, len(raw))
-                if self.first_quorum_at is None:
-                    self.first_quorum_at = now
-                if (self.victim_stopped_at is not None and self.excluded_at is None
-                        and client.replica_id and self.clients[self.victim].replica_id not in quorum.replica_ids()):
-                    self.excluded_at = now
-            new_chain, _ = self.next_chain[key]
-            self.samples.append((now, now - asked, key[1]))
+            self.answer_bytes = max(self.answer_bytes, len(raw))
+            if self.first_quorum_at is None:
+                self.first_quorum_at = now
+            if self.victim_stopped_at is not None and self.excluded_at is None and size < self.n:
+                self.excluded_at = now  # the first quorum without the stopped group
+            self.samples.append((now, now - asked, qstep))
             # Train the step until the next step time, then commit it: the next ask reports it.
-            self.state[i] = (key[1] + 1, new_chain, key[0])
+            self.state[i] = (qstep + 1, new_chain, qid)
             ask_at = now + STEP_SECONDS + random.random() * 0.01
 
 

@@ -242,3 +242,5 @@ def test_the_fuzzers_valid_header_is_what_a_server_sends():
     header = parse_header(valid_header(spec, step=5, chunks=3))
     assert header.tensors == entries and header.total_bytes == total
     assert len(header.chunks) == 3
+    sent = Header(5, {"step": 5, "cursor": [5, 4]}, total, entries, header.chunk_bytes)
+    assert sent.to_json() == valid_header(spec, step=5, chunks=3)  # what SnapshotServer encodes

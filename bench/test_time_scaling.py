@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", default="", help="run directory of the (small) policy")
     p.add_argument("--verifier", default="", help="run directory of the verifier (optional)")
+    p.add_argument("--wait-verifier", type=float, default=0.0, metavar="SECONDS",
+                   help="wait up to this long for --verifier to finish training (it is loaded "
+                        "after the policy's samples are drawn)")
     p.add_argument("--large-policy", default="", help="run directory of a larger policy")
     p.add_argument("--large-only", action="store_true",
                    help="measure only --large-policy (merge with --from-json later)")
@@ -304,6 +307,7 @@ def measure(args) -> dict:
             pools, plens = sample_pool(engine, tok, tasks, args.n_max, _params(tok, args, seed),
                                        chat)
             if args.verifier and verifier is None:  # loaded late: it may still be training
+                _wait_for(Path(args.verifier) / "model.safetensors", args.wait_verifier)
                 judge = load_run(args.verifier, device="cpu")
                 verifier = Verifier(judge.model, judge.tokenizer)
                 vparams = param_count(judge.model.cfg)
@@ -342,6 +346,13 @@ def measure(args) -> dict:
         data["large"] = {"path": args.large_policy, "params": param_count(big.model.cfg),
                          "accs": accs, "flops": cost, "seconds": time.perf_counter() - t0}
     return data
+
+
+def _wait_for(path: Path, seconds: float) -> None:
+    """Return once ``path`` exists, or after ``seconds`` (the load then names what is missing)."""
+    deadline = time.monotonic() + seconds
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(min(10.0, max(0.0, deadline - time.monotonic())))
 
 
 def _meta(args, pparams: int, vparams: int, beam_ns: list[int], seeds: int,

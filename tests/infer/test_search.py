@@ -73,9 +73,9 @@ def test_out_of_rounds_the_pick_is_the_best_scored_finished_candidate_and_cost_i
 
 def test_a_reply_that_ends_is_finished_and_leaves_the_frontier(model):
     # Half the vocabulary ends the reply: most partials finish within a few tokens.
-    _, _, found = search(model, 4, 2, 30, stop_ids=tuple(range(0, 96, 2)))
+    _, scorer, found = search(model, 4, 2, 30, stop_ids=tuple(range(0, 96, 2)))
     for result in found:
-        assert result.rounds < 30 and result.choice.candidates
+        assert result.rounds == len(scorer.calls) < 30 and result.choice.candidates
         assert any(c.finish_reason == "stop" for c in result.choice.candidates)
         assert result.choice.text == max(result.choice.candidates, key=lambda c: c.score).text
 

@@ -100,11 +100,10 @@ def beam_search(engine: Engine, codec: TextCodec, prompts: Sequence[list[int]],
     finished: list[list[Beam]] = [[] for _ in prompts]
     cost = [0] * len(prompts)
     rounds = 0
-    for rounds in range(1, max_steps + 1):
-        if not any(frontier):
-            break
+    while rounds < max_steps and any(frontier):
         grown = _expand(engine, codec, prompts, frontier, n, step_params, params, base
-                        + (rounds - 1) * n, cost)
+                        + rounds * n, cost)
+        rounds += 1
         pairs = [(texts[i], b.text) for i, beams in enumerate(grown) for b in beams]
         scores = iter(scorer(pairs)) if pairs else iter(())
         for i, beams in enumerate(grown):

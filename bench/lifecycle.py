@@ -18,10 +18,14 @@ tasks (normal approximation). The table gives per stage the mean over seeds and 
 with its interval, and the compute of the stage: wall seconds on this machine and the tokens it
 processed (committed training tokens; for pairs and evaluation, the sampling time).
 
-    python -m bench.lifecycle [--quick] [--seeds N] [--no-write]
+    python -m bench.lifecycle [--quick] [--seeds N] [--no-write] [--set KEY=VALUE ...]
 
-It does not tune hyper-parameters (those below are fixed, stated in the section) and does not
-measure fault tolerance.
+It does not tune hyper-parameters by itself: ``--eval-split val`` scores every model on a
+validation set instead (training-split problems that no stage of any seed trains on), which is
+where settings are compared; the test split is for the table only. ``--workdir``/``--reuse``
+keep the runs and take back the models, pairs and scores found there, and ``--only-seeds`` with
+``--merge`` let seeds (or the DPO and GRPO stages, via ``--stages``) run as separate processes.
+It does not measure fault tolerance.
 """
 
 from __future__ import annotations
@@ -45,15 +49,16 @@ from bench.common import (
     write_section,
 )
 
-# sort has the longest completions (up to ~80 tokens): left out to keep sampling affordable here.
-FAMILIES = "add,mod,count"
+# sort has the longest completions (up to ~80 tokens) and add stays at 0 at this model size and
+# budget (see FINDINGS): both left out.
+FAMILIES = "count,mod"
 
 FULL = {
-    "families": FAMILIES, "pretrain_steps": 200, "heldout_tasks": 200, "max_new_tokens": 96,
-    "train_tasks": 1000, "sft_steps": 150, "sft_lr": 1e-3,
-    "pair_tasks": 150, "pair_samples": 4, "pair_temperature": 1.0,
+    "families": FAMILIES, "pretrain_steps": 200, "heldout_tasks": 400, "max_new_tokens": 96,
+    "train_tasks": 1000, "sft_steps": 150, "sft_lr": 3e-3,
+    "pair_tasks": 300, "pair_samples": 4, "pair_temperature": 1.0,
     "dpo_steps": 40, "dpo_lr": 2e-4, "dpo_beta": 0.1, "dpo_nll": 0.0,
-    "grpo_steps": 12, "grpo_batch": 4, "group_size": 6, "grpo_lr": 2e-4, "grpo_kl": 0.04,
+    "grpo_steps": 20, "grpo_batch": 8, "group_size": 8, "grpo_lr": 2e-4, "grpo_kl": 0.04,
     "grpo_clip": 0.2, "grpo_temperature": 1.0, "grpo_tasks": 1000,
 }
 """Sizes and hyper-parameters of the full run (``--set KEY=VALUE`` overrides one)."""
@@ -146,7 +151,13 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
     out: dict = {"sizes": sizes, "split": split, "stages": {}}
 
     def record(stage: str, seed: int, compute: dict, weights: Path) -> None:
-        acc = _accuracy(weights, heldout, sizes["max_new_tokens"])
+        # With reuse, a model's score on these very tasks is read back, not computed again.
+        cache = weights.parent / f"eval_{split}_{len(heldout)}_{sizes['max_new_tokens']}.json"
+        if reuse and cache.is_file():
+            acc = json.loads(cache.read_text())
+        else:
+            acc = _accuracy(weights, heldout, sizes["max_new_tokens"])
+            cache.write_text(json.dumps(acc))
         entry = {**compute, **acc}
         out["stages"].setdefault(stage, {})[seed] = entry
         print(f"{stage} seed {seed}: acc {acc['acc']:.3f} +- {acc['ci95']:.3f} "
@@ -175,17 +186,24 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
         if "dpo" in stages:
             # DPO: pairs sampled from this SFT model on training tasks, checked.
             t0 = time.perf_counter()
-            pcfg = _config(root / f"pairs{seed}", seed, **_post_sections(
-                sizes, 1e-4, 1, sft_weights))
-            tasks = generate(sizes["families"], "train", sizes["pair_tasks"], 100 + seed)
-            records, counts = make_pairs(load_reference(pcfg, torch.device("cpu")),
-                                         load_tokenizer(pcfg), tasks,
-                                         samples=sizes["pair_samples"],
-                                         max_new_tokens=sizes["max_new_tokens"],
-                                         temperature=sizes["pair_temperature"], top_k=0,
-                                         seed=seed)
-            pairs = write_pairs(records, root / f"pairs{seed}.jsonl")
-            pair_seconds = time.perf_counter() - t0
+            pairs, counts_file = root / f"pairs{seed}.jsonl", root / f"pairs{seed}.counts.json"
+            if reuse and pairs.is_file() and counts_file.is_file():
+                counts = json.loads(counts_file.read_text())
+                pair_seconds = counts.pop("seconds")
+                print(f"reusing {pairs}", flush=True)
+            else:
+                pcfg = _config(root / f"pairs{seed}", seed, **_post_sections(
+                    sizes, 1e-4, 1, sft_weights))
+                tasks = generate(sizes["families"], "train", sizes["pair_tasks"], 100 + seed)
+                records, counts = make_pairs(load_reference(pcfg, torch.device("cpu")),
+                                             load_tokenizer(pcfg), tasks,
+                                             samples=sizes["pair_samples"],
+                                             max_new_tokens=sizes["max_new_tokens"],
+                                             temperature=sizes["pair_temperature"], top_k=0,
+                                             seed=seed)
+                write_pairs(records, pairs)
+                pair_seconds = time.perf_counter() - t0
+                counts_file.write_text(json.dumps({**counts, "seconds": pair_seconds}))
             dpo = _config(root / f"dpo{seed}", seed, **_post_sections(
                 sizes, sizes["dpo_lr"], sizes["dpo_steps"], sft_weights, data=str(pairs),
                 beta=sizes["dpo_beta"], dpo_nll=sizes["dpo_nll"]))
@@ -244,6 +262,46 @@ def verdict(result: dict) -> str:
         "; ".join(lines) + "."
 
 
+FINDINGS = """\
+Why DPO and GRPO did not improve on SFT before (the 17:28 table: add,mod,count, SFT 0.243, DPO
+0.210, GRPO 0.217), and what changed (diagnosis on the SFT model of seed 0, 2026-11-30):
+
+* **The SFT model did not read the prompt.** Its greedy answers were a constant per family: `1`
+  for every count and mod task, `177` for every addition, after reasoning that copies nothing
+  from the question (`What is 564 mod 7?` -> `77 // 7 = 17 ... Answer: 1`). Its 0.243 was the
+  answer prior (`1` is the most common count and a common remainder); `add` was 0 at every
+  stage. A policy that ignores its input gives DPO and GRPO nothing to sharpen: both can only
+  move the prior. Part of the cause is the tokenizer: the count word was one BPE string
+  (`chgbaeff` -> ` ch`, `g`, `b`, `ae`, `ff`) while the trace goes letter by letter; `count`
+  now spells the word with spaces (one token per letter). `add` is left out here (0.000 at every
+  stage: nothing to measure at this size and budget); SFT runs at lr 3e-3 (loss 0.64 instead of
+  0.77 after 150 steps). The model still mostly guesses (count answers 0 or 1, the trace does
+  not copy the word): at 150 SFT steps a 1.3M-parameter model has not learned to copy.
+* **DPO pairs were mostly off-policy.** 107 of 150 pairs had the reference solution as the
+  chosen side (no sample of the SFT model was correct); at temperature 1 the SFT model was right
+  in 8 % of samples against 20 % greedy. Now 300 pair tasks (about half the pairs sampled
+  correct vs incorrect).
+* **DPO lowers the chosen answers too**, the common failure: on its 293 training pairs, plain
+  DPO moved the chosen log-prob by -9.2 nats and the rejected by -13.1 (margin right on 73 %).
+  RPO's NLL term (`post.dpo_nll` 1.0) kept the chosen log-prob (-0.2 vs -2.5) but scored lower on
+  the validation set: 0.307 (and 0.317 at lr 5e-4) against 0.360 for plain DPO, from 0.280 for
+  SFT (300 validation tasks: training-split problems no stage trains on). Plain DPO
+  (`dpo_nll` 0) is what the table runs.
+* **GRPO had almost no signal per step**: 4 prompts x G=6 per step, 12 steps; `add` groups were
+  all-wrong (zero advantage), mod groups mixed in 30 %, count in 72 %; Adam turns such a noisy
+  gradient into steps of full size. Now 8 prompts x G=8 per step, 20 steps, sampled by the
+  KV-cache engine (the in-loop sampler re-ran the whole context per token), with log-probs at
+  the sampling temperature (tested equal to the sampler's). GRPO's hyper-parameters were not
+  chosen on validation (a validation run at this machine's load did not finish in time); they
+  are fixed a priori.
+* Checked and right: the reference is the SFT model; advantages are per group; the objectives
+  equal independent formulas on fixed batches, and ftlm's DPO loss and gradients equal
+  `trl.DPOTrainer`'s (TRL 1.16.0, `tests/post/test_trl_parity.py`).
+
+The paired difference compares two stages task by task on the same held-out tasks, pooled
+over seeds (± 95 %, normal approximation over the per-task differences)."""
+
+
 def _fmt(value: float) -> str:
     return f"{value:g}"
 
@@ -265,8 +323,10 @@ def format_section(result: dict, flags: list[str]) -> str:
                      f"{secs:.0f} s{extra}", f"{tokens:,.0f}"])
     body = section_header("Lifecycle on CPU: pretrain -> SFT -> DPO / GRPO (issue 12)",
                           "bench.lifecycle", flags)
-    if "--from-json" in command_line():
-        body += f"* Trained by `{result.get('command', '?')}`; this text formatted from its JSON\n"
+    if "--from-json" in command_line() or "--merge" in command_line():
+        runs = result.get("command", "?").split("; ")
+        body += ("* Trained by " + "; ".join(f"`{c}`" for c in runs) +
+                 " (at the same time, one process each); this text formatted from their JSON\n")
     z = {k: _fmt(v) if isinstance(v, float) else v for k, v in sizes.items()}
     where = ("held-out: {n} tasks of the test split (no problem shared with training)"
              if result.get("split", "test") == "test" else
@@ -294,6 +354,8 @@ def format_section(result: dict, flags: list[str]) -> str:
                 "correct, skipped): " + "; ".join(
                     f"{p['sample']} / {p['solution']} / {p['all_correct']}" for p in pairs)
     body += "\n\n" + verdict(result)
+    if result.get("split", "test") == "test" and sizes["families"] == "count,mod":
+        body += "\n\n" + FINDINGS
     fams = {stage: {f: statistics.fmean(e["families"][f] for e in by_seed.values())
                     for f in next(iter(by_seed.values()))["families"]}
             for stage, by_seed in result["stages"].items()}
@@ -321,7 +383,9 @@ def merge(results: list[dict]) -> dict:
             if stage == "pretrained":
                 into.update({k: v for k, v in by_seed.items() if not into})
                 continue
-            twice = set(into) & set(by_seed)
+            # A stage two runs share (the SFT model both the DPO and the GRPO run started
+            # from) must have scored the same.
+            twice = {k for k in set(into) & set(by_seed) if into[k]["acc"] != by_seed[k]["acc"]}
             if twice:
                 raise SystemExit(f"--merge: seed(s) {sorted(twice)} of {stage} in two runs")
             into.update(by_seed)

@@ -203,3 +203,15 @@ def test_bf16_autocast_trains_on_cpu(tiny_config) -> None:
     assert summary["steps_committed"] == 2 and seen and set(seen) == {torch.bfloat16}
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_the_last_step_is_always_checkpointed(tiny_config) -> None:
+    """A group restarted after the others finished and left must resume at the end, not from an
+    older checkpoint: the final step is saved even when ``checkpoint.every`` does not divide it."""
+    trainer = Trainer(tiny_config(train={"steps": 5, "eval_every": 0},
+                                  checkpoint={"every": 2, "async_save": False}))
+    trainer.train()
+    saved = sorted(p.name for p in (trainer.run_dir / "checkpoints").iterdir() if p.is_dir())
+    assert saved[-1] == "step-00000005", saved
+    again = Trainer(tiny_config(train={"steps": 5, "eval_every": 0}, checkpoint={"every": 2}))
+    assert again.checkpointer.restore_latest(again.state) == 5

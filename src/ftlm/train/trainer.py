@@ -349,7 +349,10 @@ class Trainer:
                                data_wait_seconds=self.loader.wait_seconds)
         self.metrics.sample_memory()
         self.checkpointer.poll()
-        if self.checkpointer.due(state.step) and plan.participant_index == 0:
+        # The last step is always made durable: a group restarted after the others finished and
+        # left resumes at the end instead of from an older checkpoint the job has moved past.
+        final = state.step == tc.steps and self.checkpointer.every > 0
+        if (self.checkpointer.due(state.step) or final) and plan.participant_index == 0:
             self.checkpointer.save(state)
         if self.evaluator.due(state.step):  # committed, participating: every rank of the group
             ev = self.evaluator.evaluate()

@@ -789,3 +789,25 @@ def test_a_job_finished_through_leave_is_never_rolled_back_for_a_late_group() ->
     assert not [o for o in outputs if isinstance(o, Issued) or getattr(o, "kind", "") == "restore"], outputs
     assert not [o for o in outputs if isinstance(o, Event) and o.kind == "restore"]
     assert m.state.head[0] == 3 and "the job finished at step 3" in m.reason
+
+
+def test_peers_reports_expire_a_silent_member_long_before_its_heartbeat_times_out(start, groups) -> None:
+    """Issue 11, without a supervisor: g2 dies mid-step (its heartbeats stop); g0 and g1 report the
+    failed step with their next request and get a quorum without g2 within the suspect window,
+    not after the 3 s heartbeat timeout. A member that still heartbeats is never expired by them."""
+    events = Events()
+    coord = start(events, heartbeat_timeout=3.0, suspect_window=0.3)
+    g0, g1, g2, g3 = (groups(coord.url, f"g{i}") for i in range(4))
+    first = ask_all([g0, g1, g2, g3])[0]
+    g2.heartbeater.stop()  # g2 is gone; g3 lives (heartbeats) but is slow to ask
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(3) as pool:
+        survivors = [pool.submit(g.ask, failed=True) for g in (g0, g1)]
+        time.sleep(1.0)  # g3 asks a second later, still within its own heartbeats
+        survivors.append(pool.submit(g3.ask))
+        quorums = [f.result(timeout=10) for f in survivors]
+    elapsed = time.monotonic() - t0
+    assert elapsed < 3.0 - 0.5, elapsed  # before the heartbeat timeout
+    assert {q.quorum_id for q in quorums} == {first.quorum_id + 1} and quorums[0].size == 3
+    dead = events.of("member_dead")
+    assert [d["replica_id"] for d in dead] == ["g2:a"] and "reported the step" in dead[0]["reason"]

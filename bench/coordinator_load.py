@@ -71,8 +71,8 @@ def _percentile(values: list[float], q: float) -> float:
 class CoordinatorUnderTest:
     """``ftlm coordinator --port 0`` in its own process; CPU and memory from /proc."""
 
-    def __init__(self, groups: int, token: str, log_path: Path) -> None:
-        sets = [f"ft.groups={groups}", f"ft.heartbeat_interval={HEARTBEAT_SECONDS}",
+    def __init__(self, groups: int, token: str, log_path: Path, heartbeat: float = HEARTBEAT_SECONDS) -> None:
+        sets = [f"ft.groups={groups}", f"ft.heartbeat_interval={heartbeat}",
                 f"ft.heartbeat_timeout={HEARTBEAT_TIMEOUT}", "ft.join_timeout=5.0", "ft.min_replicas=1"]
         cmd = [sys.executable, "-c", "import sys; from ftlm.cli import main; sys.exit(main())", "coordinator",
                "--port", "0"]
@@ -137,6 +137,7 @@ class Result:
     first_quorum_seconds: float = 0.0
     messages: int = 0  # heartbeats and quorum requests answered in the steady window
     machine_us: float = 0.0  # the sans-I/O state machine's time per message, in-process
+    heartbeat: float = HEARTBEAT_SECONDS  # the groups' heartbeat interval
 
     def row(self) -> list[str]:
         lat = self.latencies
@@ -146,14 +147,14 @@ class Result:
         per_message = self.coord_cpu * self.steady_seconds / self.messages * 1e3 if self.messages else float("nan")
         last = self.after_last
         ms = (lambda values, q: f"{_percentile(values, q) * 1000:.0f}" if values else "-")
-        return [str(self.groups), ms(lat, 0.5), ms(lat, 0.99), ms(last, 0.5), ms(last, 0.99), f"{rate:.2f}", fmt(self.detect_dead), fmt(self.detect_quorum),
+        return [str(self.groups), f"{self.heartbeat:g}", ms(lat, 0.5), ms(lat, 0.99), ms(last, 0.5), ms(last, 0.99), f"{rate:.2f}", fmt(self.detect_dead), fmt(self.detect_quorum),
                 f"{self.coord_cpu * 100:.0f}%", f"{self.messages / self.steady_seconds:.0f}" if self.steady_seconds else "-",
                 f"{per_message:.2f}", f"{self.machine_us:.0f}",
                 f"{self.rss_mib:.0f} ({self.peak_rss_mib:.0f})",
                 f"{self.client_cpu * 100:.0f}%", f"{self.answer_bytes / 1024:.0f}", errors]
 
 
-HEADERS = ["groups", "quorum p50 (ms)", "quorum p99 (ms)", "after the last ask p50 (ms)",
+HEADERS = ["groups", "heartbeat s", "quorum p50 (ms)", "quorum p99 (ms)", "after the last ask p50 (ms)",
            "after the last ask p99 (ms)", "steps/s", "detected dead (s)",
            "quorum without it (s)", "coordinator CPU", "messages/s", "coordinator CPU ms/message",
            "state machine us/message", "coordinator RSS MiB (peak)", "client CPU", "quorum answer KiB",
@@ -197,8 +198,10 @@ def state_machine_seconds_per_message(groups: int, messages: int = 4000) -> floa
 class LoadTest:
     """The simulated groups of one run, sharing one aiohttp session."""
 
-    def __init__(self, url: str, groups: int, seconds: float, token: str) -> None:
+    def __init__(self, url: str, groups: int, seconds: float, token: str,
+                 heartbeat: float = HEARTBEAT_SECONDS) -> None:
         self.url = url
+        self.heartbeat = heartbeat
         self.n = groups
         self.seconds = seconds
         self.clients = [CoordinatorClient(url, f"g{i:05d}", "a", token=token) for i in range(groups)]
@@ -267,18 +270,19 @@ class LoadTest:
 
     async def _heartbeats(self, i: int, start: float) -> None:
         client = self.clients[i]
-        await asyncio.sleep(self.ramp(i) + random.random() * HEARTBEAT_SECONDS)  # spread over the interval
+        interval = self.heartbeat
+        await asyncio.sleep(self.ramp(i) + random.random() * interval)  # spread over the interval
         while time.monotonic() < self.end and not self.stopped[i]:
             since = time.monotonic() - self.asked_at[i]
-            if since < HEARTBEAT_SECONDS:  # as ftlm.ft.client.Heartbeater: the request was the beat
-                await asyncio.sleep(HEARTBEAT_SECONDS - since)
+            if since < interval:  # as ftlm.ft.client.Heartbeater: the request was the beat
+                await asyncio.sleep(interval - since)
                 continue
             step, chain, qid = self.state[i]
             try:
                 status, _ = await self._post("/v1/heartbeat", client.heartbeat_body(step, qid, chain))
             except (TimeoutError, aiohttp.ClientError) as e:
                 self._error(f"heartbeat {type(e).__name__}", e)
-                await asyncio.sleep(HEARTBEAT_SECONDS)
+                await asyncio.sleep(interval)
                 continue
             now = time.monotonic()
             self.answered.append(now)
@@ -286,7 +290,7 @@ class LoadTest:
                 self._error(f"heartbeat HTTP {status}")
             elif i == self.victim:
                 self.victim_last_beat = now
-            await asyncio.sleep(max(0.0, HEARTBEAT_SECONDS - (time.monotonic() - now)))
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - now)))
 
     async def _group(self, i: int, start: float) -> None:
         client = self.clients[i]
@@ -372,13 +376,14 @@ def _start_profiler(pid: int, seconds: float, out: Path) -> subprocess.Popen | N
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def measure(groups: int, seconds: float, workdir: Path, profile: bool = False) -> Result:
+def measure(groups: int, seconds: float, workdir: Path, profile: bool = False,
+            heartbeat: float = HEARTBEAT_SECONDS) -> Result:
     """One run of ``groups`` groups for ``seconds`` seconds against a fresh coordinator."""
     token = "load-test-token"
-    coordinator = CoordinatorUnderTest(groups, token, workdir / f"coordinator-{groups}.log")
+    coordinator = CoordinatorUnderTest(groups, token, workdir / f"coordinator-{groups}.log", heartbeat)
     spy: subprocess.Popen | None = None
     profile_path = workdir / f"profile-{groups}.txt"
-    test = LoadTest(coordinator.url, groups, seconds, token)
+    test = LoadTest(coordinator.url, groups, seconds, token, heartbeat)
     marks: dict[str, tuple[float, float, float]] = {}
 
     async def main() -> None:
@@ -408,7 +413,7 @@ def measure(groups: int, seconds: float, workdir: Path, profile: bool = False) -
         print(f"coordinator profile ({profile_path}):\n{profile_summary(profile_path)}", flush=True)
     (t0, c0, p0), (t1, c1, p1) = marks["begin"], marks["end"]
     result = Result(groups, seconds, errors=test.errors, answer_bytes=test.answer_bytes,
-                    rss_mib=rss, peak_rss_mib=peak)
+                    rss_mib=rss, peak_rss_mib=peak, heartbeat=heartbeat)
     steady = [(t, lat, step) for t, lat, step in test.samples if t0 <= t <= t1]
     result.latencies = [lat for _, lat, _ in steady]
     # A retried step (answers 504, asks again) can ask after some answers: those are not counted.
@@ -445,25 +450,35 @@ def _describe(r: Result) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.coordinator_load", description=__doc__.split("\n\n")[0])
     p.add_argument("--groups", type=int, default=2000, help="simulated groups (default 2000)")
-    p.add_argument("--sweep", default="", help="comma-separated group counts, e.g. 100,500,1000,2000,4000; "
-                   "rewrites the BENCHMARKS.md section unless --no-write")
+    p.add_argument("--sweep", default="", help="comma-separated group counts, e.g. 100,500,1000,2000,4000, "
+                   "each optionally @ a heartbeat interval (2000@1.5); rewrites the BENCHMARKS.md "
+                   "section unless --no-write")
+    p.add_argument("--heartbeat-seconds", type=float, default=HEARTBEAT_SECONDS,
+                   help="the groups' heartbeat interval where a size names none (default 1)")
     p.add_argument("--seconds", type=float, default=30.0, help="seconds per size (default 30)")
     p.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
     p.add_argument("--workdir", default="runs/coordinator_load", help="where the coordinator logs go")
     p.add_argument("--profile", action="store_true", help="sample the coordinator with py-spy during the "
                    "steady window and print where its time goes")
     args = p.parse_args(argv)
-    sizes = [int(s) for s in args.sweep.split(",") if s.strip()] if args.sweep else [args.groups]
-    if any(n < 2 for n in sizes) or args.seconds < 15:
-        p.error("every group count must be >= 2 and --seconds >= 15 (warm-up, steady window, drill)")
+    try:
+        runs = [(int(n), float(hb) if hb else args.heartbeat_seconds)
+                for n, _, hb in (s.strip().partition("@") for s in args.sweep.split(",") if s.strip())]
+    except ValueError:
+        p.error(f"--sweep {args.sweep!r}: give group counts, each optionally @seconds (e.g. 2000@1.5)")
+    runs = runs if args.sweep else [(args.groups, args.heartbeat_seconds)]
+    sizes = [n for n, _ in runs]
+    if any(n < 2 for n in sizes) or args.seconds < 15 or not all(0 < hb < HEARTBEAT_TIMEOUT for _, hb in runs):
+        p.error("every group count must be >= 2, --seconds >= 15 (warm-up, steady window, drill) and "
+                f"every heartbeat interval in (0, {HEARTBEAT_TIMEOUT:g})")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < 2 * max(sizes) + 512:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 2 * max(sizes) + 1024), hard))
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     results = []
-    for n in sizes:
-        r = measure(n, args.seconds, workdir, args.profile)
+    for n, hb in runs:
+        r = measure(n, args.seconds, workdir, args.profile, hb)
         r.machine_us = state_machine_seconds_per_message(n) * 1e6
         print(_describe(r), flush=True)
         results.append(r)
@@ -531,7 +546,9 @@ and they ask again as joiners: each step then has a new quorum id, and the job s
 def write(results: list[Result], seconds: float) -> None:
     from bench.common import section_header, table, write_section
     body = section_header("Coordinator at scale: simulated groups against `ftlm coordinator` (issue 16)",
-                          "bench.coordinator_load", ["--sweep", ",".join(str(r.groups) for r in results),
+                          "bench.coordinator_load", ["--sweep", ",".join(
+                              str(r.groups) + ("" if r.heartbeat == HEARTBEAT_SECONDS else f"@{r.heartbeat:g}")
+                              for r in results),
                                                      "--seconds", f"{seconds:g}"])
     body += "\n" + table(HEADERS, [r.row() for r in results]) + "\n\n" + READING
     write_section("coordinator_load", body)

@@ -126,6 +126,18 @@ def evaluate(tasks, pools, prompt_lens, ns, policy_params, verifier, verifier_pa
     return out
 
 
+def verifier_auc(tasks, pools, verifier) -> float:
+    """How well the verifier's P(yes) separates correct from wrong samples (0.5: not at all)."""
+    right, wrong = [], []
+    for task, pool in zip(tasks, pools):
+        for c in pool:
+            (right if check(task, c.text) else wrong).append(verifier(task.prompt, c))
+    if not right or not wrong:
+        return float("nan")
+    wins = sum((a > b) + 0.5 * (a == b) for a in right for b in wrong)
+    return wins / (len(right) * len(wrong))
+
+
 def evaluate_beam(engine, tok, tasks, chat, ns, width, params, policy_params, verifier,
                   verifier_params, max_steps):
     """{"beam search (verifier)": {N: (accuracy, flops per task)}} for one seed."""
@@ -248,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             if "per_seed" in saved:  # seeds measured by separate processes add up
                 if "meta" in data:
                     saved["meta"]["seeds"] += data["meta"]["seeds"]
+                    saved["meta"]["verifier_auc"] = (data["meta"].get("verifier_auc", [])
+                                                     + saved["meta"].get("verifier_auc", []))
                     saved["meta"]["seconds"] = max(saved["meta"]["seconds"],
                                                    data["meta"]["seconds"])
                 data["per_seed"] = data.get("per_seed", []) + saved["per_seed"]
@@ -300,7 +314,7 @@ def measure(args) -> dict:
         verifier, vparams = None, 0
         ns = [2 ** i for i in range(int(math.log2(args.n_max)) + 1)]
         beam_ns = [int(x) for x in args.beam_ns.split(",") if x.strip()] if args.verifier else []
-        per_seed = []
+        per_seed, aucs = [], []
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             engine = Engine(policy.model, max_batch=args.max_batch, eos_id=tok.eos_id,
                             detokenize=tok.decode)
@@ -312,6 +326,8 @@ def measure(args) -> dict:
                 verifier = Verifier(judge.model, judge.tokenizer)
                 vparams = param_count(judge.model.cfg)
             result = evaluate(tasks, pools, plens, ns, pparams, verifier, vparams)
+            if verifier is not None:  # the scores are memoised by evaluate: no new passes
+                aucs.append(verifier_auc(tasks, pools, verifier))
             print(f"seed {seed}: sampling strategies done ({time.perf_counter() - started:.0f} s)",
                   flush=True)
             if args.json:
@@ -331,6 +347,7 @@ def measure(args) -> dict:
                     args, pparams, vparams, beam_ns, len(per_seed), started)}))
         data["per_seed"] = per_seed
         data["meta"] = _meta(args, pparams, vparams, beam_ns, args.seeds, started)
+        data["meta"]["verifier_auc"] = aucs
     if args.large_policy:
         t0 = time.perf_counter()
         big = load_run(args.large_policy, device="cpu")
@@ -383,7 +400,11 @@ def report(data: dict, note: str, figure: Path) -> str:
             + (f"; larger policy `{large['path']}` ({large['params'] / 1e6:.2f}M)" if large else "")
             + f"; {meta['tasks']} held-out tasks ({meta['families']}), {meta['seeds']} seeds, "
               f"temperature {meta['temperature']}, up to {meta['max_new_tokens']} new tokens. "
-              f"Took {seconds:.0f} s. Plot: `bench/results/{figure.name}`\n\n"
+              f"Took {seconds:.0f} s. Plot: `bench/results/{figure.name}`\n"
+            + (f"* Verifier AUC (P(yes) of the correct vs the wrong samples of the held-out "
+               f"tasks, per seed): {', '.join(f'{a:.3f}' for a in meta['verifier_auc'])}\n"
+               if meta.get("verifier_auc") else "")
+            + "\n"
             + table(["strategy", "N", "accuracy (95% CI)", "FLOPs per task"], rows))
     if large:
         big, half = interval(large["accs"])

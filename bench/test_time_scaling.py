@@ -126,16 +126,25 @@ def evaluate(tasks, pools, prompt_lens, ns, policy_params, verifier, verifier_pa
     return out
 
 
-def verifier_auc(tasks, pools, verifier) -> float:
-    """How well the verifier's P(yes) separates correct from wrong samples (0.5: not at all)."""
-    right, wrong = [], []
-    for task, pool in zip(tasks, pools):
-        for c in pool:
-            (right if check(task, c.text) else wrong).append(verifier(task.prompt, c))
-    if not right or not wrong:
-        return float("nan")
+def _auc(right: list[float], wrong: list[float]) -> float:
     wins = sum((a > b) + 0.5 * (a == b) for a in right for b in wrong)
-    return wins / (len(right) * len(wrong))
+    return wins / (len(right) * len(wrong)) if right and wrong else float("nan")
+
+
+def verifier_auc(tasks, pools, verifier) -> tuple[float, float]:
+    """How well the verifier's P(yes) separates correct from wrong samples (0.5: not at all):
+    pooled over all tasks, and within a task (the mean over tasks with both kinds), which is
+    what picking among one task's samples needs."""
+    right, wrong, within = [], [], []
+    for task, pool in zip(tasks, pools):
+        scored = [(check(task, c.text), verifier(task.prompt, c)) for c in pool]
+        r = [p for ok, p in scored if ok]
+        w = [p for ok, p in scored if not ok]
+        right += r
+        wrong += w
+        if r and w:
+            within.append(_auc(r, w))
+    return _auc(right, wrong), statistics.fmean(within) if within else float("nan")
 
 
 def evaluate_beam(engine, tok, tasks, chat, ns, width, params, policy_params, verifier,
@@ -401,8 +410,9 @@ def report(data: dict, note: str, figure: Path) -> str:
             + f"; {meta['tasks']} held-out tasks ({meta['families']}), {meta['seeds']} seeds, "
               f"temperature {meta['temperature']}, up to {meta['max_new_tokens']} new tokens. "
               f"Took {seconds:.0f} s. Plot: `bench/results/{figure.name}`\n"
-            + (f"* Verifier AUC (P(yes) of the correct vs the wrong samples of the held-out "
-               f"tasks, per seed): {', '.join(f'{a:.3f}' for a in meta['verifier_auc'])}\n"
+            + (f"* Verifier AUC, P(yes) of the correct vs the wrong samples of the held-out "
+               f"tasks (0.5: chance), per seed, pooled / within a task: "
+               f"{'; '.join(f'{a:.3f} / {b:.3f}' for a, b in meta['verifier_auc'])}\n"
                if meta.get("verifier_auc") else "")
             + "\n"
             + table(["strategy", "N", "accuracy (95% CI)", "FLOPs per task"], rows))

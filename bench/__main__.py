@@ -16,7 +16,8 @@ import importlib
 # Modules under bench/, each with main(argv) that rewrites its own BENCHMARKS.md section;
 # imported when they run (some import heavy optional dependencies).
 NAMES = ("train_throughput", "ft_overhead", "hsdp", "ft_vs_torchft", "soak", "convergence",
-         "transfer", "coordinator_load", "goodput", "inference", "lifecycle", "test_time_scaling")
+         "transfer", "coordinator_load", "coordinator_crash", "goodput", "inference", "lifecycle",
+         "test_time_scaling")
 # Those without a --quick size run only in a full `python -m bench`.
 NO_QUICK = {"coordinator_load"}
 

@@ -41,5 +41,10 @@ def test_prometheus_scrapes_a_two_group_run(tmp_path, demo_data):
         # (a gauge reads 0 before the first commit, so look at the largest value seen)
         loss = by_group(prom.query("max_over_time(ftlm_train_loss[10m])"))
         assert all(0 < v < 10 for v in loss.values()), loss
+        # Wired by the job: the manager's all-reduce bytes and the live ETT from the group's events.
+        sent = by_group(prom.query("max_over_time(ftlm_ft_allreduce_bytes_total[10m])"))
+        assert set(sent) == {"g0", "g1"} and all(v > 0 for v in sent.values()), sent
+        ett = by_group(prom.query("max_over_time(ftlm_train_ett_ratio[10m])"))
+        assert set(ett) == {"g0", "g1"} and all(0 < v <= 1 for v in ett.values()), ett
     finally:
         prom.stop()

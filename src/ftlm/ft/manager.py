@@ -75,12 +75,12 @@ class Manager:
     def __init__(self, config: FTConfig, group: str, incarnation: str, coordinator: str,
                  token: str = "", events: Any = None, device: torch.device | None = None,
                  fault: FaultPlan | None = None, total_steps: int | None = None,
-                 expected_groups: int = 0):
+                 expected_groups: int = 0, metrics: Any = None):
         self.config = config
         self.token = token
         self.fault = fault
         self.expected_groups = expected_groups
-        self.metrics: Any = NullMetrics()  # the trainer hands over its metrics
+        self.metrics: Any = metrics if metrics is not None else NullMetrics()  # the rank's, shared with the trainer
         grouped = dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if grouped else 0
         # The leader records the group's events; any rank records a failure injected into it.
@@ -358,7 +358,8 @@ class Manager:
             except CollectiveError as e:
                 self._fail(str(e))
         self._progress()
-        self.metrics.on_allreduce(time.monotonic() - self._allreduce_started)
+        sent = sum(t.numel() * t.element_size() for p in pending for t in p.tensors)
+        self.metrics.on_allreduce(time.monotonic() - self._allreduce_started, nbytes=sent)
         self._fire("after_allreduce")
 
     def _buckets(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -19,27 +19,36 @@ from ftlm.config import RunConfig
 
 def run_group(config: RunConfig, coordinator: str, make_trainer: Callable[..., Any]) -> dict:
     """Train this group in the job at ``coordinator``; ``make_trainer(group=, groups=,
-    standalone=False)`` builds its ``Trainer``. Returns the group's result (rank's state hash)."""
+    standalone=False, ft=, metrics=)`` builds its ``Trainer``. Returns the group's result (rank's
+    state hash)."""
+    import torch.distributed as dist
+
     from ftlm.ft.faults import fault_from_env
     from ftlm.ft.manager import Manager
     from ftlm.observe.events import EventLog
-    from ftlm.train.trainer import resolve_device
+    from ftlm.train.trainer import resolve_device, start_metrics
     group = os.environ.get("FTLM_GROUP_ID", "g0")
     # Empty: the manager draws one for the group (rank 0's, shared with the other ranks).
     incarnation = os.environ.get("FTLM_INCARNATION", "")
     groups = int(os.environ.get("FTLM_GROUPS", "0")) or config.ft.groups
     token = os.environ.get("FTLM_TOKEN", "") or config.ft.read_token()
-    rank = int(os.environ.get("RANK", "0"))
-    events = EventLog(config.run.path / "events.jsonl", group=group, rank=rank)
-    trainer = make_trainer(group=group, groups=groups, standalone=False)
-    # Join the job only once the model and data are ready: from the first heartbeat on, the
-    # other groups count on this one answering within the heartbeat timeout.
-    trainer.ft = Manager(config.ft, group, incarnation, coordinator, token=token, events=events,
-                         device=resolve_device(config.train.device), fault=fault_from_env(),
-                         total_steps=config.train.steps, expected_groups=groups)
-    trainer.ft.metrics = trainer.metrics
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    metrics = start_metrics(config, group, rank)
+    events = metrics.watch_events(EventLog(config.run.path / "events.jsonl", group=group, rank=rank))
+    # The manager only talks to the coordinator from ``join`` on, which the trainer calls once the
+    # model and data are ready: from the first heartbeat on, the other groups count on this one
+    # answering within the heartbeat timeout.
+    manager = Manager(config.ft, group, incarnation, coordinator, token=token, events=events,
+                      device=resolve_device(config.train.device), fault=fault_from_env(),
+                      total_steps=config.train.steps, expected_groups=groups, metrics=metrics)
+    try:
+        trainer = make_trainer(group=group, groups=groups, standalone=False, ft=manager, metrics=metrics)
+    except BaseException:
+        manager.close()
+        metrics.stop()
+        raise
     result = trainer.train()
-    result["incarnation"] = trainer.ft.incarnation
+    result["incarnation"] = manager.incarnation
     # The supervisor collects each group's final state hash from this line.
     print("FTLM_RESULT " + json.dumps(result), flush=True)
     return result

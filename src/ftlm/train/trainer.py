@@ -32,7 +32,7 @@ from ftlm.ft.history import extend_chain
 from ftlm.ft.protocol import FaultTolerance, NoFaultTolerance, Recovered, StepPlan
 from ftlm.model import Transformer, flops_per_token
 from ftlm.observe.events import EventLog, NullEvents, read_events
-from ftlm.observe.metrics import NullMetrics, TrainingMetrics
+from ftlm.observe.metrics import NullMetrics, TrainingMetrics, start_rank_metrics
 from ftlm.observe.summary import build_summary, write_summary
 from ftlm.train.catchup import CatchUpBuffer, unflatten_into
 from ftlm.train.checkpoint import Checkpointer
@@ -132,14 +132,34 @@ def load_weights(model: Transformer, path: Path, field: str = "train.init_from")
                         f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
 
 
+def start_metrics(config: RunConfig, group: str, rank: int) -> TrainingMetrics | NullMetrics:
+    """This rank's metrics (Prometheus endpoint, tracer, storage gauges of the run directory and
+    its checkpoints), started; the null object when ``observe.metrics`` and tracing are off."""
+    checkpoints = Path(config.checkpoint.dir) if config.checkpoint.dir else config.run.path / "checkpoints"
+    metrics, _ = start_rank_metrics(config.observe, config.run.name, group, rank,
+                                    run_dir=config.run.path, checkpoints=checkpoints)
+    return metrics
+
+
+def _served_port(metrics: Any) -> int | None:
+    """The port ``metrics`` serve ``/metrics`` on, or None (off, or tracing only)."""
+    try:
+        return metrics.port if isinstance(metrics, TrainingMetrics) else None
+    except RuntimeError:  # not started: tracing without serving
+        return None
+
+
 class Trainer:
     """Trains one replica group; ``train()`` runs the loop and returns the final summary fields."""
 
     def __init__(self, config: RunConfig, ft: FaultTolerance | None = None, group: str = "g0",
                  groups: int = 1, standalone: bool = True, objective: Objective | None = None,
-                 data: TrainData | None = None):
+                 data: TrainData | None = None, metrics: Any = None):
         """``objective`` and ``data`` default to language modelling on ``data.dir`` (pretraining);
-        post-training commands inject their own (``ftlm.train.objective``)."""
+        post-training commands inject their own (``ftlm.train.objective``). ``ft`` (fault
+        tolerance) and ``metrics`` are injected by the job (``ftlm.train.job``), which builds them
+        first and shares the metrics with ``ft``; alone, the trainer runs without fault tolerance
+        and starts its own metrics."""
         self.config = config
         self.ft = ft or NoFaultTolerance()
         self.group = group
@@ -202,7 +222,9 @@ class Trainer:
             key=(os.environ.get("FTLM_TOKEN", "") or config.ft.read_token()).encode() or None)
         self.catchup = CatchUpBuffer(config.ft.catchup_max_steps, config.ft.catchup_max_bytes)
         self._check_memory_budgets()
-        self.metrics = self._start_metrics()
+        self.metrics = metrics if metrics is not None else start_metrics(config, group, self.rank)
+        self.metrics_port = _served_port(self.metrics)
+        self.events = self.metrics.watch_events(self.events)  # feeds the live ETT gauge
         self.tokens_per_sample = self.objective.tokens_per_sample
         self.flops_per_token = flops_per_token(config.model, config.data.seq_len)
         self.losses: list[float] = []
@@ -229,18 +251,6 @@ class Trainer:
         log.info("catch-up buffer: up to %d steps of %.1f MiB (ft.catchup_max_steps=%d, "
                  "ft.catchup_max_bytes=%d)", steps, step_bytes / 2**20,
                  self.config.ft.catchup_max_steps, budget)
-
-    def _start_metrics(self):
-        """Prometheus endpoint of this rank, or the null object when metrics are off."""
-        oc = self.config.observe
-        if not oc.metrics:
-            return NullMetrics()
-        port = int(os.environ.get("FTLM_METRICS_PORT", "0")) or (
-            oc.metrics_port + self.rank if oc.metrics_port else 0)
-        metrics = TrainingMetrics(job=self.config.run.name, group=self.group, rank=self.rank,
-                                  port=port, host=oc.metrics_host)
-        self.metrics_port = metrics.start()
-        return metrics
 
     def _autocast(self):
         if self.dtype != torch.float32:  # master weights and optimizer state stay float32
@@ -425,6 +435,7 @@ class Trainer:
 
     def _on_checkpoint_saved(self, step: int, path: Path, seconds: float) -> None:
         self.events.emit("checkpoint_saved", step=step, path=str(path), seconds=seconds)
+        self.metrics.on_checkpoint(step, seconds, path)
 
     def _on_checkpoint_rejected(self, step: int, path: Path, reason: str) -> None:
         self.events.emit("checkpoint_rejected", step=step, path=str(path), reason=reason)
@@ -442,7 +453,7 @@ class Trainer:
         # leave, never in a silent death the others detect only by timeout.
         old = signal.signal(signal.SIGTERM, self.request_stop) if _main_thread() else None
         self.events.emit("group_start", step=self.state.step,
-                         metrics_port=getattr(self, "metrics_port", None))
+                         metrics_port=self.metrics_port)
         self.ft.join(self.state.step, self.state.chain)
         wall0 = time.time()
         bar = self._progress()

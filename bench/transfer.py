@@ -156,10 +156,12 @@ def render(out: dict[str, list[tuple[float, float]]], mb: int, reps: int, flags:
     gb = (mb << 20) / 1e9
     wall = {k: statistics.median(w for w, _ in v) for k, v in out.items()}
     cpu = {k: statistics.median(c for _, c in v) for k, v in out.items()}
-    loop = gb / wall["loopback"]
     rows = []
     for key in ROWS:
-        share = f"{gb / wall[key] / loop:.0%}" if key.startswith(("fetch", "loopback")) else ""
+        # Each repetition's own ratio (its operations ran seconds apart), then the median:
+        # steadier than a ratio of medians when the machine's load drifts during the run.
+        share = (f"{statistics.median(l / w for (w, _), (l, _) in zip(out[key], out['loopback'])):.0%}"
+                 if key.startswith(("fetch", "loopback")) else "")
         rows.append([LABELS[key], f"{wall[key]:.3f}", f"{gb / wall[key]:.2f}", share,
                      f"{cpu[key]:.2f}"])
     return (section_header("Live state transfer: copy, digests, fetch vs loopback (issue 11)",
@@ -167,8 +169,9 @@ def render(out: dict[str, list[tuple[float, float]]], mb: int, reps: int, flags:
             + f"\nA flat state of {mb} MiB; median of {reps} interleaved repetitions. "
               "The snapshot copy runs on a helper thread during the step's forward and backward "
               "(only `commit` waits for it); the fetch runs on the joiner's background threads "
-              "and returns views into its receive buffer (no second copy). CPU seconds are the "
-              "whole process's (source and receiver both run in it).\n\n"
+              "and returns views into its receive buffer (no second copy). \"of loopback\" is "
+              "the median over repetitions of each one's loopback time over its fetch time. CPU "
+              "seconds are the whole process's (source and receiver both run in it).\n\n"
             + table(["operation", "seconds", "GB/s", "of loopback", "CPU s"], rows) + "\n")
 
 

@@ -20,7 +20,8 @@ from ftlm.config import build_config
 from ftlm.data.demo import ensure_demo_data
 from ftlm.data.tokenizer import Tokenizer
 from ftlm.launch.local import LocalLauncher
-from ftlm.model import Transformer, generate
+from ftlm.model import Transformer
+from ftlm.model.generate import generate
 
 SEQ_LEN = 128
 BATCH = 8
@@ -84,6 +85,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def sample_text(weights: Path, tokenizer_path: Path, prompt: str, max_new_tokens: int = 80) -> str:
     from safetensors.torch import load_model
+
     from ftlm.model.config import ModelConfig
     tokenizer = Tokenizer.load(tokenizer_path)
     model = Transformer(ModelConfig(size="tiny"))

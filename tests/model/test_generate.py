@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftlm.model import ModelConfig, Transformer, generate
-from ftlm.model.generate import logits_to_probs, sample
+from ftlm.model import ModelConfig, Transformer
+from ftlm.model.generate import generate, logits_to_probs, sample
 
 
 @pytest.fixture(scope="module")

@@ -255,8 +255,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="format saved --json results (repeatable: later files add to earlier)")
     p.add_argument("--note", default="", help="a line on how the models were trained (written "
                                                "under the table)")
+    p.add_argument("--note-file", default="", help="read the note from this file (Markdown)")
     p.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
+    if args.note_file:
+        args.note = Path(args.note_file).read_text().strip()
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)

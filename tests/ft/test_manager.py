@@ -181,3 +181,26 @@ def test_a_group_starting_while_the_coordinator_is_down_waits_for_it():
         m.close()
         if coordinator is not None:
             coordinator.stop()
+
+
+def test_a_stop_request_ends_the_wait_for_a_quorum_at_once():
+    """Issue 14: SIGTERM while the group waited for a quorum (here: min_replicas=2 and the other
+    group never comes) kept it waiting up to ft.quorum_timeout, past the grace: it was killed."""
+    from ftlm.ft.manager import STOP_POLL_SECONDS
+    from ftlm.ft.protocol import StopRequested
+
+    config = FTConfig(**{**FT, "quorum_timeout": 60.0, "give_up_seconds": 120.0, "min_replicas": 2})
+    coordinator = Coordinator(FTConfig(**FT, groups=2, min_replicas=2).coordinator_config())
+    coordinator.start()
+    m = joined(config, "g0", "a", coordinator.url)
+    waiting = threading.Timer(0.3, m.request_stop)  # what the trainer's SIGTERM handler calls
+    try:
+        waiting.start()
+        started = time.monotonic()
+        with pytest.raises(StopRequested, match="asked to stop while waiting for a quorum"):
+            m.start_step(0, GENESIS, snapshot)
+        assert time.monotonic() - started < 0.3 + STOP_POLL_SECONDS + 5.0  # not the 60 s timeout
+    finally:
+        waiting.cancel()
+        m.close()
+        coordinator.stop()

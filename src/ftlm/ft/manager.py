@@ -33,7 +33,7 @@ from ftlm.ft.config import FTConfig
 from ftlm.ft.faults import FaultPlan
 from ftlm.ft.group import GroupProtocol, Role, TooManyFailures
 from ftlm.ft.process_group import CollectiveError, ReconfigurablePG
-from ftlm.ft.protocol import Recovered, SnapshotFn, StepPlan
+from ftlm.ft.protocol import Recovered, SnapshotFn, StepPlan, StopRequested
 from ftlm.ft.quorum_answer import MemberQuorum
 from ftlm.observe.logs import CONTEXT as LOG_CONTEXT
 from ftlm.observe.metrics import NullMetrics
@@ -42,6 +42,9 @@ from ftlm.ft.tls import client_context, server_context
 from ftlm.ft.transport import SnapshotServer, TransferError, fetch_snapshot, snapshot_state
 
 log = logging.getLogger("ftlm.ft.manager")
+
+STOP_POLL_SECONDS = 2.0
+"""Longest quorum long-poll: a stop request (SIGTERM) is noticed within this while waiting."""
 
 
 class _NoEvents:
@@ -123,6 +126,8 @@ class Manager:
         self._answered_at = time.monotonic()
         self._declared_dead = False  # the coordinator declared this incarnation dead this step
         self._allreduce_started = 0.0
+        # Set from a signal handler: a plain flag (an Event's lock could deadlock there).
+        self._stop_requested = False
         self.client: CoordinatorClient | None = None
         self.heartbeater: Heartbeater | None = None
         self.store: dist.TCPStore | None = None
@@ -224,10 +229,17 @@ class Manager:
         return {"store": f"{self.host}:{self.store.port}", "transfer": self.transfer_urls,
                 "recover_request": self.proto.recover_request}
 
+    def request_stop(self) -> None:
+        """Stop waiting for a quorum (SIGTERM): ``start_step`` raises ``StopRequested`` within
+        ``STOP_POLL_SECONDS`` instead of waiting up to ``ft.quorum_timeout``. Signal-safe."""
+        self._stop_requested = True
+
     def _request_quorum(self) -> MemberQuorum:
         deadline = time.monotonic() + self.config.quorum_timeout
         reason = "no answer yet"
         while True:
+            if self._stop_requested:
+                raise StopRequested(f"asked to stop while waiting for a quorum (last reason: {reason})")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TooManyFailures(
@@ -238,7 +250,8 @@ class Manager:
             ask = self.proto.request()
             try:
                 return self.client.quorum(ask["step"], ask["last_quorum_id"], ask["failed"], self._meta(),
-                                          timeout=min(remaining, 5.0), chain=ask["chain"], watch=ask["watch"])
+                                          timeout=min(remaining, STOP_POLL_SECONDS), chain=ask["chain"],
+                                          watch=ask["watch"])
             except QuorumTimeout as e:
                 reason = e.reason
             except CoordinatorUnavailable as e:
@@ -248,12 +261,20 @@ class Manager:
     def _next_quorum(self) -> MemberQuorum:
         """The leader asks; every rank of the group gets the same answer."""
         if self.rank == 0:
-            q = self._request_quorum()
+            try:
+                q = self._request_quorum()
+            except (StopRequested, TooManyFailures) as e:
+                # The other ranks wait for this answer: tell them, or they would hang in the broadcast.
+                _broadcast_json({"end": type(e).__name__, "why": str(e)}, self.ranks, self.control)
+                raise
             with self._answered:  # a quorum answer is word from the coordinator, as a heartbeat's
                 self._answered_at = time.monotonic()
             _broadcast_json(q.to_json(), self.ranks, self.control)
             return q
-        return MemberQuorum.from_json(_broadcast_json(None, self.ranks, self.control))
+        got = _broadcast_json(None, self.ranks, self.control)
+        if isinstance(got, dict) and "end" in got:
+            raise (StopRequested if got["end"] == "StopRequested" else TooManyFailures)(got["why"])
+        return MemberQuorum.from_json(got)
 
     def _publish_in_background(self, snapshot: SnapshotFn, step: int) -> None:
         """Copy the state into a snapshot on a helper thread while this step's forward and
@@ -466,7 +487,7 @@ class Manager:
         while time.monotonic() < deadline:
             try:
                 plan = self.start_step(step, chain, snapshot)
-            except TooManyFailures as e:
+            except (TooManyFailures, StopRequested) as e:
                 log.warning("stopped waiting for the other groups to finish: %s", e)
                 break
             q = plan.quorum

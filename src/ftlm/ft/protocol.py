@@ -54,6 +54,11 @@ class Recovered:
     nbytes: int
 
 
+class StopRequested(Exception):
+    """The group was asked to stop (SIGTERM: preemption, node drain) while waiting for a quorum:
+    the trainer leaves the job at once instead of after ``ft.quorum_timeout``."""
+
+
 class FaultTolerance(Protocol):
     def join(self, step: int, chain: str) -> None: ...
     def start_step(self, step: int, chain: str, snapshot: SnapshotFn) -> StepPlan: ...
@@ -67,6 +72,7 @@ class FaultTolerance(Protocol):
     def finish(self, step: int, chain: str, snapshot: SnapshotFn) -> None: ...
     def leave(self, reason: str) -> None: ...
     def fire(self, point: str) -> None: ...
+    def request_stop(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -99,6 +105,9 @@ class NoFaultTolerance:
         return None
 
     def finish(self, step: int, chain: str, snapshot: SnapshotFn) -> None:
+        return None
+
+    def request_stop(self) -> None:
         return None
 
     def leave(self, reason: str) -> None:

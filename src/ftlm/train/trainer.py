@@ -29,7 +29,7 @@ from ftlm.errors import ConfigError, DataError
 from ftlm.errors import FtlmError
 from ftlm.ft.group import check_replay
 from ftlm.ft.history import extend_chain
-from ftlm.ft.protocol import FaultTolerance, NoFaultTolerance, Recovered, StepPlan
+from ftlm.ft.protocol import FaultTolerance, NoFaultTolerance, Recovered, StepPlan, StopRequested
 from ftlm.model import Transformer, flops_per_token
 from ftlm.observe.events import EventLog, NullEvents, read_events
 from ftlm.observe.metrics import NullMetrics, TrainingMetrics, start_rank_metrics
@@ -442,8 +442,10 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
-        """Finish the current step, then stop (SIGTERM / Ctrl-C)."""
+        """Finish the current step, then stop (SIGTERM / Ctrl-C); a wait for a quorum ends at
+        once (``StopRequested``): the group leaves within the grace, not after the quorum timeout."""
         self._stop = True
+        self.ft.request_stop()
 
     def train(self) -> dict:
         tc, cfg = self.config.train, self.config
@@ -465,6 +467,8 @@ class Trainer:
                 self.step()
                 if self.state.step != before:
                     bar.update(self.state.step - before, self)
+        except StopRequested as e:
+            log.warning("stopping at step %d: %s", self.state.step, e)
         except KeyboardInterrupt:
             log.warning("interrupted at step %d", self.state.step)
             self._stop = True

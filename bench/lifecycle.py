@@ -315,6 +315,11 @@ Why DPO and GRPO did not improve on SFT before (the 17:28 table: add,mod,count, 
   equal independent formulas on fixed batches, and ftlm's DPO loss and gradients equal
   `trl.DPOTrainer`'s (TRL 1.16.0, `tests/post/test_trl_parity.py`).
 
+Run time of this table: the pretrained model was reused from a run at 19:29 (86 s at load
+about 3); the three seeds then ran as six processes at `nice 10` (SFT 19:59-20:22, then DPO and
+GRPO side by side 20:23-20:46) while the machine's load average was 15-28: 47 minutes of wall
+time, over the 25 minutes aimed at. The tokens column is the load-independent measure.
+
 The paired difference compares two stages task by task on the same held-out tasks, pooled
 over seeds (± 95 %, normal approximation over the per-task differences)."""
 

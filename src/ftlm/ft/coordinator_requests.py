@@ -119,7 +119,9 @@ def decode_body(raw: bytes) -> Any:
         raise ValueError(f"body nests deeper than {MAX_DEPTH} levels") from None
     except ValueError as e:  # JSONDecodeError, the int digit limit and the hooks' own errors
         raise ValueError(f"body is not valid JSON: {_one_line(str(e))}") from None
-    if _depth(body) > MAX_DEPTH:
+    # Nesting cannot exceed the opening brackets (a count is far cheaper than the walk: the walk
+    # was 6% of the coordinator's time at 1,000 groups, issue 16).
+    if text.count("[") + text.count("{") > MAX_DEPTH and _depth(body) > MAX_DEPTH:
         raise ValueError(f"body nests deeper than {MAX_DEPTH} levels")
     return body
 

@@ -98,12 +98,13 @@ def test_sft_under_chaos_ends_with_identical_replicas_and_exactly_once(tmp_path,
 def test_grpo_under_chaos_ends_with_identical_replicas_and_exactly_once(tmp_path, demo_data) -> None:
     sft = _chaos_config(tmp_path, demo_data, "base", steps=2)
     run.run("sft", sft)  # a starting model (and the reference) for GRPO
-    # A GRPO group takes longer to start (tasks, reference model) and its steps are longer and
-    # Python-heavy (sampling): failures further apart, a heartbeat timeout that a loaded 2-core
-    # machine does not trip on its own.
-    config = _chaos_config(tmp_path, demo_data, "grpo", steps=150, heartbeat_timeout=2.0,
+    # A GRPO group takes longer to start (tasks, reference model) and its steps are
+    # Python-heavy (sampling): a heartbeat timeout that a loaded 2-core machine does not trip on
+    # its own. Sampling on the KV-cache engine made the steps short (150 steps in under a
+    # minute), so the job is long enough for chaos to strike at its rate.
+    config = _chaos_config(tmp_path, demo_data, "grpo", steps=300, heartbeat_timeout=2.0,
                            group_size=2, max_new_tokens=8,
                            train={"init_from": str(sft.run.path / "model.safetensors")})
-    summary = run.launch("grpo", config, groups=3, chaos_mtbf=20.0, chaos_seed=2)
+    summary = run.launch("grpo", config, groups=3, chaos_mtbf=10.0, chaos_seed=2)
     _check_invariants(summary, config, 3)
     assert json.loads((config.run.path / "summary.json").read_text())["replicas_identical"]

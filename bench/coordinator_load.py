@@ -489,57 +489,60 @@ def main(argv: list[str] | None = None) -> int:
 
 READING = """\
 How to read it. Each size runs a fresh `ftlm coordinator` process (`ft.heartbeat_timeout=3`,
-heartbeats every second, one step a second: a group asks for the quorum of its next step one
-second after it got the last one). *Quorum p50/p99*: from a group's ask to its answer, which
-includes waiting for the slowest group of the step (a quorum is issued when the last one asks);
-*after the last ask*: from the step's last ask to each answer, the coordinator's own share.
-*Steps/s* below 1 means the quorum wait lengthened the steps. *Detected dead*: from the victim's
-last answered heartbeat until `/status` lists it dead; *quorum without it*: until the first quorum
-that leaves it out (both about `ft.heartbeat_timeout`, 3 s, when the coordinator keeps up).
-*Coordinator CPU*: its process's CPU seconds per wall second (100% = one core: it serves from one
-event loop thread); *CPU ms/message*: the same divided by the heartbeats and quorum requests it
-answered. *State machine us/message*: the sans-I/O `Membership` alone in-process (no HTTP, no JSON),
-which is what per-message work O(groups) made grow. *Client CPU*: all simulated groups share one
-asyncio process; when it nears a core (or the machine is busy), the clients, not the coordinator,
-limit what is measured.
+heartbeats every *heartbeat s*, one step a second: a group asks for the quorum of its next step one
+second after it got the last one; as the real client, a group skips a heartbeat when its quorum
+request went out within the heartbeat interval). *Quorum p50/p99*: from a group's ask to its
+answer, which includes waiting for the slowest group of the step (a quorum is issued when the
+last one asks); *after the last ask*: from the step's last ask to each answer, the coordinator's
+own share. *Steps/s* below 1 means the quorum wait lengthened the steps. *Detected dead*: from the
+victim's last answered heartbeat until `/status` lists it dead; *quorum without it*: until the
+first quorum that leaves it out (both about `ft.heartbeat_timeout`, 3 s: the victim stops
+silently, no peer reports it). *Coordinator CPU*: its process's CPU seconds per wall second (100% =
+one core: it serves from one event loop thread); *CPU ms/message*: the same divided by the
+heartbeats and quorum requests it answered. *State machine us/message*: the sans-I/O `Membership`
+alone in-process (no HTTP, no JSON). *Client CPU*: all simulated groups share one asyncio process.
+*Quorum answer KiB*: the largest answer a member got (a participant's is about 0.5 KB; a recovering
+member's also lists the participants, which is what the collapsed rows show).
 
 The load test's clients and the coordinator need CPU time the shared 2-core machine does not always
 have: look at the load average above before reading latencies; the per-message costs hold anyway.
 
-What broke, and what was fixed (issue 16). Before, every heartbeat and every quorum request
-re-evaluated the whole membership: the expiry pass, the head's claims (and a sha256 over every
-participant list of the head's quorums), the quorum rules with a `not in` over a list of groups
-(quadratic), the incarnation check, the dead list of the answer; and each quorum answer was
-JSON-encoded once per member. Driving the sans-I/O `Membership` in-process (the drive of the
-column above, on the same machine) cost per message: 200 groups 360 us per heartbeat and 1.2 ms
-per request; 1,000 groups 1.0 ms and 5.6 ms; 2,000 groups 2.7 ms and 28 ms (a step of 2,000
-groups: 5 s of heartbeats and 55 s of requests: the coordinator could not hold 200 groups at one
-step a second). Now the state keeps an index (claim and group counts, heaps of heartbeat, progress
-and request deadlines, the previous quorum's live and idle members, the unsettled members of a
-retried step), every decision takes it when it is exact and falls back to the scan otherwise
-(a member between staleness and expiry, a rebuild, a rollback); a test checks in simulated jobs
-that every shortcut answers exactly what the scan answers. Per message it is now 20-60 us at 200
-to 4,000 groups; a quorum is built once per step (O(n log n)) and encoded once. The heartbeat
-answer's dead list is cached (under a mass failure it was a scan of every recent death per
-heartbeat: 35% of the coordinator's time in a profile at 2,000 groups), the status page and the
-metrics take a member's role from sets.
+Earlier (issue 16, first pass): the state machine's per-message work was made independent of the
+job's size (an index of counts and deadline heaps; 20-60 us a message at 200 to 4,000 groups) and
+a quorum was encoded once instead of once per member.
 
-What remains at 2,000 groups (profile: `--profile`, py-spy): the HTTP layer. aiohttp's request
-handling, the guard middleware and writing answers cost about 0.35-0.4 ms of coordinator CPU per
-message against 20-60 us for the rules (the two cost columns); reading a body that came with its
-headers without `asyncio.wait_for` (a task and a timer per request, 15% of the coordinator's time
-at 1,000 groups) and caching the Host check (6%) are in. At about 0.35 ms a message one event-loop
-core serves some 2,800 messages a second: about 1,400 groups at one heartbeat and one step a
-second on an otherwise idle core; 2,000 groups need about 1.4 cores, so p99 < 100 ms at 2,000
-groups is out of reach of one Python process speaking HTTP/JSON, however cheap the rules. Every
-quorum answer also names every member (about 170 bytes each: some 330 KB to each of 2,000 members,
-0.7 GB a step, O(groups^2) bytes). A job of that size needs a compact answer (each member's own
-role and source, the members' list once per quorum id) and HTTP spread over more than one core;
-the long-polls also need 2 connections per group against `max_connections=4096`, which 4,000
-groups exceed. How it breaks when CPU runs short (here: the shared machine): heartbeats are
-answered late, groups pass `ft.heartbeat_timeout` and are declared dead, their long-polls get 504
-and they ask again as joiners: each step then has a new quorum id, and the job stops stepping
-(the 504 and disconnect counts in the errors column).
+This pass. (1) *Compact answers* (`ftlm.ft.quorum_answer`): a member is sent only its own part of
+the quorum: id, epoch, step, chain and the chain a commit reaches, counts, the store, a membership
+digest, its rank and data slice; its source (recovering) or its joiners (a source). A
+participant's answer is about 530 bytes at any size, against 330 KB at 2,000 groups before (0.7 GB
+of answers a step, O(groups^2)); the part common to all members is encoded once per quorum and
+each member's few fields are spliced in front. (2) *A quorum request is a heartbeat*: a member
+skips a heartbeat when a request went out within its interval. At one heartbeat a second and one
+step per (1 s + the quorum wait) that saves little (1,000 groups: 1,123 messages/s at 0.5 steps/s,
+1.1 a group-second: the step period exceeds the interval); with an interval above the step period
+a steady member sends one message a step (the `@1.5` row tried that at 2,000 groups, a size that
+collapses here for the reason below, so it shows nothing about it). (3) The nesting check of request
+bodies is skipped when a body has fewer opening brackets than the limit (6% of the coordinator).
+
+Target p99 < 100 ms at 2,000 groups: **not met on this machine**. Where it breaks, and why. Up to
+1,000 groups the job steps and the coordinator's CPU stays below a third of a core (27% at 1,000
+groups, 0.24-0.36 ms of CPU a message), yet the answers come 0.4-0.8 s after a step's last ask: at
+load 5-9 on 2 cores the coordinator and the client process each get a fraction of a core, and
+handing out 1,000 answers takes that long on it. A py-spy profile of the coordinator at 1,000
+groups (`--profile`): aiohttp's request handling and the guard middleware 47% (inclusive), reading
+and decoding bodies 15% (the nesting walk 6% of it, now skipped), socket writes about 6%, the
+membership state machine (`Membership.tick`/`request`) about 16%. At 2,000 and 4,000 groups the job
+never steps: while 2,000 groups open 4,000 connections, the coordinator (49-51% of a core, not
+saturated) closes connections that sent no complete request within `read_timeout` (5 s; "connections
+without a complete request within 5 s x273" in its log) and clients see resets and disconnects;
+their heartbeats miss the 3 s timeout, they are declared dead, their long-polls get 504 and they
+ask again as joiners, so every step has a new quorum id (the errors column). That is a timeout
+cascade of a CPU-starved box, not the per-message cost: at ~0.3 ms a message one event-loop core
+serves about 3,000 messages a second, i.e. about 3,000 groups at one message a step, which would
+put 2,000 groups at about two thirds of a core. What remains: measure on a quiet machine with
+cores to spare (not available to this session: the GPU machine was not lent); spread the HTTP
+work over several processes (SO_REUSEPORT acceptors in front of the one state machine) before
+4,000 groups; make the connection deadline tolerate thousands of clients connecting at once.
 """
 
 

@@ -7,7 +7,8 @@ work unchanged:
 * ``chat``: the chat template and its completion mask;
 * ``data``: instruction, preference and prompt files -> fixed-shape rows (packing with document ids);
 * ``forward``: the document-masked forward and per-token log-probs;
-* ``sft``, ``dpo``, ``grpo``: the objectives; ``rollout``: batched sampling of completions;
+* ``sft``, ``dpo``, ``grpo``: the objectives; ``rollout``: sampling a prompt's group of completions
+  (KV-cache engine, or re-running the model under FSDP2);
 * ``pairs``: preference pairs from the task suite; ``run``: building and running a group;
   ``cli``: ``ftlm sft | dpo | grpo | pairs``.
 

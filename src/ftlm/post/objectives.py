@@ -5,11 +5,13 @@
 * ``DPO``: ``dpo_losses`` on summed completion log-probs of the policy and of a frozen reference
   (computed on the fly, no gradient): the sigmoid loss ``-log sigmoid(beta * h)`` or IPO's
   ``(h - 1 / (2 beta))^2`` on length-normalised log-probs, with
-  ``h = (log pi(y_w) - log pi(y_l)) - (log ref(y_w) - log ref(y_l))`` (TRL's formulas).
-* ``GRPO``: per prompt, ``group_size`` completions sampled from the current policy with a seed
-  that depends only on ``(run.seed, step, task index)``; reward 1 when the task's checker accepts
-  the answer, else 0; ``group_advantages``; ``grpo_loss`` (clipped ratio, k3 KL estimate to the
-  reference, per-sequence token mean, then the mean over sequences: DeepSeekMath's form). One
+  ``h = (log pi(y_w) - log pi(y_l)) - (log ref(y_w) - log ref(y_l))`` (TRL's formulas),
+  plus, with ``nll_coef``, RPO's NLL per chosen token.
+* ``GRPO``: per prompt, ``group_size`` completions sampled from the current policy
+  (``rollout.sample_group``) with seeds that depend only on ``(run.seed, step, task index,
+  sample)``; reward 1 when the task's checker accepts the answer, else 0; ``group_advantages``;
+  ``grpo_loss`` (clipped ratio, k3 KL estimate to the reference, per-sequence token mean, then
+  the mean over sequences: DeepSeekMath's form) on log-probs at the sampling temperature. One
   optimizer step per sampled batch, so the "old" policy is the current one detached (the ratio
   is 1 in value, its gradient is the policy gradient).
 

@@ -69,7 +69,7 @@ class PostConfig:
     max_new_tokens: int = 160
     """Longest sampled completion (GRPO, preference pairs, evaluation)."""
     temperature: float = 1.0
-    """Sampling temperature of GRPO and of preference-pair sampling (> 0)."""
+    """Sampling temperature of GRPO (its log-probs are taken at it) and of preference pairs."""
     top_k: int = 0
     """Keep the k most likely tokens when sampling; 0 keeps all."""
     pair_samples: int = 4

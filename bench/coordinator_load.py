@@ -517,32 +517,34 @@ digest, its rank and data slice; its source (recovering) or its joiners (a sourc
 participant's answer is about 530 bytes at any size, against 330 KB at 2,000 groups before (0.7 GB
 of answers a step, O(groups^2)); the part common to all members is encoded once per quorum and
 each member's few fields are spliced in front. (2) *A quorum request is a heartbeat*: a member
-skips a heartbeat when a request went out within its interval. At one heartbeat a second and one
-step per (1 s + the quorum wait) that saves little (1,000 groups: 1,123 messages/s at 0.5 steps/s,
-1.1 a group-second: the step period exceeds the interval); with an interval above the step period
-a steady member sends one message a step (the `@1.5` row tried that at 2,000 groups, a size that
-collapses here for the reason below, so it shows nothing about it). (3) The nesting check of request
-bodies is skipped when a body has fewer opening brackets than the limit (6% of the coordinator).
+skips a heartbeat when a request went out within its interval. At one heartbeat a second and a
+step period of 1 s plus the quorum wait this saves little (1,000 groups: 2.4 messages a group a
+step); with a 1.5 s interval (the `1000 @ 1.5` row) 1.45 (the step period, 1.75 s, still exceeds
+the interval; there *detected dead* counts from the victim's last heartbeat, which came long
+before its last request). (3) The nesting check of request bodies is skipped when a body has
+fewer opening brackets than the limit (6% of the coordinator in a profile).
 
-Target p99 < 100 ms at 2,000 groups: **not met on this machine**. Where it breaks, and why. Up to
-1,000 groups the job steps and the coordinator's CPU stays below a third of a core (27% at 1,000
-groups, 0.24-0.36 ms of CPU a message), yet the answers come 0.4-0.8 s after a step's last ask: at
-load 5-9 on 2 cores the coordinator and the client process each get a fraction of a core, and
-handing out 1,000 answers takes that long on it. A py-spy profile of the coordinator at 1,000
-groups (`--profile`): aiohttp's request handling and the guard middleware 47% (inclusive), reading
-and decoding bodies 15% (the nesting walk 6% of it, now skipped), socket writes about 6%, the
-membership state machine (`Membership.tick`/`request`) about 16%. At 2,000 and 4,000 groups the job
-never steps: while 2,000 groups open 4,000 connections, the coordinator (49-51% of a core, not
-saturated) closes connections that sent no complete request within `read_timeout` (5 s; "connections
-without a complete request within 5 s x273" in its log) and clients see resets and disconnects;
-their heartbeats miss the 3 s timeout, they are declared dead, their long-polls get 504 and they
-ask again as joiners, so every step has a new quorum id (the errors column). That is a timeout
-cascade of a CPU-starved box, not the per-message cost: at ~0.3 ms a message one event-loop core
-serves about 3,000 messages a second, i.e. about 3,000 groups at one message a step, which would
-put 2,000 groups at about two thirds of a core. What remains: measure on a quiet machine with
-cores to spare (not available to this session: the GPU machine was not lent); spread the HTTP
-work over several processes (SO_REUSEPORT acceptors in front of the one state machine) before
-4,000 groups; make the connection deadline tolerate thousands of clients connecting at once.
+Target p99 < 100 ms at 2,000 groups: **not met**. Met at 100 groups (p99 78 ms). At 2,000 groups
+on the shared box at load 3-4 the job now steps without errors (p50 689 ms, p99 1,694 ms, 0.44
+steps/s; at 17:24, before this pass, and again at 20:48 at load 6-9 it collapsed). Where the time
+goes: the answers of a step are all due at its last ask, and the coordinator hands them out one
+after the other from one event loop: 2,000 aiohttp responses at about 0.15-0.2 ms each is 0.3-0.4 s
+(*after the last ask* p50 403 ms), on a core it shares with the 2,000 simulated clients (63% of a
+core) and with other work. Per message the coordinator costs 0.24-0.33 ms of CPU at every size
+(the state machine 15-25 us of it): a py-spy profile at 1,000 groups (`--profile`) puts aiohttp's
+request handling and the guard middleware at 47% (inclusive), reading and decoding bodies at 15%
+(the nesting walk 6% of it, now skipped), socket writes about 6% and the membership state machine
+(`Membership.tick`/`request`) about 16%. So p99 < 100 ms at 2,000 groups needs the fan-out of a
+step's answers under about 50 us each: not one aiohttp response per member on one core. What
+remains: HTTP over several processes (SO_REUSEPORT acceptors, each holding its members'
+long-polls, fed the one state machine's decisions), or a leaner framing than aiohttp's for the
+two hot endpoints; and a quiet machine with cores to spare for the clients to measure it (the GPU
+machine was not lent to this session). At 4,000 groups it still collapses: while 4,000 groups
+open 8,000 connections the coordinator (83% of a core) answers heartbeats late and refuses
+connections past `max_connections` (503), groups pass the 3 s heartbeat timeout, are declared
+dead, their long-polls get 504 and they ask again as joiners, so no step completes (the errors
+column); its log also shows connections closed for sending no complete request within
+`read_timeout` (5 s).
 """
 
 

@@ -27,6 +27,7 @@ from ftlm.ft.group import GroupProtocol, TooManyFailures, check_replay
 from ftlm.ft.history import GENESIS, extend_chain
 from ftlm.ft.membership import Answer, Event, Issued, Membership
 from ftlm.ft.quorum import Heartbeat, MemberRequest, Quorum, QuorumOptions, StaleIncarnation
+from ftlm.ft.quorum_answer import AnswerEncoder, MemberQuorum
 
 FAULTS = ("crash", "hang", "hang_resume", "hang_training", "crash_starting", "hang_starting", "coordinator_crash",
           "lag", "slow_transfer", "source_crash_mid_transfer", "bogus_claim", "partition_drop",
@@ -62,6 +63,12 @@ class SimConfig:
     """A group that waited this long for a quorum gives up and exits (``ft.quorum_timeout``)."""
     heartbeat_interval: float = 0.1
     heartbeat_timeout: float = 0.5
+    suspect_window: float = 0.2
+    """Members silent this long after a peer reported their quorum's step failed are declared dead."""
+    supervisor_reports: str = "odd"
+    """Which seeds' supervisor reports a process's death to the coordinator: "all", "none", or
+    "odd" (odd seeds; the others run as on Kubernetes/Slurm, where only the peers' reports and
+    the heartbeat timeout detect a death)."""
     join_timeout: float = 1.0
     allreduce_timeout: float = 2.0
     progress_timeout: float = 3.0
@@ -118,6 +125,7 @@ class Incarnation:
     lagged: bool = False
     abort_pending: bool = False
     progress_at: float = 0.0  # the last protocol point the training thread reached
+    asked_at: float = float("-inf")  # when it last sent a quorum request (which is a heartbeat)
     absent_since: float | None = None  # not a live member of the coordinator since
     asking_since: float = 0.0  # when its current wait for a quorum began
 
@@ -163,7 +171,10 @@ class Simulation:
         self._queue: list[tuple[float, int, Callable[[], None], str]] = []
         self._seq = 0
         self.options = QuorumOptions(1, self.c.join_timeout, self.c.heartbeat_timeout, self.c.groups,
-                                     progress_timeout=self.c.progress_timeout)
+                                     progress_timeout=self.c.progress_timeout,
+                                     suspect_window=self.c.suspect_window)
+        self.reports_deaths = {"all": True, "none": False}.get(self.c.supervisor_reports, seed % 2 == 1)
+        self.encoder = AnswerEncoder()
         self.coordinator: Membership | None = Membership(self.options, self._epoch())
         self.coordinator_epoch = 0
         self.groups: dict[str, Incarnation | None] = {f"g{i}": None for i in range(self.c.groups)}
@@ -276,8 +287,13 @@ class Simulation:
             return
         inc.alive = False
         self.log(f"exit {inc.replica_id}: {why}")
+        # Its connections reset: peers inside an all-reduce with it fail at once (transport error).
+        for other in self.groups.values():
+            if (other is not None and other is not inc and other.phase == "collective" and other.quorum is not None
+                    and other.quorum.present(inc.replica_id)):
+                self.at(self.latency(), lambda o=other, q=other.quorum: self.peer_reset(o, q), "connection reset")
         if self.groups.get(inc.group) is inc and restart:
-            if self.coordinator is not None:
+            if self.coordinator is not None and self.reports_deaths:
                 self.deliver_outputs(self.coordinator.report_dead(self.now, inc.replica_id, inc.group, why))
             delay = self.c.restart_delay
             if inc.group in self.slow_restart:  # its node takes long to come back
@@ -384,6 +400,12 @@ class Simulation:
     def heartbeat(self, inc: Incarnation) -> None:
         if not inc.alive:
             return
+        since = self.now - inc.asked_at
+        if since < self.c.heartbeat_interval - 1e-9 and not inc.hung:  # (float rounding: no zero waits)
+            # As the real Heartbeater: a quorum request went out within the interval, so it was
+            # the heartbeat; the next one is due an interval after it.
+            self.at(self.c.heartbeat_interval - since, lambda: self.heartbeat(inc), "hb")
+            return
         if not inc.hung:
             p = inc.proto
             beat = Heartbeat(inc.replica_id, inc.group, 0.0, p.step, max(p.quorum_id, 0), p.chain,
@@ -405,6 +427,10 @@ class Simulation:
                 self.at(self.latency(), arrive, f"heartbeat {inc.replica_id}")
         self.at(self.c.heartbeat_interval, lambda: self.heartbeat(inc), "hb")
 
+    def alive(self, replica_id: str) -> bool:
+        inc = self.groups.get(replica_id.split(":")[0])
+        return (inc is not None and inc.replica_id == replica_id and inc.alive) or replica_id.split(":")[0] in self.finished
+
     def to_coordinator(self, inc: Incarnation, call: Callable[[Membership], Any]) -> Any:
         """A message of ``inc`` reaches the coordinator; None when its incarnation was refused
         (the process then exits, as the real one does on a 409)."""
@@ -419,8 +445,8 @@ class Simulation:
     def on_heartbeat_answer(self, inc: Incarnation, answer: dict) -> None:
         if not inc.running or answer.get("rebuilding") or inc.quorum is None:
             return
-        dead = set(answer.get("dead", []))
-        if dead & set(inc.quorum.replica_ids()):
+        # As the manager: the answer names the quorums in flight that lost a member.
+        if answer.get("epoch") == inc.quorum.epoch and inc.quorum.quorum_id in answer.get("dead_quorums", []):
             # As the manager's abort event: it fails this step's collective whenever it comes
             # (until the next quorum clears it), not only while the collective runs.
             inc.abort_pending = True
@@ -454,8 +480,10 @@ class Simulation:
         inc.proto.sync(inc.state.step, inc.state.chain)  # as Manager.start_step does
         fields = inc.proto.request()
         req = MemberRequest(inc.replica_id, inc.group, fields["step"], fields["last_quorum_id"], fields["failed"],
-                            {"recover_request": fields["recover_request"]}, 0.0, fields["chain"])
+                            {"recover_request": fields["recover_request"]}, 0.0, fields["chain"],
+                            tuple(fields["watch"]))
         inc.request = req
+        inc.asked_at = self.now  # a quorum request is a heartbeat: the next beat waits an interval
 
         def arrive() -> None:
             if self.coordinator is None or not inc.alive or inc.request is not req:
@@ -487,9 +515,11 @@ class Simulation:
         if answer.status != 200:
             self.at(0.01, lambda: self.ask(inc), "re-ask")
             return
-        q = Quorum.from_json(answer.body)
+        q = answer.quorum  # the whole quorum, for the simulator's own bookkeeping and checks
+        # The group sees only its own answer, through the same encoding the coordinator sends.
+        view = MemberQuorum.from_json(self.encoder.encode(q, inc.replica_id))
         try:
-            role = inc.proto.on_quorum(q)
+            role = inc.proto.on_quorum(view)
         except TooManyFailures as e:
             if not inc.injected:
                 self.fail(f"healthy group {inc.replica_id} gave up: {e}")
@@ -557,6 +587,8 @@ class Simulation:
         if inc.abort_pending:
             self.abort(inc, "a quorum member was reported dead")
             return
+        if any(not self.alive(r) for r in q.replica_ids()):  # a dead peer refuses the connection
+            self.at(self.latency(), lambda: self.peer_reset(inc, q), "connection refused")
         key = (q.epoch, q.quorum_id, q.step)
         coll = self.collectives.setdefault(key, Collective(q))
         if coll.quorum.replica_ids() != q.replica_ids():
@@ -578,6 +610,10 @@ class Simulation:
                 self.at(self.latency(), lambda m=member, ok=ok: self.outcome(m, m.quorum, ok), f"allreduce {rid}")
             return
         self.at(self.c.allreduce_timeout, lambda: self.collective_timeout(inc, q, coll), "allreduce timeout")
+
+    def peer_reset(self, inc: Incarnation, q: Quorum) -> None:
+        if inc.running and inc.phase == "collective" and inc.quorum is q:
+            self.abort(inc, "connection reset by a quorum member")
 
     def collective_timeout(self, inc: Incarnation, q: Quorum, coll: Collective) -> None:
         if inc.running and inc.phase == "collective" and inc.quorum is q:

@@ -110,7 +110,7 @@ def assert_ranks_right_above_wrong(verifier: Verifier) -> None:
         assert right > wrong, (t.prompt, right, wrong)
 
 
-def test_ftlm_sft_on_checker_labels_trains_a_verifier_that_ranks_right_above_wrong(tmp_path):
+def test_ftlm_sft_on_checker_labels_trains_a_verifier_that_ranks_right_above_wrong(tmp_path, demo_data):
     """The route of `ftlm verifier train` after sampling: `ftlm sft` (one group, the real
     trainer) on checker-labelled records, a 1-layer model for 20 steps; then P(yes) on held-out
     tasks. Seconds of CPU; most of the wall time is importing the trainer."""
@@ -119,9 +119,11 @@ def test_ftlm_sft_on_checker_labels_trains_a_verifier_that_ranks_right_above_wro
     from ftlm.post import run
     data = write_records(separable_records(), tmp_path / "verifier.jsonl")
     config = load_config(REPO / "configs" / "tiny.toml", [
-        f"run.dir={tmp_path / 'verifier'}", f"post.data={data}", f"data.dir={REPO / 'data/demo'}",
+        f"run.dir={tmp_path / 'verifier'}", f"post.data={data}", f"data.dir={demo_data}",
+        "model.vocab_size=1024",
         "model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
-        "model.ffn_dim=64", "data.seq_len=128", "data.eval_samples=0", "train.eval_every=0",
+        "model.ffn_dim=64", "model.max_seq_len=256", "data.seq_len=256", "data.eval_samples=0",
+        "train.eval_every=0",
         "train.steps=20", "train.batch_size=4", "train.lr=1e-2", "train.warmup_steps=2",
         "observe.progress=false"])
     run.run("sft", config)

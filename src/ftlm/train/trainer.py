@@ -458,6 +458,28 @@ class Trainer:
                          metrics_port=self.metrics_port)
         self.ft.join(self.state.step, self.state.chain)
         wall0 = time.time()
+        try:
+            self._loop(wall0)
+            if self.state.step >= tc.steps:
+                # Serve the groups still catching up, then leave the job (not a failure); a
+                # SIGTERM meanwhile ends the serving and still leaves.
+                self.ft.finish(self.state.step, self.state.chain, self.state.flat)
+            else:
+                self.ft.leave("stopped")
+        finally:
+            if old is not None:
+                signal.signal(signal.SIGTERM, old)
+        try:
+            # Finish while still heartbeating, so the end of a run is not mistaken for a hang.
+            return self._finish(time.time() - wall0)
+        finally:
+            self.ft.close()
+            self.metrics.stop()
+            self.events.emit("group_exit", step=self.state.step, ok=True)
+
+    def _loop(self, wall0: float) -> None:
+        """Train until the last step, a stop request or ``train.max_seconds``."""
+        tc = self.config.train
         bar = self._progress()
         try:
             while self.state.step < tc.steps and not self._stop:
@@ -474,22 +496,8 @@ class Trainer:
             self._stop = True
         finally:
             bar.close()
-            if old is not None:
-                signal.signal(signal.SIGTERM, old)
             self.checkpointer.wait()
             self.loader.close()
-        if self.state.step >= tc.steps:
-            # Serve the groups still catching up, then leave the job (not a failure).
-            self.ft.finish(self.state.step, self.state.chain, self.state.flat)
-        else:
-            self.ft.leave("stopped")
-        try:
-            # Finish while still heartbeating, so the end of a run is not mistaken for a hang.
-            return self._finish(time.time() - wall0)
-        finally:
-            self.ft.close()
-            self.metrics.stop()
-            self.events.emit("group_exit", step=self.state.step, ok=True)
 
     def state_hash(self) -> str:
         """sha256 of this rank's replicated state (its shard when the model is sharded)."""

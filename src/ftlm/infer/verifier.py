@@ -92,13 +92,18 @@ def verifier_records(tasks: Sequence[Task], wrong_per_task: int = 1, seed: int =
 def write_verifier_data(tasks: Sequence[Task], path: Path, wrong_per_task: int = 1,
                         seed: int = 0) -> Path:
     """Write ``verifier_records`` as JSONL (atomically) for ``ftlm sft``; returns ``path``."""
+    return write_records(verifier_records(tasks, wrong_per_task, seed), path)
+
+
+def write_records(records: Sequence[dict], path: Path) -> Path:
+    """Write ``records`` as JSONL (atomically: a reader never sees half a file); returns ``path``."""
     path = Path(path)
     if path.suffix != ".jsonl":
         raise ConfigError(f"{path}: verifier data is written as .jsonl")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
-        f.writelines(json.dumps(record) + "\n" for record in verifier_records(tasks, wrong_per_task, seed))
+        f.writelines(json.dumps(record) + "\n" for record in records)
     os.replace(tmp, path)
     return path
 

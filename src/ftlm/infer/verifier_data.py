@@ -13,7 +13,7 @@ Responsible for:
   chat prompt ``ftlm generate --chat`` uses) and labelling them;
 * the split rule: every task must be of the suite's ``train`` split (a held-out task raises), so a
   verifier never sees a problem the scaling study is measured on;
-* ``write_records``: JSONL for ``ftlm sft`` (atomically).
+* ``write_records`` (from ``ftlm.infer.verifier``): JSONL for ``ftlm sft`` (atomically).
 
 Not responsible for: training (``ftlm verifier train`` runs ``ftlm sft`` on the file), scoring
 (``ftlm.infer.verifier.Verifier``) or the synthetic changed-answer data of
@@ -22,15 +22,12 @@ Not responsible for: training (``ftlm verifier train`` runs ``ftlm sft`` on the 
 
 from __future__ import annotations
 
-import json
-import os
 import random
 from collections.abc import Sequence
-from pathlib import Path
 
 from ftlm.errors import ConfigError
 from ftlm.infer.strategies import Candidate
-from ftlm.infer.verifier import NO, YES, verification_messages
+from ftlm.infer.verifier import NO, YES, verification_messages, write_records  # noqa: F401 - re-exported
 from ftlm.tasks import Task, check
 
 
@@ -104,16 +101,3 @@ def sampled_records(engine, codec, tasks: Sequence[Task], samples: int, params,
               "prefix_records": sum(r["kind"] == "prefix" for r in records),
               "yes_records": sum(r["label"] == YES for r in records)}
     return records, counts
-
-
-def write_records(records: Sequence[dict], path: Path) -> Path:
-    """Write ``records`` as JSONL (atomically: a reader never sees half a file); returns ``path``."""
-    path = Path(path)
-    if path.suffix != ".jsonl":
-        raise ConfigError(f"{path}: verifier data is written as .jsonl")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(record) + "\n" for record in records)
-    os.replace(tmp, path)
-    return path

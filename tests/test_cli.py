@@ -101,6 +101,23 @@ def test_report_of_a_directory_without_a_run(tmp_path: Path) -> None:
     assert err.startswith("ftlm: error:") and str(tmp_path / "summary.json") in err
 
 
+@pytest.mark.parametrize("fault", ["StaleIncarnation", "TooManyFailures", "TransferError"])
+def test_a_fault_exits_as_a_crash_to_be_restarted_not_as_bad_input(fault, tmp_path, monkeypatch):
+    """A group declared hung during its start-up (a loaded machine) used to exit with status 2,
+    which the launcher reads as "cannot start": it stopped the whole job instead of restarting."""
+    import ftlm.cli
+    from ftlm.ft import group, quorum, transport
+    error = {"StaleIncarnation": quorum.StaleIncarnation, "TooManyFailures": group.TooManyFailures,
+             "TransferError": transport.TransferError}[fault]
+
+    def fails(args):
+        raise error("replica g2:abc was replaced or declared hung; this process must exit")
+    monkeypatch.setattr(ftlm.cli, "cmd_report", fails)
+    code, _, err = _run(["report", str(tmp_path)])
+    assert code == 1
+    assert err.startswith("ftlm: error: replica g2:abc was replaced")
+
+
 def test_entry_point_exit_status_and_no_traceback(tmp_path: Path) -> None:
     missing = tmp_path / "absent.toml"
     env = {k: v for k, v in os.environ.items() if k != "FTLM_COORDINATOR"}

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 from pathlib import Path
 
-from ftlm.errors import FtlmError
+from ftlm.errors import FaultError, FtlmError
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -286,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except FtlmError as e:
         print(f"ftlm: error: {e}", file=sys.stderr)
-        return 2
+        # A fault (declared hung, no quorum, a failed transfer) exits as a crash, to be restarted;
+        # status 2 tells a supervisor that a restart would fail the same way (bad input).
+        return 1 if isinstance(e, FaultError) else 2
 
 
 if __name__ == "__main__":

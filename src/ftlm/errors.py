@@ -6,7 +6,14 @@ prints them without a traceback.
 
 
 class FtlmError(Exception):
-    """Base class of errors that the CLI reports as a one-line message (exit status 2)."""
+    """Base class of errors that the CLI reports as a one-line message (exit status 2: fix the
+    input, a restart alone would fail the same way)."""
+
+
+class FaultError(FtlmError):
+    """A fault of the job, not of the input (this group was declared hung or replaced, no quorum
+    formed, a transfer failed): the CLI exits with status 1, as a crash, so that a supervisor
+    restarts the group; its crash-loop limit stops a restart that keeps failing."""
 
 
 class ConfigError(FtlmError, ValueError):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ftlm.errors import FtlmError
+from ftlm.errors import FaultError
 from ftlm.ft.history import GENESIS, extend_chain
 from ftlm.ft.quorum import MAX_WATCH, Quorum
 from ftlm.ft.quorum_answer import MemberQuorum
@@ -24,7 +24,7 @@ AnyQuorum = Quorum | MemberQuorum
 """The coordinator's whole quorum, or one member's answer: both answer what a group asks."""
 
 
-class TooManyFailures(FtlmError):
+class TooManyFailures(FaultError):
     """The group failed too many steps in a row or could not get a quorum in time."""
 
 

@@ -39,7 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ftlm.errors import FtlmError
+from ftlm.errors import FaultError
 from ftlm.ft.history import GENESIS, extend_chain
 
 # Bound on remembered replaced incarnations (enough for thousands of restarts; memory stays small).
@@ -50,7 +50,7 @@ MAX_WATCH = 256
 """Most replica ids one quorum request may ask about (``watch``: the joiners a source serves)."""
 
 
-class StaleIncarnation(FtlmError):
+class StaleIncarnation(FaultError):
     """A replica group incarnation was replaced or retired; the old process must exit."""
 
 

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ftlm.errors import ConfigError, FtlmError
+from ftlm.errors import ConfigError, FaultError, FtlmError
 from ftlm.ft.bulk_http import CLOSE, BulkHTTPServer, Request, Response, json_response
 from ftlm.ft.framing import (
     DEFAULT_MAX_TOTAL_BYTES, DIGEST, DIGEST_HEX, MAX_HEADER_BYTES, ChunkEntry, ExpectedLayout,
@@ -64,7 +64,7 @@ _MAX_HEADER_BYTES = MAX_HEADER_BYTES
 log = logging.getLogger(__name__)
 
 
-class TransferError(FtlmError):
+class TransferError(FaultError):
     """Fetching a snapshot from a peer failed; the message names the source, the step and why."""
 
 

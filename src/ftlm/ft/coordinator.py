@@ -66,8 +66,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from ftlm.errors import ConfigError
 from ftlm.ft.config import CoordinatorConfig, is_loopback
 from ftlm.ft.connection_gate import AbuseLog, ConnectionGate, CountingLogger, fd_budget, loop_exception_handler
-from ftlm.ft.coordinator_requests import decode_body, parse_heartbeat, parse_kill, parse_member, parse_quorum_request
+from ftlm.ft.coordinator_requests import (HeartbeatBody, QuorumBody, decode_body, parse_heartbeat, parse_kill,
+                                          parse_member, parse_quorum_request)
 from ftlm.ft.dashboard import DashboardLog, member_state, render_page
+from ftlm.ft.hot_path import HOT_PATHS, HotPathProtocol, json_content_type
 from ftlm.ft.membership import MAX_DEAD_LISTED, Answer, Event, Issued, Membership, Output
 from ftlm.ft.quorum import Heartbeat, MemberRequest, Quorum, QuorumOptions, StaleIncarnation
 from ftlm.ft.quorum_answer import AnswerEncoder
@@ -107,6 +109,109 @@ class _SlowBody(Exception):
 _Answer = tuple[int, dict[str, Any] | None, bytes]
 
 
+class _Waiter:
+    """A quorum long-poll of the lean path (``ftlm.ft.hot_path``): answered by a direct write
+    when the state machine decides, with a timer for its timeout; no task, no future. Has the
+    ``done``/``set_result`` a future has, so ``Coordinator._answer`` wakes both kinds alike."""
+
+    __slots__ = ("coord", "conn", "req", "timer", "_done")
+
+    def __init__(self, coord: Coordinator, conn: HotPathProtocol, req: MemberRequest, timeout: float) -> None:
+        self.coord = coord
+        self.conn = conn
+        self.req = req
+        self._done = False
+        self.timer = asyncio.get_running_loop().call_later(timeout, self.expire)
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, answer: _Answer) -> None:
+        """The coordinator's answer (already removed from its waiters)."""
+        if self._done:
+            return
+        self._done = True
+        self.timer.cancel()
+        status, _, raw = answer
+        self.conn.respond(status, raw)
+        if status != 200:  # told to ask again: do not issue it a quorum nobody receives
+            asyncio.get_running_loop().call_soon(self.coord.membership.withdraw, self.req)
+
+    def expire(self) -> None:
+        """No answer within the asker's timeout: 504 with the reason, as the aiohttp path."""
+        if self._done:
+            return
+        self._done = True
+        self._forget()
+        self.conn.respond(504, json.dumps({"error": "quorum timeout",
+                                           "reason": self.coord.membership.reason}).encode())
+        self.coord.membership.withdraw(self.req)
+
+    def lost(self) -> None:
+        """The asker's connection closed before its answer."""
+        if self._done:
+            return
+        self._done = True
+        self.timer.cancel()
+        self._forget()
+        self.coord.membership.withdraw(self.req)
+
+    def _forget(self) -> None:
+        waiting = self.coord._waiters.get(self.req.replica_id, [])
+        if self in waiting:
+            waiting.remove(self)
+            if not waiting:
+                del self.coord._waiters[self.req.replica_id]
+
+
+class _HotEndpoints:
+    """The coordinator as ``ftlm.ft.hot_path`` sees it: the checks, the two endpoints, the gate."""
+
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+
+    def admits(self, headers: dict[str, str]) -> bool:
+        """Every check of ``Coordinator._refusal``, conservatively: a request with an Origin or a
+        Sec-Fetch-Site header, or any content type but plain JSON, goes to aiohttp to be judged."""
+        coord, cfg = self.coord, self.coord.config
+        host = headers.get("host")
+        if coord._loopback and host is not None and not _loopback_host(host):
+            return False
+        if "origin" in headers or "sec-fetch-site" in headers:
+            return False
+        if cfg.token and not hmac.compare_digest(headers.get("authorization", "").encode("utf-8", "replace"),
+                                                 coord._bearer):
+            return False
+        if not json_content_type(headers.get("content-type")):
+            return False
+        return int(headers["content-length"]) <= cfg.max_request_bytes
+
+    def serve(self, path: str, raw: bytes, conn: HotPathProtocol) -> bool:
+        coord = self.coord
+        try:
+            body = decode_body(raw)
+            parsed = parse_heartbeat(body) if path == HOT_PATHS[0] else parse_quorum_request(body)
+        except ValueError:
+            return False  # aiohttp answers the 400 (and counts it)
+        try:
+            if isinstance(parsed, HeartbeatBody):
+                conn.respond(*coord._heartbeat(parsed))
+            else:
+                coord._quorum_hot(parsed, conn)
+        except Exception as e:  # noqa: BLE001 - a bug: answer 500, keep serving, log it (rate-limited)
+            coord.abuse.bug(f"coordinator failed answering POST {path}", e)
+            conn.respond(500, b'{"error": "internal error; see the coordinator\'s log"}')
+        return True
+
+    def started(self, transport: Any) -> Any:
+        gate = self.coord._gate
+        return gate.started(transport) if gate is not None else None
+
+    def finished(self, token: Any) -> None:
+        if self.coord._gate is not None:
+            self.coord._gate.finished(token)
+
+
 class Coordinator:
     """One job's coordinator, served from a background thread with its own event loop."""
 
@@ -125,7 +230,8 @@ class Coordinator:
         self._ssl: ssl.SSLContext | None = None
         self._gate: ConnectionGate | None = None
         self._server: asyncio.AbstractServer | None = None
-        self._waiters: dict[str, list[asyncio.Future[_Answer]]] = {}
+        self._waiters: dict[str, list[asyncio.Future[_Answer] | _Waiter]] = {}
+        self._bearer = f"Bearer {config.token}".encode()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -271,8 +377,9 @@ class Coordinator:
             max_headers=64, logger=CountingLogger(self.abuse))
         await self._runner.setup()
         loop = asyncio.get_running_loop()
+        hot, fallback = _HotEndpoints(self), self._runner.server
         self._server = await loop.create_server(
-            self._gate.factory(self._runner.server), cfg.host, cfg.port, ssl=self._ssl,
+            self._gate.factory(lambda: HotPathProtocol(hot, fallback)), cfg.host, cfg.port, ssl=self._ssl,
             backlog=_BACKLOG, ssl_handshake_timeout=cfg.read_timeout if self._ssl is not None else None)
         self._port = int(self._server.sockets[0].getsockname()[1])
         self._tasks = [loop.create_task(self._tick()), loop.create_task(self._sweep())]
@@ -460,6 +567,11 @@ class Coordinator:
             hb = parse_heartbeat(await self._read_json(request))
         except ValueError as e:
             return _error(400, str(e))
+        status, raw = self._heartbeat(hb)
+        return web.Response(body=raw, status=status, content_type="application/json", charset="utf-8")
+
+    def _heartbeat(self, hb: HeartbeatBody) -> tuple[int, bytes]:
+        """A heartbeat's answer (status, JSON); both HTTP paths."""
         now = time.monotonic()
         rid = f"{hb.group}:{hb.incarnation}"
         beat = Heartbeat(rid, hb.group, now, hb.step, hb.quorum_id, hb.chain, now - hb.progress_age,
@@ -467,9 +579,25 @@ class Coordinator:
         try:
             answer, outputs = self.membership.heartbeat(now, beat)
         except StaleIncarnation as e:
-            return _error(409, str(e))
+            return 409, json.dumps({"error": str(e)}).encode()
         self._apply(outputs)
-        return web.json_response(answer)
+        return 200, json.dumps(answer).encode()
+
+    def _quorum_hot(self, body: QuorumBody, conn: HotPathProtocol) -> None:
+        """A quorum request on the lean path: as ``_handle_quorum``, the wait a ``_Waiter``."""
+        now = time.monotonic()
+        rid = f"{body.group}:{body.incarnation}"
+        req = MemberRequest(rid, body.group, body.step, body.last_quorum_id, body.failed, body.meta, now,
+                            body.chain, body.watch)
+        try:
+            outputs = self.membership.request(now, req)
+        except StaleIncarnation as e:
+            conn.respond(409, json.dumps({"error": str(e)}).encode())
+            return
+        waiter = _Waiter(self, conn, req, min(body.timeout, MAX_POLL_SECONDS))
+        self._waiters.setdefault(rid, []).append(waiter)
+        conn.on_lost = waiter.lost
+        self._apply(outputs)
 
     async def _handle_leave(self, request: web.Request) -> web.Response:
         try:

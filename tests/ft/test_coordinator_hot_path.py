@@ -1,0 +1,256 @@
+"""The coordinator's lean path for heartbeat and quorum (``ftlm.ft.hot_path``): what it serves
+itself, and that everything else reaches aiohttp from its first byte and is answered as before."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from ftlm.ft.client import CoordinatorClient
+from ftlm.ft.config import CoordinatorConfig
+from ftlm.ft.coordinator import Coordinator
+from ftlm.ft.history import GENESIS
+from ftlm.ft.hot_path import HotPathProtocol
+
+TOKEN = "s3cret"
+
+
+@pytest.fixture
+def coord(request: pytest.FixtureRequest) -> Iterator[Coordinator]:
+    """A coordinator expecting the groups the test names (indirect parameter, default 1): it
+    ends rebuilding its membership as soon as they all reported."""
+    c = Coordinator(CoordinatorConfig(heartbeat_timeout=5.0, join_timeout=5.0, tick_interval=0.02,
+                                      token=TOKEN, min_replicas=1,
+                                      expected_groups=getattr(request, "param", 1)))
+    c.start()
+    yield c
+    c.stop()
+
+
+def _request(path: str, body: dict[str, Any] | bytes, token: str = TOKEN, extra: str = "",
+             content_type: str = "application/json") -> bytes:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n"
+            f"Authorization: Bearer {token}\r\n{extra}Content-Length: {len(raw)}\r\n\r\n").encode() + raw
+
+
+def _beat(group: str = "g0", step: int = 0) -> dict[str, Any]:
+    return {"group": group, "incarnation": "a", "step": step, "quorum_id": -1}
+
+
+def _ask(group: str = "g0", timeout: float = 5.0) -> dict[str, Any]:
+    return {"group": group, "incarnation": "a", "step": 0, "last_quorum_id": -1, "failed": False,
+            "meta": {}, "timeout": timeout, "chain": GENESIS}
+
+
+class Conn:
+    """A raw keep-alive connection that reads whole answers (Content-Length bodies)."""
+
+    def __init__(self, c: Coordinator) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", c.port), timeout=10)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def answer(self) -> tuple[int, dict[str, str], bytes]:
+        while b"\r\n\r\n" not in self.buf:
+            self._more()
+        head, _, self.buf = self.buf.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        length = int(headers["content-length"])
+        while len(self.buf) < length:
+            self._more()
+        body, self.buf = self.buf[:length], self.buf[length:]
+        return int(lines[0].split()[1]), headers, body
+
+    def _more(self) -> None:
+        chunk = self.sock.recv(65536)
+        assert chunk, f"connection closed; got {self.buf[:200]!r}"
+        self.buf += chunk
+
+    def closed(self, timeout: float = 5.0) -> bool:
+        self.sock.settimeout(timeout)
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+        except (TimeoutError, socket.timeout):
+            return False
+        finally:
+            self.sock.settimeout(10)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _protocols(c: Coordinator) -> list[HotPathProtocol]:
+    return c.call_in_loop(lambda: [g.inner for g in c._gate._open.values()])  # type: ignore[union-attr]
+
+
+def _handed_over(c: Coordinator) -> list[bool]:
+    return [p.fallback is not None for p in _protocols(c)]
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def test_the_real_client_is_served_by_the_lean_path(coord: Coordinator) -> None:
+    client = CoordinatorClient(coord.url, "g0", "a", token=TOKEN, timeout=5.0)
+    try:
+        assert client.heartbeat(0, -1)["dead"] == []
+        q = client.quorum(0, -1, False, {"store": "h:1"}, 5.0)
+        assert q.size == 1 and q.replica_id == "g0:a" and q.rank("g0:a") == 0
+        assert client.heartbeat(0, q.quorum_id)["quorum_id"] == q.quorum_id
+        assert _handed_over(coord) == [False]  # one keep-alive connection, never given to aiohttp
+        assert client.status()["members"][0]["replica_id"] == "g0:a"  # then aiohttp: same connection
+        assert _handed_over(coord) == [True]
+    finally:
+        client.close()
+
+
+def test_pipelined_requests_are_answered_in_order(coord: Coordinator) -> None:
+    conn = Conn(coord)
+    try:
+        conn.send(_request("/v1/heartbeat", _beat("g0")) + _request("/v1/quorum", _ask("g0"))
+                  + _request("/v1/heartbeat", _beat("g0", step=1)))
+        status, headers, body = conn.answer()
+        assert status == 200 and json.loads(body)["dead"] == []
+        status, headers, body = conn.answer()  # the only member: its quorum at once
+        assert status == 200 and headers["content-type"] == "application/json; charset=utf-8"
+        quorum = json.loads(body)
+        assert quorum["size"] == 1 and quorum["replica_id"] == "g0:a"
+        status, _, body = conn.answer()
+        assert status == 200 and json.loads(body)["quorum_id"] == quorum["quorum_id"]
+        assert _handed_over(coord) == [False]
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("coord", [2], indirect=True)
+def test_a_long_poll_is_answered_when_the_last_member_asks(coord: Coordinator) -> None:
+    a, b = Conn(coord), Conn(coord)
+    try:
+        for conn, group in ((a, "g0"), (b, "g1")):
+            conn.send(_request("/v1/heartbeat", _beat(group)))
+            assert conn.answer()[0] == 200
+        a.send(_request("/v1/quorum", _ask("g0")))
+        assert not a.closed(0.3)  # waiting for g1 (nothing sent, nothing closed)
+        b.send(_request("/v1/quorum", _ask("g1")))
+        got = [json.loads(conn.answer()[2]) for conn in (a, b)]
+        assert [g["size"] for g in got] == [2, 2] and got[0]["quorum_id"] == got[1]["quorum_id"]
+        assert sorted(g["rank"] for g in got) == [0, 1]
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("coord", [2], indirect=True)
+def test_a_long_poll_times_out_with_504_and_its_request_is_withdrawn(coord: Coordinator) -> None:
+    a, b = Conn(coord), Conn(coord)
+    try:
+        for conn, group in ((a, "g0"), (b, "g1")):
+            conn.send(_request("/v1/heartbeat", _beat(group)))
+            assert conn.answer()[0] == 200
+        a.send(_request("/v1/quorum", _ask("g0", timeout=0.3)))
+        status, _, body = a.answer()
+        assert status == 504 and json.loads(body)["error"] == "quorum timeout"
+        wait_until(lambda: coord.call_in_loop(lambda: "g0:a" not in coord._state.pending))
+        assert coord.call_in_loop(lambda: coord._waiters) == {}
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("coord", [2], indirect=True)
+def test_a_closed_long_poll_is_withdrawn(coord: Coordinator) -> None:
+    a, b = Conn(coord), Conn(coord)
+    try:
+        for conn, group in ((a, "g0"), (b, "g1")):
+            conn.send(_request("/v1/heartbeat", _beat(group)))
+            assert conn.answer()[0] == 200
+        a.send(_request("/v1/quorum", _ask("g0")))
+        wait_until(lambda: coord.call_in_loop(lambda: "g0:a" in coord._waiters))
+        a.close()
+        wait_until(lambda: coord.call_in_loop(
+            lambda: "g0:a" not in coord._waiters and "g0:a" not in coord._state.pending))
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("request_bytes, status, message", [
+    (_request("/v1/heartbeat", _beat(), token="wrong"), 401, "unauthorized"),
+    (_request("/v1/heartbeat", _beat(), content_type="text/plain"), 415, "Content-Type"),
+    (_request("/v1/heartbeat", _beat(), extra="Origin: http://evil.example\r\n"), 403, "cross-origin"),
+    (_request("/v1/heartbeat", b'{"group": "g0", "group": "g1"}'), 400, "more than once"),
+    (_request("/v1/heartbeat", {**_beat(), "step": -1}), 400, "step=-1"),
+    (_request("/v1/quorum", b"[" * 40 + b"]" * 40), 400, "nests deeper"),
+    (_request("/v1/quorum", b'{"a": NaN}'), 400, "not a JSON number"),
+    (_request("/v1/heartbeat", b"x" * 70000), 413, "over the limit"),
+    (b"POST /v1/heartbeat HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+     b"Content-Type: application/json\r\nAuthorization: Bearer s3cret\r\n\r\n0\r\n\r\n", 400, "not valid JSON"),
+])
+def test_refusals_reach_aiohttp_and_are_answered_as_before(coord: Coordinator, request_bytes: bytes,
+                                                           status: int, message: str) -> None:
+    conn = Conn(coord)
+    try:
+        conn.send(_request("/v1/heartbeat", _beat("g9")))
+        assert conn.answer()[0] == 200  # the lean path first, on this same connection
+        conn.send(request_bytes)
+        got, _, body = conn.answer()
+        assert got == status and message in json.loads(body)["error"], body
+        assert _handed_over(coord) == [True]
+    finally:
+        conn.close()
+
+
+def test_a_body_after_its_headers_is_read_and_answered(coord: Coordinator) -> None:
+    conn = Conn(coord)
+    try:
+        data = _request("/v1/heartbeat", _beat())
+        cut = data.index(b"\r\n\r\n") + 4
+        conn.send(data[:10])
+        time.sleep(0.05)  # (not waiting for anything: lets the pieces arrive apart)
+        conn.send(data[10:cut])
+        time.sleep(0.05)
+        conn.send(data[cut:])
+        assert conn.answer()[0] == 200
+    finally:
+        conn.close()
+
+
+def test_connection_close_is_honoured(coord: Coordinator) -> None:
+    conn = Conn(coord)
+    try:
+        conn.send(_request("/v1/heartbeat", _beat(), extra="Connection: close\r\n"))
+        status, headers, _ = conn.answer()
+        assert status == 200 and headers["connection"] == "close"
+        assert conn.closed()
+    finally:
+        conn.close()
+
+
+def test_a_stale_incarnation_gets_409_on_the_lean_path(coord: Coordinator) -> None:
+    conn = Conn(coord)
+    try:
+        conn.send(_request("/v1/heartbeat", {**_beat(), "incarnation": "b"}))
+        assert conn.answer()[0] == 200
+        conn.send(_request("/v1/heartbeat", _beat()))  # incarnation "a" replaces "b"
+        assert conn.answer()[0] == 200
+        conn.send(_request("/v1/heartbeat", {**_beat(), "incarnation": "b"}))  # the replaced one
+        status, _, body = conn.answer()
+        assert status == 409 and "error" in json.loads(body)
+        assert _handed_over(coord) == [False]
+    finally:
+        conn.close()

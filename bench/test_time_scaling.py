@@ -6,8 +6,8 @@ from the policy through the engine; the strategies then see the first ``N`` of t
 
 * ``first sample`` (N = 1 whatever N is: the baseline), ``self-consistency`` (majority vote),
 * ``best-of-N`` and ``weighted best-of-N`` scored by the policy's confidence and, with
-  ``--verifier``, by the verifier model's P(yes) (an outcome reward model, ``ftlm verifier
-  train``),
+  ``--verifier``, by the verifier model's score (the smallest per-line P(yes) of a line-by-line
+  verifier, ``ftlm verifier train``),
 * with ``--verifier``, ``beam search`` (``ftlm.infer.search``: step = one reasoning line, the
   verifier as the process scorer, ``--beam-width``) for each N of ``--beam-ns``, run afresh,
 * ``oracle`` (any of the N correct: pass@N, the ceiling of a perfect verifier).
@@ -45,7 +45,6 @@ from ftlm.infer import Engine, SamplingParams
 from ftlm.infer import strategies as st
 from ftlm.infer.chat import chat_stop_ids, render_chat
 from ftlm.infer.search import beam_search
-from ftlm.infer.verifier import verification_messages
 from ftlm.model.counts import param_count
 from ftlm.tasks import Task, check
 from ftlm.tasks import generate as generate_tasks
@@ -83,17 +82,13 @@ class CountingScorer:
         self.tokens: Counter[str] = Counter()
 
     def __call__(self, pairs):
-        limit = self.verifier.model.cfg.max_seq_len
         for prompt, partial in pairs:
-            ids = render_chat(verification_messages(prompt, partial), self.verifier.tokenizer)
-            self.tokens[prompt] += min(len(ids), limit)
+            self.tokens[prompt] += len(self.verifier.token_ids(prompt, partial))
         return self.verifier.probabilities(pairs)
 
 
 def verifier_tokens(verifier, prompt: str, cands) -> int:
-    limit = verifier.model.cfg.max_seq_len
-    return sum(min(len(render_chat(verification_messages(prompt, c.text), verifier.tokenizer)),
-                   limit) for c in cands)
+    return sum(len(verifier.token_ids(prompt, c.text)) for c in cands)
 
 
 def evaluate(tasks, pools, prompt_lens, ns, policy_params, verifier, verifier_params):

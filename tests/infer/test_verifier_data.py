@@ -11,10 +11,10 @@ from infer_helpers import tiny_model
 
 from ftlm.errors import ConfigError
 from ftlm.infer import Engine, SamplingParams
-from ftlm.infer.verifier import Verifier
+from ftlm.infer.verifier import INTRO, Verifier, solution_lines
 from ftlm.infer.verifier_data import (
     label_samples,
-    line_prefixes,
+    line_labels,
     sampled_records,
     write_records,
 )
@@ -24,34 +24,44 @@ from ftlm.tasks import generate as generate_tasks
 REPO = Path(__file__).parents[2]
 
 
-def _completion(record: dict) -> tuple[str, str]:
-    user = record["messages"][0]["content"]
-    prompt, rest = user.split("\n\nProposed solution:\n")
-    return prompt, rest.rsplit("\n\n", 1)[0]
+def _judged(record: dict) -> tuple[str, str, list[str]]:
+    """The prompt, the completion (its judged lines) and the verdicts of a record."""
+    messages = record["messages"]
+    prompt, first = messages[0]["content"].split(f"\n\n{INTRO}\n")
+    lines = [first] + [m["content"] for m in messages[2::2]]
+    return prompt, "\n".join(lines), [m["content"] for m in messages[1::2]]
 
 
-def test_labels_are_the_checkers_verdicts_and_prefixes_carry_their_outcome():
+def test_each_line_is_labelled_by_its_own_check_and_the_answer_line_by_the_outcome():
+    task = generate_tasks(["add"], "train", 1, 0)[0]
+    ref = solution_lines(task.solution)  # <think>, a line per column, </think>, Answer: ...
+    assert line_labels(task, task.solution) == [True] * len(ref)
+    miscopied = list(ref)
+    miscopied[1] = "9" + ref[1][1:] if ref[1][0] != "9" else "8" + ref[1][1:]
+    # a wrong step, yet the answer is right: only that line is wrong
+    assert line_labels(task, "\n".join(miscopied)) == [i != 1 for i in range(len(ref))]
+    wrong_answer = ref[:-1] + ["Answer: 100000"]
+    assert line_labels(task, "\n".join(wrong_answer)) == [True] * (len(ref) - 1) + [False]
+    skipped = [ref[0], ref[2], ref[-1]]  # a skipped step shifts the rest off the reference
+    assert line_labels(task, "\n".join(skipped)) == [True, False, True]
+    assert line_labels(task, "\n".join(ref[:3]) + "\n") == [True] * 3  # a partial solution
+
+
+def test_labels_are_the_line_checks_and_the_outcome_once_per_distinct_sample():
     tasks = generate_tasks(["add", "mod", "sort", "count"], "train", 8, 0)
     wrong = [t.solution.rsplit("Answer:", 1)[0] + "Answer: 999999" for t in tasks]
     samples = [[t.solution, w, t.solution, "<think>\nno idea"] for t, w in zip(tasks, wrong)]
     records = label_samples(tasks, samples, seed=3)
     by_prompt = {t.prompt: t for t in tasks}
-    outcomes = [r for r in records if r["kind"] == "outcome"]
-    assert len(outcomes) == 3 * len(tasks)  # the duplicate solution counts once
-    for r in outcomes:
-        prompt, completion = _completion(r)
-        assert r["label"] == ("yes" if check(by_prompt[prompt], completion) else "no")
-        assert r["messages"][1] == {"role": "assistant", "content": r["label"]}
-    for t, w in zip(tasks, wrong):
-        prefixes = [(_completion(r)[1], r["label"]) for r in records
-                    if r["kind"] == "prefix" and _completion(r)[0] == t.prompt]
-        # a prefix on the way to both a right and a wrong answer is kept with both labels
-        shared = set(line_prefixes(t.solution)) & set(line_prefixes(w))
-        assert shared and all((p, "yes") in prefixes and (p, "no") in prefixes for p in shared)
-        assert ("<think>\n", "no") in prefixes and all(p.endswith("\n") for p, _ in prefixes)
+    assert len(records) == 3 * len(tasks)  # the duplicate solution counts once
+    for r in records:
+        prompt, completion, verdicts = _judged(r)
+        task = by_prompt[prompt]
+        assert r["label"] == ("yes" if check(task, completion) else "no")
+        assert verdicts == ["yes" if ok else "no" for ok in line_labels(task, completion)]
     assert label_samples(tasks, samples, seed=3) == records  # seeded shuffle
-    assert sorted(map(json.dumps, label_samples(tasks, samples, prefixes=False))) == sorted(
-        json.dumps(r) for r in outcomes)
+    for r in label_samples(tasks, samples, process=False):  # the ablation: the outcome everywhere
+        assert set(_judged(r)[2]) == {r["label"]}
 
 
 def test_held_out_tasks_are_refused_before_anything_is_sampled(model):
@@ -86,8 +96,9 @@ def test_sampled_records_label_real_policy_samples(tmp_path):
     params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=0)
     records, counts = sampled_records(engine, tok, tasks, 4, params)
     assert counts["tasks"] == 3 and counts["samples"] == 12
-    assert 1 <= counts["outcome_records"] <= 12 and counts["correct_samples"] == 0
+    assert 1 <= counts["completions"] == len(records) <= 12 and counts["correct_samples"] == 0
     assert all(r["label"] == "no" for r in records)  # a random model answers nothing right
+    assert counts["lines"] >= len(records) and counts["yes_lines"] <= counts["lines"]
     path = write_records(records, tmp_path / "v.jsonl")
     assert [json.loads(line) for line in path.read_text().splitlines()] == records
     with pytest.raises(ConfigError, match=".jsonl"):
@@ -99,7 +110,7 @@ def separable_records() -> list[dict]:
     against a bare guess with no reasoning (wrong)."""
     tasks = generate_tasks(["add", "count"], "train", 30, 0)
     samples = [[t.solution, "Answer: 0" if t.answer != "0" else "Answer: 1"] for t in tasks]
-    records = label_samples(tasks, samples, prefixes=False)
+    records = label_samples(tasks, samples)
     assert sum(r["label"] == "yes" for r in records) == 30
     return records
 
@@ -112,7 +123,8 @@ def assert_ranks_right_above_wrong(verifier: Verifier) -> None:
 
 def test_ftlm_sft_on_checker_labels_trains_a_verifier_that_ranks_right_above_wrong(tmp_path, demo_data):
     """The route of `ftlm verifier train` after sampling: `ftlm sft` (one group, the real
-    trainer) on checker-labelled records, a 1-layer model for 20 steps; then P(yes) on held-out
+    trainer) on checker-labelled records, a 1-layer model for 60 steps (at 20 it still
+    answers the base rate of yes lines everywhere); then P(yes) on held-out
     tasks. Seconds of CPU; most of the wall time is importing the trainer."""
     from ftlm.config import load_config
     from ftlm.infer.load import load_run
@@ -124,7 +136,7 @@ def test_ftlm_sft_on_checker_labels_trains_a_verifier_that_ranks_right_above_wro
         "model.dim=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
         "model.ffn_dim=64", "model.max_seq_len=256", "data.seq_len=256", "data.eval_samples=0",
         "train.eval_every=0",
-        "train.steps=20", "train.batch_size=4", "train.lr=1e-2", "train.warmup_steps=2",
+        "train.steps=60", "train.batch_size=4", "train.lr=1e-2", "train.warmup_steps=2",
         "observe.progress=false"])
     run.run("sft", config)
     loaded = load_run(tmp_path / "verifier", device="cpu")

@@ -211,13 +211,13 @@ def _sample_verifier_data(args: argparse.Namespace, policy_path: str, families: 
                             seed=args.seed, stop_ids=chat_stop_ids(tok))
     tasks = generate_tasks(families, "train", args.n, args.seed)
     return sampled_records(engine, tok, tasks, args.samples, params,
-                           prefixes=not args.no_prefixes, seed=args.seed)
+                           process=not args.outcome_labels, seed=args.seed)
 
 
 def _counts_line(c: dict) -> str:
     return (f"{c['samples']} samples of {c['tasks']} train tasks, {c['correct_samples']} correct; "
-            f"{c['outcome_records']} distinct completions + {c['prefix_records']} line prefixes "
-            f"labelled ({c['yes_records']} yes)")
+            f"{c['completions']} distinct completions, {c['lines']} lines labelled "
+            f"({c['yes_lines']} yes)")
 
 
 def cmd_verifier_train(args: argparse.Namespace) -> int:
@@ -306,8 +306,9 @@ def _add_verifier_data_args(p: argparse.ArgumentParser, families: str = "add,mod
     p.add_argument("--device", default="cpu", help="device of the policy (default cpu)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads while sampling (default 1; 0: torch's default)")
-    p.add_argument("--no-prefixes", action="store_true",
-                   help="label whole samples only (no line prefixes: no process scores)")
+    p.add_argument("--outcome-labels", action="store_true",
+                   help="label every line with the sample's outcome instead of its own check "
+                        "(the ablation of the process labels)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

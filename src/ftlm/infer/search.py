@@ -17,7 +17,7 @@ prefix cache between sequences) plus the tokens it generated; the scorer's cost 
 (it sees every ``(prompt, partial)`` pair it is asked about).
 
 Not responsible for: the scorer (``ftlm.infer.verifier.Verifier.probabilities`` is one; its
-training data with line prefixes is ``ftlm.infer.verifier_data``), sampling, or outcome-only
+line-labelled training data is ``ftlm.infer.verifier_data``), sampling, or outcome-only
 strategies (``ftlm.infer.strategies``).
 """
 

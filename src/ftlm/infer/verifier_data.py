@@ -1,14 +1,18 @@
-"""Verifier training data from the policy's own samples, labelled by the exact task checkers.
+"""Verifier training data from the policy's own samples, labelled line by line by exact checks.
 
 Responsible for:
 
-* ``label_samples``: the (pure) labelling of sampled completions of training tasks: each distinct
-  completion of a task is a conversation "task + proposed solution -> ``yes``/``no``", the label
-  being ``ftlm.tasks.check`` of that completion (an outcome label), and, with ``prefixes``, every
-  line-prefix of its reasoning labelled with the same final outcome (the value of the partial
-  solution under the policy, as an outcome-supervised value model is trained), which is what lets
-  one verifier serve both as an outcome scorer (best-of-N) and as a process scorer (step-level
-  beam search, ``ftlm.infer.search``);
+* ``line_labels``: the (pure) labels of the lines of one completion of a task. A reasoning line
+  is right when it is the reference solution's line at the same place: the suite's families have
+  one deterministic worked solution, so a line that differs from it is a wrong step (a miscopied
+  digit, a wrong sum, a wrong quotient). The answer line is right when ``ftlm.tasks.check``
+  accepts the completion (the outcome). These are process labels: each says whether *its* line
+  is right, which a small model can learn from the line and the prompt alone, where the outcome
+  of a whole sample (one bit per sample) gave it nothing to learn from (BENCHMARKS.md);
+* ``label_samples``: each distinct sampled completion of a training task as one conversation of
+  ``ftlm.infer.verifier.verification_messages`` with those labels as its verdicts; with
+  ``process=False`` every line carries the completion's outcome instead (outcome supervision of
+  every prefix, the value of the partial solution under the policy: the ablation);
 * ``sampled_records``: sampling those completions from a policy through the engine (the same
   chat prompt ``ftlm generate --chat`` uses) and labelling them;
 * the split rule: every task must be of the suite's ``train`` split (a held-out task raises), so a
@@ -27,8 +31,16 @@ from collections.abc import Sequence
 
 from ftlm.errors import ConfigError
 from ftlm.infer.strategies import Candidate
-from ftlm.infer.verifier import NO, YES, verification_messages, write_records  # noqa: F401 - re-exported
+from ftlm.infer.verifier import (  # noqa: F401 - write_records is re-exported
+    NO,
+    YES,
+    solution_lines,
+    verification_messages,
+    write_records,
+)
 from ftlm.tasks import Task, check
+
+ANSWER = "Answer:"
 
 
 def check_train_split(tasks: Sequence[Task]) -> None:
@@ -40,53 +52,51 @@ def check_train_split(tasks: Sequence[Task]) -> None:
                           "(ftlm.tasks.generate(..., 'train', ...))")
 
 
-def line_prefixes(completion: str) -> list[str]:
-    """The proper prefixes of ``completion`` that end at a line break (the reasoning steps)."""
-    cuts = [i + 1 for i, ch in enumerate(completion) if ch == "\n" and i + 1 < len(completion)]
-    return [completion[:i] for i in cuts]
+def line_labels(task: Task, completion: str) -> list[bool]:
+    """Whether each line of ``solution_lines(completion)`` is right (see the module docstring)."""
+    reference = [line.strip() for line in solution_lines(task.solution)]
+    correct = check(task, completion)
+    return [correct if line.strip().startswith(ANSWER)
+            else i < len(reference) and line.strip() == reference[i]
+            for i, line in enumerate(solution_lines(completion))]
 
 
-def _record(task: Task, completion: str, correct: bool, kind: str) -> dict:
-    label = YES if correct else NO
-    return {"messages": verification_messages(task.prompt, completion)
-            + [{"role": "assistant", "content": label}],
-            "family": task.family, "label": label, "kind": kind}
+def _record(task: Task, completion: str, correct: bool, verdicts: list[bool]) -> dict:
+    return {"messages": verification_messages(task.prompt, completion,
+                                              [YES if v else NO for v in verdicts]),
+            "family": task.family, "label": YES if correct else NO}
 
 
 def label_samples(tasks: Sequence[Task], samples: Sequence[Sequence[str]],
-                  prefixes: bool = True, seed: int = 0) -> list[dict]:
+                  process: bool = True, seed: int = 0) -> list[dict]:
     """Labelled conversations of ``samples[i]`` (completion texts) of ``tasks[i]``, shuffled.
 
     The order is shuffled with ``seed`` (``ftlm sft`` reads a file in order). Duplicate
     completions of one task count once (a policy repeats its likely answers; the verifier should
-    not learn their frequency). A prefix shared by several completions of a task is kept once
-    per label it received: once when they all end alike, twice (yes and no) when they do not.
+    not learn their frequency). ``label`` is the outcome (``check``); the verdicts are
+    ``line_labels`` (``process=False``: the outcome on every line).
     """
     if len(tasks) != len(samples):
         raise ConfigError(f"{len(samples)} sample lists for {len(tasks)} tasks")
     check_train_split(tasks)
-    records: list[dict] = []
+    records = []
     for task, texts in zip(tasks, samples):
-        seen: set[tuple[str, bool]] = set()
         for text in dict.fromkeys(texts):
             correct = check(task, text)
-            records.append(_record(task, text, correct, "outcome"))
-            if not prefixes:
-                continue
-            for prefix in line_prefixes(text):
-                if (prefix, correct) not in seen:
-                    seen.add((prefix, correct))
-                    records.append(_record(task, prefix, correct, "prefix"))
+            verdicts = (line_labels(task, text) if process
+                        else [correct] * len(solution_lines(text)))
+            records.append(_record(task, text, correct, verdicts))
     random.Random(seed).shuffle(records)
     return records
 
 
 def sampled_records(engine, codec, tasks: Sequence[Task], samples: int, params,
-                    prefixes: bool = True, seed: int = 0) -> tuple[list[dict], dict[str, int]]:
+                    process: bool = True, seed: int = 0) -> tuple[list[dict], dict[str, int]]:
     """Sample ``samples`` completions per task from ``engine``'s policy and label them.
 
     ``codec`` is the policy's tokenizer (the chat template of ``ftlm.post.chat`` is applied);
-    returns the records and counts (tasks, samples, correct samples, records by kind).
+    returns the records and counts (tasks, samples, correct samples, distinct completions,
+    labelled lines, lines labelled yes).
     """
     from ftlm.infer.chat import render_chat
     from ftlm.infer.strategies import sample_candidates
@@ -94,10 +104,10 @@ def sampled_records(engine, codec, tasks: Sequence[Task], samples: int, params,
     prompts = [render_chat([{"role": "user", "content": t.prompt}], codec) for t in tasks]
     pools: list[list[Candidate]] = sample_candidates(engine, codec, prompts, samples, params)
     texts = [[c.text for c in pool] for pool in pools]
-    records = label_samples(tasks, texts, prefixes, seed)
+    records = label_samples(tasks, texts, process, seed)
+    verdicts = [m["content"] for r in records for m in r["messages"] if m["role"] == "assistant"]
     counts = {"tasks": len(tasks), "samples": len(tasks) * samples,
               "correct_samples": sum(check(t, x) for t, row in zip(tasks, texts) for x in row),
-              "outcome_records": sum(r["kind"] == "outcome" for r in records),
-              "prefix_records": sum(r["kind"] == "prefix" for r in records),
-              "yes_records": sum(r["label"] == YES for r in records)}
+              "completions": len(records), "lines": len(verdicts),
+              "yes_lines": verdicts.count(YES)}
     return records, counts

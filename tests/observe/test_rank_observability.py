@@ -23,7 +23,7 @@ from ftlm.observe.metrics import (
     start_rank_metrics,
 )
 from ftlm.observe.summary import build_summary
-from ftlm.observe.tracing import NullTracer, StepTracer, make_tracer
+from ftlm.observe.tracing import SPAN_NAMES, NullTracer, StepTracer, make_tracer
 
 
 def fake_nvml(temperature: int = 71, power_mw: int = 312_000, util: int = 87,
@@ -251,11 +251,11 @@ def test_a_step_is_one_span_with_its_quorum_and_allreduce_as_children() -> None:
     by_name: dict[str, list] = {}
     for s in spans:
         by_name.setdefault(s.name, []).append(s)
-    assert sorted(by_name) == ["allreduce", "checkpoint", "quorum", "recovery", "step"]
+    assert sorted(by_name) == ["allreduce", "checkpoint", "quorum", "recovery", "replay", "step", "transfer"]
     ok, failed = sorted(by_name["step"], key=lambda s: s.start_time)
     assert ok.attributes["step"] == 41 and ok.attributes["outcome"] == "commit"
     assert failed.attributes["step"] == 42 and failed.status.status_code == StatusCode.ERROR
-    children = [s for s in spans if s.parent is not None]
+    children = [s for s in spans if s.parent is not None and s.name in ("quorum", "allreduce")]
     assert {(s.name, s.parent.span_id) for s in children} == {
         ("quorum", ok.context.span_id), ("allreduce", ok.context.span_id),
         ("quorum", failed.context.span_id)}
@@ -277,3 +277,64 @@ def test_an_unreachable_collector_does_not_hold_up_the_ranks_exit() -> None:
     t0 = time.monotonic()
     tracer.shutdown()
     assert time.monotonic() - t0 < EXPORT_TIMEOUT_SECONDS + 2.0
+
+
+def _spans(run) -> list:
+    """The spans ``run(metrics)`` makes a rank export, through the SDK's in-memory exporter."""
+    pytest.importorskip("opentelemetry.sdk.trace", reason="opentelemetry-sdk is not installed (ftlm[otel])")
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+        InMemorySpanExporter,
+    )
+
+    exporter = InMemorySpanExporter()
+    m = TrainingMetrics("tiny", "g1", 0, tracer=make_tracer(True, "", "tiny", "g1", 0, exporter=exporter))
+    run(m)
+    m.stop()
+    return list(exporter.get_finished_spans())
+
+
+def test_a_step_has_every_phase_the_issue_names_in_order_inside_it() -> None:
+    """Issue 14: a step's spans are quorum wait, forward/backward, all-reduce, vote, commit."""
+    def step(m: TrainingMetrics) -> None:
+        m.on_quorum(quorum_id=2, participants=2, recovering=0, wait_seconds=0.01)
+        with m.phase("forward_backward"):
+            time.sleep(0.02)  # the phase's own duration is what the span must show
+        m.on_allreduce(0.005, nbytes=4096)
+        with m.phase("vote"):
+            pass
+        with m.phase("commit"):
+            pass
+        m.on_commit(5, loss=1.0, tokens=64, step_seconds=0.1, lr=1e-3)
+
+    spans = _spans(step)
+    (parent,) = [s for s in spans if s.name == "step"]
+    phases = sorted((s for s in spans if s.parent is not None), key=lambda s: s.start_time)
+    assert [s.name for s in phases] == ["quorum", "forward_backward", "allreduce", "vote", "commit"]
+    assert all(s.parent.span_id == parent.context.span_id for s in phases)
+    assert all(parent.start_time <= s.start_time <= s.end_time <= parent.end_time for s in phases)
+    fb = phases[1]
+    assert (fb.end_time - fb.start_time) >= 0.02e9
+    assert {s.name for s in spans} <= set(SPAN_NAMES)
+
+
+def test_a_phase_outside_the_list_is_refused() -> None:
+    with pytest.raises(ValueError, match="forward_backward, vote, commit"), \
+            TrainingMetrics("j", "g0", 0).phase("backward"):
+        pass
+
+
+def test_a_recovery_is_its_transfer_then_its_replay_and_a_snapshot_is_a_span() -> None:
+    """Issue 14: a recovery's spans are the snapshot (at the source), the transfer, the replay."""
+    def recover(m: TrainingMetrics) -> None:
+        m.on_snapshot(0.25, nbytes=1 << 20)
+        m.on_recovery(seconds=2.0, nbytes=1 << 20, replay_seconds=0.5, source="g0")
+
+    spans = {s.name: s for s in _spans(recover)}
+    recovery, transfer, replay = spans["recovery"], spans["transfer"], spans["replay"]
+    assert recovery.attributes["source"] == "g0" and recovery.attributes["bytes"] == 1 << 20
+    assert transfer.parent.span_id == replay.parent.span_id == recovery.context.span_id
+    assert transfer.start_time == recovery.start_time and replay.end_time == recovery.end_time
+    assert transfer.end_time == replay.start_time
+    assert (transfer.end_time - transfer.start_time) == pytest.approx(2.0e9, rel=1e-6)
+    assert (replay.end_time - replay.start_time) == pytest.approx(0.5e9, rel=1e-6)
+    assert spans["snapshot"].parent is None and spans["snapshot"].attributes["bytes"] == 1 << 20

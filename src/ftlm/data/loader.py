@@ -33,6 +33,7 @@ import torch
 from ftlm.data.manifest import RERUN as _RERUN, read_manifest, shard_path
 from ftlm.data.prepare import TOKENIZER_FILE, sha256_file
 from ftlm.errors import DataError
+from ftlm.observe.iostats import timed_io
 
 _BUSY_WAIT_S = 60.0  # longest wait for the thread's in-flight batch before recomputing it
 
@@ -120,6 +121,7 @@ class PackedDataset:
     def _cached_bytes(self) -> int:
         return sum(a.nbytes for a in self._cache.values())
 
+    @timed_io("data_read", lambda _, self, k: self._files[k].stat().st_size)  # bytes from storage
     def _read_shard(self, k: int) -> np.ndarray:
         file = self._files[k]
         try:

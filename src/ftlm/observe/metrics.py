@@ -4,8 +4,10 @@ Responsible for: the names, types and help texts of all metric families (trainin
 coordinator; dashboards and tests read them from here), recording what the trainer and the FT
 manager report, sampling process and accelerator memory and GPU health (``ftlm.observe.gpu``),
 the families computed when Prometheus scrapes (checkpoint age, free space of the run directory,
-live ETT from ``ftlm.observe.live``), handing the same reports to the rank's OpenTelemetry tracer
-(``ftlm.observe.tracing``), and serving one rank's registry over HTTP.
+live ETT from ``ftlm.observe.live``, the bytes and seconds of snapshot transfers, checkpoint reads
+and data reads from ``ftlm.observe.iostats``), handing the same reports to the rank's
+OpenTelemetry tracer (``ftlm.observe.tracing``: the phases of a step, a recovery's transfer and
+replay, a snapshot), and serving one rank's registry over HTTP.
 
 Not responsible for: deciding when to report (the trainer and manager call the ``on_*`` methods),
 the coordinator's own bookkeeping (``ftlm.ft.coordinator`` fills the coordinator families), or
@@ -25,6 +27,7 @@ renames it ``exported_job`` in favour of the scrape job's name).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
@@ -44,14 +47,15 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ftlm.errors import ConfigError
 from ftlm.observe.config import ObserveConfig
 from ftlm.observe.events import Events
 from ftlm.observe.gpu import cuda_device, gpu_sampler
+from ftlm.observe.iostats import IO_FAMILIES, count_io, io_totals
 from ftlm.observe.live import LiveEtt, WatchedEvents
-from ftlm.observe.tracing import NullTracer, StepTracer, make_tracer
+from ftlm.observe.tracing import STEP_PHASES, NullTracer, StepTracer, make_tracer
 
 log = logging.getLogger(__name__)
 
@@ -93,12 +97,14 @@ TRAINING_METRICS: dict[str, tuple[str, str]] = {
     "ftlm_ft_recovery_bytes_total": ("counter", "Bytes of state received while recovering"),
     "ftlm_ft_catchup_lag_steps": ("gauge", "Steps this group is behind the participants"),
     "ftlm_ft_stall_seconds": ("histogram", "Stall per failure or rejoin as seen by this group"),
+    "ftlm_ft_snapshot_seconds": ("histogram", "Seconds to copy the state into a snapshot a recovering peer can fetch"),
     "ftlm_checkpoint_write_seconds": ("histogram", "Seconds to write one durable checkpoint (save to marker)"),
     "ftlm_checkpoint_written_bytes_total": ("counter", "Bytes of durable checkpoints this rank wrote"),
     "ftlm_checkpoint_last_saved_timestamp_seconds": ("gauge", "Unix time of the newest durable checkpoint"),
     "ftlm_checkpoint_age_seconds": ("gauge", "Seconds since the newest durable checkpoint"),
     "ftlm_run_dir_free_bytes": ("gauge", "Free bytes on the file system of the run directory"),
     "ftlm_train_ett_ratio": ("gauge", "Effective training time so far as this group saw it, as summary.json computes it (0..1)"),
+    **{name: ("counter", help_text) for name, (_, _, help_text) in IO_FAMILIES.items()},
 }
 
 LAZY = frozenset(("ftlm_cuda_memory_allocated_bytes", "ftlm_cuda_memory_reserved_bytes",
@@ -108,6 +114,11 @@ LAZY = frozenset(("ftlm_cuda_memory_allocated_bytes", "ftlm_cuda_memory_reserved
 AT_SCRAPE = ("ftlm_checkpoint_last_saved_timestamp_seconds", "ftlm_checkpoint_age_seconds",
              "ftlm_run_dir_free_bytes", "ftlm_train_ett_ratio")
 """Families computed when Prometheus scrapes (``_ScrapeTimeCollector``), each exported once known."""
+IO_COUNTERS = tuple(IO_FAMILIES)
+"""Counters read from the process's ``ftlm.observe.iostats`` tally when Prometheus scrapes
+(always exported, 0 until something moved)."""
+TRANSFER_DIRECTIONS = ("received", "sent")
+"""``on_transfer`` directions: a snapshot fetched from a peer, or served to one."""
 CHECKPOINT_MARKER = "COMPLETE"
 """The file that makes a checkpoint directory valid (``ftlm.train.checkpoint.MARKER``; observe may
 not import train): its modification time is the checkpoint's time."""
@@ -180,9 +191,10 @@ class TrainingMetrics:
         buckets = {"ftlm_train_step_duration_seconds": STEP_BUCKETS,
                    "ftlm_ft_recovery_duration_seconds": RECOVERY_BUCKETS,
                    "ftlm_ft_stall_seconds": RECOVERY_BUCKETS,
+                   "ftlm_ft_snapshot_seconds": RECOVERY_BUCKETS,
                    "ftlm_checkpoint_write_seconds": CHECKPOINT_BUCKETS}
         self._families = {name: make_metric(name, self.registry, LABELS, buckets.get(name, WAIT_BUCKETS))
-                          for name in TRAINING_METRICS if name not in AT_SCRAPE}
+                          for name in TRAINING_METRICS if name not in AT_SCRAPE + IO_COUNTERS}
         # One child per family: the label values are fixed for the life of this exporter. The
         # LAZY families get theirs on their first value (see _set).
         self._m: dict[str, Any] = {name: family.labels(*self._values)
@@ -275,6 +287,19 @@ class TrainingMetrics:
         """The held-out loss of the model just evaluated (ftlm.train.evaluate)."""
         self._m["ftlm_eval_loss"].set(loss)
 
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the body as phase ``name`` of the current step (``STEP_PHASES``: forward_backward,
+        vote, commit); its span is exported with the step. Wraps the trainer's own lines:
+        ``with metrics.phase("forward_backward"): loss = ...``."""
+        if name not in STEP_PHASES:
+            raise ValueError(f"phase name={name!r} is not one of {', '.join(STEP_PHASES)}")
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.tracer.phase(name, time.monotonic() - t0)
+
     # ---------------------------------------------------------------------- fault tolerance
 
     def on_quorum(self, quorum_id: int, participants: int, recovering: int, wait_seconds: float) -> None:
@@ -293,12 +318,33 @@ class TrainingMetrics:
         self._m["ftlm_ft_allreduce_bytes_total"].inc(max(nbytes, 0))
         self.tracer.phase("allreduce", seconds, bytes=max(nbytes, 0))
 
-    def on_recovery(self, seconds: float, nbytes: int) -> None:
-        """A recovery from a healthy peer completed, receiving ``nbytes`` in ``seconds``."""
+    def on_recovery(self, seconds: float, nbytes: int, replay_seconds: float = 0.0,
+                    source: str = "") -> None:
+        """A recovery from a healthy peer (``source``) completed: ``nbytes`` of its snapshot
+        arrived ``seconds`` after the fetch started, then the buffered updates were replayed in
+        ``replay_seconds``. Its span has the ``transfer`` and ``replay`` spans as children."""
+        seconds, replay_seconds = max(seconds, 0.0), max(replay_seconds, 0.0)
         self._m["ftlm_ft_recoveries_total"].inc()
-        self._m["ftlm_ft_recovery_duration_seconds"].observe(max(seconds, 0.0))
+        self._m["ftlm_ft_recovery_duration_seconds"].observe(seconds + replay_seconds)
         self._m["ftlm_ft_recovery_bytes_total"].inc(max(nbytes, 0))
-        self.tracer.span("recovery", seconds, bytes=max(nbytes, 0))
+        self.tracer.span("recovery", seconds + replay_seconds,
+                         children=(("transfer", seconds), ("replay", replay_seconds)),
+                         bytes=max(nbytes, 0), source=source)
+
+    def on_transfer(self, direction: str, nbytes: int, seconds: float, peer: str = "") -> None:
+        """A snapshot transfer ended: ``nbytes`` ``received`` from or ``sent`` to ``peer`` in
+        ``seconds`` (the process's ``iostats`` tally, exported as
+        ``ftlm_ft_transfer_{direction}_{bytes,seconds}_total``; the peer is not a label)."""
+        if direction not in TRANSFER_DIRECTIONS:
+            raise ValueError(f"on_transfer direction={direction!r} is not one of "
+                             f"{', '.join(TRANSFER_DIRECTIONS)}")
+        count_io(f"transfer_{direction}", nbytes, seconds)
+
+    def on_snapshot(self, seconds: float, nbytes: int) -> None:
+        """This group copied ``nbytes`` of its state into a snapshot for a recovering peer in
+        ``seconds`` (a helper thread, overlapping a step: a span of its own, not a step phase)."""
+        self._m["ftlm_ft_snapshot_seconds"].observe(max(seconds, 0.0))
+        self.tracer.span("snapshot", seconds, bytes=max(nbytes, 0))
 
     def on_catchup_lag(self, steps: int) -> None:
         self._m["ftlm_ft_catchup_lag_steps"].set(max(steps, 0))
@@ -356,6 +402,13 @@ class TrainingMetrics:
             got["ftlm_train_ett_ratio"] = ett
         return got
 
+    @staticmethod
+    def io_counters() -> dict[str, float]:
+        """The ``IO_COUNTERS`` families now, by name (the process's ``iostats`` tally)."""
+        totals = io_totals()
+        return {name: float(totals[kind][0 if unit == "bytes" else 1])
+                for name, (kind, unit, _) in IO_FAMILIES.items()}
+
     # -------------------------------------------------------------------------------- memory
 
     def sample_memory(self) -> dict[str, float]:
@@ -385,16 +438,24 @@ class _ScrapeTimeCollector:
     def __init__(self, metrics: TrainingMetrics) -> None:
         self.metrics = metrics
 
-    def describe(self) -> list[GaugeMetricFamily]:
-        return [GaugeMetricFamily(name, TRAINING_METRICS[name][1], labels=LABELS) for name in AT_SCRAPE]
+    def describe(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
+        return ([GaugeMetricFamily(name, TRAINING_METRICS[name][1], labels=LABELS) for name in AT_SCRAPE]
+                + [CounterMetricFamily(name.removesuffix("_total"), TRAINING_METRICS[name][1], labels=LABELS)
+                   for name in IO_COUNTERS])
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         values = self.metrics.at_scrape()
+        labels = list(self.metrics._values)
         for name in AT_SCRAPE:
             if name in values:
                 family = GaugeMetricFamily(name, TRAINING_METRICS[name][1], labels=LABELS)
-                family.add_metric(list(self.metrics._values), values[name])
+                family.add_metric(labels, values[name])
                 yield family
+        for name, value in self.metrics.io_counters().items():
+            counter = CounterMetricFamily(name.removesuffix("_total"), TRAINING_METRICS[name][1],
+                                          labels=LABELS)
+            counter.add_metric(labels, value)
+            yield counter
 
 
 class NullMetrics:
@@ -419,13 +480,24 @@ class NullMetrics:
     def on_eval(self, loss: float) -> None:
         pass
 
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        yield
+
     def on_quorum(self, quorum_id: int, participants: int, recovering: int, wait_seconds: float) -> None:
         pass
 
     def on_allreduce(self, seconds: float, nbytes: int = 0) -> None:
         pass
 
-    def on_recovery(self, seconds: float, nbytes: int) -> None:
+    def on_recovery(self, seconds: float, nbytes: int, replay_seconds: float = 0.0,
+                    source: str = "") -> None:
+        pass
+
+    def on_transfer(self, direction: str, nbytes: int, seconds: float, peer: str = "") -> None:
+        pass
+
+    def on_snapshot(self, seconds: float, nbytes: int) -> None:
         pass
 
     def on_catchup_lag(self, steps: int) -> None:
@@ -444,6 +516,10 @@ class NullMetrics:
         return events
 
     def at_scrape(self) -> dict[str, float]:
+        return {}
+
+    @staticmethod
+    def io_counters() -> dict[str, float]:
         return {}
 
     def sample_memory(self) -> dict[str, float]:

@@ -4,8 +4,9 @@ A rank reports each phase to its metrics once the phase is over (``on_quorum`` w
 ``on_allreduce`` with its seconds, ``on_commit``/``on_step_failed`` at the end of the step...).
 ``StepTracer`` turns those reports into spans with their real start and end times: the phases
 of a step are held until the step ends, then exported as children of one ``step`` span
-(``quorum``, ``allreduce``), with ``step``, ``quorum_id``, ``outcome`` attributes; a recovery and
-a durable checkpoint are spans of their own. Nothing on the training path waits for an exporter
+(``quorum``, ``forward_backward``, ``allreduce``, ``vote``, ``commit``), with ``step``,
+``quorum_id``, ``outcome`` attributes; a recovery (children ``transfer`` and ``replay``), a
+snapshot copied for a recovering peer and a durable checkpoint are spans of their own. Nothing on the training path waits for an exporter
 (a ``BatchSpanProcessor`` ships spans from its own thread).
 
 Optional: ``opentelemetry-sdk`` and ``opentelemetry-exporter-otlp-proto-http`` (the ``otel``
@@ -27,8 +28,13 @@ from ftlm.errors import ConfigError
 
 EXPORT_TIMEOUT_SECONDS = 3.0
 """Most seconds one OTLP export (retries included) may take; spans that miss it are dropped."""
-SPAN_NAMES = ("step", "quorum", "allreduce", "checkpoint", "recovery")
-"""Every span a rank exports (``catch-up`` is the ``recovery`` span: fetch, verify and replay)."""
+STEP_PHASES = ("forward_backward", "vote", "commit")
+"""Phases of a step the trainer times itself (``TrainingMetrics.phase``); the quorum wait and the
+all-reduce come from the FT manager's reports (``on_quorum``, ``on_allreduce``)."""
+SPAN_NAMES = ("step", "quorum", "forward_backward", "allreduce", "vote", "commit", "recovery",
+              "transfer", "replay", "snapshot", "checkpoint")
+"""Every span a rank exports (a catch-up is the ``recovery`` span: its ``transfer`` of the peer's
+snapshot, then the ``replay`` of the buffered updates; the peer's copy is its ``snapshot`` span)."""
 
 
 class NullTracer:
@@ -40,7 +46,8 @@ class NullTracer:
     def end_step(self, step: int, seconds: float, outcome: str, **attributes: Any) -> None:
         pass
 
-    def span(self, name: str, seconds: float, **attributes: Any) -> None:
+    def span(self, name: str, seconds: float, children: tuple[tuple[str, float], ...] = (),
+             **attributes: Any) -> None:
         pass
 
     def shutdown(self) -> None:
@@ -86,10 +93,22 @@ class StepTracer:
             parent.set_status(trace.Status(trace.StatusCode.ERROR, outcome))
         parent.end(end_time=end)
 
-    def span(self, name: str, seconds: float, **attributes: Any) -> None:
-        """A span of its own (``recovery``, ``checkpoint``) that just ended after ``seconds``."""
+    def span(self, name: str, seconds: float, children: tuple[tuple[str, float], ...] = (),
+             **attributes: Any) -> None:
+        """A span of its own (``recovery``, ``snapshot``, ``checkpoint``) that just ended after
+        ``seconds``; ``children`` are ``(name, seconds)`` parts of it, one after the other, the
+        last ending with it (a recovery: its transfer, then its replay)."""
+        from opentelemetry import trace
+
         start, end = self._window(seconds)
-        self.tracer.start_span(name, start_time=start, attributes=attributes).end(end_time=end)
+        parent = self.tracer.start_span(name, start_time=start, attributes=attributes)
+        context = trace.set_span_in_context(parent)
+        at = end - sum(int(max(s, 0.0) * 1e9) for _, s in children)
+        for child, child_seconds in children:
+            length = int(max(child_seconds, 0.0) * 1e9)
+            self.tracer.start_span(child, context=context, start_time=at).end(end_time=at + length)
+            at += length
+        parent.end(end_time=end)
 
     def shutdown(self) -> None:
         """Flush what is queued and stop the exporter (bounded by the SDK's own timeouts)."""

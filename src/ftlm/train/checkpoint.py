@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ftlm.errors import CheckpointError
+from ftlm.observe.iostats import timed_io
 from ftlm.train.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -412,6 +413,7 @@ def verify(path: Path, key: bytes | None = None, share: tuple[int, int] = (0, 1)
     return Verified(path, manifest["step"], manifest, metadata)
 
 
+@timed_io("checkpoint_read", lambda _, ckpt, *a, **k: sum(f["size"] for f in ckpt.manifest["files"].values()))
 def load_verified(checkpoint: Verified, state_dict: dict[str, Any],
                   process_group: Any = None) -> None:
     """Load a verified checkpoint into ``state_dict`` (DCP semantics: in place, collective)."""

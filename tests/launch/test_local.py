@@ -203,6 +203,40 @@ def test_exits_caused_by_chaos_or_after_progress_are_not_a_crash_loop(launcher):
     assert causes == ["crash", "chaos", "crash", "chaos", "crash"]
 
 
+def _result_line(g: GroupProcess, step: int) -> str:
+    return f"echo 'FTLM_RESULT {{\"step\": {step}, \"state_hash\": \"h\", \"incarnation\": \"{g.incarnation}\"}}'"
+
+
+def test_group_stopped_by_sigterm_before_the_end_restarts_as_a_preempted_pod_would(launcher):
+    """Issue 14: a SIGTERM (spot reclaim, drain) makes a group leave and exit 0 before the last
+    step; the launcher brings it back as a new incarnation (a replaced pod, a requeued job)
+    instead of counting it finished, and it is no crash."""
+    g = launcher.groups[1]
+    g.incarnation = "inc0"
+    start(launcher, g, _result_line(g, 40))
+    wait_exit(g)
+    now = time.time()
+    launcher._reap(launcher.events, now)
+    assert not g.finished and g.restart_at == pytest.approx(now + launcher.config.ft.restart_delay)
+    (exit_event,) = kinds(launcher, "group_exit")
+    assert exit_event["ok"] is True and exit_event["preempted"] is True and exit_event["final_step"] == 40
+    assert launcher.fatal == "" and g.crash_times == []
+
+
+def test_group_that_reached_the_last_step_or_its_time_limit_finishes(launcher):
+    g0, g1 = launcher.groups[:2]
+    g0.incarnation = "inc0"
+    start(launcher, g0, _result_line(g0, 100))  # train.steps
+    launcher.config.train.max_seconds = 0.5
+    g1.incarnation = "inc0"
+    start(launcher, g1, "sleep 0.6; " + _result_line(g1, 40))  # stopped by train.max_seconds
+    wait_exit(g0)
+    wait_exit(g1)
+    launcher._reap(launcher.events, time.time())
+    assert g0.finished and g1.finished and g0.restart_at is None and g1.restart_at is None
+    assert not any(e.get("preempted") for e in kinds(launcher, "group_exit"))
+
+
 # -- chaos ----------------------------------------------------------------------------------------
 
 def test_chaos_stops_once_a_group_reached_the_last_step(launcher):

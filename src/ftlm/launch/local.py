@@ -4,7 +4,9 @@ It starts the coordinator as its own process (``ftlm coordinator``, restarted on
 when it dies, by a warm standby that takes over at once: ``ftlm.launch.coordinator_process``)
 and each group as ``ftlm train`` processes (one per rank) with the environment of DESIGN.md
 section 10. It restarts a group whose process exits as a new incarnation and reports
-the death to the coordinator (``POST /v1/dead``); kills a group that is hung so that it restarts:
+the death to the coordinator (``POST /v1/dead``); restarts a group stopped from outside before the
+last step (a SIGTERM, as a spot reclaim sends: it left the quorum and exited 0) as a preempted
+pod or a requeued Slurm job comes back; kills a group that is hung so that it restarts:
 one that never registered within ``ft.startup_timeout``, one whose heartbeat stopped, one the
 coordinator declared dead (it made no progress); stops the launch with the group's own error when
 a group cannot start (exit status 2 before registering) or crash-loops (``ft.crash_loop_*``);
@@ -377,6 +379,14 @@ class LocalLauncher:
             if not failed:
                 if all(c == 0 for c in codes):
                     results = self._results(g)
+                    if results is not None and self._stopped_early(g, results, now):
+                        # Stopped from outside before the end (a SIGTERM: spot reclaim, drain):
+                        # it left the quorum and exited 0; it comes back as a new incarnation,
+                        # as a preempted pod or a requeued Slurm job does. Not a crash.
+                        events.emit("group_exit", step=-1, target=g.name, ok=True, preempted=True,
+                                    incarnation=g.incarnation, final_step=results["step"])
+                        g.restart_at = now + self.config.ft.restart_delay
+                        continue
                     if results is not None:
                         g.finished, g.result = True, results
                         events.emit("group_exit", step=-1, target=g.name, ok=True,
@@ -398,6 +408,15 @@ class LocalLauncher:
             if cause not in ("chaos", "hung"):
                 self._check_start(g, code, now)
             g.restart_at = now + self.config.ft.restart_delay
+
+    def _stopped_early(self, g: GroupProcess, results: dict, now: float) -> bool:
+        """Whether a group that exited 0 with its final result stopped before the job's last step
+        on a SIGTERM from outside (to be restarted), rather than at the end of its run (the last
+        step, or ``train.max_seconds`` of its own training)."""
+        tc = self.config.train
+        if self._stop.is_set() or results["step"] >= tc.steps:
+            return False
+        return not (tc.max_seconds and now - g.started >= tc.max_seconds)
 
     def _check_start(self, g: GroupProcess, code: int, now: float) -> None:
         """Stop the launch when a group cannot start: the CLI's one-line error (status 2) before

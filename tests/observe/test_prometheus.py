@@ -235,6 +235,11 @@ def test_grafana_dashboard_queries_only_exported_metrics() -> None:
                    "ftlm_process_resident_memory_bytes", "ftlm_gpu_utilization_ratio",
                    # issue 14: live ETT, checkpoint age, GPU health, network and storage
                    "ftlm_train_ett_ratio", "ftlm_checkpoint_age_seconds", "ftlm_gpu_temperature_celsius",
-                   "ftlm_ft_allreduce_bytes_total", "ftlm_checkpoint_write_seconds", "ftlm_run_dir_free_bytes"):
+                   "ftlm_ft_allreduce_bytes_total", "ftlm_checkpoint_write_seconds", "ftlm_run_dir_free_bytes",
+                   # and GB/s of every state transfer and storage read (bytes over seconds)
+                   "ftlm_ft_transfer_received_bytes_total", "ftlm_ft_transfer_received_seconds_total",
+                   "ftlm_ft_transfer_sent_bytes_total", "ftlm_ft_transfer_sent_seconds_total",
+                   "ftlm_checkpoint_read_bytes_total", "ftlm_checkpoint_read_seconds_total",
+                   "ftlm_data_read_bytes_total", "ftlm_data_read_seconds_total"):
         assert needed in used, needed
     assert used <= set(TRAINING_METRICS) | set(COORDINATOR_METRICS)

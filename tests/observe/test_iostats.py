@@ -46,6 +46,7 @@ def test_timed_io_counts_a_call_with_its_size_and_not_a_call_that_raises() -> No
         read(-1)
     grown_bytes, grown_seconds = _grew(before, "data_read")
     assert grown_bytes == 300 and grown_seconds >= 0
+    assert read(0) == b"" and _grew(before, "data_read") == (grown_bytes, grown_seconds)  # moved nothing
     assert read.__name__ == "read"
 
 

@@ -72,14 +72,18 @@ def io_totals() -> dict[str, tuple[int, float]]:
 
 def timed_io(kind: str, size: Callable[..., int]) -> Callable[[F], F]:
     """Decorator: count each successful call of the function as ``kind``, with its wall time
-    and ``size(result, *args, **kwargs)`` bytes (a call that raises counts nothing)."""
+    and ``size(result, *args, **kwargs)`` bytes. A call that raises, or whose size is 0 (it
+    moved nothing of this kind, e.g. a server's small JSON answer), counts nothing: its seconds
+    would only dilute the rate."""
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             result = fn(*args, **kwargs)
             seconds = time.perf_counter() - t0
-            count_io(kind, size(result, *args, **kwargs), seconds)
+            nbytes = size(result, *args, **kwargs)
+            if nbytes > 0:
+                count_io(kind, nbytes, seconds)
             return result
         return timed  # type: ignore[return-value]
     return wrap

@@ -126,20 +126,24 @@ def _auc(right: list[float], wrong: list[float]) -> float:
     return wins / (len(right) * len(wrong)) if right and wrong else float("nan")
 
 
-def verifier_auc(tasks, pools, verifier) -> tuple[float, float]:
-    """How well the verifier's P(yes) separates correct from wrong samples (0.5: not at all):
+def verifier_auc(tasks, pools, verifier) -> tuple[float, float, float]:
+    """How well the verifier's score separates correct from wrong samples (0.5: not at all):
     pooled over all tasks, and within a task (the mean over tasks with both kinds), which is
-    what picking among one task's samples needs."""
-    right, wrong, within = [], [], []
+    what picking among one task's samples needs; and the median spread (max - min) of the scores
+    of one task's samples. A spread near 0 is a verifier that answers the same for every sample
+    of a task (the outcome-labelled verifier's was ~1e-4: its within-task AUC was tie noise)."""
+    right, wrong, within, spread = [], [], [], []
     for task, pool in zip(tasks, pools):
         scored = [(check(task, c.text), verifier(task.prompt, c)) for c in pool]
         r = [p for ok, p in scored if ok]
         w = [p for ok, p in scored if not ok]
         right += r
         wrong += w
+        spread.append(max(p for _, p in scored) - min(p for _, p in scored))
         if r and w:
             within.append(_auc(r, w))
-    return _auc(right, wrong), statistics.fmean(within) if within else float("nan")
+    return (_auc(right, wrong), statistics.fmean(within) if within else float("nan"),
+            statistics.median(spread))
 
 
 def evaluate_beam(engine, tok, tasks, chat, ns, width, params, policy_params, verifier,
@@ -408,9 +412,10 @@ def report(data: dict, note: str, figure: Path) -> str:
             + f"; {meta['tasks']} held-out tasks ({meta['families']}), {meta['seeds']} seeds, "
               f"temperature {meta['temperature']}, up to {meta['max_new_tokens']} new tokens. "
               f"Took {seconds:.0f} s. Plot: `bench/results/{figure.name}`\n"
-            + (f"* Verifier AUC, P(yes) of the correct vs the wrong samples of the held-out "
-               f"tasks (0.5: chance), per seed, pooled / within a task: "
-               f"{'; '.join(f'{a:.3f} / {b:.3f}' for a, b in meta['verifier_auc'])}\n"
+            + (f"* Verifier AUC, its score of the correct vs the wrong samples of the held-out "
+               f"tasks (0.5: chance), per seed, pooled / within a task / median spread of one "
+               f"task's scores: "
+               f"{'; '.join(' / '.join(f'{x:.3f}' for x in auc) for auc in meta['verifier_auc'])}\n"
                if meta.get("verifier_auc") else "")
             + "\n"
             + table(["strategy", "N", "accuracy (95% CI)", "FLOPs per task"], rows))

@@ -226,8 +226,26 @@ def test_a_body_after_its_headers_is_read_and_answered(coord: Coordinator) -> No
         time.sleep(0.05)
         conn.send(data[cut:])
         assert conn.answer()[0] == 200
+        assert _handed_over(coord) == [False]  # http.client sends every body apart from its headers
     finally:
         conn.close()
+
+
+def test_a_body_that_does_not_follow_its_headers_gets_408_and_the_connection_closes() -> None:
+    c = Coordinator(CoordinatorConfig(token=TOKEN, read_timeout=0.3, tick_interval=0.02))
+    c.start()
+    conn = Conn(c)
+    try:
+        data = _request("/v1/heartbeat", _beat())
+        conn.send(data[:-5])
+        status, headers, body = conn.answer()
+        assert status == 408 and headers["connection"] == "close"
+        assert "not received within 0.3 s" in json.loads(body)["error"]
+        assert conn.closed()
+        wait_until(lambda: c.open_connections == 0)
+    finally:
+        conn.close()
+        c.stop()
 
 
 def test_connection_close_is_honoured(coord: Coordinator) -> None:

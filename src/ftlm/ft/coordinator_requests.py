@@ -106,6 +106,11 @@ def _depth(value: Any) -> int:
     return deepest
 
 
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float,
+                            object_pairs_hook=_no_duplicates)
+"""One strict decoder for every body (``json.loads`` with hooks builds a new one per call)."""
+
+
 def decode_body(raw: bytes) -> Any:
     """Strict JSON of a request body; ``ValueError`` naming the problem otherwise."""
     try:
@@ -113,8 +118,7 @@ def decode_body(raw: bytes) -> Any:
     except UnicodeDecodeError as e:
         raise ValueError(f"body is not UTF-8 (byte {e.start}); send UTF-8 JSON") from None
     try:
-        body = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float,
-                          object_pairs_hook=_no_duplicates)
+        body = _DECODER.decode(text)
     except RecursionError:
         raise ValueError(f"body nests deeper than {MAX_DEPTH} levels") from None
     except ValueError as e:  # JSONDecodeError, the int digit limit and the hooks' own errors

@@ -52,20 +52,29 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
-def _rotate(model: Transformer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``apply_rope`` with a position per token: ``x [B, T, heads, D]``, ``positions [B, T]``.
+def _rope(model: Transformer, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary ``(cos, sin)`` rows of ``positions [B, T]``, flattened to ``[B * T, D / 2]``.
+
+    Looked up once per forward pass and shared by every layer's queries and keys (it was two
+    gathers per layer and projection: per-op overhead is what a small model's decode step pays).
+    """
+    flat = positions.reshape(-1)
+    return model.rope_cos[flat], model.rope_sin[flat]
+
+
+def _rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``apply_rope`` with a position per token: ``x [B, T, heads, D]``, ``rope`` from ``_rope``.
 
     ``apply_rope`` rotates along its time axis; flattening batch and time into that axis lets
     every row carry its own positions.
     """
     batch, seq, heads, dim = x.shape
-    flat = positions.reshape(-1)
-    rotated = apply_rope(x.reshape(1, batch * seq, heads, dim), model.rope_cos[flat],
-                         model.rope_sin[flat])
+    rotated = apply_rope(x.reshape(1, batch * seq, heads, dim), *rope)
     return rotated.view(batch, seq, heads, dim)
 
 
-def _qkv(model: Transformer, layer: torch.nn.Module, h: torch.Tensor, positions: torch.Tensor
+def _qkv(model: Transformer, layer: torch.nn.Module, h: torch.Tensor,
+         rope: tuple[torch.Tensor, torch.Tensor]
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cfg = model.cfg
     attn = layer.attention
@@ -74,7 +83,7 @@ def _qkv(model: Transformer, layer: torch.nn.Module, h: torch.Tensor, positions:
     q = attn.wq(x).view(batch, seq, cfg.n_heads, cfg.head_dim)
     k = attn.wk(x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim)
     v = attn.wv(x).view(batch, seq, cfg.n_kv_heads, cfg.head_dim)
-    return _rotate(model, q, positions), _rotate(model, k, positions), v
+    return _rotate(q, rope), _rotate(k, rope), v
 
 
 def prefill(model: Transformer, cache: KVCache, tokens: torch.Tensor, lengths: torch.Tensor,
@@ -88,11 +97,11 @@ def prefill(model: Transformer, cache: KVCache, tokens: torch.Tensor, lengths: t
     """
     cfg = model.cfg
     batch, seq = tokens.shape
-    positions = torch.arange(seq, device=tokens.device).expand(batch, seq)
+    rope = _rope(model, torch.arange(seq, device=tokens.device).expand(batch, seq))
     h = model.tok_embeddings(tokens)
     repeats = cfg.n_heads // cfg.n_kv_heads
     for i, layer in enumerate(model.layers):
-        q, k, v = _qkv(model, layer, h, positions)
+        q, k, v = _qkv(model, layer, h, rope)
         cache.k[i][slots, :, :seq] = k.transpose(1, 2).to(cache.k[i].dtype)
         cache.v[i][slots, :, :seq] = v.transpose(1, 2).to(cache.v[i].dtype)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -120,9 +129,10 @@ def decode(model: Transformer, cache: KVCache, tokens: torch.Tensor, positions: 
     rows = torch.arange(batch, device=tokens.device)
     visible = torch.arange(kv_len, device=tokens.device)[None, :] <= positions[:, None]
     mask = visible[:, None, None, :]  # [B, 1, 1, kv_len], broadcast over kv heads and repeats
+    rope = _rope(model, positions[:, None])
     h = model.tok_embeddings(tokens[:, None])
     for i, layer in enumerate(model.layers):
-        q, k, v = _qkv(model, layer, h, positions[:, None])
+        q, k, v = _qkv(model, layer, h, rope)
         ck, cv = cache.k[i], cache.v[i]
         ck[rows, :, positions] = k[:, 0].to(ck.dtype)
         cv[rows, :, positions] = v[:, 0].to(cv.dtype)

@@ -42,6 +42,8 @@ from bench.soak import Settings, write_config
 
 SECTION = "preemption"
 GROUPS = 3
+SETTLE_SECONDS = 3.0
+"""Seconds of all groups training before the next SIGTERM."""
 
 
 @dataclass
@@ -57,8 +59,9 @@ class Preemption:
 
 
 def _candidates(launcher) -> list:
-    """Groups that may be preempted now: running, training in the last quorum seen, with at least
-    one other such group (the job must keep a healthy group to recover from)."""
+    """Groups that may be preempted now: all of them once every group trains in the last quorum
+    seen (the previous preemption's group has rejoined and caught up: each preemption is measured
+    alone, not mixed with the end of the previous one's catch-up); none before."""
     try:
         status = launcher.coordinator.status()
     except Exception:  # noqa: BLE001 - being restarted or busy: no pick this time
@@ -66,7 +69,7 @@ def _candidates(launcher) -> list:
     training = set((status.get("last_quorum") or {}).get("participants") or [])
     healthy = [g for g in launcher.groups if g.running() and not g.finished and g.restart_at is None
                and g.replica_id in training]
-    return healthy if len(healthy) >= 2 else []
+    return healthy if len(healthy) == len(launcher.groups) else []
 
 
 def _preemptor(launcher, count: int, every: float, grace: float, done: threading.Event,
@@ -79,10 +82,13 @@ def _preemptor(launcher, count: int, every: float, grace: float, done: threading
     for _ in range(count):
         if done.wait(every):
             return
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while not (picks := _candidates(launcher)) and time.monotonic() < deadline:
             if done.wait(0.2):
                 return
+        if done.wait(SETTLE_SECONDS):  # a few steady steps after the rejoin
+            return
+        picks = _candidates(launcher)
         if not picks or launcher._ending(None):
             return
         g = picks[turn % len(picks)]
@@ -103,10 +109,11 @@ def _first(events: list[dict], since: float, pred) -> dict | None:
     return next((e for e in events if e["ts"] >= since and pred(e)), None)
 
 
-def _longest_gap(events: list[dict], p: Preemption, rejoin: dict | None) -> tuple[float | None, str]:
-    """Where the longest gap between the healthy groups' commits from the SIGTERM to the rejoin
-    lies: its start, in seconds after the SIGTERM, and the events of the run inside it."""
-    until = rejoin["ts"] if rejoin else p.ts + 30
+def _longest_gap(events: list[dict], p: Preemption, rejoin: dict | None,
+                 lead: float = 0.0) -> tuple[float | None, str]:
+    """Where the longest gap between the healthy groups' commits from ``p.ts`` to ``rejoin``
+    (or 30 s) lies: its start, in seconds after ``p.ts``, and the events of the run inside it."""
+    until = (rejoin["ts"] if rejoin else p.ts + 30) + lead
     first: dict[int, float] = {}
     for e in events:
         if e["kind"] == "commit" and str(e["group"]).partition(":")[0] != p.group:
@@ -119,6 +126,20 @@ def _longest_gap(events: list[dict], p: Preemption, rejoin: dict | None) -> tupl
     inside = [f"{e['kind']}({str(e.get('group', '')).partition(':')[0]})" for e in events
               if a < e["ts"] < b and e["kind"] not in ("commit", "quorum")]
     return a - p.ts, " ".join(dict.fromkeys(inside))
+
+
+def _gap_around(events: list[dict], group: str, ts: float | None, median_step: float) -> float | None:
+    """The gap between the healthy groups' commits (each step's earliest, ``group`` left out)
+    that contains ``ts``, minus the median step: what that one moment cost them directly."""
+    if ts is None:
+        return None
+    first: dict[int, float] = {}
+    for e in events:
+        if e["kind"] == "commit" and str(e["group"]).partition(":")[0] != group:
+            first[e["step"]] = min(first.get(e["step"], e["ts"]), e["ts"])
+    times = sorted(first.values())
+    gap = next((b - a for a, b in zip(times, times[1:]) if a <= ts < b), None)
+    return None if gap is None else max(0.0, gap - median_step)
 
 
 def measure(events: list[dict], preemptions: list[Preemption], median_step: float) -> None:
@@ -139,6 +160,7 @@ def measure(events: list[dict], preemptions: list[Preemption], median_step: floa
         left = _first(ordered, p.ts, lambda e: e["kind"] == "member_left"
                       and str(e.get("replica_id", "")).startswith(f"{p.group}:"))
         m["left"] = left["ts"] - p.ts if left else None
+        m["leave_gap"] = _gap_around(ordered, p.group, left["ts"] if left else None, median_step)
         m["reason"] = left.get("reason", "") if left else ""
         healthy = lambda e: str(e.get("group", "")).partition(":")[0] not in (p.group, "coordinator", "supervisor", "bench")  # noqa: E731
         quorum = _first(ordered, p.ts, lambda e: e["kind"] == "quorum")  # the coordinator's
@@ -149,6 +171,15 @@ def measure(events: list[dict], preemptions: list[Preemption], median_step: floa
         m["healthy_step_failed"] = any(
             e["kind"] == "step_failed" and healthy(e) and p.ts <= e["ts"] <= p.ts + 5 for e in ordered)
         m["gap_at"], m["gap_during"] = _longest_gap(ordered, p, rejoin)
+        if rejoin is not None:
+            back = _first(ordered, rejoin["ts"], lambda e: e["kind"] == "recovery_end"
+                          and e["group"] == p.group and e.get("ok"))
+            m["rejoin_gap_at"], m["rejoin_gap_during"] = _longest_gap(
+                ordered, Preemption(rejoin["ts"], p.group, ""), back, lead=2.0)
+            m["restart"] = rejoin["ts"] - p.ts  # SIGTERM to the new incarnation's recovery_start
+            m["caught_up"] = back["ts"] - rejoin["ts"] if back else None
+            m["join_gap"] = _gap_around(ordered, p.group, rejoin["ts"], median_step)
+            m["caught_up_gap"] = _gap_around(ordered, p.group, back["ts"] if back else None, median_step)
         exit_event = _first(ordered, p.ts, lambda e: e["kind"] == "group_exit" and e["group"] == p.group)
         m["group_exit_ok"] = bool(exit_event and exit_event.get("ok") is True)
 
@@ -163,7 +194,10 @@ def run_one(root: Path, steps: int, count: int, every: float, grace: float) -> d
     config = load_config(write_config(run_dir, Settings(steps=steps, mtbf=0.0)),
                          # Start-up and give-up room for a loaded shared box (start-up is not
                          # what this measures).
-                         [f"run.dir={run_dir}", "ft.startup_timeout=150", "ft.give_up_seconds=300"])
+                         [f"run.dir={run_dir}", "ft.startup_timeout=150", "ft.give_up_seconds=300",
+                          # No periodic evaluation or checkpoint: their pauses of every group are
+                          # no preemption's doing, and the stall formula would charge them to one.
+                          "train.eval_every=0", "checkpoint.every=0"])
     launcher = LocalLauncher(config, groups=GROUPS, progress=False)
     done, log = threading.Event(), []
     thread = threading.Thread(target=_preemptor, args=(launcher, count, every, grace, done, log),
@@ -198,6 +232,8 @@ def render(results: list[dict], flags: list[str], steps: int, every: float, grac
         m = [p.measured for p in ps]
         rows.append([i + 1, len(ps), f"{r['median_step']:.3f}",
                      f"{_med([x['leave_stall'] for x in m]):.3f}", _fmt([x["leave_stall"] for x in m]),
+                     _fmt([x.get("leave_gap") for x in m]),
+                     _fmt([x.get("join_gap") for x in m]) + " / " + _fmt([x.get("caught_up_gap") for x in m]),
                      f"{_med([x['rejoin_stall'] for x in m]):.3f}", _fmt([x["rejoin_stall"] for x in m]),
                      _fmt([p.exit_seconds for p in ps]),
                      " ".join(str(p.code) for p in ps),
@@ -207,7 +243,10 @@ def render(results: list[dict], flags: list[str], steps: int, every: float, grac
                           "bench.preemption", flags)
     lines = [head.rstrip("\n"),
              f"* Method: {GROUPS} groups x 1 rank, the soak's tiny model, {steps} steps, "
-             f"`ft.heartbeat_timeout=2`; from step 5 on, every {every:g} s the trainer of one "
+             f"`ft.heartbeat_timeout=2`, no periodic evaluation or checkpoint (`train.eval_every=0`, "
+             "`checkpoint.every=0`: their pauses would be charged to the nearest preemption); "
+             f"from step 5 on, at least {every:g} s apart and once every group has rejoined and "
+             f"trained {SETTLE_SECONDS:g} s, the trainer of one "
              "healthy participant (round robin) gets SIGTERM, as a spot reclaim, a drain or a "
              "Slurm preemption sends it; it leaves the quorum and exits 0, and the launcher "
              "starts a new incarnation after `ft.restart_delay` (0.5 s), which rejoins and catches "
@@ -219,7 +258,8 @@ def render(results: list[dict], flags: list[str], steps: int, every: float, grac
              "`cluster.grace_seconds`' default); `group_exit ok`: the trainer's own event.",
              f"* Took {took:.0f} s.", "",
              table(["launch", "preemptions", "median step s", "median leave stall s",
-                    "leave stall per preemption s", "median rejoin stall s",
+                    "leave stall per preemption s", "leave's own gap s",
+                    "rejoin's own gaps s (join / caught up)", "median rejoin stall s",
                     "rejoin stall per preemption s", "SIGTERM to exit s", "exit status",
                     "group_exit ok", "steps", "ETT", "problems"], rows), ""]
     every_p = [p for r in results for p in r["preemptions"]]
@@ -236,6 +276,14 @@ def render(results: list[dict], flags: list[str], steps: int, every: float, grac
             f"exit 0 within the grace: {sum(p.code == 0 for p in every_p)} of {len(every_p)} "
             f"(slowest {max((p.exit_seconds or 0 for p in every_p), default=0):.2f} s); trainer's "
             f"`group_exit` ok: {sum(x['group_exit_ok'] for x in m)} of {len(m)}.")
+        own = [x["leave_gap"] for x in m if x.get("leave_gap") is not None]
+        joins = [x[k] for x in m for k in ("join_gap", "caught_up_gap") if x.get(k) is not None]
+        lines.append(
+            f"* Own gaps (the one commit gap that contains the moment, minus the median step): the "
+            f"leave (`member_left`) median {_med(own):.3f} s (max {max(own, default=float('nan')):.3f} s, "
+            f"{sum(g < steps_med for g in own)} of {len(own)} under one median step); the rejoin's "
+            f"two membership changes (`recovery_start`, `recovery_end`) median {_med(joins):.3f} s "
+            f"(max {max(joins, default=float('nan')):.3f} s).")
         lines.append(
             f"* Where a leave's time goes (medians from the SIGTERM): coordinator's `member_left` "
             f"{_med([x['left'] for x in m]):.2f} s, its next quorum "
@@ -246,6 +294,13 @@ def render(results: list[dict], flags: list[str], steps: int, every: float, grac
                      "start after the SIGTERM, and what happened inside it: " + "; ".join(
                          f"{p.group} +{p.measured['gap_at']:.2f} s [{p.measured['gap_during'] or 'nothing'}]"
                          for p in every_p if p.measured.get("gap_at") is not None) + ".")
+        lines.append("* Rejoins: SIGTERM to the new incarnation's `recovery_start` / to its `recovery_end`, "
+                     "and the longest commit gap of the healthy groups in between (start after "
+                     "`recovery_start`, events inside): " + "; ".join(
+                         f"{p.group} {p.measured['restart']:.1f} s / "
+                         f"{(p.measured['restart'] + p.measured['caught_up']) if p.measured.get('caught_up') is not None else float('nan'):.1f} s, "
+                         f"+{p.measured['rejoin_gap_at']:.2f} s [{p.measured['rejoin_gap_during'] or 'nothing'}]"
+                         for p in every_p if p.measured.get("rejoin_gap_at") is not None) + ".")
     return "\n".join(lines) + "\n"
 
 
@@ -260,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=float, default=15.0, help="seconds between SIGTERMs (default 15)")
     p.add_argument("--steps", type=int, default=0, help="steps per launch (default: enough for all)")
     p.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
+    p.add_argument("--save", type=Path, help="also pickle the raw results there (to render again)")
     args = p.parse_args(argv)
     reps, count = (1, 2) if args.quick else (args.reps, args.preemptions)
     grace = float(ClusterConfig().grace_seconds)
@@ -274,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"launch {rep + 1}: {[(p.group, p.code, p.measured) for p in r['preemptions']]}, "
                   f"median step {r['median_step']:.3f}, problems {r['problems']}", flush=True)
             results.append(r)
+    if args.save:
+        import pickle
+        args.save.write_bytes(pickle.dumps((results, steps, args.every, grace, time.monotonic() - t0)))
     flags = [f for f, on in (("--quick", args.quick),) if on]
     text = render(results, flags, steps, args.every, grace, time.monotonic() - t0)
     print(text)

@@ -339,7 +339,7 @@ class Coordinator:
         return self.call_in_loop(lambda: self._gate.open if self._gate is not None else 0)
 
     def _run_loop(self) -> None:
-        loop = asyncio.new_event_loop()
+        loop = new_event_loop()
         loop.set_exception_handler(loop_exception_handler(self.abuse))
         self._loop = loop
         try:
@@ -744,6 +744,17 @@ class Coordinator:
         self.metrics.refresh(now, self._state, len(self.membership.recent_dead(now)))
         body, content_type = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """The coordinator's event loop: uvloop's where it is installed (libuv's loop costs the
+    coordinator about half as much per message as asyncio's own at 2,000 groups, issue 16),
+    asyncio's otherwise; the server behaves the same on both."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -95,3 +95,5 @@ def test_post_config_names_the_bad_field() -> None:
         PostConfig(group_size=1)
     with pytest.raises(ConfigError, match=r"post.clip=1.5 must be a finite number > 0 and < 1"):
         PostConfig(clip=1.5)
+    with pytest.raises(ConfigError, match=r"post.verify='steps' must be one of answer, trace"):
+        PostConfig(verify="steps")

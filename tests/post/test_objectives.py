@@ -180,6 +180,9 @@ def test_grpo_samples_are_seeded_by_step_and_task(model, tokenizer) -> None:
     assert not torch.equal(first[0], later[0]), "another step samples afresh"
     tokens, _, rewards = first
     assert tokens.shape[0] == 6 and rewards.shape == (2, 3)
+    # The reward is the verifier's verdict on each completion.
+    objective.verify = lambda task, completion: task is tasks[2]
+    assert objective.samples(model, rows)[2].tolist() == [[0.0] * 3, [1.0] * 3]
     loss = objective.loss(model, rows)
     loss.backward()
     assert torch.isfinite(loss) and any(p.grad is not None for p in model.parameters())

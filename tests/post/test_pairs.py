@@ -17,6 +17,10 @@ def test_pairs_are_checked_deterministic_and_readable_by_dpo(model, tokenizer, t
     for task, r in zip(tasks, records):
         assert check(task, r["chosen"]) and not check(task, r["rejected"])
     assert make_pairs(model, tokenizer, tasks, solution_fallback=False, **kwargs)[0] == []
+    # The verifier decides what a correct sample is: one that accepts everything leaves no
+    # incorrect sample, so every task is skipped.
+    none, skipped = make_pairs(model, tokenizer, tasks, verify=lambda t, c: True, **kwargs)
+    assert none == [] and skipped["all_correct"] == 3
     path = write_pairs(records, tmp_path / "pairs.jsonl")
     rows = pair_rows(read_records(path, "preference"), tokenizer, 96, str(path))
     assert rows.shape == (3, 4, 97)

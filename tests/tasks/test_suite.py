@@ -9,7 +9,7 @@ import pytest
 
 from ftlm.cli import main
 from ftlm.errors import ConfigError, DataError
-from ftlm.tasks import (FAMILIES, Task, accuracy, check, extract_answer,
+from ftlm.tasks import (FAMILIES, VERIFIERS, Task, accuracy, check, check_trace, extract_answer,
                         format_completion, generate, read_tasks, split_of, write_tasks)
 
 
@@ -85,6 +85,19 @@ def test_check_is_exact_on_the_canonical_answer():
     assert not check(sort, "Answer: 3, 2, 1") and not check(sort, "Answer: 1, 2")
     assert extract_answer("no answer") is None and extract_answer("Answer:   \n") is None
     assert accuracy([add, add], ["Answer: 132", "Answer: 1"]) == 0.5
+
+
+def test_check_trace_also_needs_the_reference_reasoning():
+    task = generate(["mod"], "train", 1, seed=0)[0]
+    assert check_trace(task, task.solution)
+    assert check_trace(task, task.solution.replace("\n", "\n  \n", 1))  # blank lines, spaces
+    # A right remainder after a wrong division (a guess) passes check, not check_trace.
+    guess = task.solution.replace("<think>\n", "<think>\n999 // 2 = 1\n", 1)
+    assert check(task, guess) and not check_trace(task, guess)
+    wrong = task.solution.rsplit("Answer:", 1)[0] + f"Answer: {int(task.answer) + 1}"
+    assert not check_trace(task, wrong)
+    assert not check_trace(task, f"Answer: {task.answer}")              # no reasoning at all
+    assert VERIFIERS == {"answer": check, "trace": check_trace}
 
 
 @pytest.mark.parametrize("style", ["messages", "prompt_completion"])

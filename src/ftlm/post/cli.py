@@ -55,6 +55,7 @@ def cmd_pairs(args: argparse.Namespace) -> int:
     from ftlm.post.data import training_tasks
     from ftlm.post.pairs import make_pairs, write_pairs
     from ftlm.post.run import load_reference, load_tokenizer
+    from ftlm.tasks import VERIFIERS
     config = _config(args)
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
@@ -65,7 +66,8 @@ def cmd_pairs(args: argparse.Namespace) -> int:
     records, counts = make_pairs(model, tokenizer, tasks, samples=post.pair_samples,
                                  max_new_tokens=post.max_new_tokens, temperature=post.temperature,
                                  top_k=post.top_k, seed=config.run.seed,
-                                 solution_fallback=not args.no_solution_fallback)
+                                 solution_fallback=not args.no_solution_fallback,
+                                 verify=VERIFIERS[post.verify])
     if not records:
         from ftlm.errors import DataError
         raise DataError(f"no preference pairs from {counts['tasks']} tasks (every sample was "

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ftlm.errors import ConfigError
 
 DPO_LOSSES = ("sigmoid", "ipo")
+VERIFY = ("answer", "trace")  # the keys of ftlm.tasks.VERIFIERS
 
 
 def _fail(name: str, value: object, what: str) -> None:
@@ -74,6 +75,9 @@ class PostConfig:
     """Keep the k most likely tokens when sampling; 0 keeps all."""
     pair_samples: int = 4
     """Preference pairs: completions sampled per task from the reference model."""
+    verify: str = "answer"
+    """What a correct sample is (GRPO's reward, preference pairs): answer (the final answer
+    checks) or trace (the reasoning must also equal the reference solution's)."""
 
     def __post_init__(self) -> None:
         for name in ("train_tasks", "heldout_tasks", "task_seed", "top_k"):
@@ -89,6 +93,8 @@ class PostConfig:
         _real("kl_coef", self.kl_coef, 0.0, low_closed=True)
         _real("dpo_nll", self.dpo_nll, 0.0, low_closed=True)
         _real("temperature", self.temperature, 0.0)
+        if self.verify not in VERIFY:
+            _fail("verify", self.verify, f"one of {', '.join(VERIFY)}")
         if self.dpo_loss not in DPO_LOSSES:
             _fail("dpo_loss", self.dpo_loss, f"one of {', '.join(DPO_LOSSES)}")
         if not isinstance(self.families, str) or not self.families.strip():

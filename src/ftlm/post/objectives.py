@@ -169,8 +169,11 @@ class GRPO:
 
     def __init__(self, tasks: Sequence[Task], tokenizer: Tokenizer, reference: nn.Module, *,
                  seq_len: int, seed: int, group_size: int, clip: float, kl_coef: float,
-                 max_new_tokens: int, temperature: float = 1.0, top_k: int = 0) -> None:
+                 max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+                 verify: Callable[[Task, str], bool] = check) -> None:
         self.tasks, self.tokenizer = list(tasks), tokenizer
+        self.verify = verify
+        """Reward 1 when ``verify(task, completion)`` (``check``, or ``check_trace``)."""
         self.reference = reference.eval().requires_grad_(False)
         self.seed, self.group_size = seed, group_size
         self.clip, self.kl_coef = clip, kl_coef
@@ -201,7 +204,8 @@ class GRPO:
             for ids in full:
                 seqs.append(ids)
                 masks.append([0] * plen + [1] * (len(ids) - plen))
-            rewards.append([float(check(self.tasks[index], completion_text(self.tokenizer, s[plen:])))
+            rewards.append([float(self.verify(self.tasks[index],
+                                              completion_text(self.tokenizer, s[plen:])))
                             for s in full])
         width = max(len(s) for s in seqs)
         tokens = torch.full((len(seqs), width), self.tokenizer.pad_id, dtype=torch.long)

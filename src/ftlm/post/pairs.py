@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from torch import nn
@@ -51,14 +51,16 @@ def sample_completions(model: nn.Module, tokenizer: Tokenizer, tasks: Sequence[T
 
 def make_pairs(model: nn.Module, tokenizer: Tokenizer, tasks: Sequence[Task], *, samples: int,
                max_new_tokens: int, temperature: float, top_k: int, seed: int,
-               solution_fallback: bool = True) -> tuple[list[dict], dict[str, int]]:
-    """Preference records for ``tasks`` and counts (tasks, sampled pairs, fallback pairs, skipped)."""
+               solution_fallback: bool = True, verify: Callable[[Task, str], bool] = check
+               ) -> tuple[list[dict], dict[str, int]]:
+    """Preference records for ``tasks`` and counts (tasks, sampled pairs, fallback pairs, skipped);
+    a sample is correct when ``verify`` accepts it (``check``, or ``check_trace``)."""
     records, counts = [], {"tasks": len(tasks), "sample": 0, "solution": 0, "all_correct": 0,
                            "correct_samples": 0}
     completions = sample_completions(model, tokenizer, tasks, samples, max_new_tokens,
                                      temperature, top_k, seed)
     for task, texts in zip(tasks, completions):
-        ok = [check(task, t) for t in texts]
+        ok = [verify(task, t) for t in texts]
         counts["correct_samples"] += sum(ok)
         wrong = [t for t, good in zip(texts, ok) if not good]
         if not wrong:

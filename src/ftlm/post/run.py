@@ -34,6 +34,7 @@ from ftlm.post.data import (
 )
 from ftlm.post.forward import check_packing_config
 from ftlm.post.objectives import DPO, GRPO, SFT
+from ftlm.tasks import VERIFIERS
 from ftlm.train.objective import Objective, TrainData
 
 KINDS = ("sft", "dpo", "grpo")
@@ -128,7 +129,8 @@ def build_grpo(config: RunConfig, tokenizer: Tokenizer,
     objective = GRPO(tasks, tokenizer, load_reference(config, device), seq_len=config.data.seq_len,
                      seed=config.run.seed, group_size=post.group_size, clip=post.clip,
                      kl_coef=post.kl_coef, max_new_tokens=post.max_new_tokens,
-                     temperature=post.temperature, top_k=post.top_k)
+                     temperature=post.temperature, top_k=post.top_k,
+                     verify=VERIFIERS[post.verify])
     index = np.arange(len(tasks), dtype=np.int64)[:, None]
     return objective, TrainData(tokenizer, Rows(index[:len(train)]), Rows(index[len(train):]))
 
@@ -150,7 +152,7 @@ def build(kind: str, config: RunConfig) -> tuple[Objective, TrainData]:
 def _trainer(kind: str, config: RunConfig, **kwargs):
     from ftlm.train.trainer import Trainer
     objective, data = build(kind, config)
-    trainer = Trainer(config, objective=objective, data=data, **kwargs)
+    trainer = Trainer.for_run(config, objective=objective, data=data, **kwargs)
     if isinstance(objective, GRPO):
         # Samples are seeded by the step the update is for: a retry draws the same ones.
         objective.clock = lambda: trainer.state.step

@@ -9,6 +9,8 @@ Interface (stable; other packages rely on it)::
     FAMILIES                                     # ("add", "mod", "sort", "count")
     generate(families, split, n, seed) -> list[Task]
     check(task, completion) -> bool              # exact, on the canonical answer
+    check_trace(task, completion) -> bool        # check, and the reasoning equals the reference's
+    VERIFIERS                                    # {"answer": check, "trace": check_trace}
     extract_answer(text) -> str | None           # after the last </think>, the last "Answer: ..."
     format_completion(reasoning, answer) -> str  # "<think>\\n...\\n</think>\\nAnswer: 42"
     write_tasks(tasks, path, style) / read_tasks(path)   # .jsonl or .parquet;
@@ -40,9 +42,9 @@ and scores with ``pass_at_k``).
 from ftlm.tasks.families import FAMILY_TABLE
 from ftlm.tasks.files import STYLES, read_tasks, write_tasks
 from ftlm.tasks.scoring import pass_at_k, summarise
-from ftlm.tasks.suite import (FAMILIES, HELDOUT_PERCENT, SPLITS, Task, accuracy, check,
-                              extract_answer, format_completion, generate, split_of)
+from ftlm.tasks.suite import (FAMILIES, HELDOUT_PERCENT, SPLITS, VERIFIERS, Task, accuracy, check,
+                              check_trace, extract_answer, format_completion, generate, split_of)
 
 __all__ = ["Task", "FAMILIES", "FAMILY_TABLE", "SPLITS", "HELDOUT_PERCENT", "STYLES", "generate",
-           "check", "accuracy", "extract_answer", "format_completion", "split_of", "write_tasks",
+           "check", "check_trace", "VERIFIERS", "accuracy", "extract_answer", "format_completion", "split_of", "write_tasks",
            "read_tasks", "pass_at_k", "summarise"]

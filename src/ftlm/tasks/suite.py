@@ -149,6 +149,28 @@ def check(task: Task, completion: str) -> bool:
     return FAMILY_TABLE[task.family].normalise(answer) == task.answer
 
 
+def reasoning_lines(text: str) -> list[str] | None:
+    """The non-empty lines between the first ``<think>`` and the last ``</think>`` of ``text``,
+    stripped; ``None`` when it has no such block."""
+    start, close = text.find(THINK_OPEN), text.rfind(THINK_CLOSE)
+    if start < 0 or close < start:
+        return None
+    body = text[start + len(THINK_OPEN):close]
+    return [line.strip() for line in body.splitlines() if line.strip()]
+
+
+def check_trace(task: Task, completion: str) -> bool:
+    """``check`` and, besides, the reasoning equals the reference solution's line by line (up to
+    surrounding whitespace): a right answer reached by a wrong trace (a guess, e.g. a remainder
+    below 12) does not count."""
+    return check(task, completion) and \
+        reasoning_lines(completion) == reasoning_lines(task.solution)
+
+
+VERIFIERS = {"answer": check, "trace": check_trace}
+"""What counts as a correct completion, by name (``post.verify``)."""
+
+
 def accuracy(tasks: Iterable[Task], completions: Iterable[str]) -> float:
     """Share of ``completions`` that pass ``check`` against the paired ``tasks``."""
     results = [check(t, c) for t, c in zip(tasks, completions, strict=True)]

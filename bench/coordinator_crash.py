@@ -17,7 +17,18 @@ launch: the coordinator's downtime (kill to the new process answering), the
 stall per kill, and whether the run still proves itself (identical replicas, exactly-once data).
 It does not test anything; the tests of coordinator restarts are in tests/launch and tests/ft.
 
+``--slurm`` measures the same on a real Slurm instead (its own section): the one-node test
+cluster of tests/launch/slurm_cluster.py (munged, slurmctld, slurmd as root; ``make
+system-deps-cluster``), the job of ``ftlm launch slurm`` (3 groups, ``watch.sh`` with a 1 s
+interval). Every ``--every`` seconds the coordinator's job is cancelled (``scancel``: its node is
+gone); the watcher submits a fresh coordinator job (at another port than the first), which writes its address to
+``state/coordinator.url``, and the groups' relays follow it. Per kill: the downtime (``scancel`` to
+the new coordinator answering ``/status``) and the stall (``ftlm.observe.summary.stall_seconds``
+over the run's events plus one in-memory ``failure_injected`` with target ``coordinator`` per kill,
+as the local launcher writes for its own kills).
+
     python -m bench.coordinator_crash [--quick] [--reps R] [--kills K] [--every SECONDS] [--no-write]
+    python -m bench.coordinator_crash --slurm [--kills K] [--every SECONDS] [--no-write]
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from bench.common import ensure_demo, section_header, table, write_section
 from bench.soak import Settings, write_config
 
 SECTION = "coordinator_crash"
+SLURM_SECTION = "coordinator_crash_slurm"
 GROUPS = 3
 
 
@@ -148,6 +160,156 @@ def render(results: list[dict], flags: list[str], steps: int, every: float, took
     return "\n".join(lines) + "\n"
 
 
+def _wait(cond, timeout: float, what: str, every: float = 0.2):
+    """Poll ``cond`` (files and endpoints of processes under Slurm's control) until it returns
+    something true, at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every)
+    raise RuntimeError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def _answers(url: str, token: str) -> bool:
+    import urllib.request
+    request = urllib.request.Request(f"{url}/status", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=2) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_slurm(root: Path, kills: int, every: float) -> dict:
+    """One job under a real one-node Slurm with ``kills`` coordinator job cancellations."""
+    import subprocess
+    import sys
+
+    from ftlm.config import load_config
+    from ftlm.launch.cluster_config import ClusterConfig
+    from ftlm.launch.slurm import generate_slurm
+    from ftlm.observe.events import read_events
+    from ftlm.observe.summary import failure_events, median_step_seconds, stall_seconds
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "launch"))
+    from slurm_cluster import SlurmCluster, missing_reason
+
+    reason = missing_reason()
+    if reason:
+        raise RuntimeError(f"no real Slurm here: {reason}")
+    run_dir = root / "run"
+    config = load_config(write_config(run_dir, Settings(steps=100000, mtbf=0.0)),
+                         [f"run.dir={run_dir}", "train.eval_every=0", "checkpoint.every=0"])
+    out = root / "slurm"
+    generate_slurm(config, ClusterConfig(groups=GROUPS, python=sys.executable, slurm_cpus_per_rank=1,
+                                         coordinator_port=_free_port(), watch_interval=1,
+                                         grace_seconds=30),
+                   out, config.to_toml(), workdir=root)
+    cluster = SlurmCluster(root / "cluster")
+    cluster.start()
+    env = dict(cluster.env, FTLM_WATCH_INTERVAL="1")
+    url_file, jobid_file = out / "state" / "coordinator.url", out / "state" / "coordinator.jobid"
+    events_file = run_dir / "events.jsonl"
+
+    def events() -> list[dict]:
+        return read_events(events_file) if events_file.is_file() else []
+
+    def steps_of_all(at_least: int) -> bool:
+        got = {}
+        for e in events():
+            if e["kind"] == "commit":
+                got[e["group"]] = max(got.get(e["group"], -1), e["step"])
+        return len(got) == GROUPS and min(got.values()) >= at_least
+
+    kill_log: list[dict] = []
+    watcher = None
+    try:
+        subprocess.run([str(out / "submit-all.sh"), "--no-watch"], check=True, env=env, timeout=60)
+        # A resubmitted coordinator listens on another port (another node, on a real cluster).
+        watcher = subprocess.Popen([str(out / "watch.sh")], env=dict(env, FTLM_COORDINATOR_PORT=str(_free_port())),
+                                   stdout=open(root / "watch.log", "w"), stderr=subprocess.STDOUT)
+        token = (out / "token").read_text().strip()
+        _wait(lambda: steps_of_all(5), 300, "every group to commit step 5")
+        for _ in range(kills):
+            time.sleep(every)  # the pace of the kills, not a wait for something
+            job = jobid_file.read_text().strip()
+            t0 = time.time()
+            subprocess.run(["scancel", job], check=True, env=env, timeout=30)
+            _wait(lambda: jobid_file.read_text().strip() != job, 180, "the watcher to resubmit",
+                  every=0.05)
+            resubmitted = time.time()
+            # A new job writes its address anew (the same one when it got the same port).
+            new = _wait(lambda: jobid_file.read_text().strip() != job and url_file.is_file()
+                        and url_file.stat().st_mtime >= t0 and url_file.read_text().strip(), 180,
+                        "the resubmitted coordinator's address")
+            _wait(lambda: _answers(new, token), 120, "the new coordinator to answer", every=0.05)
+            kill_log.append({"ts": t0, "downtime": time.time() - t0, "resubmitted": resubmitted - t0,
+                             "started": url_file.stat().st_mtime - t0})
+            top = max(e["step"] for e in events() if e["kind"] == "commit")
+            _wait(lambda: steps_of_all(top + 5), 180, "every group to commit 5 more steps")
+    finally:
+        subprocess.run([str(out / "stop-all.sh")], env=env, timeout=60, check=False)
+        if watcher is not None:
+            try:
+                watcher.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                watcher.kill()
+        cluster.stop()
+    recorded = sorted(events(), key=lambda e: e["ts"])
+    marks = [{"ts": k["ts"], "kind": "failure_injected", "group": "bench", "target": "coordinator",
+              "signal": "SIGKILL", "step": -1} for k in kill_log]
+    ordered = sorted(recorded + marks, key=lambda e: (e["ts"], e["kind"] != "failure_injected"))
+    median_step = median_step_seconds(recorded)
+    stalls = {(f.ts, f.group): s for f, s in zip(failure_events(ordered), stall_seconds(ordered, median_step))}
+    starts = [e["group"] for e in recorded if e["kind"] == "group_start"]
+    committed = sorted({e["step"] for e in recorded if e["kind"] == "commit"})
+    return {"kills": kill_log, "stalls": [stalls.get((k["ts"], "coordinator")) for k in kill_log],
+            "median_step": median_step, "group_starts": len(starts),
+            "steps": len(committed),
+            "lost": (committed[-1] - committed[0] + 1 - len(committed)) if committed else 0}
+
+
+def render_slurm(r: dict, kills: int, every: float, took: float) -> str:
+    head = section_header("Coordinator crash on a real Slurm (issue 14)", "bench.coordinator_crash",
+                          ["--slurm"])
+    stalls = [s for s in r["stalls"] if s is not None]
+    down = [k["downtime"] for k in r["kills"]]
+    rows = [[i + 1, f"{k['resubmitted']:.2f}", f"{k['started']:.2f}", f"{k['downtime']:.2f}",
+             "-" if s is None else f"{s:.3f}"] for i, (k, s) in enumerate(zip(r["kills"], r["stalls"]))]
+    lines = [head.rstrip("\n"),
+             f"* Method: the one-node Slurm of `tests/launch/slurm_cluster.py` (munged, slurmctld, "
+             f"slurmd from Debian, as root; `make system-deps-cluster`), the scripts of `ftlm launch "
+             f"slurm` ({GROUPS} groups x 1 rank, the soak's tiny model, no evaluation or checkpoint, "
+             "`watch.sh` every 1 s). From step 5 on, every "
+             f"{every:g} s the coordinator's job is cancelled (`scancel`: its node is gone); the watcher "
+             "submits a fresh coordinator job at another port, and the groups' relays follow "
+             "`state/coordinator.url` to it. From the `scancel`: *resubmitted* when the watcher "
+             "wrote the new job id, *job started* when the new job's script wrote its address "
+             "(before starting `ftlm coordinator`), *downtime* when the new coordinator answered "
+             "`/status`. Stall: `ftlm.observe.summary.stall_seconds` over the run's events plus one "
+             "in-memory `failure_injected` (target `coordinator`) per kill: the longest gap between "
+             "the job's commits around it, minus the median step. The new coordinator starts cold "
+             "(no standby on Slurm).",
+             f"* Took {took:.0f} s.", "",
+             table(["kill", "resubmitted s", "job started s", "downtime s", "stall s"], rows), "",
+             f"* {len(r['kills'])} kills: downtime median "
+             f"{statistics.median(down) if down else float('nan'):.2f} s, stall median "
+             f"{statistics.median(stalls) if stalls else float('nan'):.3f} s (max "
+             f"{max(stalls, default=float('nan')):.3f} s); median step {r['median_step']:.3f} s; "
+             f"{r['steps']} steps committed, {r['lost']} missing in between; group starts "
+             f"{r['group_starts']} (no group restarted: {r['group_starts'] == GROUPS})."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.coordinator_crash", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -157,7 +319,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=float, default=10.0, help="seconds between kills (default 10)")
     p.add_argument("--steps", type=int, default=0, help="steps per launch (default: enough for the kills)")
     p.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
+    p.add_argument("--slurm", action="store_true", help="on a real one-node Slurm (as root)")
     args = p.parse_args(argv)
+    if args.slurm:
+        kills = 2 if args.quick else args.kills
+        ensure_demo()
+        t0 = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="ftlm-coordcrash-slurm-") as tmp:
+            r = run_slurm(Path(tmp), kills, args.every)
+        text = render_slurm(r, kills, args.every, time.monotonic() - t0)
+        print(text)
+        if not args.no_write:
+            write_section(SLURM_SECTION, text)
+        return 0 if r["lost"] == 0 and r["group_starts"] == GROUPS else 1
     reps, kills = (1, 2) if args.quick else (args.reps, args.kills)
     # About 0.1-0.3 s per step on a loaded 2-core box: room for every kill and a tail after the last.
     steps = args.steps or int((kills + 2) * args.every * 8) + 40

@@ -46,5 +46,8 @@ def test_prometheus_scrapes_a_two_group_run(tmp_path, demo_data):
         assert set(sent) == {"g0", "g1"} and all(v > 0 for v in sent.values()), sent
         ett = by_group(prom.query("max_over_time(ftlm_train_ett_ratio[10m])"))
         assert set(ett) == {"g0", "g1"} and all(0 < v <= 1 for v in ett.values()), ett
+        # Storage: every group's loader read its data shards (ftlm.observe.iostats).
+        read = by_group(prom.query("max_over_time(ftlm_data_read_bytes_total[10m])"))
+        assert set(read) == {"g0", "g1"} and all(v > 0 for v in read.values()), read
     finally:
         prom.stop()

@@ -115,7 +115,7 @@ def _train(kind: str, config) -> dict:
     from ftlm.post import run as post_run
     from ftlm.train.trainer import Trainer
     t0 = time.perf_counter()
-    summary = Trainer(config).train() if kind == "pretrain" else post_run.run(kind, config)
+    summary = Trainer.for_run(config).train() if kind == "pretrain" else post_run.run(kind, config)
     return {"seconds": time.perf_counter() - t0, "tokens": summary["tokens_committed"],
             "steps": summary["steps_committed"], "final_loss": summary["final_loss"]}
 

@@ -65,7 +65,7 @@ def time_trainer(case: Case) -> list[float]:
         config = build_run_config(case, Path(tmp) / "run")
         # The trainer prints a summary line per run; keep the benchmark's output to its table.
         with contextlib.redirect_stderr(io.StringIO()):
-            Trainer(config).train()
+            Trainer.for_run(config).train()
         commits = commits_by_group(read_events(config.run.path / "events.jsonl"))
         (group_commits,) = commits.values()
         return steady([e["step_seconds"] for e in group_commits], case.warmup)
@@ -139,7 +139,7 @@ def render(rows: list[list[object]], reps: int, cases: list[Case], seconds: floa
         title = ("Training throughput and MFU on CPU under bf16 autocast (one group, no fault "
                  "tolerance; float32 weights and optimizer state)")
     return (section_header(title, "bench.train_throughput", flags)
-            + f"* Method: `Trainer(config).train()` on the demo data; per-step `step_seconds` "
+            + f"* Method: `Trainer.for_run(config).train()` on the demo data; per-step `step_seconds` "
               f"from the `commit` events ({steps}); median per run, then the median of {reps} "
               f"interleaved repetition(s). Peak: {peak} (`measure_matmul_peak`), measured "
               f"before every run; the best measurement counts. FLOPs per token: "

@@ -67,7 +67,7 @@ def test_hf_to_ftlm_and_back(hf_folder, tmp_path, capsys):
 def test_run_directory_and_checkpoint_to_hf(tiny_config, tmp_path, capsys):
     from ftlm.train.trainer import Trainer
     config = tiny_config(train={"steps": 2}, checkpoint={"every": 1, "async_save": False})
-    trainer = Trainer(config)
+    trainer = Trainer.for_run(config)
     trainer.train()
     run_dir = config.run.path
     tokens = torch.randint(0, 1000, (1, 16))

@@ -20,7 +20,7 @@ def trained(make_tiny_config, tmp_path_factory):
     from ftlm.train.trainer import Trainer
     config = make_tiny_config(tmp_path_factory.mktemp("eval") / "run",
                               train={"steps": 4, "eval_every": 4, "eval_batches": 2})
-    trainer = Trainer(config)
+    trainer = Trainer.for_run(config)
     trainer.train()
     return trainer, config
 

@@ -76,7 +76,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     _init_group(config)
     coordinator = config.ft.coordinator or os.environ.get("FTLM_COORDINATOR", "")
     if not coordinator:
-        summary = Trainer(config).train()
+        summary = Trainer.for_run(config).train()
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
         from ftlm.observe.report import format_summary, write_report
@@ -85,7 +85,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(format_summary(summary))
         return 0
     from ftlm.train.job import run_group
-    run_group(config, coordinator, lambda **kw: Trainer(config, **kw))
+    run_group(config, coordinator, lambda **kw: Trainer.for_run(config, **kw))
     return 0
 
 

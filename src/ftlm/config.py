@@ -28,29 +28,7 @@ from ftlm.model.config import ModelConfig
 from ftlm.observe.config import ObserveConfig
 from ftlm.post.config import PostConfig
 from ftlm.observe.cost import CostConfig
-from ftlm.train.config import CheckpointConfig, TrainConfig
-
-
-@dataclass
-class RunSection:
-    """Identity and location of a run."""
-
-    name: str = "run"
-    """Name of the run; the run directory defaults to ``runs/<name>``."""
-    dir: str = ""
-    """Run directory; empty means ``runs/<name>``."""
-    seed: int = 0
-    """Seed of the model initialisation and of the data order."""
-
-    def __post_init__(self) -> None:
-        if not self.name or "/" in self.name:
-            raise ConfigError(f"run.name={self.name!r} must be a non-empty name without '/'")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"run.seed={self.seed!r} must be a non-negative integer")
-
-    @property
-    def path(self) -> Path:
-        return Path(self.dir) if self.dir else Path("runs") / self.name
+from ftlm.train.config import CheckpointConfig, RunSection, TrainConfig, TrainerConfig
 
 
 @dataclass
@@ -73,6 +51,13 @@ class RunConfig:
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
+
+    def trainer_config(self) -> TrainerConfig:
+        """The sections the ``Trainer`` reads, and this whole config as plain data for its
+        records (config.toml, summary.json)."""
+        return TrainerConfig(run=self.run, model=self.model, data=self.data, train=self.train,
+                             checkpoint=self.checkpoint, ft=self.ft, observe=self.observe,
+                             resolved=self.to_dict())
 
 
 def _section_dict(section: Any) -> dict[str, Any]:

@@ -97,7 +97,7 @@ def test_two_groups_match_single_process_on_same_global_batches(tmp_path, demo_d
     check_invariants(summary, events, 2, steps=40)
     # One process with the global batch (2 participants x 4) sees exactly the same samples.
     single = make_config(tmp_path / "single", demo_data, steps=40, batch_size=8)
-    Trainer(single).train()
+    Trainer.for_run(single).train()
     ft_weights = load_file(tmp_path / "ft" / "run" / "model.safetensors")
     single_weights = load_file(tmp_path / "single" / "model.safetensors")
     assert ft_weights.keys() == single_weights.keys()

@@ -63,7 +63,7 @@ def test_hsdp_2x2_matches_one_group_of_2_and_a_single_process(tmp_path, demo_dat
     fsdp = make_config(tmp_path / "fsdp", demo_data, steps=steps, batch_size=2 * per_group)
     run_torchrun_like(fsdp, ranks=2)
     single = make_config(tmp_path / "single", demo_data, steps=steps, batch_size=2 * per_group)
-    Trainer(single).train()
+    Trainer.for_run(single).train()
     ref = load_file(single.run.path / "model.safetensors")
     for other in (hsdp, fsdp):
         weights = load_file(other.run.path / "model.safetensors")

@@ -358,12 +358,12 @@ def _rejections(run_dir: Path) -> list[dict]:
 def test_trainer_resumes_from_the_previous_checkpoint_when_the_latest_is_damaged(
         tiny_config) -> None:
     sections = dict(train={"steps": 8}, checkpoint={"every": 4, "keep": 2})
-    clean = Trainer(tiny_config(**sections))
+    clean = Trainer.for_run(tiny_config(**sections))
     clean.train()
     ckpts = clean.run_dir / "checkpoints"
     _flip(_distcp(checkpoint_dir(ckpts, 8))[0])
 
-    resumed = Trainer(tiny_config(**sections))
+    resumed = Trainer.for_run(tiny_config(**sections))
     summary = resumed.train()
     [event] = _rejections(resumed.run_dir)
     assert event["step"] == 8 and event["path"] == str(checkpoint_dir(ckpts, 8))
@@ -377,13 +377,13 @@ def test_trainer_resumes_from_the_previous_checkpoint_when_the_latest_is_damaged
 
 def test_trainer_starts_from_scratch_when_no_checkpoint_is_intact(tiny_config) -> None:
     sections = dict(train={"steps": 8}, checkpoint={"every": 4, "keep": 2})
-    first = Trainer(tiny_config(**sections))
+    first = Trainer.for_run(tiny_config(**sections))
     first.train()
     ckpts = first.run_dir / "checkpoints"
     for step in (4, 8):
         _flip(_distcp(checkpoint_dir(ckpts, step))[0])
 
-    again = Trainer(tiny_config(**sections))
+    again = Trainer.for_run(tiny_config(**sections))
     again.train()
     assert [e["step"] for e in _rejections(again.run_dir)] == [8, 4]
     assert again.losses == first.losses  # from scratch: the same eight steps again
@@ -397,12 +397,12 @@ def test_trainer_authenticates_checkpoints_with_the_job_token(
         tiny_config, monkeypatch: pytest.MonkeyPatch) -> None:
     sections = dict(train={"steps": 4}, checkpoint={"every": 4})
     monkeypatch.setenv("FTLM_TOKEN", "job-1")
-    first = Trainer(tiny_config(**sections))
+    first = Trainer.for_run(tiny_config(**sections))
     first.train()
     path = checkpoint_dir(first.run_dir / "checkpoints", 4)
     assert "hmac" in json.loads((path / MANIFEST).read_text())
     monkeypatch.setenv("FTLM_TOKEN", "job-2")
-    other = Trainer(tiny_config(**sections))
+    other = Trainer.for_run(tiny_config(**sections))
     other.train()
     [event] = _rejections(other.run_dir)
     assert event["step"] == 4 and "HMAC" in event["reason"]
@@ -446,10 +446,10 @@ def stop_resume(make_tiny_config, tmp_path_factory):
     root = tmp_path_factory.mktemp("stop-resume")
     sections = dict(train={"steps": 12, "warmup_steps": 3},
                     checkpoint={"every": 4, "keep": 2, "async_save": True})
-    a = Trainer(make_tiny_config(root / "a", **sections))
+    a = Trainer.for_run(make_tiny_config(root / "a", **sections))
     a.train()
 
-    b = Trainer(make_tiny_config(root / "b", **sections))
+    b = Trainer.for_run(make_tiny_config(root / "b", **sections))
     step_once = b.step
 
     def step_then_stop_after_8() -> None:
@@ -461,7 +461,7 @@ def stop_resume(make_tiny_config, tmp_path_factory):
     b.train()
     at_stop = _steps_on_disk(b.run_dir / "checkpoints")
 
-    resumed = Trainer(make_tiny_config(root / "b", **sections))
+    resumed = Trainer.for_run(make_tiny_config(root / "b", **sections))
     return a, b, resumed, resumed.train(), at_stop
 
 
@@ -497,10 +497,10 @@ def test_summary_after_resume_covers_the_whole_run(stop_resume) -> None:
 
 
 def test_resume_false_ignores_existing_checkpoints(tiny_config, tmp_path: Path) -> None:
-    first = Trainer(tiny_config(train={"steps": 4}, checkpoint={"every": 4}))
+    first = Trainer.for_run(tiny_config(train={"steps": 4}, checkpoint={"every": 4}))
     first.train()
     assert valid_checkpoints(first.run_dir / "checkpoints")[-1][0] == 4
-    again = Trainer(tiny_config(train={"steps": 4}, checkpoint={"every": 4, "resume": False}))
+    again = Trainer.for_run(tiny_config(train={"steps": 4}, checkpoint={"every": 4, "resume": False}))
     again.train()
     assert again.losses == first.losses  # trained from scratch: the same four steps again
 

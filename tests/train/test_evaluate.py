@@ -31,7 +31,7 @@ def evals(trainer: Trainer) -> list[dict]:
 
 
 def test_loss_is_the_mean_cross_entropy_over_the_first_heldout_batches(tiny_config) -> None:
-    trainer = Trainer(tiny_config(train={"eval_every": 5, "eval_batches": 3}))
+    trainer = Trainer.for_run(tiny_config(train={"eval_every": 5, "eval_batches": 3}))
     try:
         rows = torch.from_numpy(trainer.data.heldout.samples(np.arange(3 * BATCH)))
         with torch.no_grad():
@@ -46,7 +46,7 @@ def test_loss_is_the_mean_cross_entropy_over_the_first_heldout_batches(tiny_conf
 
 
 def test_evaluation_changes_no_state_no_rng_and_no_mode(tiny_config) -> None:
-    trainer = Trainer(tiny_config(train={"steps": 6, "eval_every": 3}))
+    trainer = Trainer.for_run(tiny_config(train={"steps": 6, "eval_every": 3}))
     for _ in range(3):
         trainer.step()  # a trained model, optimizer state and cursor, not just the initial ones
     try:
@@ -66,7 +66,7 @@ def test_evaluation_changes_no_state_no_rng_and_no_mode(tiny_config) -> None:
 
 
 def test_eval_event_every_k_committed_steps_and_after_the_last(tiny_config) -> None:
-    trainer = Trainer(tiny_config(train={"steps": 12, "eval_every": 5, "eval_batches": 2}))
+    trainer = Trainer.for_run(tiny_config(train={"steps": 12, "eval_every": 5, "eval_batches": 2}))
     summary = trainer.train()
     got = evals(trainer)
     assert [e["step"] for e in got] == [5, 10, 12]
@@ -104,7 +104,7 @@ def test_no_eval_after_a_failed_or_recovering_step(tiny_config) -> None:
     # Each happens when the model has 5 / 10 committed steps, i.e. when an evaluation is due:
     # only the committed steps that reached 5 and 10 may evaluate.
     config = tiny_config(train={"steps": 12, "eval_every": 5, "eval_batches": 1})
-    trainer = Trainer(config, ft=ScriptedFaults(fail=5, recover=10))
+    trainer = Trainer.for_run(config, ft=ScriptedFaults(fail=5, recover=10))
     trainer.train()
     events = read_events(trainer.run_dir / "events.jsonl")
     assert [e["step"] for e in events if e["kind"] == "step_failed"] == [5]
@@ -113,21 +113,21 @@ def test_no_eval_after_a_failed_or_recovering_step(tiny_config) -> None:
 
 
 def test_eval_off_and_bad_settings(tiny_config) -> None:
-    trainer = Trainer(tiny_config(train={"steps": 3, "eval_every": 0}))
+    trainer = Trainer.for_run(tiny_config(train={"steps": 3, "eval_every": 0}))
     assert isinstance(trainer.evaluator, NoEvaluation) and not trainer.evaluator.due(50)
     assert trainer.train()["final_eval_loss"] is None
     assert evals(trainer) == []
     with pytest.raises(ConfigError, match=r"train\.eval_batches=4 x train\.batch_size=4 = 16 "
                                           r"held-out samples, but data\.eval_samples=10"):
-        Trainer(tiny_config(data={"eval_samples": 10}, train={"eval_batches": 4}))
+        Trainer.for_run(tiny_config(data={"eval_samples": 10}, train={"eval_batches": 4}))
     with pytest.raises(ConfigError, match=r"data\.eval_samples=0"):
-        Trainer(tiny_config(data={"eval_samples": 0}, train={"eval_every": 5}))
+        Trainer.for_run(tiny_config(data={"eval_samples": 0}, train={"eval_every": 5}))
     with pytest.raises(ConfigError, match=r"train\.eval_every=-1"):
         tiny_config(train={"eval_every": -1})
 
 
 def test_training_never_sees_a_heldout_sample(tiny_config) -> None:
-    trainer = Trainer(tiny_config(train={"steps": 4, "eval_every": 0}))
+    trainer = Trainer.for_run(tiny_config(train={"steps": 4, "eval_every": 0}))
     try:
         held = {tuple(r) for r in trainer.data.heldout.samples(np.arange(256)).tolist()}
         epoch = len(trainer.data.train)
@@ -191,7 +191,7 @@ def _fsdp_worker(rank: int, world: int, store: str, run_dir: str, data_dir: str,
 
 def test_every_rank_of_a_sharded_group_gets_the_unsharded_loss(tiny_config, tmp_path) -> None:
     config = tiny_config()
-    reference = Trainer(config)
+    reference = Trainer.for_run(config)
     try:
         ref = Evaluator(reference.model, reference.data.heldout, every=1, batches=2,
                         batch_size=BATCH, micro_batch=BATCH, last_step=1).evaluate().loss

@@ -11,7 +11,7 @@ from ftlm.train.trainer import NONFINITE_LIMIT, Trainer, TrainingDiverged
 
 def test_a_diverging_run_stops_with_a_clear_error_and_applies_nothing_non_finite(tiny_config) -> None:
     config = tiny_config(train={"lr": 1e30, "warmup_steps": 0, "grad_clip": 0.0, "steps": 30})
-    trainer = Trainer(config)
+    trainer = Trainer.for_run(config)
     with pytest.raises(TrainingDiverged, match="not finite in 3 attempts in a row.*lower train.lr"):
         trainer.train()
     # No parameter ever became non-finite: the failed steps applied nothing.
@@ -25,7 +25,7 @@ def test_a_diverging_run_stops_with_a_clear_error_and_applies_nothing_non_finite
 
 def test_a_single_non_finite_step_is_skipped_and_training_goes_on(tiny_config, monkeypatch) -> None:
     config = tiny_config(train={"steps": 6})
-    trainer = Trainer(config)
+    trainer = Trainer.for_run(config)
     real = trainer._forward_backward
     calls = {"n": 0}
 

@@ -56,13 +56,13 @@ class _MaskedLM:
 
 def test_an_injected_objective_and_data_train_and_evaluate(tiny_config) -> None:
     config = tiny_config(train={"steps": 3, "eval_every": 3, "eval_batches": 1, "grad_accum": 2})
-    base = Trainer(config)  # for the tokenizer; its own data is not used below
+    base = Trainer.for_run(config)  # for the tokenizer; its own data is not used below
     base.loader.close()
     seq_len = config.data.seq_len
     data = TrainData(base.tokenizer, _Rows(64, seq_len, 100, 0), _Rows(16, seq_len, 100, 1))
     objective = _MaskedLM(seq_len)
     config.run.dir = str(config.run.path.parent / "run2")
-    summary = Trainer(config, objective=objective, data=data).train()
+    summary = Trainer.for_run(config, objective=objective, data=data).train()
     assert summary["steps_committed"] == 3
     b = config.train.batch_size // config.train.grad_accum
     assert objective.shapes and all(s == (b, 2, seq_len + 1) for s in objective.shapes)
@@ -70,7 +70,7 @@ def test_an_injected_objective_and_data_train_and_evaluate(tiny_config) -> None:
 
 
 def test_language_modeling_is_the_default_objective(tiny_config) -> None:
-    trainer = Trainer(tiny_config(train={"steps": 1, "eval_every": 0}))
+    trainer = Trainer.for_run(tiny_config(train={"steps": 1, "eval_every": 0}))
     trainer.loader.close()
     assert isinstance(trainer.objective, LanguageModeling)
     rows = trainer.loader.compute(0, 0, 1, 2)
@@ -82,10 +82,10 @@ def test_language_modeling_is_the_default_objective(tiny_config) -> None:
 
 
 def test_init_from_starts_from_saved_weights(tiny_config, tmp_path) -> None:
-    first = Trainer(tiny_config(tmp_path / "a", train={"steps": 1, "eval_every": 0}))
+    first = Trainer.for_run(tiny_config(tmp_path / "a", train={"steps": 1, "eval_every": 0}))
     first.train()
     weights = tmp_path / "a" / "model.safetensors"
-    second = Trainer(tiny_config(tmp_path / "b", train={"steps": 1, "eval_every": 0,
+    second = Trainer.for_run(tiny_config(tmp_path / "b", train={"steps": 1, "eval_every": 0,
                                                          "init_from": str(weights)}))
     second.loader.close()
     for (name, p), q in zip(first.model.named_parameters(), second.model.parameters()):
@@ -94,8 +94,8 @@ def test_init_from_starts_from_saved_weights(tiny_config, tmp_path) -> None:
 
 def test_init_from_errors_name_the_field(tiny_config, tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"train\.init_from=.*does not exist"):
-        Trainer(tiny_config(train={"init_from": str(tmp_path / "missing.safetensors")}))
+        Trainer.for_run(tiny_config(train={"init_from": str(tmp_path / "missing.safetensors")}))
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"not safetensors")
     with pytest.raises(DataError, match=r"train\.init_from="):
-        Trainer(tiny_config(train={"init_from": str(bad)}))
+        Trainer.for_run(tiny_config(train={"init_from": str(bad)}))

@@ -21,7 +21,7 @@ def trainers(tiny_config, tmp_path):
     made: list[Trainer] = []
 
     def make(name: str) -> Trainer:
-        made.append(Trainer(tiny_config(run_dir=tmp_path / name)))
+        made.append(Trainer.for_run(tiny_config(run_dir=tmp_path / name)))
         return made[-1]
 
     yield make

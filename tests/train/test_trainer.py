@@ -5,9 +5,12 @@ One 40-step run of the tiny model is shared by the tests that only read its outp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,7 +34,7 @@ def trained(make_tiny_config, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("trained") / "run"
     config = make_tiny_config(run_dir, train={"steps": STEPS, "batch_size": BATCH,
                                               "warmup_steps": 3, "lr": 3e-3})
-    trainer = Trainer(config)
+    trainer = Trainer.for_run(config)
     return trainer, trainer.train()
 
 
@@ -64,7 +67,7 @@ def test_summary_has_the_contract_fields_with_sensible_values(trained) -> None:
     assert data["samples_committed"] == STEPS * BATCH
     assert data["duplicates"] == data["gaps"] == 0
     assert summary["groups"] == ["g0"]
-    assert summary["config"] == json.loads(json.dumps(trainer.config.to_dict()))
+    assert summary["config"] == json.loads(json.dumps(trainer.config.resolved))
 
 
 def test_events_have_one_commit_per_step_with_contiguous_samples(trained) -> None:
@@ -88,7 +91,7 @@ def test_events_have_one_commit_per_step_with_contiguous_samples(trained) -> Non
 
 def test_run_dir_holds_resolved_config_and_final_weights(trained) -> None:
     trainer, _ = trained
-    assert load_config(trainer.run_dir / "config.toml") == trainer.config
+    assert load_config(trainer.run_dir / "config.toml").to_dict() == trainer.config.resolved
     weights = load_file(str(trainer.run_dir / "model.safetensors"))
     live = trainer.model.state_dict()
     assert weights and set(weights) <= set(live)
@@ -99,7 +102,7 @@ def test_run_dir_holds_resolved_config_and_final_weights(trained) -> None:
 def test_grad_accum_two_matches_one_at_equal_batch(tiny_config, tmp_path: Path) -> None:
     runs = {}
     for accum in (1, 2):
-        trainer = Trainer(tiny_config(run_dir=tmp_path / f"accum{accum}",
+        trainer = Trainer.for_run(tiny_config(run_dir=tmp_path / f"accum{accum}",
                                       train={"steps": 8, "batch_size": 4, "grad_accum": accum}))
         trainer.train()
         runs[accum] = trainer.losses
@@ -109,7 +112,7 @@ def test_grad_accum_two_matches_one_at_equal_batch(tiny_config, tmp_path: Path) 
 
 
 def test_keyboard_interrupt_still_writes_the_summary(tiny_config) -> None:
-    trainer = Trainer(tiny_config(train={"steps": 10}))
+    trainer = Trainer.for_run(tiny_config(train={"steps": 10}))
     step_once = trainer.step
 
     def step_then_interrupt() -> None:
@@ -126,7 +129,7 @@ def test_keyboard_interrupt_still_writes_the_summary(tiny_config) -> None:
 
 
 def test_max_seconds_stops_early_and_still_summarises(tiny_config) -> None:
-    trainer = Trainer(tiny_config(train={"steps": 1000, "max_seconds": 1e-6}))
+    trainer = Trainer.for_run(tiny_config(train={"steps": 1000, "max_seconds": 1e-6}))
     summary = trainer.train()
     assert summary["steps_committed"] < 1000
     assert (trainer.run_dir / "summary.json").is_file()
@@ -136,7 +139,7 @@ def test_max_seconds_stops_early_and_still_summarises(tiny_config) -> None:
 
 def _refused(config, error: type[Exception]) -> str:
     with pytest.raises(error) as err:
-        Trainer(config)
+        Trainer.for_run(config)
     return str(err.value)
 
 
@@ -181,7 +184,7 @@ def test_seq_len_longer_than_the_model_context(tiny_config) -> None:
 def test_a_catchup_budget_below_one_gradient_shard_is_refused_at_start(tiny_config) -> None:
     """Issue 11: buffer sizes were counted in steps, whatever a step's gradient weighs."""
     with pytest.raises(ConfigError, match=r"ft\.catchup_max_bytes=1000 cannot hold one step"):
-        Trainer(tiny_config(ft={"catchup_max_bytes": 1000}), standalone=False)
+        Trainer.for_run(tiny_config(ft={"catchup_max_bytes": 1000}), standalone=False)
 
 
 def test_the_catchup_buffer_overflows_on_bytes_as_well_as_steps() -> None:
@@ -196,7 +199,7 @@ def test_the_catchup_buffer_overflows_on_bytes_as_well_as_steps() -> None:
 
 def test_bf16_autocast_trains_on_cpu(tiny_config) -> None:
     """Issue 11: bf16 autocast on CPU was refused; matmuls now run in bf16, state stays fp32."""
-    trainer = Trainer(tiny_config(train={"steps": 2, "eval_every": 0, "dtype": "bfloat16"}))
+    trainer = Trainer.for_run(tiny_config(train={"steps": 2, "eval_every": 0, "dtype": "bfloat16"}))
     seen: list[torch.dtype] = []
     trainer.model.output.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     summary = trainer.train()
@@ -208,10 +211,23 @@ def test_bf16_autocast_trains_on_cpu(tiny_config) -> None:
 def test_the_last_step_is_always_checkpointed(tiny_config) -> None:
     """A group restarted after the others finished and left must resume at the end, not from an
     older checkpoint: the final step is saved even when ``checkpoint.every`` does not divide it."""
-    trainer = Trainer(tiny_config(train={"steps": 5, "eval_every": 0},
+    trainer = Trainer.for_run(tiny_config(train={"steps": 5, "eval_every": 0},
                                   checkpoint={"every": 2, "async_save": False}))
     trainer.train()
     saved = sorted(p.name for p in (trainer.run_dir / "checkpoints").iterdir() if p.is_dir())
     assert saved[-1] == "step-00000005", saved
-    again = Trainer(tiny_config(train={"steps": 5, "eval_every": 0}, checkpoint={"every": 2}))
+    again = Trainer.for_run(tiny_config(train={"steps": 5, "eval_every": 0}, checkpoint={"every": 2}))
     assert again.checkpointer.restore_latest(again.state) == 5
+
+
+def test_training_never_imports_the_composition_root_or_the_launchers() -> None:
+    """The trainer gets only its own sections (``TrainerConfig``): importing the training code
+    loads neither ``ftlm.config`` (which composes every section) nor anything of ``ftlm.launch``."""
+    code = ("import sys, ftlm.train.trainer, ftlm.train.job; "
+            "print(sorted(m for m in sys.modules if m == 'ftlm.config' or m.startswith('ftlm.launch')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    assert out.strip() == "[]"
+    from ftlm.train.config import TrainerConfig
+    assert {f.name for f in dataclasses.fields(TrainerConfig)} == {
+        "run", "model", "data", "train", "checkpoint", "ft", "observe", "resolved"}

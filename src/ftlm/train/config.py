@@ -1,11 +1,20 @@
-"""Settings of the training loop and of durable checkpoints."""
+"""Settings of the training loop and of durable checkpoints, the run's identity (``[run]``), and
+``TrainerConfig``: the sections a ``Trainer`` reads. The composition root (``ftlm.config``)
+builds that from the whole run configuration, so training never imports the launchers' settings
+(``[cluster]``) or the commands' (``[post]``, ``[cost]``)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+from ftlm.data.config import DataConfig
 from ftlm.errors import ConfigError
+from ftlm.ft.config import FTConfig
+from ftlm.model.config import ModelConfig
+from ftlm.observe.config import ObserveConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
@@ -156,3 +165,48 @@ class CheckpointConfig:
                 raise ConfigError(f"checkpoint.{name}={value!r} must be an integer >= 0")
         if self.keep < 1:
             raise ConfigError(f"checkpoint.keep={self.keep} must be at least 1")
+
+
+@dataclass
+class RunSection:
+    """Identity and location of a run."""
+
+    name: str = "run"
+    """Name of the run; the run directory defaults to ``runs/<name>``."""
+    dir: str = ""
+    """Run directory; empty means ``runs/<name>``."""
+    seed: int = 0
+    """Seed of the model initialisation and of the data order."""
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"run.name={self.name!r} must be a non-empty name without '/'")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"run.seed={self.seed!r} must be a non-negative integer")
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir) if self.dir else Path("runs") / self.name
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """What one ``Trainer`` is configured with (``RunConfig.trainer_config()`` builds it)."""
+
+    run: RunSection
+    """Name, directory and seed of the run."""
+    model: ModelConfig
+    """Shape of the model."""
+    data: DataConfig
+    """Prepared data, sequence length and held-out split."""
+    train: TrainConfig
+    """The training loop: steps, batch, optimizer, device."""
+    checkpoint: CheckpointConfig
+    """Durable checkpoints."""
+    ft: FTConfig
+    """Gradient buckets, catch-up buffer budgets, the degraded learning-rate policy, the token."""
+    observe: ObserveConfig
+    """Progress output and metrics."""
+    resolved: dict[str, Any] = field(default_factory=dict)
+    """The whole resolved run configuration as plain data: written to the run's config.toml and
+    summary.json as the record of what ran."""

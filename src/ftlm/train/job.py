@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ftlm.config import RunConfig
+if TYPE_CHECKING:  # the composition root; training never imports it (nor, through it, launch)
+    from ftlm.config import RunConfig
 
 
 def run_group(config: RunConfig, coordinator: str, make_trainer: Callable[..., Any]) -> dict:
@@ -33,7 +34,7 @@ def run_group(config: RunConfig, coordinator: str, make_trainer: Callable[..., A
     groups = int(os.environ.get("FTLM_GROUPS", "0")) or config.ft.groups
     token = os.environ.get("FTLM_TOKEN", "") or config.ft.read_token()
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    metrics = start_metrics(config, group, rank)
+    metrics = start_metrics(config.trainer_config(), group, rank)
     events = metrics.watch_events(EventLog(config.run.path / "events.jsonl", group=group, rank=rank))
     # The manager only talks to the coordinator from ``join`` on, which the trainer calls once the
     # model and data are ready: from the first heartbeat on, the other groups count on this one

@@ -15,13 +15,14 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import tomli_w
 import torch
 import torch.distributed as dist
 
-from ftlm.config import RunConfig, save_config
 from ftlm.data.loader import Loader, PackedDataset
 from ftlm.data.split import split_heldout
 from ftlm.data.tokenizer import Tokenizer
@@ -35,6 +36,7 @@ from ftlm.observe.events import EventLog, NullEvents, read_events
 from ftlm.observe.metrics import NullMetrics, TrainingMetrics, start_rank_metrics
 from ftlm.observe.summary import build_summary, write_summary
 from ftlm.train.catchup import CatchUpBuffer, unflatten_into
+from ftlm.train.config import TrainerConfig
 from ftlm.train.checkpoint import Checkpointer
 from ftlm.train.evaluate import build_evaluator
 from ftlm.train.grad_sync import GradientSync
@@ -58,6 +60,15 @@ class TrainingDiverged(FtlmError):
     """The loss or gradient stayed non-finite: training cannot continue from this state."""
 
 
+@dataclass
+class _Preloaded:
+    """A peer's snapshot loaded, and the buffered updates before the current step replayed."""
+
+    recovered: Recovered
+    replayed: int
+    seconds: float
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (a view: writing to it writes the gradient), else ``t``."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -79,8 +90,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def load_data(config: RunConfig) -> tuple[Tokenizer, PackedDataset]:
-    """The tokenizer and the prepared dataset, checked against each other and the config."""
+def load_data(config: TrainerConfig) -> tuple[Tokenizer, PackedDataset]:
+    """The tokenizer and the prepared dataset, checked against each other and the config
+    (its ``data`` and ``model`` sections: a ``RunConfig`` serves as well)."""
     data_dir = Path(config.data.dir)
     # The folder first: a missing data.dir is not a missing tokenizer.
     if not data_dir.is_dir():
@@ -106,7 +118,8 @@ def load_data(config: RunConfig) -> tuple[Tokenizer, PackedDataset]:
     return tokenizer, dataset
 
 
-def build_model(config: RunConfig, device: torch.device) -> Transformer:
+def build_model(config: TrainerConfig, device: torch.device) -> Transformer:
+    """The model of ``config.model`` on ``device``, initialised from ``config.run.seed``."""
     with torch.device("meta"):
         model = Transformer(config.model)
     model.to_empty(device=device)
@@ -132,7 +145,7 @@ def load_weights(model: Transformer, path: Path, field: str = "train.init_from")
                         f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
 
 
-def start_metrics(config: RunConfig, group: str, rank: int) -> TrainingMetrics | NullMetrics:
+def start_metrics(config: TrainerConfig, group: str, rank: int) -> TrainingMetrics | NullMetrics:
     """This rank's metrics (Prometheus endpoint, tracer, storage gauges of the run directory and
     its checkpoints), started; the null object when ``observe.metrics`` and tracing are off."""
     checkpoints = Path(config.checkpoint.dir) if config.checkpoint.dir else config.run.path / "checkpoints"
@@ -152,14 +165,15 @@ def _served_port(metrics: Any) -> int | None:
 class Trainer:
     """Trains one replica group; ``train()`` runs the loop and returns the final summary fields."""
 
-    def __init__(self, config: RunConfig, ft: FaultTolerance | None = None, group: str = "g0",
+    def __init__(self, config: TrainerConfig, ft: FaultTolerance | None = None, group: str = "g0",
                  groups: int = 1, standalone: bool = True, objective: Objective | None = None,
                  data: TrainData | None = None, metrics: Any = None):
         """``objective`` and ``data`` default to language modelling on ``data.dir`` (pretraining);
         post-training commands inject their own (``ftlm.train.objective``). ``ft`` (fault
         tolerance) and ``metrics`` are injected by the job (``ftlm.train.job``), which builds them
         first and shares the metrics with ``ft``; alone, the trainer runs without fault tolerance
-        and starts its own metrics."""
+        and starts its own metrics. ``config`` holds only the sections training reads
+        (``RunConfig.trainer_config()``, or ``Trainer.for_run``)."""
         self.config = config
         self.ft = ft or NoFaultTolerance()
         self.group = group
@@ -185,8 +199,8 @@ class Trainer:
         self.mesh = group_mesh(self.device)
         self.rank = dist.get_rank() if self.mesh is not None else 0
         self.ranks = dist.get_world_size() if self.mesh is not None else 1
-        if standalone and self.rank == 0:
-            save_config(config, self.run_dir / "config.toml")
+        if standalone and self.rank == 0 and config.resolved:
+            (self.run_dir / "config.toml").write_text(tomli_w.dumps(config.resolved))
         if tc.batch_size % (self.ranks * tc.grad_accum):
             raise ConfigError(f"train.batch_size={tc.batch_size} must be divisible by the group's "
                               f"{self.ranks} rank(s) x train.grad_accum={tc.grad_accum}")
@@ -232,6 +246,12 @@ class Trainer:
         self._nonfinite = 0  # attempts in a row with a non-finite loss or gradient
         self._last_commit: float | None = None
         self._stop = False
+
+    @classmethod
+    def for_run(cls, config: Any, **kwargs: Any) -> Trainer:
+        """A trainer of the run ``config`` (a ``ftlm.config.RunConfig``: only its trainer's
+        sections reach the trainer); ``kwargs`` as for the constructor."""
+        return cls(config.trainer_config(), **kwargs)
 
     # -- set-up ----------------------------------------------------------------------------------
     def _check_memory_budgets(self) -> None:
@@ -286,6 +306,10 @@ class Trainer:
         if plan.drain:
             self._drain_step(plan)
             return
+        # A recovering group whose snapshot arrived catches up now, while the participants
+        # compute this step: after the vote it is at the head, and its next quorum request is
+        # not late (the others would wait for it).
+        preloaded = self._load_and_replay(plan) if plan.recovering else None
         self.sync.begin()
         if plan.participating:
             batch = self.loader.batch(state.cursor, plan.participant_index, plan.participants,
@@ -318,7 +342,7 @@ class Trainer:
         lr = self._lr(plan)
         samples = plan.participants * tc.batch_size
         if plan.recovering:
-            self._recovering_step(plan, ok, grads, lr, samples, float(loss_buf[0]))
+            self._recovering_step(plan, ok, grads, lr, samples, float(loss_buf[0]), preloaded)
             return
         if not ok:
             self.state.optimizer.zero_grad(set_to_none=True)
@@ -371,67 +395,81 @@ class Trainer:
             self.metrics.on_eval(ev.loss)
 
     def _recovering_step(self, plan: StepPlan, ok: bool, grads: list[torch.Tensor], lr: float,
-                         samples: int, global_loss: float) -> None:
-        if ok:
-            self.catchup.record(plan.step, grads, lr, samples, plan.quorum_id,
-                                plan.quorum.participants if plan.quorum is not None else [])
-        self.metrics.on_catchup_lag(len(self.catchup))
+                         samples: int, global_loss: float, preloaded: _Preloaded | None) -> None:
+        if preloaded is not None:  # at this step's head already: apply its update, if committed
+            self._finish_catch_up(preloaded, plan, lr if ok else None, samples, global_loss)
+        else:
+            if ok:
+                self.catchup.record(plan.step, grads, lr, samples, plan.quorum_id,
+                                    plan.quorum.participants if plan.quorum is not None else [])
+            self.metrics.on_catchup_lag(len(self.catchup))
+            if self.catchup.overflowing:
+                self.catchup.clear()
+                self.ft.restart_recovery(f"catch-up buffer exceeded {self.catchup.limit()}")
         for p in self.params:
             p.grad = None
-        recovered = self.ft.poll_recovery()
-        if recovered is not None:
-            self._catch_up(recovered, plan, ok, global_loss)
-        elif self.catchup.overflowing:
-            self.catchup.clear()
-            self.ft.restart_recovery(f"catch-up buffer exceeded {self.catchup.limit()}")
 
     def _drain_step(self, plan: StepPlan) -> None:
         """The job reached its last step: a recovering group only catches up, nobody trains."""
-        if plan.recovering:
-            recovered = self.ft.poll_recovery()
-            if recovered is not None:
-                self._catch_up(recovered, plan, committed_now=False)
-                return
+        if plan.recovering and (preloaded := self._load_and_replay(plan)) is not None:
+            self._finish_catch_up(preloaded, plan, None, 0, None)
+            return
         time.sleep(0.1)  # the snapshot is on its way; ask again shortly
 
-    def _catch_up(self, rec: Recovered, plan: StepPlan, committed_now: bool,
-                  global_loss: float | None = None) -> None:
-        """Load a peer's snapshot and replay the buffered updates up to the head, checked."""
+    def _load_and_replay(self, plan: StepPlan) -> _Preloaded | None:
+        """If the peer's snapshot arrived: load it and replay the buffered updates up to the
+        head of ``plan`` (the step being computed), checked against the quorum's history."""
+        rec = self.ft.poll_recovery()
+        if rec is None:
+            return None
         state = self.state
         state.load_flat(rec.tensors, rec.meta, copy=False)  # received tensors: ours alone
         updates = self.catchup.take_from(rec.step) or []
         check = check_replay(rec.step, state.chain,
                              [(u.step, u.quorum_id, u.participants) for u in updates],
-                             plan.quorum, committed_now)
+                             plan.quorum, committed_now=False)
         if not check.ok:
             # The snapshot stays loaded; the group reports its step and recovers again.
             self.ft.restart_recovery(check.reason)
-            return
+            return None
         t0 = time.perf_counter()
         for u in updates[:check.apply]:
             unflatten_into(u.grads, self.params)
-            start = state.cursor
-            grad_norm = apply_update(self.params, state.optimizer, u.lr, self.config.train.grad_clip)
+            apply_update(self.params, state.optimizer, u.lr, self.config.train.grad_clip)
             state.step += 1
             state.cursor += u.samples
-            if u.step == plan.step:
-                # This step's own update: this group commits it (the participants may have
-                # failed it after the all-reduce completed here), so it records the commit.
-                state.chain = plan.quorum.next_chain()
-                self.events.emit("commit", step=u.step, quorum_id=plan.quorum_id,
-                                 participants=plan.participants, samples=[start, start + u.samples],
-                                 loss=global_loss, tokens=u.samples * self.tokens_per_sample,
-                                 lr=u.lr, grad_norm=grad_norm, chain=state.chain,
-                                 parent=plan.quorum.chain, replayed=True)
             self.ft.fire("during_replay")
         state.chain = check.chain
+        return _Preloaded(rec, check.apply, time.perf_counter() - t0)
+
+    def _finish_catch_up(self, pre: _Preloaded, plan: StepPlan, lr: float | None, samples: int,
+                         global_loss: float | None) -> None:
+        """After the vote of the step the group caught up to: apply that step's average (``lr``
+        set: it committed here; the participants may still have failed it after the all-reduce
+        completed here, as for any participant) and report the head."""
+        state, replayed = self.state, pre.replayed
+        t0 = time.perf_counter()
+        if lr is not None:
+            start = state.cursor
+            grad_norm = apply_update(self.params, state.optimizer, lr, self.config.train.grad_clip)
+            state.step += 1
+            state.cursor += samples
+            state.chain = plan.quorum.next_chain()
+            replayed += 1
+            self.events.emit("commit", step=plan.step, quorum_id=plan.quorum_id,
+                             participants=plan.participants, samples=[start, start + samples],
+                             loss=global_loss, tokens=samples * self.tokens_per_sample,
+                             lr=lr, grad_norm=grad_norm, chain=state.chain,
+                             parent=plan.quorum.chain, replayed=True)
+            self.ft.fire("during_replay")
+        rec = pre.recovered
         self.ft.caught_up(state.step, state.chain)
         self.metrics.on_recovery(rec.seconds, rec.nbytes)
         self.metrics.on_catchup_lag(0)
         self.events.emit("recovery_end", step=state.step, ok=True, source=rec.source,
-                         snapshot_step=rec.step, replayed=check.apply, bytes=rec.nbytes,
+                         snapshot_step=rec.step, replayed=replayed, bytes=rec.nbytes,
                          transfer_seconds=rec.seconds, chain=state.chain,
-                         replay_seconds=time.perf_counter() - t0)
+                         replay_seconds=pre.seconds + time.perf_counter() - t0)
 
     def _on_checkpoint_saved(self, step: int, path: Path, seconds: float) -> None:
         self.events.emit("checkpoint_saved", step=step, path=str(path), seconds=seconds)
@@ -532,7 +570,7 @@ class Trainer:
             wall_seconds = max(wall_seconds, time.time() - events[0]["ts"])
         summary = build_summary(events, wall_seconds=wall_seconds,
                                 state_hashes={self.group: self.state_hash()},
-                                config=self.config.to_dict(), groups=[self.group])
+                                config=self.config.resolved, groups=[self.group])
         write_summary(self.run_dir / "summary.json", summary)
         return summary
 
@@ -551,7 +589,7 @@ def _main_thread() -> bool:
 class _Progress:
     """Console view of training: a tqdm bar (loss, tokens/s, MFU), or plain lines every N steps."""
 
-    def __init__(self, config: RunConfig, initial: int, flops_per_token: float, peak: float,
+    def __init__(self, config: TrainerConfig, initial: int, flops_per_token: float, peak: float,
                  quiet: bool = False):
         self.config = config
         self.quiet = quiet  # ranks other than 0 stay silent: one view per group

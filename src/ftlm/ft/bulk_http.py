@@ -36,6 +36,7 @@ from http import HTTPStatus
 from typing import Any
 
 from ftlm.ft.connection_gate import AbuseLog
+from ftlm.ft.priority import background_priority
 
 __all__ = ["CLOSE", "BulkHTTPServer", "Request", "Response", "json_response"]
 
@@ -130,11 +131,13 @@ class BulkHTTPServer:
                  port: int = 0, ssl_context: ssl.SSLContext | None = None,
                  max_connections: int = 64, read_timeout: float = 10.0,
                  write_timeout: float = 60.0, pace: Callable[[int], bool] | None = None,
-                 name: str = "ftlm-bulk-http", logger: logging.Logger | None = None) -> None:
+                 name: str = "ftlm-bulk-http", logger: logging.Logger | None = None,
+                 thread_nice: int = 0) -> None:
         self.handle, self.host, self.port = handle, host, port
         self.ssl_context = ssl_context
         self.max_connections, self.read_timeout = max_connections, read_timeout
         self.write_timeout, self.pace, self.name = write_timeout, pace, name
+        self.thread_nice = thread_nice  # CPU priority of the connection threads (ftlm.ft.priority)
         self.abuse = AbuseLog(logger or logging.getLogger(__name__))
         self.stopping = threading.Event()
         self._lock = threading.Lock()
@@ -240,6 +243,7 @@ class BulkHTTPServer:
     # -- one connection ------------------------------------------------------------------------
 
     def _serve(self, conn: socket.socket) -> None:
+        background_priority(self.thread_nice)
         me = threading.current_thread()
         sock = conn
         try:

@@ -181,6 +181,10 @@ class FTConfig:
     """Parallel connections of a live state transfer."""
     transfer_chunk_bytes: int = 4 << 20
     """Chunk size of a live state transfer (each chunk is checksummed)."""
+    transfer_nice: int = 10
+    """CPU priority (nice value, 0-19) of the threads that copy, serve and pull a snapshot: above
+    0 a source's training thread gets the CPU first, so serving a peer does not slow its steps
+    where cores are short; 0 gives them the training thread's priority."""
     host: str = "127.0.0.1"
     """Address a group binds its rendezvous store and state server to and tells other groups;
     on a cluster, the pod or node IP (the ``FTLM_HOST`` environment variable overrides it)."""
@@ -225,6 +229,10 @@ class FTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"{s}.{name}={value!r} must be an integer >= {low}")
+        nice = self.transfer_nice
+        if not isinstance(nice, int) or isinstance(nice, bool) or not 0 <= nice <= 19:
+            raise ConfigError(f"{s}.transfer_nice={nice!r} must be an integer from 0 (the "
+                              "training thread's priority) to 19 (the lowest)")
         if self.lr_policy not in LR_POLICIES:
             raise ConfigError(f"{s}.lr_policy={self.lr_policy!r}; valid: {', '.join(LR_POLICIES)}")
         for name in ("tls_cert", "tls_key", "tls_ca"):

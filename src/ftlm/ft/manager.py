@@ -32,6 +32,7 @@ from ftlm.ft.client import CoordinatorClient, CoordinatorError, CoordinatorUnava
 from ftlm.ft.config import FTConfig
 from ftlm.ft.faults import FaultPlan
 from ftlm.ft.group import GroupProtocol, Role, TooManyFailures
+from ftlm.ft.priority import background_priority
 from ftlm.ft.process_group import CollectiveError, ReconfigurablePG
 from ftlm.ft.protocol import Recovered, SnapshotFn, StepPlan, StopRequested
 from ftlm.ft.quorum_answer import MemberQuorum
@@ -111,7 +112,8 @@ class Manager:
         self._client_tls = client_context(config.tls_ca) if config.tls_ca else None
         self.server = SnapshotServer(host=self.host, token=token,
                                      chunk_bytes=config.transfer_chunk_bytes, keep=2,
-                                     on_chunk=self._on_serve_chunk, ssl_context=self._server_tls)
+                                     on_chunk=self._on_serve_chunk, ssl_context=self._server_tls,
+                                     thread_nice=config.transfer_nice)
         self.server.start()
         self.transfer_urls = _gather_strings(self.server.url, self.ranks, self.control)
         self.abort = threading.Event()
@@ -286,6 +288,7 @@ class Manager:
         box: dict[str, BaseException] = {}
 
         def copy() -> None:
+            background_priority(self.config.transfer_nice)  # the training thread goes first
             try:
                 self.server.publish(snapshot_state(tensors, meta, step))
             except BaseException as e:  # noqa: BLE001 - reported on the training thread
@@ -436,7 +439,8 @@ class Manager:
                     parallel=self.config.transfer_parallel,
                     timeout=self.config.allreduce_timeout,
                     wait_available=self.config.quorum_timeout, progress=progress,
-                    expected=self._expected, ssl_context=self._client_tls)
+                    expected=self._expected, ssl_context=self._client_tls,
+                    thread_nice=self.config.transfer_nice)
             except TransferError as e:
                 fetch.error = str(e)
             except Exception as e:  # noqa: BLE001 - a failed pull is retried, never fatal

@@ -48,13 +48,14 @@ from typing import Any
 
 import torch
 
-from ftlm.errors import ConfigError, FaultError, FtlmError
+from ftlm.errors import ConfigError, FaultError
 from ftlm.ft.bulk_http import CLOSE, BulkHTTPServer, Request, Response, json_response
 from ftlm.ft.framing import (
     DEFAULT_MAX_TOTAL_BYTES, DIGEST, DIGEST_HEX, MAX_HEADER_BYTES, ChunkEntry, ExpectedLayout,
     FramingError, Header, LayoutMismatch, TensorEntry, canonical_json, chunk_digest,
     decode_header, expected_layout, layout, state_digest, tensors_from_buffer,
 )
+from ftlm.ft.priority import background_priority
 
 __all__ = ["ExpectedLayout", "Snapshot", "SnapshotServer", "TransferError", "default_max_bytes",
            "expected_layout", "fetch_snapshot", "list_snapshots", "snapshot_state",
@@ -153,7 +154,8 @@ class SnapshotServer:
                  throttle_bytes_per_s: float | None = None,
                  on_chunk: Callable[[int, int], None] | None = None,
                  ssl_context: ssl.SSLContext | None = None,
-                 max_connections: int = 64, read_timeout: float = 10.0) -> None:
+                 max_connections: int = 64, read_timeout: float = 10.0,
+                 thread_nice: int = 0) -> None:
         if chunk_bytes < 1:
             raise ConfigError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         if keep < 1:
@@ -176,7 +178,7 @@ class SnapshotServer:
             self._handle, host=host, port=port, ssl_context=ssl_context,
             max_connections=max_connections, read_timeout=read_timeout,
             pace=self._pace if throttle_bytes_per_s is not None else None,
-            name="ftlm-snapshot-server", logger=log)
+            name="ftlm-snapshot-server", logger=log, thread_nice=thread_nice)
         self._url: str | None = None
 
     @property
@@ -527,7 +529,7 @@ def _fetch_chunk(source: _Source, conn: http.client.HTTPConnection, step: int,
 
 
 def _download(source: _Source, header: Header, buffer: memoryview, parallel: int,
-              progress: Callable[[int, int], None] | None) -> None:
+              progress: Callable[[int, int], None] | None, thread_nice: int = 0) -> None:
     """Fetch all chunks into `buffer` with `parallel` threads, one HTTP connection each."""
     lock = threading.Lock()
     pending = iter(header.chunks)
@@ -536,6 +538,7 @@ def _download(source: _Source, header: Header, buffer: memoryview, parallel: int
     done = [0]
 
     def worker() -> None:
+        background_priority(thread_nice)
         conn = None
         try:
             while not failed.is_set():
@@ -591,7 +594,7 @@ def fetch_snapshot(url: str, step: int, token: str = "", parallel: int = 4,
                    progress: Callable[[int, int], None] | None = None,
                    *, expected: ExpectedLayout | None = None,
                    ssl_context: ssl.SSLContext | None = None,
-                   max_bytes: int | None = None,
+                   max_bytes: int | None = None, thread_nice: int = 0,
                    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Download, verify and rebuild the snapshot of `step` served at `url`.
 
@@ -606,6 +609,7 @@ def fetch_snapshot(url: str, step: int, token: str = "", parallel: int = 4,
     allocates anything; without it only the hard cap `max_bytes` (default `default_max_bytes()`)
     bounds the allocation. `ssl_context` (`ftlm.ft.tls.client_context`) verifies an https://
     source; with it, a plain http:// URL is refused rather than used without TLS.
+    `thread_nice` lowers the CPU priority of the pulling threads (`ftlm.ft.priority`).
     """
     if parallel < 1 or not timeout > 0 or wait_available < 0:
         raise ValueError(f"need parallel >= 1, timeout > 0, wait_available >= 0; got "
@@ -618,7 +622,7 @@ def fetch_snapshot(url: str, step: int, token: str = "", parallel: int = 4,
         source = _Source.parse(url, token, timeout, ssl_context)
         header = _wait_for_header(source, step, wait_available, cap, expected)
         buffer = _allocate(header.total_bytes)
-        _download(source, header, buffer, parallel, progress)
+        _download(source, header, buffer, parallel, progress, thread_nice)
         try:
             # The buffer is this call's alone: the tensors are views into it, not a second copy.
             return tensors_from_buffer(buffer, header.tensors, copy=False), header.meta

@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import gc
 import heapq
 import hmac
 import itertools
@@ -304,6 +305,7 @@ class Coordinator:
     def serve_forever(self) -> None:
         """Serve until SIGINT or SIGTERM (for the ``ftlm coordinator`` command)."""
         self.start()
+        quiet_collector()
         stop = threading.Event()
         previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
@@ -744,6 +746,21 @@ class Coordinator:
         self.metrics.refresh(now, self._state, len(self.membership.recent_dead(now)))
         body, content_type = self.metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+GC_THRESHOLDS = (50_000, 50, 1_000)
+"""The cyclic collector's thresholds in a coordinator process: with the defaults (700, 10, 10)
+2,000 groups' messages set off a full collection every few seconds, a pause that walked every
+member's records while a step's answers waited (p99 at 2,000 groups 274-403 ms with them,
+202-213 ms without, issue 16). Cycles are rare here; reference counting frees the rest."""
+
+
+def quiet_collector() -> None:
+    """For a process that serves a coordinator and nothing else: what exists after start-up is
+    moved out of the collector's sight (``gc.freeze``), and collections run less often."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

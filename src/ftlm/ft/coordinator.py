@@ -40,6 +40,12 @@ a coordinator bound to loopback answers only requests whose ``Host`` is a loopba
 rebinding its own DNS name to 127.0.0.1 is refused). Bodies are at most ``max_request_bytes``
 (413), arrive within ``read_timeout`` (408) and must be strict JSON (400, one line, nothing changed).
 
+Two paths serve HTTP on the one port (issue 16): ``ftlm.ft.hot_path`` answers the common,
+well-formed heartbeat and quorum request straight from the connection's protocol (a quorum
+long-poll is a ``_Waiter``: a callback and a deadline in a heap, no task), after the same checks
+and the same strict decoding; every other request, a refused one included, is handed from its
+first byte to aiohttp, which answers it as described above. The loop is uvloop's where installed.
+
 All asyncio state is touched only from the server's own event loop thread.
 """
 

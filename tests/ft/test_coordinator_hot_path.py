@@ -138,13 +138,19 @@ def test_pipelined_requests_are_answered_in_order(coord: Coordinator) -> None:
         conn.close()
 
 
+def _two_members(coord: Coordinator) -> tuple[Conn, Conn]:
+    """Connections of groups g0 and g1, each having heartbeated once (the job's 2 groups)."""
+    conns = Conn(coord), Conn(coord)
+    for conn, group in zip(conns, ("g0", "g1")):
+        conn.send(_request("/v1/heartbeat", _beat(group)))
+        assert conn.answer()[0] == 200
+    return conns
+
+
 @pytest.mark.parametrize("coord", [2], indirect=True)
 def test_a_long_poll_is_answered_when_the_last_member_asks(coord: Coordinator) -> None:
-    a, b = Conn(coord), Conn(coord)
+    a, b = _two_members(coord)
     try:
-        for conn, group in ((a, "g0"), (b, "g1")):
-            conn.send(_request("/v1/heartbeat", _beat(group)))
-            assert conn.answer()[0] == 200
         a.send(_request("/v1/quorum", _ask("g0")))
         assert not a.closed(0.3)  # waiting for g1 (nothing sent, nothing closed)
         b.send(_request("/v1/quorum", _ask("g1")))
@@ -158,11 +164,8 @@ def test_a_long_poll_is_answered_when_the_last_member_asks(coord: Coordinator) -
 
 @pytest.mark.parametrize("coord", [2], indirect=True)
 def test_a_long_poll_times_out_with_504_and_its_request_is_withdrawn(coord: Coordinator) -> None:
-    a, b = Conn(coord), Conn(coord)
+    a, b = _two_members(coord)
     try:
-        for conn, group in ((a, "g0"), (b, "g1")):
-            conn.send(_request("/v1/heartbeat", _beat(group)))
-            assert conn.answer()[0] == 200
         a.send(_request("/v1/quorum", _ask("g0", timeout=0.3)))
         status, _, body = a.answer()
         assert status == 504 and json.loads(body)["error"] == "quorum timeout"
@@ -175,11 +178,8 @@ def test_a_long_poll_times_out_with_504_and_its_request_is_withdrawn(coord: Coor
 
 @pytest.mark.parametrize("coord", [2], indirect=True)
 def test_a_closed_long_poll_is_withdrawn(coord: Coordinator) -> None:
-    a, b = Conn(coord), Conn(coord)
+    a, b = _two_members(coord)
     try:
-        for conn, group in ((a, "g0"), (b, "g1")):
-            conn.send(_request("/v1/heartbeat", _beat(group)))
-            assert conn.answer()[0] == 200
         a.send(_request("/v1/quorum", _ask("g0")))
         wait_until(lambda: coord.call_in_loop(lambda: "g0:a" in coord._waiters))
         a.close()
@@ -272,3 +272,8 @@ def test_a_stale_incarnation_gets_409_on_the_lean_path(coord: Coordinator) -> No
         assert _handed_over(coord) == [False]
     finally:
         conn.close()
+
+
+def test_the_coordinator_serves_from_uvloop_where_installed(coord: Coordinator) -> None:
+    uvloop = pytest.importorskip("uvloop")
+    assert isinstance(coord._loop, uvloop.Loop)

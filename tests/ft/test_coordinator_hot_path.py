@@ -82,7 +82,7 @@ class Conn:
             return self.sock.recv(1) == b""
         except ConnectionResetError:
             return True
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             return False
         finally:
             self.sock.settimeout(10)
@@ -198,8 +198,8 @@ def test_a_closed_long_poll_is_withdrawn(coord: Coordinator) -> None:
     (_request("/v1/quorum", b"[" * 40 + b"]" * 40), 400, "nests deeper"),
     (_request("/v1/quorum", b'{"a": NaN}'), 400, "not a JSON number"),
     (_request("/v1/heartbeat", b"x" * 70000), 413, "over the limit"),
-    (b"POST /v1/heartbeat HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
-     b"Content-Type: application/json\r\nAuthorization: Bearer s3cret\r\n\r\n0\r\n\r\n", 400, "not valid JSON"),
+    ((b"POST /v1/heartbeat HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+      b"Content-Type: application/json\r\nAuthorization: Bearer s3cret\r\n\r\n0\r\n\r\n"), 400, "not valid JSON"),
 ])
 def test_refusals_reach_aiohttp_and_are_answered_as_before(coord: Coordinator, request_bytes: bytes,
                                                            status: int, message: str) -> None:

@@ -125,7 +125,7 @@ class _Waiter:
     the lean path's time). Has the ``done``/``set_result`` a future has, so
     ``Coordinator._answer`` wakes both kinds alike."""
 
-    __slots__ = ("coord", "conn", "req", "_done")
+    __slots__ = ("_done", "conn", "coord", "req")
 
     def __init__(self, coord: Coordinator, conn: HotPathProtocol, req: MemberRequest) -> None:
         self.coord = coord

@@ -88,6 +88,38 @@ def test_two_groups_average_gradients_and_commit(coordinator):
     assert len({a[s][0] for s in range(3)}) == 1  # same members stepping forward: one quorum id
 
 
+def test_the_quorum_asked_for_right_after_the_vote_is_the_one_the_next_step_gets(coordinator):
+    """``ask`` sends the next quorum request while the update is applied; ``start_step`` then
+    waits for that answer and sends nothing: one request per step, the same quorums."""
+    def group(i: int):
+        m = joined(FTConfig(**FT), f"g{i}", f"inc{i}", coordinator.url)
+        requests = []
+        ask = m.client.quorum
+        m.client.quorum = lambda *a, **k: (requests.append(
+            (a[0], threading.current_thread().name.startswith("ftlm-quorum"))), ask(*a, **k))[1]
+        try:
+            seen, chain = [], GENESIS
+            for step in range(4):
+                plan = m.start_step(step, chain, snapshot)
+                grad = torch.full((3,), float(i + step))
+                m.allreduce([grad])
+                assert m.commit()
+                chain = plan.quorum.next_chain()
+                m.ask(step + 1, chain)  # then the trainer applies the update
+                seen.append((plan.quorum_id, plan.step, plan.participants, grad.tolist()))
+            assert m.start_step(4, chain, snapshot).step == 4  # the answer to the last ask
+            return seen, requests
+        finally:
+            m.close()
+
+    (a, ra), (b, rb) = run_groups(group, 2)
+    assert a == b and [s[1] for s in a] == [0, 1, 2, 3] and {s[2] for s in a} == {2}
+    assert [s[3] for s in a] == [[(0 + 1 + 2 * step) / 2] * 3 for step in range(4)]
+    for requests in (ra, rb):  # (a long poll that times out repeats a request: same thread)
+        assert {step for step, helper in requests if not helper} == {0}
+        assert {step for step, helper in requests if helper} == {1, 2, 3, 4}
+
+
 def test_member_dying_mid_step_fails_the_step_then_survivor_continues(coordinator):
     config = FTConfig(**FT)
     survivor = joined(config, "g0", "a", coordinator.url)

@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,6 +131,10 @@ class Manager:
         self._allreduce_started = 0.0
         # Set from a signal handler: a plain flag (an Event's lock could deadlock there).
         self._stop_requested = False
+        # The request for the next step's quorum sent right after a commit (``ask``): the state
+        # it asks for and the answer to come.
+        self._asked: tuple[int, str, Future] | None = None
+        self._asker: ThreadPoolExecutor | None = None
         self.client: CoordinatorClient | None = None
         self.heartbeater: Heartbeater | None = None
         self.store: dist.TCPStore | None = None
@@ -310,18 +315,50 @@ class Manager:
             # No snapshot to serve: the joiner's pull fails and it asks again, nothing is lost.
             log.warning("could not publish a snapshot for a recovering peer: %s", box["error"])
 
-    def start_step(self, step: int, chain: str, snapshot: SnapshotFn) -> StepPlan:
+    def ask(self, step: int, chain: str) -> bool:
+        """Request the quorum of ``(step, chain)``, the state this group just committed, now,
+        from a helper thread: ``start_step`` of that state waits for this answer instead of
+        asking then. Called right after a commit vote, the round trip and the wait for the other
+        groups overlap with the optimizer update (DESIGN.md section 3). A no-op where the control
+        collectives share the group's default process group with training (several ranks on
+        gloo): the answer's broadcast must not interleave with the training thread's collectives.
+        Returns whether the request went out: then the next step is owed to the quorum it gets."""
+        if self._asked is not None or self._stop_requested or (self.ranks > 1 and self.control is None):
+            return False
         self.proto.sync(step, chain)
-        self._pending = None
         self._declared_dead = False
-        asked = time.monotonic()
+        if self._asker is None:  # one long-lived thread, not one per step
+            self._asker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftlm-quorum")
+        self._asked = (step, chain, self._asker.submit(self._next_quorum))
+        return True
+
+    def _answer(self, step: int, chain: str) -> tuple[MemberQuorum, float]:
+        """The quorum of ``(step, chain)`` (the one ``ask`` requested, else a request now) and
+        the seconds this thread waited for it."""
+        asked, self._asked = self._asked, None
+        t0 = time.monotonic()
+        if asked is not None:
+            a_step, a_chain, answer = asked
+            if (a_step, a_chain) == (step, chain):
+                q = answer.result()  # re-raises StopRequested, TooManyFailures
+                return q, time.monotonic() - t0
+            try:  # asked for another state (not the trainer's order): drop that answer
+                answer.result()
+            except Exception as e:  # noqa: BLE001 - a new request follows
+                log.warning("dropped the answer to an earlier quorum request: %s", e)
+        self.proto.sync(step, chain)
+        self._declared_dead = False
         q = self._next_quorum()
+        return q, time.monotonic() - t0
+
+    def start_step(self, step: int, chain: str, snapshot: SnapshotFn) -> StepPlan:
+        self._pending = None
+        q, waited = self._answer(step, chain)
         self._progress()
         role = self.proto.on_quorum(q)
         self.quorum = q
         LOG_CONTEXT.update(quorum_id=q.quorum_id, step=step)
-        self.metrics.on_quorum(q.quorum_id, q.participant_count, q.recovering_count,
-                               time.monotonic() - asked)
+        self.metrics.on_quorum(q.quorum_id, q.participant_count, q.recovering_count, waited)
         self.abort.clear()
         if role.reconfigure:
             try:
@@ -516,6 +553,9 @@ class Manager:
 
     def close(self) -> None:
         self._wait_snapshot()
+        if self._asker is not None:  # a request in flight ends within STOP_POLL_SECONDS
+            self._stop_requested = True
+            self._asker.shutdown(wait=False, cancel_futures=True)
         if self.heartbeater is not None:
             self.heartbeater.stop()
         self.pg.abort_current()

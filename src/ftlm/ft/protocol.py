@@ -3,7 +3,7 @@
 The trainer calls ``join`` once with its committed state, then once per step: ``start_step``
 (join the quorum, learn whether this group trains data, recovers or drains at the end),
 ``allreduce`` (average gradients across participating groups), ``commit`` (may the update be
-applied?). A recovering group also calls ``poll_recovery`` until the peer's snapshot has arrived
+applied?), and after a commit ``ask`` (request the next quorum while the update is applied). A recovering group also calls ``poll_recovery`` until the peer's snapshot has arrived
 and ``caught_up`` once its replay reached the head; at the last step ``finish`` serves late
 groups and leaves the job. ``NoFaultTolerance`` answers for a lone group at no cost, so the
 single-group path stays as fast as plain PyTorch.
@@ -61,6 +61,7 @@ class StopRequested(Exception):
 
 class FaultTolerance(Protocol):
     def join(self, step: int, chain: str) -> None: ...
+    def ask(self, step: int, chain: str) -> bool: ...
     def start_step(self, step: int, chain: str, snapshot: SnapshotFn) -> StepPlan: ...
     def allreduce_start(self, tensors: list[torch.Tensor]) -> None: ...
     def allreduce(self, tensors: list[torch.Tensor]) -> None: ...
@@ -88,6 +89,9 @@ class NoFaultTolerance:
     def start_step(self, step: int, chain: str, snapshot: SnapshotFn) -> StepPlan:
         self._failed = False
         return StepPlan(quorum_id=0, step=step, participant_index=0, participants=1)
+
+    def ask(self, step: int, chain: str) -> bool:
+        return False
 
     def allreduce_start(self, tensors: list[torch.Tensor]) -> None:
         return None

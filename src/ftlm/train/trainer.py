@@ -246,6 +246,8 @@ class Trainer:
         self._nonfinite = 0  # attempts in a row with a non-finite loss or gradient
         self._last_commit: float | None = None
         self._stop = False
+        self._asked_next = False  # the quorum of the next step was asked for (``ft.ask``)
+        self._wall0 = time.time()  # when training started (``train.max_seconds``)
 
     @classmethod
     def for_run(cls, config: Any, **kwargs: Any) -> Trainer:
@@ -359,11 +361,17 @@ class Trainer:
             return
         self._nonfinite = 0
         start, parent = state.cursor, state.chain
+        chain = (plan.quorum.next_chain() if plan.quorum is not None
+                 else extend_chain(parent, plan.step, plan.quorum_id, [self.group]))
+        # The next quorum's round trip overlaps with the update below. Once it is asked for, the
+        # group owes that quorum its next step, even if asked to stop meanwhile: a member that
+        # left a quorum it was counted in would fail the others' step.
+        self._asked_next = (not self._stop and not self._time_up()
+                            and self.ft.ask(state.step + 1, chain))
         grad_norm = apply_update(self.params, state.optimizer, lr, tc.grad_clip)
         state.step += 1
         state.cursor += samples
-        state.chain = (plan.quorum.next_chain() if plan.quorum is not None
-                       else extend_chain(parent, plan.step, plan.quorum_id, [self.group]))
+        state.chain = chain
         global_loss = float(loss_buf[0])
         self.losses.append(global_loss)
         seconds = time.perf_counter() - t0
@@ -517,13 +525,14 @@ class Trainer:
 
     def _loop(self, wall0: float) -> None:
         """Train until the last step, a stop request or ``train.max_seconds``."""
-        tc = self.config.train
         bar = self._progress()
+        self._wall0 = wall0
         try:
-            while self.state.step < tc.steps and not self._stop:
-                if tc.max_seconds and time.time() - wall0 > tc.max_seconds:
+            while self.state.step < self.config.train.steps and (not self._stop or self._asked_next):
+                if self._time_up() and not self._asked_next:
                     break
                 before = self.state.step
+                self._asked_next = False
                 self.step()
                 if self.state.step != before:
                     bar.update(self.state.step - before, self)
@@ -536,6 +545,11 @@ class Trainer:
             bar.close()
             self.checkpointer.wait()
             self.loader.close()
+
+    def _time_up(self) -> bool:
+        """``train.max_seconds`` of training have passed."""
+        limit = self.config.train.max_seconds
+        return bool(limit) and time.time() - self._wall0 > limit
 
     def state_hash(self) -> str:
         """sha256 of this rank's replicated state (its shard when the model is sharded)."""

@@ -135,8 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=6, help="steps per phase (default 6)")
     p.add_argument("--reps", type=int, default=2, help="idle/serving pairs per setting (default 2)")
     p.add_argument("--nice", default="0,10", help="ft.transfer_nice values to compare (default 0,10)")
+    p.add_argument("--quick", action="store_true", help="smoke-test size: tiny model, 3 steps, 1 pair")
     p.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
+    if args.quick:
+        args.models, args.steps, args.reps = "tiny:8", 3, 1
     models = [(m.partition(":")[0], int(m.partition(":")[2] or 1)) for m in args.models.split(",")]
     nices = [int(n) for n in args.nice.split(",")]
     t0 = time.time()

@@ -846,3 +846,20 @@ def test_a_source_process_killed_mid_chunk_gives_a_clear_error_at_once():
     finally:
         source.kill()
         source.wait(10)
+
+
+def test_a_transfer_is_counted_on_both_ends_for_the_network_metrics() -> None:
+    """``ftlm_ft_transfer_{received,sent}_bytes_total`` come from these tallies (GB/s per link)."""
+    from ftlm.observe.iostats import io_totals
+    before = io_totals()
+    server = SnapshotServer(chunk_bytes=4096)
+    url = server.start()
+    try:
+        server.publish(snapshot_state({"w": torch.ones(10_000)}, {"step": 1}, 1))
+        fetch_snapshot(url, 1, parallel=2)
+    finally:
+        server.stop()
+    after = io_totals()
+    for kind in ("transfer_received", "transfer_sent"):
+        assert after[kind][0] - before[kind][0] == 40_000
+        assert after[kind][1] > before[kind][1]

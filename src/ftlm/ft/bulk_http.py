@@ -37,6 +37,7 @@ from typing import Any
 
 from ftlm.ft.connection_gate import AbuseLog
 from ftlm.ft.priority import background_priority
+from ftlm.observe.iostats import timed_io
 
 __all__ = ["CLOSE", "BulkHTTPServer", "Request", "Response", "json_response"]
 
@@ -324,6 +325,8 @@ class BulkHTTPServer:
                 return None, b""
             data += got
 
+    @timed_io("transfer_sent", lambda ok, self, sock, response, keep_alive:
+              memoryview(response.body).nbytes if ok and response.paced else 0)
     def _write(self, sock: socket.socket, response: Response, keep_alive: bool) -> bool:
         """Send ``response``; False when the connection must close (cut, paced out, timed out)."""
         body = memoryview(response.body).cast("B")

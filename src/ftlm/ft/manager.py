@@ -295,7 +295,10 @@ class Manager:
         def copy() -> None:
             background_priority(self.config.transfer_nice)  # the training thread goes first
             try:
-                self.server.publish(snapshot_state(tensors, meta, step))
+                t0 = time.monotonic()
+                snap = snapshot_state(tensors, meta, step)
+                self.server.publish(snap)
+                self.metrics.on_snapshot(time.monotonic() - t0, snap.total_bytes)
             except BaseException as e:  # noqa: BLE001 - reported on the training thread
                 box["error"] = e
             finally:

@@ -56,6 +56,7 @@ from ftlm.ft.framing import (
     decode_header, expected_layout, layout, state_digest, tensors_from_buffer,
 )
 from ftlm.ft.priority import background_priority
+from ftlm.observe.iostats import timed_io
 
 __all__ = ["ExpectedLayout", "Snapshot", "SnapshotServer", "TransferError", "default_max_bytes",
            "expected_layout", "fetch_snapshot", "list_snapshots", "snapshot_state",
@@ -528,6 +529,7 @@ def _fetch_chunk(source: _Source, conn: http.client.HTTPConnection, step: int,
                        f"{expected}")
 
 
+@timed_io("transfer_received", lambda _, source, header, *rest: header.total_bytes)
 def _download(source: _Source, header: Header, buffer: memoryview, parallel: int,
               progress: Callable[[int, int], None] | None, thread_nice: int = 0) -> None:
     """Fetch all chunks into `buffer` with `parallel` threads, one HTTP connection each."""

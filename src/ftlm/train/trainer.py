@@ -318,7 +318,8 @@ class Trainer:
                                       tc.batch_size)
             per_rank = tc.batch_size // self.ranks  # rank r trains its share of the group's slice
             batch = batch[self.rank * per_rank:(self.rank + 1) * per_rank]
-            loss = self._forward_backward(batch.to(self.device, non_blocking=True))
+            with self.metrics.phase("forward_backward"):
+                loss = self._forward_backward(batch.to(self.device, non_blocking=True))
         else:
             for p in self.params:
                 p.grad = torch.zeros_like(p)
@@ -340,7 +341,8 @@ class Trainer:
         nonfinite = bool(loss_buf[1] > 0)
         if nonfinite:
             self.ft.fail_step("non-finite loss or gradient")
-        ok = self.ft.commit()
+        with self.metrics.phase("vote"):
+            ok = self.ft.commit()
         lr = self._lr(plan)
         samples = plan.participants * tc.batch_size
         if plan.recovering:
@@ -368,7 +370,8 @@ class Trainer:
         # left a quorum it was counted in would fail the others' step.
         self._asked_next = (not self._stop and not self._time_up()
                             and self.ft.ask(state.step + 1, chain))
-        grad_norm = apply_update(self.params, state.optimizer, lr, tc.grad_clip)
+        with self.metrics.phase("commit"):
+            grad_norm = apply_update(self.params, state.optimizer, lr, tc.grad_clip)
         state.step += 1
         state.cursor += samples
         state.chain = chain
@@ -472,12 +475,14 @@ class Trainer:
             self.ft.fire("during_replay")
         rec = pre.recovered
         self.ft.caught_up(state.step, state.chain)
-        self.metrics.on_recovery(rec.seconds, rec.nbytes)
+        replay_seconds = pre.seconds + time.perf_counter() - t0
+        self.metrics.on_recovery(rec.seconds, rec.nbytes, replay_seconds=replay_seconds,
+                                 source=rec.source)
         self.metrics.on_catchup_lag(0)
         self.events.emit("recovery_end", step=state.step, ok=True, source=rec.source,
                          snapshot_step=rec.step, replayed=replayed, bytes=rec.nbytes,
                          transfer_seconds=rec.seconds, chain=state.chain,
-                         replay_seconds=pre.seconds + time.perf_counter() - t0)
+                         replay_seconds=replay_seconds)
 
     def _on_checkpoint_saved(self, step: int, path: Path, seconds: float) -> None:
         self.events.emit("checkpoint_saved", step=step, path=str(path), seconds=seconds)

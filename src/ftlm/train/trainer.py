@@ -507,6 +507,8 @@ class Trainer:
         old = signal.signal(signal.SIGTERM, self.request_stop) if _main_thread() else None
         self.events.emit("group_start", step=self.state.step,
                          metrics_port=self.metrics_port)
+        if not self.standalone:
+            self._warm_up()
         self.ft.join(self.state.step, self.state.chain)
         wall0 = time.time()
         try:
@@ -550,6 +552,23 @@ class Trainer:
             bar.close()
             self.checkpointer.wait()
             self.loader.close()
+
+    def _warm_up(self) -> None:
+        """One forward and backward pass of a micro-batch before joining, its gradients dropped:
+        a (re)started group's first steps (memory allocation, autograd's first graph) are then
+        no slower than its peers', which would wait for it in every all-reduce. Pretraining
+        only: a post-training objective may count or sample what it sees."""
+        if not isinstance(self.objective, LanguageModeling):
+            return
+        tc = self.config.train
+        rows = tc.batch_size // self.ranks // tc.grad_accum
+        batch = self.loader.compute(self.state.cursor, 0, 1, tc.batch_size)[:rows]
+        self.sync.armed = False  # nothing goes to the other groups
+        with self._autocast():
+            loss = self.objective.loss(self.step_model, batch.to(self.device))
+        loss.backward()
+        for p in self.params:
+            p.grad = None
 
     def _time_up(self) -> bool:
         """``train.max_seconds`` of training have passed."""

@@ -49,20 +49,21 @@ from bench.common import (
     write_section,
 )
 
-# sort has the longest completions (up to ~80 tokens) and add stays at 0 at this model size and
-# budget (see FINDINGS): both left out.
-FAMILIES = "count,mod"
+# The families of the 800-step SFT recipe that reads its prompt (the test-time scaling policy's);
+# sort has the longest completions (up to ~80 tokens), count was tried at 150 SFT steps (FINDINGS).
+FAMILIES = "add,mod"
 
 FULL = {
     "families": FAMILIES, "pretrain_steps": 200, "heldout_tasks": 400, "max_new_tokens": 96,
-    "train_tasks": 1000, "sft_steps": 150, "sft_lr": 3e-3,
+    "train_tasks": 4000, "sft_steps": 800, "sft_lr": 3e-3, "sft_batch": 16, "sft_seq_len": 128,
+    "sft_seeds": 1,
     "pair_tasks": 300, "pair_samples": 4, "pair_temperature": 1.0,
-    "dpo_steps": 40, "dpo_lr": 2e-4, "dpo_beta": 0.1, "dpo_nll": 0.0,
+    "dpo_steps": 40, "dpo_lr": 2e-4, "dpo_beta": 0.1, "dpo_nll": 1.0,
     "grpo_steps": 20, "grpo_batch": 8, "group_size": 8, "grpo_lr": 2e-4, "grpo_kl": 0.04,
-    "grpo_clip": 0.2, "grpo_temperature": 1.0, "grpo_tasks": 1000,
+    "grpo_clip": 0.2, "grpo_temperature": 0.7, "grpo_tasks": 1000, "verify": "answer",
 }
 """Sizes and hyper-parameters of the full run (``--set KEY=VALUE`` overrides one)."""
-QUICK = {**FULL, "pretrain_steps": 20, "sft_steps": 10, "train_tasks": 100, "heldout_tasks": 20,
+QUICK = {**FULL, "pretrain_steps": 20, "sft_steps": 10, "train_tasks": 100, "sft_seeds": 3, "heldout_tasks": 20,
          "pair_tasks": 16, "dpo_steps": 4, "grpo_steps": 2, "group_size": 4, "grpo_batch": 2,
          "grpo_tasks": 100, "max_new_tokens": 48}
 VAL_SEED = 4321
@@ -130,7 +131,8 @@ def evaluation_tasks(sizes: dict, split: str, seeds: int) -> list:
         return generate(families, "test", n, 1234)
     used = set()
     for seed in range(seeds):
-        for count, task_seed in ((sizes["train_tasks"], seed), (sizes["pair_tasks"], 100 + seed),
+        for count, task_seed in ((sizes["train_tasks"], seed % sizes["sft_seeds"]),
+                                 (sizes["pair_tasks"], 100 + seed),
                                  (sizes["grpo_tasks"], 200 + seed)):
             used |= {(t.family, t.key) for t in generate(families, "train", count, task_seed)}
     pool = generate(families, "train", 2 * n + len(used) // 4, VAL_SEED)
@@ -144,16 +146,18 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
     ``range(seeds)``; the validation set still leaves out every seed's training tasks)."""
     from ftlm.post.pairs import make_pairs, write_pairs
     from ftlm.post.run import load_reference, load_tokenizer
-    from ftlm.tasks import generate
+    from ftlm.tasks import VERIFIERS, generate
     torch.set_num_threads(1)
     ensure_demo()
     heldout = evaluation_tasks(sizes, split, seeds)
     out: dict = {"sizes": sizes, "split": split, "stages": {}}
 
-    def record(stage: str, seed: int, compute: dict, weights: Path) -> None:
-        # With reuse, a model's score on these very tasks is read back, not computed again.
-        cache = weights.parent / f"eval_{split}_{len(heldout)}_{sizes['max_new_tokens']}.json"
-        if reuse and cache.is_file():
+    def record(stage: str, seed: int, compute: dict, weights: Path, trained: bool) -> None:
+        # With reuse, the score of a reused model on these very tasks is read back, not computed
+        # again (a model trained just now is always scored: its folder may hold an old score).
+        cache = weights.parent / (f"eval_{split}_{sizes['families'].replace(',', '-')}_"
+                                  f"{len(heldout)}_{sizes['max_new_tokens']}.json")
+        if reuse and not trained and cache.is_file():
             acc = json.loads(cache.read_text())
         else:
             acc = _accuracy(weights, heldout, sizes["max_new_tokens"])
@@ -163,25 +167,35 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
         print(f"{stage} seed {seed}: acc {acc['acc']:.3f} +- {acc['ci95']:.3f} "
               f"({compute.get('seconds', 0):.0f} s) {acc['families']}", flush=True)
 
-    def train(kind: str, config) -> dict:
-        """Train, or with ``reuse`` take the model an earlier run left in the same folder."""
+    def train(kind: str, config) -> tuple[dict, bool]:
+        """Train, or with ``reuse`` take the model an earlier run left in the same folder;
+        whether it trained."""
         done = config.run.path / "summary.json"
         if reuse and done.is_file() and (config.run.path / "model.safetensors").is_file():
             s = json.loads(done.read_text())
             print(f"reusing {config.run.path}", flush=True)
             return {"seconds": s.get("wall_seconds", float("nan")),
                     "tokens": s.get("tokens_committed", 0),
-                    "steps": s.get("steps_committed", 0), "final_loss": s.get("final_loss")}
-        return _train(kind, config)
+                    "steps": s.get("steps_committed", 0),
+                    "final_loss": s.get("final_loss")}, False
+        return _train(kind, config), True
 
     pre = _config(root / "pretrain", 0, train={"steps": sizes["pretrain_steps"]})
-    compute = train("pretrain", pre)
+    compute, trained = train("pretrain", pre)
     base_weights = pre.run.path / "model.safetensors"
-    record("pretrained", 0, compute, base_weights)
+    record("pretrained", 0, compute, base_weights, trained)
     for seed in (range(seeds) if only is None else only):
-        sft = _config(root / f"sft{seed}", seed, **_post_sections(
-            sizes, sizes["sft_lr"], sizes["sft_steps"], base_weights, task_seed=seed))
-        record("SFT", seed, train("sft", sft), sft.run.path / "model.safetensors")
+        # sft_seeds < seeds: seed s starts DPO and GRPO from SFT model s % sft_seeds (one SFT
+        # model shared by the seeds when 1: the seeds then vary the pairs, the GRPO samples and
+        # the task draws of DPO/GRPO, not the SFT run).
+        sft_seed = seed % sizes["sft_seeds"]
+        sections = _post_sections(sizes, sizes["sft_lr"], sizes["sft_steps"], base_weights,
+                                  task_seed=sft_seed)
+        sections["data"]["seq_len"] = sizes["sft_seq_len"]
+        sections["train"]["batch_size"] = sizes["sft_batch"]
+        sft = _config(root / f"sft{sft_seed}", sft_seed, **sections)
+        compute, trained = train("sft", sft)
+        record("SFT", sft_seed, compute, sft.run.path / "model.safetensors", trained)
         sft_weights = sft.run.path / "model.safetensors"
         if "dpo" in stages:
             # DPO: pairs sampled from this SFT model on training tasks, checked.
@@ -200,7 +214,8 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
                                              samples=sizes["pair_samples"],
                                              max_new_tokens=sizes["max_new_tokens"],
                                              temperature=sizes["pair_temperature"], top_k=0,
-                                             seed=seed)
+                                             seed=seed,
+                                             verify=VERIFIERS[sizes.get("verify", "answer")])
                 write_pairs(records, pairs)
                 pair_seconds = time.perf_counter() - t0
                 counts_file.write_text(json.dumps({**counts, "seconds": pair_seconds}))
@@ -209,15 +224,16 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
                 beta=sizes["dpo_beta"], dpo_nll=sizes["dpo_nll"]))
             compute = _train("dpo", dpo)
             compute["pair_seconds"], compute["pairs"] = pair_seconds, counts
-            record("DPO", seed, compute, dpo.run.path / "model.safetensors")
+            record("DPO", seed, compute, dpo.run.path / "model.safetensors", True)
         if "grpo" in stages:
             grpo = _config(root / f"grpo{seed}", seed, **_post_sections(
                 sizes, sizes["grpo_lr"], sizes["grpo_steps"], sft_weights,
                 group_size=sizes["group_size"], kl_coef=sizes["grpo_kl"],
                 clip=sizes["grpo_clip"], temperature=sizes["grpo_temperature"],
-                train_tasks=sizes["grpo_tasks"], task_seed=200 + seed))
+                train_tasks=sizes["grpo_tasks"], task_seed=200 + seed,
+                verify=sizes.get("verify", "answer")))
             grpo.train.batch_size = sizes["grpo_batch"]
-            record("GRPO", seed, _train("grpo", grpo), grpo.run.path / "model.safetensors")
+            record("GRPO", seed, _train("grpo", grpo), grpo.run.path / "model.safetensors", True)
     return out
 
 
@@ -267,61 +283,60 @@ def verdict(result: dict) -> str:
 
 
 FINDINGS = """\
-Why DPO and GRPO did not improve on SFT before (the 17:28 table: add,mod,count, SFT 0.243, DPO
-0.210, GRPO 0.217), and what changed (diagnosis on the SFT model of seed 0, 2026-11-30):
+The target is not met: SFT is far above the pretrained model, but DPO is below SFT and GRPO
+level with it. What changed since the 20:47 table (count,mod, 150 SFT steps: SFT 0.280, DPO
+0.312, GRPO 0.325, gains that were one seed's SFT model moving off a wrong constant answer),
+and why (2026-11-30; every setting was compared on the validation split, the test split was
+scored once, for this table):
 
-* **The SFT model did not read the prompt.** Its greedy answers were a constant per family: `1`
-  for every count and mod task, `177` for every addition, after reasoning that copies nothing
-  from the question (`What is 564 mod 7?` -> `77 // 7 = 17 ... Answer: 1`). Its 0.243 was the
-  answer prior (`1` is the most common count and a common remainder); `add` was 0 at every
-  stage. A policy that ignores its input gives DPO and GRPO nothing to sharpen: both can only
-  move the prior. Part of the cause is the tokenizer: the count word was one BPE string
-  (`chgbaeff` -> ` ch`, `g`, `b`, `ae`, `ff`) while the trace goes letter by letter; `count`
-  now spells the word with spaces (one token per letter). `add` is left out here (0.000 at every
-  stage: nothing to measure at this size and budget); SFT runs at lr 3e-3 (chosen by training
-  loss: 0.64 after 150 steps on count,mod; the earlier run, lr 1e-3 on three families, ended at
-  0.77). The model still mostly guesses (count answers 0 or 1, the trace does
-  not copy the word): at 150 SFT steps a 1.3M-parameter model has not learned to copy.
-* **DPO pairs were mostly off-policy.** 107 of 150 pairs had the reference solution as the
-  chosen side (no sample of the SFT model was correct); at temperature 1 the SFT model was right
-  in 8 % of samples against 20 % greedy. Now 300 pair tasks (about half the pairs sampled
-  correct vs incorrect).
-* **DPO lowers the chosen answers too**, the common failure: on its 293 training pairs, plain
-  DPO moved the chosen log-prob by -9.2 nats and the rejected by -13.1 (margin right on 73 %).
-  RPO's NLL term (`post.dpo_nll` 1.0) kept the chosen log-prob (-0.2 vs -2.5) but scored lower on
-  the validation set: 0.307 (and 0.317 at lr 5e-4) against 0.360 for plain DPO, from 0.280 for
-  SFT (300 validation tasks: training-split problems no stage trains on). Plain DPO
-  (`dpo_nll` 0) is what the table runs.
-* **GRPO had almost no signal per step**: 4 prompts x G=6 per step, 12 steps; `add` groups were
-  all-wrong (zero advantage), mod groups mixed in 30 %, count in 72 %; Adam turns such a noisy
-  gradient into steps of full size. Now 8 prompts x G=8 per step, 20 steps, sampled by the
-  KV-cache engine (the in-loop sampler re-ran the whole context per token), with log-probs at
-  the sampling temperature (tested equal to the sampler's). GRPO's hyper-parameters were not
-  chosen on validation (a validation run at this machine's load did not finish in time); they
-  are fixed a priori.
-* **What the gains in this table are.** The three SFT models still answer almost
-  prompt-independently, each with its own constant (greedy answers on 60 held-out tasks: seed 0
-  says `0` to 27 of 30 count tasks, seeds 1 and 2 say `1` to all 30; the true counts are mostly 1
-  and 2). The SFT seeds therefore differ by 0.22 (0.138 against 0.36), and most of DPO's and
-  GRPO's gain is seed 0 moving from the wrong prior to the better one (DPO's seed 0 answers `1`
-  to 22 of 30 count tasks); on seeds 1 and 2 both stay within about 0.02 of SFT. So the table
-  shows preference and RL training correcting a bad answer prior, measurably on the paired test
-  (the interval of the difference excludes 0), not below the issue's bar (the difference of the
-  means over seeds does not exceed the larger per-stage interval) and not a skill learned: the
-  reasoning traces still do not copy the question. A model that reads its prompt needs more SFT
-  than this benchmark's budget on two shared cores (the 800-step policy of the test-time scaling
-  section is the next step to try).
-* Checked and right: the reference is the SFT model; advantages are per group; the objectives
-  equal independent formulas on fixed batches, and ftlm's DPO loss and gradients equal
-  `trl.DPOTrainer`'s (TRL 1.16.0, `tests/post/test_trl_parity.py`).
+* **The SFT model now reads its prompt.** SFT is the test-time scaling section's recipe (800
+  steps of 16 rows of 128 tokens, lr 3e-3, 4,000 tasks of add,mod), from the pretrained model:
+  its traces copy the question's digits, with slips (`What is 275 + 294?` -> `5+8+0=13, write 3,
+  carry 1 ...`). It cost 39 min of wall time at load 14-20, so one SFT model is shared by the
+  three seeds: a seed varies the DPO pairs, the GRPO samples and the DPO/GRPO task draws and
+  data order, not SFT (the SFT row is one model; the paired differences compare each seed's
+  DPO and GRPO model with it).
+* **Validation** (400 training-split tasks no stage trains on, seed 0). On a stand-in SFT model
+  (the test-time scaling section's `/tmp/tts/policy`: the same recipe from a random init, the
+  same 4,000 tasks; 0.247 on validation), with the earlier settings as the start: GRPO at
+  sampling temperature 1 0.212, at 0.7 0.247 (chosen); plain DPO 0.130, with RPO's NLL term
+  (`dpo_nll` 1) 0.205 (chosen), the same with pairs at temperature 0.7 and lr 1e-4 0.203. On this
+  table's SFT model (0.190 on validation), with rewards and pairs verified on the whole trace
+  (`verify=trace`, below): DPO 0.145, GRPO 0.188. No candidate was above SFT on validation;
+  the table runs the best of each (GRPO level, DPO least below).
+* **Why: mod is at chance and its "correct" samples are guesses.** A remainder is below the
+  divisor (2 to 12), so answering uniformly below it is right 19 % of the time; the SFT model
+  scores 0.23 on mod, and none of the 216 mod samples that the pairs of this table took as
+  "correct" has the reference trace (the division is wrong and the remainder happens to match;
+  add: 55 of 69). So on mod, DPO's chosen samples and GRPO's rewards reinforce a guess after a
+  wrong trace: no signal, only noise. `post.verify=trace` (new) counts a sample correct only
+  when its reasoning equals the reference solution's too; then only 31 of 1,200 samples are
+  correct (274 of 300 pairs fall back to the reference solution) and GRPO's mod groups are
+  almost all zero: neither improved on validation (above).
+* **DPO lowers add** (0.140 -> 0.065-0.095 on the test split) by making more digit-copy slips in
+  the trace (`7+9+0=16` becomes `7+4+0=11` for 275 + 294). Likely (not measured): pushing down
+  a rejected completion after its first wrong digit also pushes down the same copy steps in
+  correct traces, which a 1.3M-parameter model does not tell apart, and RPO's NLL term on the
+  chosen side (mostly the reference solution: 2 pairs in 3) does not hold them at this lr.
+* **GRPO moves too little**: 20 steps of 8 prompts x G=8 (1,280 samples, 28 min of wall time
+  per seed here) change the greedy answer of few tasks (per seed -0.020 to +0.010 on the test
+  split, the paired interval of ± 0.020 covers 0).
+* What would be needed (not run here: the budget was the SFT model's 39 min plus 28 min of
+  GRPO per seed on two shared cores): a family the SFT model does beyond chance with a
+  larger held-out gap (add alone: 0.14 greedy, more with samples), and GRPO for hundreds of
+  steps, or a larger model. Checked and right: the reference is the SFT model; advantages are
+  per group; the objectives equal independent formulas on fixed batches, and ftlm's DPO loss and
+  gradients equal `trl.DPOTrainer`'s (TRL 1.16.0, `tests/post/test_trl_parity.py`).
 
 Run time of this table: the pretrained model was reused from a run at 19:29 (86 s at load
-about 3); the three seeds then ran as six processes at `nice 10` (SFT 19:59-20:22, then DPO and
-GRPO side by side 20:23-20:46) while the machine's load average was 15-28: 47 minutes of wall
-time, over the 25 minutes aimed at. The tokens column is the load-independent measure.
+about 3); SFT 22:36-23:19 (one process, load 11-20), then the DPO and the GRPO stage of the
+three seeds as six processes at `nice 19` 23:21-23:53 (load 13-21). The tokens column is the
+load-independent measure.
 
 The paired difference compares two stages task by task on the same held-out tasks, pooled
-over seeds (± 95 %, normal approximation over the per-task differences)."""
+over seeds (± 95 %, normal approximation over the per-task differences); the issue's target is
+judged on the difference of the means against the larger per-stage interval, and the paired
+interval is the statistic for "above SFT" (it removes the tasks' shared difficulty)."""
 
 
 def _fmt(value: float) -> str:
@@ -357,14 +372,19 @@ def format_section(result: dict, flags: list[str]) -> str:
              + where.format(n=z["heldout_tasks"]) + ", greedy pass@1 with completions of up to "
              f"{z['max_new_tokens']} tokens, ± = 95 % interval over tasks\n"
              f"* Pretrain {z['pretrain_steps']} steps (seed 0, shared by the seeds); SFT "
-             f"{z['sft_steps']} steps on {z['train_tasks']} tasks (lr {z['sft_lr']}, batch 8 "
-             f"rows of 256 packed tokens); DPO {z['dpo_steps']} steps (batch 8 pairs) on pairs "
+             f"{z['sft_steps']} steps on {z['train_tasks']} tasks (lr {z['sft_lr']}, batch "
+             f"{z['sft_batch']} rows of {z['sft_seq_len']} packed tokens; "
+             + ("one SFT model (seed 0) shared by the seeds, which vary the pairs, the GRPO "
+                "samples and the DPO/GRPO task draws and data order" if sizes["sft_seeds"] == 1
+                else f"{z['sft_seeds']} SFT seeds") +
+             f"); DPO {z['dpo_steps']} steps (batch 8 pairs) on pairs "
              f"from {z['pair_tasks']} training tasks x {z['pair_samples']} samples at "
              f"temperature {z['pair_temperature']} (beta {z['dpo_beta']}, NLL weight "
              f"{z['dpo_nll']}, lr {z['dpo_lr']}); GRPO {z['grpo_steps']} steps of "
              f"{z['grpo_batch']} prompts x G={z['group_size']} at temperature "
              f"{z['grpo_temperature']} from {z['grpo_tasks']} training tasks (clip "
-             f"{z['grpo_clip']}, KL {z['grpo_kl']}, lr {z['grpo_lr']})\n"
+             f"{z['grpo_clip']}, KL {z['grpo_kl']}, lr {z['grpo_lr']}); rewards and pairs "
+             f"verified on the {sizes.get('verify', 'answer')}\n"
              "* Compute: mean wall seconds per run on this shared machine (evaluation not "
              "included), tokens = committed training tokens (row budget: GRPO counts G x 256 per "
              "prompt). Wall seconds depend on the machine's load: a reused model keeps the time "
@@ -377,7 +397,7 @@ def format_section(result: dict, flags: list[str]) -> str:
                 "correct, skipped): " + "; ".join(
                     f"{p['sample']} / {p['solution']} / {p['all_correct']}" for p in pairs)
     body += "\n\n" + verdict(result)
-    if result.get("split", "test") == "test" and sizes["families"] == "count,mod":
+    if result.get("split", "test") == "test" and sizes["families"] == FAMILIES:
         body += "\n\n" + FINDINGS
     fams = {stage: {f: statistics.fmean(e["families"][f] for e in by_seed.values())
                     for f in next(iter(by_seed.values()))["families"]}

@@ -11,8 +11,8 @@ import pytest
 import torch
 from infer_helpers import tiny_model
 
-from ftlm.infer import strategies as st
 from ftlm.errors import ConfigError
+from ftlm.infer import strategies as st
 from ftlm.infer.verifier import (
     INTRO,
     REDUCE,

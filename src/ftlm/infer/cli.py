@@ -344,7 +344,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(fn=cmd_generate)
 
-    p = sub.add_parser("verifier", help="outcome/process verifier for best-of-N and beam "
+    p = sub.add_parser("verifier", help="line-by-line verifier for best-of-N and beam "
                                         "search: its training data, its training")
     vsub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     vp = vsub.add_parser("data", help="write labelled solutions of the task suite as JSONL for "
@@ -361,7 +361,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     vp.set_defaults(fn=cmd_verifier_data)
     vt = vsub.add_parser("train", help="sample a policy on train tasks, label the samples with "
                                        "the exact checkers, and train a (smaller) verifier on "
-                                       "them with `ftlm sft` (yes/no reply token)")
+                                       "them with `ftlm sft` (a yes/no verdict after every "
+                                       "line)")
     vt.add_argument("config", help="TOML run config of the verifier (its [model], [train], "
                                    "run.dir), e.g. configs/tiny.toml --set model.dim=64")
     vt.add_argument("--policy", required=True, metavar="RUN_DIR", help="the policy to sample")

@@ -376,7 +376,7 @@ def format_section(result: dict, flags: list[str]) -> str:
              f"{z['sft_batch']} rows of {z['sft_seq_len']} packed tokens; "
              + ("one SFT model (seed 0) shared by the seeds, which vary the pairs, the GRPO "
                 "samples and the DPO/GRPO task draws and data order" if sizes["sft_seeds"] == 1
-                else f"{z['sft_seeds']} SFT seeds") +
+                else f"seed s starts from the SFT model of seed s mod {z['sft_seeds']}") +
              f"); DPO {z['dpo_steps']} steps (batch 8 pairs) on pairs "
              f"from {z['pair_tasks']} training tasks x {z['pair_samples']} samples at "
              f"temperature {z['pair_temperature']} (beta {z['dpo_beta']}, NLL weight "

@@ -302,8 +302,9 @@ scored once, for this table):
   sampling temperature 1 0.212, at 0.7 0.247 (chosen); plain DPO 0.130, with RPO's NLL term
   (`dpo_nll` 1) 0.205 (chosen), the same with pairs at temperature 0.7 and lr 1e-4 0.203. On this
   table's SFT model (0.190 on validation), with rewards and pairs verified on the whole trace
-  (`verify=trace`, below): DPO 0.145, GRPO 0.188. No candidate was above SFT on validation;
-  the table runs the best of each (GRPO level, DPO least below).
+  (`verify=trace`, below): DPO 0.145, GRPO 0.188; GRPO at lr 1e-3: 0.105 (verified on the
+  answer) and 0.085 (on the trace). No candidate was above SFT on validation; the table runs
+  the best of each (GRPO level, DPO least below).
 * **Why: mod is at chance and its "correct" samples are guesses.** A remainder is below the
   divisor (2 to 12), so answering uniformly below it is right 19 % of the time; the SFT model
   scores 0.23 on mod, and none of the 216 mod samples that the pairs of this table took as
@@ -318,15 +319,19 @@ scored once, for this table):
   a rejected completion after its first wrong digit also pushes down the same copy steps in
   correct traces, which a 1.3M-parameter model does not tell apart, and RPO's NLL term on the
   chosen side (mostly the reference solution: 2 pairs in 3) does not hold them at this lr.
-* **GRPO moves too little**: 20 steps of 8 prompts x G=8 (1,280 samples, 28 min of wall time
-  per seed here) change the greedy answer of few tasks (per seed -0.020 to +0.010 on the test
-  split, the paired interval of ± 0.020 covers 0).
+* **GRPO's signal is too thin to move the policy the right way**: at lr 2e-4, 20 steps of 8
+  prompts x G=8 (1,280 samples, 28 min of wall time per seed here) change few greedy answers
+  (per seed -0.020 to +0.010 on the test split; the paired interval, ± 0.020, covers 0); at lr
+  1e-3 (validation) the traces degrade (`5+4+0=10`, blank lines) and add falls from 0.18 to
+  0.01-0.02. Per step, many groups are all wrong (zero advantage: 10-12 % of the samples at
+  temperature 1 were right, over both families) and the mod rewards are guesses.
 * What would be needed (not run here: the budget was the SFT model's 39 min plus 28 min of
   GRPO per seed on two shared cores): a family the SFT model does beyond chance with a
-  larger held-out gap (add alone: 0.14 greedy, more with samples), and GRPO for hundreds of
-  steps, or a larger model. Checked and right: the reference is the SFT model; advantages are
-  per group; the objectives equal independent formulas on fixed batches, and ftlm's DPO loss and
-  gradients equal `trl.DPOTrainer`'s (TRL 1.16.0, `tests/post/test_trl_parity.py`).
+  larger held-out gap (add alone: 0.14 greedy, more with samples), GRPO with many more prompts
+  per step for hundreds of steps at a small lr, or a larger model.
+* Checked and right: the reference is the SFT model; advantages are per group; the objectives
+  equal independent formulas on fixed batches, and ftlm's DPO loss and gradients equal
+  `trl.DPOTrainer`'s (TRL 1.16.0, `tests/post/test_trl_parity.py`).
 
 Run time of this table: the pretrained model was reused from a run at 19:29 (86 s at load
 about 3); SFT 22:36-23:19 (one process, load 11-20), then the DPO and the GRPO stage of the

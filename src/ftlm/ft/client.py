@@ -18,12 +18,12 @@ import logging
 import ssl
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
 from ftlm.errors import ConfigError
 from ftlm.ft.history import GENESIS
+from ftlm.ft.http_client import Endpoint, EndpointError
 from ftlm.ft.quorum import StaleIncarnation
 from ftlm.ft.quorum_answer import MemberQuorum
 from ftlm.ft.tls import client_context
@@ -71,29 +71,20 @@ class CoordinatorClient:
 
     def __init__(self, url: str, group: str, incarnation: str, token: str = "", timeout: float = 5.0,
                  tls_ca: str = "") -> None:
-        parsed = urllib.parse.urlsplit(url)
         try:
-            port = parsed.port
-        except ValueError:
-            port = -1
-        if parsed.scheme not in ("http", "https") or not parsed.hostname or port == -1:
+            self.endpoint = Endpoint.parse(url, token, client_context(tls_ca) if tls_ca else None)
+        except EndpointError as e:
+            if e.plain_with_tls:
+                raise ConfigError(f"coordinator url {url!r} is plain http:// but ft.tls_ca is set: "
+                                  f"use the coordinator's https:// URL (FTLM_COORDINATOR), or unset "
+                                  f"ft.tls_ca") from None
             raise ConfigError(f"coordinator url {url!r} must look like http://HOST:PORT or "
-                              f"https://HOST:PORT (FTLM_COORDINATOR)")
-        if parsed.scheme == "http" and tls_ca:
-            raise ConfigError(f"coordinator url {url!r} is plain http:// but ft.tls_ca is set: use the "
-                              f"coordinator's https:// URL (FTLM_COORDINATOR), or unset ft.tls_ca")
-        self._ssl: ssl.SSLContext | None = None
-        if parsed.scheme == "https":
-            self._ssl = client_context(tls_ca) if tls_ca else ssl.create_default_context()
-        self.url = url.rstrip("/")
-        self._host = parsed.hostname
-        self._port = port or (443 if self._ssl is not None else 80)
+                              f"https://HOST:PORT (FTLM_COORDINATOR)") from None
+        self.url = self.endpoint.url
         self.group = group
         self.incarnation = incarnation
         self.timeout = timeout
-        self._headers = {"Content-Type": "application/json"}
-        if token:
-            self._headers["Authorization"] = f"Bearer {token}"
+        self._headers = self.endpoint.headers(**{"Content-Type": "application/json"})
         self._local = threading.local()  # one keep-alive connection per calling thread
         self._all: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
@@ -187,10 +178,7 @@ class CoordinatorClient:
         conn = getattr(self._local, "conn", None)
         reused = conn is not None
         if conn is None:
-            if self._ssl is not None:
-                conn = http.client.HTTPSConnection(self._host, self._port, timeout=timeout, context=self._ssl)
-            else:
-                conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+            conn = self.endpoint.connect(timeout)
             self._local.conn = conn
             with self._lock:
                 self._all.append(conn)
@@ -258,7 +246,7 @@ class CoordinatorClient:
                 f"coordinator at {self.url}: TLS handshake failed ({e.reason or e}); if it serves plain "
                 f"http://, use an http:// URL (FTLM_COORDINATOR), or give it ft.tls_cert and ft.tls_key")
         hint = ""
-        if (self._ssl is None and not self._answered
+        if (self.endpoint.ssl_context is None and not self._answered
                 and isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError))):
             hint = ("; a coordinator serving https:// closes plain http:// connections like this: "
                     "if it has ft.tls_cert, use its https:// URL and ft.tls_ca")

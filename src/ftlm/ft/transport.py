@@ -41,7 +41,6 @@ import socket
 import ssl
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +54,7 @@ from ftlm.ft.framing import (
     FramingError, Header, LayoutMismatch, TensorEntry, canonical_json, chunk_digest,
     decode_header, expected_layout, layout, state_digest, tensors_from_buffer,
 )
+from ftlm.ft.http_client import Endpoint, EndpointError
 from ftlm.ft.priority import background_priority
 from ftlm.observe.iostats import timed_io
 
@@ -328,43 +328,32 @@ class _Problem(Exception):
 
 @dataclass(frozen=True)
 class _Source:
-    host: str
-    port: int
-    base: str
-    token: str
+    endpoint: Endpoint
     timeout: float
-    ssl_context: ssl.SSLContext | None  # set exactly when the URL is https://
 
     @classmethod
     def parse(cls, url: str, token: str, timeout: float,
               ssl_context: ssl.SSLContext | None) -> _Source:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise _Problem(f"source URL must look like http(s)://host:port, got {url!r}")
-        if parts.scheme == "http" and ssl_context is not None:
-            # Never fall back to plain text when this group was told to use TLS.
-            raise _Problem("this group requires TLS (a client TLS context is set) but the source "
-                           "URL is plain http://; give the source group ft.tls_cert and "
-                           "ft.tls_key so that it serves https://")
-        if parts.scheme == "https" and ssl_context is None:
-            ssl_context = ssl.create_default_context()  # the system's CAs, hostname checked
         try:
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-        except ValueError as e:
-            raise _Problem(f"source URL {url!r} has a bad port: {e}") from None
-        return cls(parts.hostname, port, parts.path.rstrip("/"), token, timeout, ssl_context)
+            return cls(Endpoint.parse(url, token, ssl_context), timeout)
+        except EndpointError as e:
+            if e.plain_with_tls:  # never fall back to plain text when told to use TLS
+                raise _Problem("this group requires TLS (a client TLS context is set) but the "
+                               "source URL is plain http://; give the source group ft.tls_cert "
+                               "and ft.tls_key so that it serves https://") from None
+            raise _Problem(f"source URL: {e}") from None
+
+    @property
+    def ssl_context(self) -> ssl.SSLContext | None:
+        return self.endpoint.ssl_context
 
     def connect(self) -> http.client.HTTPConnection:
         # The timeout bounds the connect, the TLS handshake and every single read, so no wait
         # below is unbounded.
-        if self.ssl_context is not None:
-            return http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout,
-                                               context=self.ssl_context)
-        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        return self.endpoint.connect(self.timeout)
 
     def get(self, conn: http.client.HTTPConnection, path: str) -> http.client.HTTPResponse:
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        conn.request("GET", self.base + path, headers=headers)
+        conn.request("GET", self.endpoint.base + path, headers=self.endpoint.headers())
         return conn.getresponse()
 
 

@@ -182,7 +182,7 @@ class FTConfig:
     transfer_chunk_bytes: int = 4 << 20
     """Chunk size of a live state transfer (each chunk is checksummed)."""
     transfer_nice: int = 19
-    """CPU priority (nice value, 0-19) of the threads that copy, serve and pull a snapshot: above
+    """CPU priority (nice value, 0-19) of the threads that serve and pull a snapshot: above
     0 a source's training thread gets the CPU first, so serving a peer does not slow its steps
     where cores are short (``bench.serve_impact``, 2 cores: +8% and -3% at 19, +74-97% at 10,
     +330-430% at 0); 0 gives them the training thread's priority."""

@@ -33,7 +33,6 @@ from ftlm.ft.client import CoordinatorClient, CoordinatorError, CoordinatorUnava
 from ftlm.ft.config import FTConfig
 from ftlm.ft.faults import FaultPlan
 from ftlm.ft.group import GroupProtocol, Role, TooManyFailures
-from ftlm.ft.priority import background_priority
 from ftlm.ft.process_group import CollectiveError, ReconfigurablePG
 from ftlm.ft.protocol import Recovered, SnapshotFn, StepPlan, StopRequested
 from ftlm.ft.quorum_answer import MemberQuorum
@@ -293,7 +292,8 @@ class Manager:
         box: dict[str, BaseException] = {}
 
         def copy() -> None:
-            background_priority(self.config.transfer_nice)  # the training thread goes first
+            # At the training thread's own priority: the update waits for the copy (commit),
+            # so a starved copy would delay the step it should overlap with.
             try:
                 t0 = time.monotonic()
                 snap = snapshot_state(tensors, meta, step)

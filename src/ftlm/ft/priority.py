@@ -2,13 +2,14 @@
 
 A source serves its snapshot while it trains, and a recovering group pulls one while the others
 wait for nobody: the bytes are moved by threads of their own (the server's connection threads, the
-snapshot copy, the puller's workers), and on a host short of cores they compete with the training
+puller's workers), and on a host short of cores they compete with the training
 thread, whose step every healthy group waits for. ``background_priority`` lowers the calling
 thread's priority (its nice value, per thread on Linux) so that the scheduler gives the training
 thread the CPU first and the transfer the rest. It never raises a priority (that needs
 privileges), and it is a no-op where threads have no priority of their own.
 
-Not here: how many bytes a transfer may send per second (``SnapshotServer``'s throttle).
+Not here: how many bytes a transfer may send per second (``SnapshotServer``'s throttle), and the
+source's snapshot copy, which keeps the training thread's priority: the update waits for it.
 """
 
 from __future__ import annotations

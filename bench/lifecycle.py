@@ -330,9 +330,12 @@ scored once, for this table):
   step it still falls (0.138 at lr 2e-4, 0.050 at 5e-4): Adam turns a gradient carried by the
   one or two groups of a step that have mixed rewards into a full-size step on every weight.
   With 32 prompts per step (10 steps: 2,560 samples, twice the table's) it rises: 0.212 at lr
-  2e-4, 0.198 at lr 5e-5. So the next table is add alone with GRPO at 32 prompts per step
-  (`--set families=add --set grpo_batch=32 --set grpo_steps=10`); DPO was not tried on add
-  alone.
+  2e-4, 0.198 at lr 5e-5. On the test split (400 add tasks, 3 seeds, the same SFT model:
+  `--set families=add --set grpo_batch=32 --set grpo_steps=10 --stages grpo`, results in
+  `bench/results/lifecycle/add_grpo_seed*.json`, 00:23-00:36 at load about 5) the gain is
+  smaller: SFT 0.195, GRPO 0.223 / 0.198 / 0.203 (mean 0.208), paired +0.013 ± 0.020 (per seed
+  +0.027, +0.003, +0.008): above SFT on every seed, not by the interval. DPO was not tried on
+  add alone.
 * Checked and right: the reference is the SFT model; advantages are per group; the objectives
   equal independent formulas on fixed batches, and ftlm's DPO loss and gradients equal
   `trl.DPOTrainer`'s (TRL 1.16.0, `tests/post/test_trl_parity.py`).

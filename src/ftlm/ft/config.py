@@ -207,6 +207,10 @@ class FTConfig:
     committing a step is crash-looping: the local launcher stops the job with its error."""
     crash_loop_seconds: float = 120.0
     """Window of ``crash_loop_restarts``."""
+    coordinator_max_connections: int = 4096
+    """Most connections the job's coordinator keeps open at once. Each group's leader holds two
+    (its quorum requests' and its heartbeats'), so the default serves about 2,000 groups; raise
+    it (and the coordinator host's ``ulimit -n``) for more."""
 
     def __post_init__(self) -> None:
         s = "ft"
@@ -225,7 +229,7 @@ class FTConfig:
         for name, low in (("groups", 0), ("min_replicas", 1), ("max_consecutive_failures", 1),
                           ("catchup_max_steps", 1), ("catchup_max_bytes", 1), ("bucket_bytes", 1),
                           ("transfer_parallel", 1),
-                          ("crash_loop_restarts", 1),
+                          ("crash_loop_restarts", 1), ("coordinator_max_connections", 8),
                           ("transfer_chunk_bytes", 1024)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -281,4 +285,5 @@ class FTConfig:
                                  progress_timeout=self.progress_timeout,
                                  suspect_window=self.suspect_window,
                                  token=token or self.read_token(), insecure=insecure,
-                                 tls_cert=self.tls_cert, tls_key=self.tls_key)
+                                 tls_cert=self.tls_cert, tls_key=self.tls_key,
+                                 max_connections=self.coordinator_max_connections)

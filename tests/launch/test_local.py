@@ -365,3 +365,45 @@ def test_a_relaunch_into_the_same_run_directory_keeps_the_job_token(tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     assert _run_token(other) != first
+
+
+def test_the_end_kills_every_late_process_even_one_slow_to_exit_and_returns():
+    """At the end of a run, what outlived its SIGTERM grace is SIGKILLed, all of it, and a process
+    still exiting after that (gigabytes to unmap on a loaded machine) is reported, not raised:
+    once a slow exit raised out of the launcher and left the other groups and the coordinator
+    running."""
+    import os as _os
+    import subprocess as _subprocess
+    from types import SimpleNamespace
+
+    from ftlm.launch.local import LocalLauncher
+
+    class SlowToDie:  # ignores SIGTERM; after SIGKILL, still "exiting" at the first wait
+        pid = _os.getpid()  # SIGCONT to ourselves is harmless
+
+        def __init__(self):
+            self.killed, self.waits_after_kill, self.code = False, 0, None
+
+        def poll(self):
+            return self.code
+
+        def terminate(self):
+            pass
+
+        def kill(self):
+            self.killed = True
+
+        def wait(self, timeout=None):
+            if self.killed:
+                self.waits_after_kill += 1
+                if self.waits_after_kill > 1:
+                    self.code = -9
+                    return self.code
+            raise _subprocess.TimeoutExpired("fake", timeout)
+
+    procs = [SlowToDie(), SlowToDie()]
+    launcher = LocalLauncher.__new__(LocalLauncher)
+    launcher.term_grace = 0.05
+    launcher.groups = [SimpleNamespace(procs=[p], finished=True) for p in procs]
+    launcher._terminate_all()
+    assert all(p.killed for p in procs)

@@ -98,6 +98,9 @@ class LocalLauncher:
     a group cannot start or crash-loops, or the coordinator cannot be (re)started.
     """
 
+    term_grace = 10.0
+    """Seconds the group processes get to exit after SIGTERM at the end, before SIGKILL."""
+
     def __init__(self, config: RunConfig, groups: int, chaos_mtbf: float = 0.0,
                  chaos_hang: bool = False, chaos_seed: int = 0, chaos_coordinator: bool = False,
                  faults: dict[str, list[str]] | None = None,
@@ -269,9 +272,11 @@ class LocalLauncher:
         finally:
             view.update(status)
             view.close()
-            self._terminate_all()
-            self._restore_signals(handlers)
-            self.coordinator.stop()
+            try:
+                self._terminate_all()
+            finally:
+                self._restore_signals(handlers)
+                self.coordinator.stop()
         summary = self._finish(events, time.time() - wall0)
         if self.fatal:
             raise FtlmError(self.fatal)
@@ -556,13 +561,27 @@ class LocalLauncher:
                 p.terminate()
             except ProcessLookupError:
                 pass
-        deadline = time.time() + 10
+        deadline = time.time() + self.term_grace
         for p in procs:
             try:
                 p.wait(timeout=max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
+                pass
+        # Whatever did not stop in time is killed, all at once; on a loaded machine a process
+        # with gigabytes to unmap can take a while to exit even then, and waiting on it must not
+        # raise past the caller, which still has the coordinator to stop.
+        late = [p for p in procs if p.poll() is None]
+        for p in late:
+            try:
                 p.kill()
-                p.wait(timeout=5)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + 60
+        for p in late:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                print(f"ftlm: process {p.pid} did not exit 60 s after SIGKILL", file=sys.stderr)
         for g in self.groups:
             if g.procs and not g.finished:
                 g.result = self._results(g) or {}

@@ -229,3 +229,24 @@ def test_grpo_trains_on_the_log_probs_the_sampler_drew_from(model, tokenizer) ->
             assert c[-1] == end and m[i, len(prompt) - 2 + len(c)] == 1
     expected = torch.gather(logits.log_softmax(-1), 2, tokens[:, 1:, None]).squeeze(2)
     torch.testing.assert_close(hot * m, expected * m, rtol=1e-5, atol=1e-5)
+
+
+def test_grpo_decodes_its_micro_batch_together_with_each_prompts_own_seeds(model, tokenizer) -> None:
+    """``sample_groups`` runs every prompt's group in one engine batch; each group equals the
+    group that prompt draws alone with the same seed (the seed, not the batch, picks the draws),
+    and different prompts' budgets are kept."""
+    from ftlm.post.chat import prompt_ids
+    from ftlm.post.rollout import sample_group, sample_groups
+    tasks = generate("mod,count", "train", 3, 0)
+    prompts = [prompt_ids(tokenizer, t.prompt) for t in tasks]
+    end = tokenizer.token_id("<|end|>")
+    together, logprobs = sample_groups(model, prompts, 3, 8, end, tokenizer.pad_id, 1.0, 0,
+                                       [11, 12, 13])
+    assert len(together) == 3 and all(len(g) == 3 for g in together)
+    for prompt, seed, group, lp in zip(prompts, (11, 12, 13), together, logprobs):
+        alone, alone_lp = sample_group(model, prompt, 3, 8, end, tokenizer.pad_id, 1.0, 0, seed)
+        assert group == alone
+        for a, b in zip(lp, alone_lp):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+    assert together[0] != together[1], "each prompt draws from its own seeds"
+    assert all(len(c) <= 8 + 1 for g in together for c in g)

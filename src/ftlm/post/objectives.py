@@ -8,8 +8,8 @@
   ``h = (log pi(y_w) - log pi(y_l)) - (log ref(y_w) - log ref(y_l))`` (TRL's formulas),
   plus, with ``nll_coef``, RPO's NLL per chosen token.
 * ``GRPO``: per prompt, ``group_size`` completions sampled from the current policy
-  (``rollout.sample_group``) with seeds that depend only on ``(run.seed, step, task index,
-  sample)``; reward 1 when the task's checker accepts the answer, else 0; ``group_advantages``;
+  (``rollout.sample_groups``: the micro-batch's prompts decoded together) with seeds that
+  depend only on ``(run.seed, step, task index, sample)``; reward 1 when the task's checker accepts the answer, else 0; ``group_advantages``;
   ``grpo_loss`` (clipped ratio, k3 KL estimate to the reference, per-sequence token mean, then
   the mean over sequences: DeepSeekMath's form) on log-probs at the sampling temperature. One
   optimizer step per sampled batch, so the "old" policy is the current one detached (the ratio
@@ -33,7 +33,7 @@ from torch import nn
 from ftlm.data.tokenizer import Tokenizer
 from ftlm.post.chat import completion_text, prompt_ids
 from ftlm.post.forward import completion_logprobs, packed_logits, token_logprobs
-from ftlm.post.rollout import sample_group, sample_seed
+from ftlm.post.rollout import sample_groups, sample_seed
 from ftlm.tasks import Task, check
 
 
@@ -185,22 +185,25 @@ class GRPO:
         """Mean reward of the last micro-batch's samples (for logs)."""
         self._end = tokenizer.token_id("<|end|>")
 
-    def _complete(self, model: nn.Module, task_index: int, n: int, temperature: float,
-                  seed: int) -> tuple[list[list[int]], int]:
-        """``n`` sequences (prompt + completion) of task ``task_index``, and the prompt length."""
-        prompt = prompt_ids(self.tokenizer, self.tasks[task_index].prompt)
-        completions, _ = sample_group(model, prompt, n, self.max_new_tokens, self._end,
-                                      self.tokenizer.pad_id, temperature, self.top_k, seed)
-        return [prompt + c for c in completions], len(prompt)
+    def _complete(self, model: nn.Module, task_indices: list[int], n: int, temperature: float,
+                  seeds: list[int]) -> list[tuple[list[list[int]], int]]:
+        """Per task of ``task_indices``: ``n`` sequences (prompt + completion) and the prompt's
+        length, sampled together (``sample_groups``)."""
+        prompts = [prompt_ids(self.tokenizer, self.tasks[i].prompt) for i in task_indices]
+        groups, _ = sample_groups(model, prompts, n, self.max_new_tokens, self._end,
+                                  self.tokenizer.pad_id, temperature, self.top_k, seeds)
+        return [([prompt + c for c in completions], len(prompt))
+                for prompt, completions in zip(prompts, groups)]
 
     def samples(self, model: nn.Module, rows: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tokens ``[B*G, T]``, completion mask ``[B*G, T]`` and rewards ``[B, G]`` of ``rows``."""
         step = self.clock()
+        indices = rows[:, 0].tolist()
+        groups = self._complete(model, indices, self.group_size, self.temperature,
+                                [sample_seed(self.seed, step, index) for index in indices])
         seqs, masks, rewards = [], [], []
-        for index in rows[:, 0].tolist():
-            full, plen = self._complete(model, index, self.group_size, self.temperature,
-                                        sample_seed(self.seed, step, index))
+        for index, (full, plen) in zip(indices, groups):
             for ids in full:
                 seqs.append(ids)
                 masks.append([0] * plen + [1] * (len(ids) - plen))
@@ -226,9 +229,10 @@ class GRPO:
 
     def eval_sums(self, model: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Held-out error rate (1 - accuracy) of greedy completions: sum of errors, prompts."""
+        indices = rows[:, 0].tolist()
         errors = 0
-        for index in rows[:, 0].tolist():
-            full, plen = self._complete(model, index, 1, 0.0, 0)
+        for index, (full, plen) in zip(indices, self._complete(model, indices, 1, 0.0,
+                                                               [0] * len(indices))):
             errors += 0 if check(self.tasks[index], completion_text(self.tokenizer, full[0][plen:])) else 1
         return (torch.tensor(float(errors), dtype=torch.float64),
                 torch.tensor(float(len(rows)), dtype=torch.float64))

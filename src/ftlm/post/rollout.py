@@ -1,12 +1,15 @@
 """Sampling completions of one prompt inside training: ``sample_group``, ``rollout``, seeds.
 
-``sample_group`` draws ``n`` completions of one prompt: with the KV-cache engine
-(``ftlm.infer.Engine``, one batch of exactly the ``n`` samples of this prompt, so what else the
-micro-batch holds cannot change them) when the model is a plain ``Transformer``, else (a model
-sharded by FSDP2 inside a group) with ``rollout``, which re-runs the model on the whole context
-each step and needs no inference state. Every draw comes from a CPU ``torch.Generator`` seeded by
-``sample_seed`` from ``(run seed, step, task index, sample)``: a retried step, or another replica
-computing the same step, samples exactly the same completions.
+``sample_groups`` draws ``n`` completions of each of several prompts: with the KV-cache engine
+(``ftlm.infer.Engine``, every sample of every prompt in one continuous batch of up to
+``MAX_BATCH`` slots, so a step of GRPO decodes its whole micro-batch together instead of one
+prompt's group at a time) when the model is a plain ``Transformer``, else (a model sharded by
+FSDP2 inside a group) with ``rollout``, one prompt at a time, which re-runs the model on the whole
+context each step and needs no inference state. ``sample_group`` is the one-prompt case. Every
+draw comes from a CPU ``torch.Generator`` seeded by ``sample_seed`` from ``(run seed, step, task
+index, sample)``: a retried step, or another replica computing the same step, samples exactly
+the same completions (the same rows give the same batch; which other prompts share the batch
+can change a logit by float rounding, not the seed of a draw).
 
 Not responsible for: rewards (``ftlm.tasks.check``) or losses (``ftlm.post.objectives``).
 """
@@ -65,6 +68,10 @@ def _engine_ready(model: nn.Module) -> bool:
         isinstance(p, DTensor) for p in model.parameters())
 
 
+MAX_BATCH = 256
+"""Most samples the engine decodes at once in ``sample_groups`` (more wait for a free slot)."""
+
+
 @torch.no_grad()
 def sample_group(model: nn.Module, prompt: list[int], n: int, max_new_tokens: int, end_id: int,
                  pad_id: int, temperature: float, top_k: int, seed: int
@@ -76,28 +83,46 @@ def sample_group(model: nn.Module, prompt: list[int], n: int, max_new_tokens: in
     Sample ``j`` draws from a generator seeded by ``sample_seed(seed, j)``; ``temperature == 0``
     is greedy. The model's training/eval mode is left as it was.
     """
+    tokens, logprobs = sample_groups(model, [prompt], n, max_new_tokens, end_id, pad_id,
+                                     temperature, top_k, [seed])
+    return tokens[0], None if logprobs is None else logprobs[0]
+
+
+@torch.no_grad()
+def sample_groups(model: nn.Module, prompts: list[list[int]], n: int, max_new_tokens: int,
+                  end_id: int, pad_id: int, temperature: float, top_k: int, seeds: list[int]
+                  ) -> tuple[list[list[list[int]]], list[list[list[float]]] | None]:
+    """``n`` completions of each of ``prompts`` (``[prompt][sample] -> tokens``) and, from the
+    engine, their sampler log-probs (``None`` from ``rollout``), as ``sample_group`` per prompt:
+    sample ``j`` of prompt ``i`` draws from ``sample_seed(seeds[i], j)``."""
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     if not _engine_ready(model):
-        generator = torch.Generator(device="cpu").manual_seed(sample_seed(seed))
         device = next(model.parameters()).device
-        return rollout(model, prompt, n, max_new_tokens, end_id, pad_id, temperature, top_k,
-                       generator, device), None
+        groups = [rollout(model, prompt, n, max_new_tokens, end_id, pad_id, temperature, top_k,
+                          torch.Generator(device="cpu").manual_seed(sample_seed(seed)), device)
+                  for prompt, seed in zip(prompts, seeds)]
+        return groups, None
     from ftlm.infer import Engine, SamplingParams
-    budget = min(max_new_tokens, model.cfg.max_seq_len - len(prompt))
-    if budget < 1:
-        raise ValueError(f"prompt of {len(prompt)} tokens leaves no room under "
-                         f"max_seq_len={model.cfg.max_seq_len}")
+    limit = model.cfg.max_seq_len
+    budgets = [min(max_new_tokens, limit - len(p)) for p in prompts]
+    for prompt, budget in zip(prompts, budgets):
+        if budget < 1:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room under "
+                             f"max_seq_len={limit}")
     training = model.training
     try:
-        engine = Engine(model, max_batch=n, max_seq_len=min(model.cfg.max_seq_len,
-                                                            len(prompt) + budget + 1))
+        engine = Engine(model, max_batch=min(MAX_BATCH, n * len(prompts)),
+                        max_seq_len=min(limit, max(len(p) + b + 1
+                                                   for p, b in zip(prompts, budgets))))
         params = [SamplingParams(max_new_tokens=budget, temperature=temperature, top_k=top_k,
                                  stop_ids=(end_id,), seed=sample_seed(seed, j))
-                  for j in range(n)]
-        seqs = engine.generate([prompt] * n, params)
+                  for seed, budget in zip(seeds, budgets) for j in range(n)]
+        seqs = engine.generate([p for p in prompts for _ in range(n)], params)
     finally:
         model.train(training)
     # The engine leaves the stop token out; the policy must learn to stop, so it is a target.
-    ended = [s.finish_reason == "stop" for s in seqs]
-    tokens = [list(s.tokens) + [end_id] * e for s, e in zip(seqs, ended)]
+    tokens = [list(s.tokens) + [end_id] * (s.finish_reason == "stop") for s in seqs]
     logprobs = [list(s.logprobs) for s in seqs]
-    return tokens, logprobs
+    return ([tokens[i:i + n] for i in range(0, len(seqs), n)],
+            [logprobs[i:i + n] for i in range(0, len(seqs), n)])

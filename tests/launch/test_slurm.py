@@ -119,6 +119,86 @@ def test_coordinator_job_has_its_own_partition_time_and_signal(tmp_path, tiny_co
     assert "#SBATCH --partition=gpu" in (out2 / "coordinator.sbatch").read_text()
 
 
+FAKE_COORDINATOR = """#!{python}
+# Stands in for `python -m ftlm.cli coordinator`: records its pid, then the signal that ends it.
+import os, signal, sys
+from pathlib import Path
+here = Path(os.environ["FAKE_DIR"])
+def stop(signum, frame):
+    (here / "child.signal").write_text(signal.Signals(signum).name)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+(here / "child.pid").write_text(str(os.getpid()))
+while True:
+    signal.pause()
+"""
+
+
+@pytest.mark.parametrize("replaced", [False, True], ids=["own-address", "newer-address"])
+def test_coordinator_job_on_usr2_withdraws_its_address_and_stops(tmp_path, tiny_config, replaced):
+    """Defect 5: the coordinator job had no signal handling. Slurm's USR2 (--signal=B:USR2@60,
+    to the batch shell) now withdraws the address the groups' relays follow (unless a newer
+    coordinator already wrote its own), stops the server with SIGTERM and ends the job, so the
+    watcher starts a fresh one. Runs the generated script under bash with a stand-in server."""
+    fake = tmp_path / "fake-python"
+    fake.write_text(FAKE_COORDINATOR.format(python=sys.executable))
+    fake.chmod(0o755)
+    out = generate(tmp_path, tiny_config(), python=str(fake))
+    state = out / "state"
+    url_file = state / "coordinator.url"
+    env = dict(os.environ, SLURM_JOB_ID="4242", FAKE_DIR=str(tmp_path))
+    log_path = tmp_path / "coordinator.log"
+    with open(log_path, "w") as log_file:
+        shell = subprocess.Popen(["bash", str(out / "coordinator.sbatch")], env=env,
+                                 stdout=log_file, stderr=subprocess.STDOUT)
+    child = tmp_path / "child.pid"
+    try:
+        _wait_for(lambda: child.is_file() and url_file.is_file(), 30,
+                  "the coordinator job to publish its address and start the server")
+        assert url_file.read_text().strip().startswith("http://")
+        if replaced:  # a newer coordinator's address is not this job's to withdraw
+            url_file.write_text("http://elsewhere:1234\n")
+        shell.send_signal(signal.SIGUSR2)
+        try:
+            shell.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the coordinator job did not end within 30 s of USR2: "
+                                 + log_path.read_text()) from None
+    finally:
+        if shell.poll() is None:
+            shell.kill()
+            shell.wait(timeout=10)
+        _stop_stand_in(child, fake)
+    log = log_path.read_text()
+    assert shell.returncode == 0, f"the job ended with {shell.returncode}: {log}"
+    assert "USR2 received" in log, log
+    assert (tmp_path / "child.signal").read_text() == "SIGTERM", log
+    if replaced:
+        assert url_file.read_text() == "http://elsewhere:1234\n"
+    else:
+        assert not url_file.exists(), "the stopped coordinator left its address for the relays"
+
+
+def _stop_stand_in(pid_file: Path, program: Path) -> None:
+    """SIGKILL the stand-in server if a failed job left it running (checked to be ours by its
+    command line, so a reused pid is never hit)."""
+    try:
+        pid = int(pid_file.read_text())
+        if str(program) in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " "):
+            os.kill(pid, signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+
+
+def test_docs_say_how_long_a_requeued_job_waits():
+    """Defect 3: a requeued job waits Slurm's job credential lifetime before it may start again
+    (120 s by default); the operator reads it in docs/slurm.md, next to the setting."""
+    text = (Path(__file__).parents[2] / "docs" / "slurm.md").read_text()
+    paragraphs = text.split("\n\n")
+    assert any("cred_expire" in p and "120 s" in p for p in paragraphs), \
+        "docs/slurm.md does not say that a requeued job waits cred_expire (120 s by default)"
+
+
 def test_submit_all_forgets_a_previous_run_in_the_same_folder(tmp_path, tiny_config):
     """Defect 3: a stale state/<g>.done made the watcher exit at once and cancel the coordinator."""
     out = generate(tmp_path, tiny_config(), groups=2)

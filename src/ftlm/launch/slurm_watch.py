@@ -91,7 +91,8 @@ while [ ! -e "$OUT/state/STOP" ]; do
   if [ "$active" = 0 ]; then
     break
   elif ! is_active "$cst" && [ "$finished" = 0 ]; then
-    # A new coordinator may run on another node: groups read the new address when they restart.
+    # A new coordinator may run on another node: the groups' relays follow the address file
+    # it writes (removed here so that they wait for it instead of the dead one).
     log "coordinator: job $cid ended with $cst"
     rm -f "$OUT/state/coordinator.url"
     resubmit coordinator "$OUT/coordinator.sbatch" || break

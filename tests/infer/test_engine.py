@@ -115,3 +115,17 @@ def test_compiled_decode_gives_the_same_greedy_tokens(model):
     eager = Engine(model, max_batch=2).generate(prompts()[:3], GREEDY)
     compiled = Engine(model, max_batch=2, compile=True).generate(prompts()[:3], GREEDY)
     assert [s.tokens for s in compiled] == [s.tokens for s in eager]
+
+
+def test_fused_unmasked_decode_equals_the_masked_one_when_rows_are_level(model):
+    level = prompts((6, 6, 6))  # every row at the same position: the engine drops the mask
+    cache = kv.KVCache.allocate(model, slots=3)
+    weights = kv.DecodeWeights.of(model)
+    with torch.no_grad():
+        kv.prefill(model, cache, torch.tensor(level), torch.tensor([6] * 3), torch.arange(3))
+        args = (model, cache, torch.tensor([5, 7, 9]), torch.tensor([6] * 3), 7, weights)
+        masked = kv.decode(*args, masked=True)
+        unmasked = kv.decode(*args, masked=False)
+    torch.testing.assert_close(unmasked, masked, atol=1e-5, rtol=1e-5)
+    seqs = Engine(model, max_batch=3).generate(level, GREEDY)
+    assert [s.tokens for s in seqs] == [greedy_uncached(model, p, 12) for p in level]

@@ -85,6 +85,7 @@ class Engine:
         self._positions = [0] * max_batch  # position of each slot's next input token
         self._last = [0] * max_batch  # each slot's next input token
         self._decode = torch.compile(kv.decode, fullgraph=True) if compile else kv.decode
+        self._weights = kv.DecodeWeights.of(model)  # fused once; the engine never trains
         self._static = compile
         self.steps = 0
 
@@ -153,13 +154,17 @@ class Engine:
             self._emit(admitted, logits, touched)
         hi = max((i + 1 for i, s in enumerate(self.running) if s is not None), default=0)
         if hi:
+            masked = True
             if self._static:
                 hi, kv_len = self.max_batch, self.max_seq_len
-            else:
+            else:  # attention reads the filled part of the cache only
                 kv_len = max(self._positions[:hi]) + 1
+                # Rows all at the last position see everything: no mask to build or apply.
+                masked = any(p != kv_len - 1 for p in self._positions[:hi])
             tokens = torch.tensor(self._last[:hi], device=self.device)
             positions = torch.tensor(self._positions[:hi], device=self.device)
-            logits = self._decode(self.model, self.cache, tokens, positions, kv_len)
+            logits = self._decode(self.model, self.cache, tokens, positions, kv_len,
+                                  self._weights, masked)
             self._emit(self.running[:hi], logits, touched)
         self.steps += 1
         return list(touched.values())
@@ -213,7 +218,9 @@ class Engine:
         min_p = torch.tensor([p.min_p for p in params], device=logits.device)
         uniform = draw_uniform([s.generator if s is not None else None for s in live])
         ids = sample(logits, temperature, top_k, top_p, min_p, uniform)
-        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, ids[:, None])[:, 0]
+        # log_softmax at the drawn token only (no [B, vocab] result to write and read back).
+        scores = logits.float()
+        logprobs = scores.gather(-1, ids[:, None])[:, 0] - torch.logsumexp(scores, dim=-1)
         ids, logprobs = ids.tolist(), logprobs.tolist()  # one device sync per step
         now = time.perf_counter()
         for seq, token, logprob in zip(live, ids, logprobs):

@@ -115,33 +115,89 @@ def prefill(model: Transformer, cache: KVCache, tokens: torch.Tensor, lengths: t
     return model.output(model.norm(last))
 
 
+@dataclass
+class DecodeWeights:
+    """The decode step's weights, fused once from a model's (the engine builds them at start).
+
+    Per layer: ``wqkv`` (``wq``, ``wk``, ``wv`` stacked: one matmul instead of three), ``wo``,
+    ``w13`` (the MLP's gate ``w1`` and up ``w3`` stacked), ``w2`` and the two RMSNorm weights;
+    then the final norm, the output projection and the embedding. A decode step of a small model
+    on a CPU is bound by per-operator overhead, not by its matmuls, so fewer and larger operators
+    are what make it faster. The stacked tensors are copies: a model whose weights change after
+    the engine started needs a new engine (the engine never trains).
+    """
+
+    wqkv: list[torch.Tensor]
+    wo: list[torch.Tensor]
+    w13: list[torch.Tensor]
+    w2: list[torch.Tensor]
+    attention_norm: list[torch.Tensor]
+    ffn_norm: list[torch.Tensor]
+    norm: torch.Tensor
+    output: torch.Tensor
+    embedding: torch.Tensor
+    eps: float
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, model: Transformer) -> DecodeWeights:
+        """The fused weights of ``model`` (on its device, in its dtype)."""
+        layers = list(model.layers)
+        return cls(
+            wqkv=[torch.cat([l.attention.wq.weight, l.attention.wk.weight, l.attention.wv.weight])
+                  for l in layers],
+            wo=[l.attention.wo.weight for l in layers],
+            w13=[torch.cat([l.feed_forward.w1.weight, l.feed_forward.w3.weight]) for l in layers],
+            w2=[l.feed_forward.w2.weight for l in layers],
+            attention_norm=[l.attention_norm.weight for l in layers],
+            ffn_norm=[l.ffn_norm.weight for l in layers],
+            norm=model.norm.weight, output=model.output.weight,
+            embedding=model.tok_embeddings.weight, eps=model.cfg.norm_eps)
+
+
 def decode(model: Transformer, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
-           kv_len: int) -> torch.Tensor:
+           kv_len: int, weights: DecodeWeights | None = None, masked: bool = True
+           ) -> torch.Tensor:
     """One step for cache slots ``0..B-1``: token ``tokens[i]`` sits at ``positions[i]``.
 
     ``tokens`` and ``positions`` are ``[B]``; attention reads cache positions ``0..positions[i]``
     of the first ``kv_len`` (``> max(positions)``; a constant ``max_seq_len`` keeps shapes static
-    for ``torch.compile``). Returns the next-token logits ``[B, vocab]``.
+    for ``torch.compile``). ``weights`` are ``DecodeWeights.of(model)`` (built here when not
+    given: pass them in a loop). ``masked=False`` is allowed only when every row sits at
+    ``kv_len - 1`` (then every row sees every position and the mask is dropped). Returns the
+    next-token logits ``[B, vocab]``.
     """
     cfg = model.cfg
+    w = weights if weights is not None else DecodeWeights.of(model)
     batch = tokens.shape[0]
-    repeats = cfg.n_heads // cfg.n_kv_heads
+    heads, kv_heads, dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    repeats = heads // kv_heads
     rows = torch.arange(batch, device=tokens.device)
-    visible = torch.arange(kv_len, device=tokens.device)[None, :] <= positions[:, None]
-    mask = visible[:, None, None, :]  # [B, 1, 1, kv_len], broadcast over kv heads and repeats
-    rope = _rope(model, positions[:, None])
-    h = model.tok_embeddings(tokens[:, None])
-    for i, layer in enumerate(model.layers):
-        q, k, v = _qkv(model, layer, h, rope)
+    mask = None
+    if masked:  # [B, 1, 1, kv_len], broadcast over kv heads and repeats
+        mask = (torch.arange(kv_len, device=tokens.device)[None, :]
+                <= positions[:, None])[:, None, None, :]
+    cos, sin = model.rope_cos[positions][:, None, :], model.rope_sin[positions][:, None, :]
+    h = F.embedding(tokens, w.embedding)  # [B, dim]
+    for i in range(cfg.n_layers):
+        x = F.rms_norm(h, (h.shape[-1],), w.attention_norm[i], w.eps)
+        qkv = F.linear(x, w.wqkv[i]).view(batch, heads + 2 * kv_heads, dim)
+        # Queries and keys are rotated together (one rotation of heads + kv_heads rows), as
+        # apply_rope does it: "rotate half", in float32.
+        qk = qkv[:, :heads + kv_heads].float()
+        x1, x2 = qk.chunk(2, dim=-1)
+        qk = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(qkv)
         ck, cv = cache.k[i], cache.v[i]
-        ck[rows, :, positions] = k[:, 0].to(ck.dtype)
-        cv[rows, :, positions] = v[:, 0].to(cv.dtype)
+        ck[rows, :, positions] = qk[:, heads:].to(ck.dtype)
+        cv[rows, :, positions] = qkv[:, heads + kv_heads:].to(cv.dtype)
         # Grouped-query attention without copying the cache: the query heads that share kv head
         # g become g's "query positions" ([B, kv_heads, repeats, D]); query head h reads kv head
         # h // repeats, as in the model.
-        q = q.view(batch, cfg.n_kv_heads, repeats, cfg.head_dim)
+        q = qk[:, :heads].reshape(batch, kv_heads, repeats, dim)
         out = F.scaled_dot_product_attention(q, ck[:batch, :, :kv_len], cv[:batch, :, :kv_len],
                                              attn_mask=mask)
-        h = h + layer.attention.wo(out.reshape(batch, 1, -1))
-        h = h + layer.feed_forward(layer.ffn_norm(h))
-    return model.output(model.norm(h[:, 0]))
+        h = h + F.linear(out.reshape(batch, -1), w.wo[i])
+        x = F.rms_norm(h, (h.shape[-1],), w.ffn_norm[i], w.eps)
+        gate, up = F.linear(x, w.w13[i]).chunk(2, dim=-1)
+        h = h + F.linear(F.silu(gate) * up, w.w2[i])
+    return F.linear(F.rms_norm(h, (h.shape[-1],), w.norm, w.eps), w.output)

@@ -224,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", default="", help="run directory of the (small) policy")
     p.add_argument("--verifier", default="", help="run directory of the verifier (optional)")
+    p.add_argument("--verifier-head", default="", metavar="JSON",
+                   help="outcome head of --verifier (`ftlm verifier head`): the verifier scores "
+                        "whole samples by it (no beam search rows)")
     p.add_argument("--wait-verifier", type=float, default=0.0, metavar="SECONDS",
                    help="wait up to this long for --verifier to finish training (it is loaded "
                         "after the policy's samples are drawn)")
@@ -314,6 +317,7 @@ def _params(tok, args, seed: int) -> SamplingParams:
 def measure(args) -> dict:
     """Sample, select and count for every seed; returns the JSON-able raw results."""
     from ftlm.infer.load import load_run
+    from ftlm.infer.outcome import OutcomeVerifier, load_head
     from ftlm.infer.verifier import Verifier
     started = time.perf_counter()
     tasks = generate_tasks(args.families, "test", args.tasks, 0)
@@ -324,7 +328,9 @@ def measure(args) -> dict:
         tok, pparams = policy.tokenizer, param_count(policy.model.cfg)
         verifier, vparams = None, 0
         ns = [2 ** i for i in range(int(math.log2(args.n_max)) + 1)]
-        beam_ns = [int(x) for x in args.beam_ns.split(",") if x.strip()] if args.verifier else []
+        # Beam search scores partial solutions line by line: the line verifier's job, not a head's.
+        beam_ns = ([int(x) for x in args.beam_ns.split(",") if x.strip()]
+                   if args.verifier and not args.verifier_head else [])
         per_seed, aucs = [], []
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             engine = Engine(policy.model, max_batch=args.max_batch, eos_id=tok.eos_id,
@@ -334,7 +340,9 @@ def measure(args) -> dict:
             if args.verifier and verifier is None:  # loaded late: it may still be training
                 _wait_for(Path(args.verifier) / "model.safetensors", args.wait_verifier)
                 judge = load_run(args.verifier, device="cpu")
-                verifier = Verifier(judge.model, judge.tokenizer)
+                verifier = (OutcomeVerifier(judge.model, judge.tokenizer,
+                                            load_head(Path(args.verifier_head)))
+                            if args.verifier_head else Verifier(judge.model, judge.tokenizer))
                 vparams = param_count(judge.model.cfg)
             result = evaluate(tasks, pools, plens, ns, pparams, verifier, vparams)
             if verifier is not None:  # the scores are memoised by evaluate: no new passes
@@ -386,6 +394,7 @@ def _wait_for(path: Path, seconds: float) -> None:
 def _meta(args, pparams: int, vparams: int, beam_ns: list[int], seeds: int,
           started: float) -> dict:
     return {"policy": args.policy, "policy_params": pparams, "verifier": args.verifier,
+            "verifier_head": args.verifier_head,
             "verifier_params": vparams, "tasks": args.tasks, "families": args.families,
             "seeds": seeds, "temperature": args.temperature,
             "max_new_tokens": args.max_new_tokens, "n_max": args.n_max, "beam_ns": beam_ns,
@@ -407,6 +416,8 @@ def report(data: dict, note: str, figure: Path) -> str:
                            "bench.test_time_scaling", [])
             + f"* Policy: `{meta['policy']}` ({meta['policy_params'] / 1e6:.2f}M)"
             + (f"; verifier `{meta['verifier']}` ({meta['verifier_params'] / 1e6:.2f}M)"
+               + (f" with the outcome head `{meta['verifier_head']}`"
+                  if meta.get("verifier_head") else "")
                if meta["verifier"] else "")
             + (f"; larger policy `{large['path']}` ({large['params'] / 1e6:.2f}M)" if large else "")
             + f"; {meta['tasks']} held-out tasks ({meta['families']}), {meta['seeds']} seeds, "

@@ -115,3 +115,30 @@ def test_verifier_data_labels_policy_samples_with_the_checker(run_dir, tmp_path,
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert records and all(r["label"] == "no" and r["messages"][1]["content"] == "no"
                            for r in records)
+
+
+def test_verifier_head_refuses_a_larger_verifier_and_a_policy_without_right_samples(
+        run_dir, tmp_path, capsys):
+    base = ["verifier", "head", str(run_dir), "--policy", str(run_dir), "--n", "2",
+            "--samples", "2", "--max-new-tokens", "4", "--out", str(tmp_path / "head.json")]
+    assert main(base) == 2  # the same model as verifier and policy: not smaller
+    assert "not smaller than the policy" in capsys.readouterr().err
+    assert main(base + ["--allow-larger"]) == 2  # a random policy gets nothing right
+    err = capsys.readouterr().err
+    assert "0 right and" in err and len(err.strip().splitlines()) == 1
+
+
+def test_generate_best_of_n_scores_with_an_outcome_head(run_dir, tmp_path, capsys):
+    from ftlm.infer.outcome import FEATURES, Head, save_head
+    head = save_head(Head(list(FEATURES), [0.0] * 4, [1.0] * 4, [1.0, 0.0, 0.0, 0.0]),
+                     tmp_path / "head.json")
+    assert main(["generate", str(run_dir), "--tasks", "2", "-n", "3", "--strategy", "best-of-n",
+                 "--scorer", "verifier", "--verifier", str(run_dir), "--verifier-head",
+                 str(head), "--max-new-tokens", "4", "--json", "--device", "cpu",
+                 "--chat"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 2 and all(r["completion"] in r["samples"] for r in rows)
+    assert main(["generate", str(run_dir), "--prompt", "x", "-n", "2", "--strategy",
+                 "best-of-n", "--scorer", "verifier", "--verifier", str(run_dir),
+                 "--verifier-head", str(tmp_path / "missing.json"), "--device", "cpu"]) == 2
+    assert "does not exist" in capsys.readouterr().err

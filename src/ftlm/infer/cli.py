@@ -122,7 +122,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if searched is not None:
         scorer = st.confidence  # unused: the search has picked
     elif args.scorer == "verifier":
-        scorer = _verifier(args.verifier, args.device, args.dtype)
+        scorer = _verifier(args.verifier, args.device, args.dtype, args.verifier_head)
         for text, row in zip(texts, cands):
             scorer.score_all(text, row)  # batched; best_of_n then reads the memo
     elif args.scorer == "oracle":
@@ -269,20 +269,77 @@ def _serve_token(args: argparse.Namespace, loaded) -> str:
     return ""
 
 
-def _verifier(path: str, device: str, dtype: str):
-    """A ``Verifier`` over the model of run directory ``path``."""
+def _verifier(path: str, device: str, dtype: str, head: str = ""):
+    """A ``Verifier`` over the model of run directory ``path``; with ``head`` (a JSON file of
+    ``ftlm verifier head``), an ``OutcomeVerifier`` of that model and head."""
     from ftlm.errors import ConfigError
     from ftlm.infer.load import load_run
     from ftlm.infer.verifier import Verifier
     judge = load_run(path, device=device, dtype=dtype)
     if judge.tokenizer is None:
         raise ConfigError(f"no tokenizer found for the verifier {path}")
+    if head:
+        from ftlm.infer.outcome import OutcomeVerifier, load_head
+        return OutcomeVerifier(judge.model, judge.tokenizer, load_head(Path(head)))
     return Verifier(judge.model, judge.tokenizer)
+
+
+def cmd_verifier_head(args: argparse.Namespace) -> int:
+    """Sample the policy on train tasks, label by the checkers, fit an outcome head."""
+    import torch
+
+    from ftlm.errors import ConfigError
+    from ftlm.infer import strategies as st
+    from ftlm.infer.chat import chat_stop_ids, render_chat
+    from ftlm.infer.engine import Engine
+    from ftlm.infer.load import load_run
+    from ftlm.infer.outcome import fit_head, likelihood_features, save_head
+    from ftlm.infer.sampling import SamplingParams
+    from ftlm.infer.verifier_data import check_train_split
+    from ftlm.model.counts import param_count
+    from ftlm.tasks import check
+    from ftlm.tasks import generate as generate_tasks
+    if args.n < 1 or args.samples < 1:
+        raise ConfigError(f"--n={args.n} and --samples={args.samples} must be at least 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    judge = load_run(args.model, device=args.device)
+    policy = load_run(args.policy, device=args.device)
+    if judge.tokenizer is None or policy.tokenizer is None:
+        raise ConfigError(f"no tokenizer found for {args.model if judge.tokenizer is None else args.policy}")
+    small, big = param_count(judge.model.cfg), param_count(policy.model.cfg)
+    if small >= big and not args.allow_larger:
+        raise ConfigError(f"the verifier {args.model} ({small / 1e6:.2f}M parameters) is not "
+                          f"smaller than the policy ({big / 1e6:.2f}M); pass --allow-larger")
+    tasks = generate_tasks(args.families, "train", args.n, args.seed)
+    check_train_split(tasks)
+    tok = policy.tokenizer
+    engine = Engine(policy.model, max_batch=args.max_batch, eos_id=tok.eos_id,
+                    detokenize=tok.decode)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            seed=args.seed, stop_ids=chat_stop_ids(tok))
+    prompts = [render_chat([{"role": "user", "content": t.prompt}], tok) for t in tasks]
+    pools = st.sample_candidates(engine, tok, prompts, args.samples, params)
+    # Each distinct completion of a task once: the head should not learn a policy's repeats.
+    pairs = list(dict.fromkeys((t.prompt, c.text) for t, pool in zip(tasks, pools) for c in pool))
+    by_prompt = {t.prompt: t for t in tasks}
+    labels = [check(by_prompt[p], c) for p, c in pairs]
+    rows = likelihood_features(judge.model, judge.tokenizer, pairs)
+    info = {"model": args.model, "policy": args.policy, "families": args.families,
+            "tasks": len(tasks), "samples": len(tasks) * args.samples,
+            "distinct": len(pairs), "right": sum(labels)}
+    head = fit_head(rows, labels, info=info)
+    path = save_head(head, Path(args.out))
+    print(f"{info['samples']} samples of {len(tasks)} train tasks, {len(pairs)} distinct, "
+          f"{sum(labels)} right; head written to {path}; use it with `--verifier {args.model} "
+          f"--verifier-head {path}`")
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ftlm.serve import ServeConfig, Server
-    scorer = _verifier(args.verifier, args.device, args.dtype) if args.verifier else None
+    scorer = (_verifier(args.verifier, args.device, args.dtype, args.verifier_head)
+              if args.verifier else None)
     loaded, engine = _load(args)
     config = ServeConfig(host=args.host, port=args.port, model_name=args.name or loaded.name,
                          token=_serve_token(args, loaded), insecure=args.insecure,
@@ -292,8 +349,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_verifier_data_args(p: argparse.ArgumentParser, families: str = "add,mod,sort,count"
-                            ) -> None:
+def _add_verifier_data_args(p: argparse.ArgumentParser, families: str = "add,mod,sort,count",
+                            outcome_labels: bool = True) -> None:
     p.add_argument("--n", type=int, default=2000, help="tasks (default 2000)")
     p.add_argument("--families", default=families,
                    help="task families (default: " + (families or "the config's post.families")
@@ -306,6 +363,8 @@ def _add_verifier_data_args(p: argparse.ArgumentParser, families: str = "add,mod
     p.add_argument("--device", default="cpu", help="device of the policy (default cpu)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads while sampling (default 1; 0: torch's default)")
+    if not outcome_labels:
+        return
     p.add_argument("--outcome-labels", action="store_true",
                    help="label every line with the sample's outcome instead of its own check "
                         "(the ablation of the process labels)")
@@ -336,6 +395,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "oracle (the exact task checker; --tasks only: an upper bound)")
     p.add_argument("--verifier", default="", metavar="RUN_DIR",
                    help="verifier model (`ftlm verifier train`): --scorer verifier, beam-search")
+    p.add_argument("--verifier-head", default="", metavar="JSON",
+                   help="outcome head of --verifier (`ftlm verifier head`): score whole samples "
+                        "by it instead of line by line")
     p.add_argument("--beam-width", type=int, default=0,
                    help="beam-search: next steps sampled per kept partial; n/width partials are "
                         "kept per round (default min(4, n))")
@@ -372,6 +434,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="allow a verifier as large as the policy or larger")
     _add_verifier_data_args(vt, families="")
     vt.set_defaults(fn=cmd_verifier_train)
+    vh = vsub.add_parser("head", help="fit an outcome head: a small `ftlm sft` model reads the "
+                                      "policy's samples of train tasks (its likelihood of the "
+                                      "work and of the answer line given the work), a logistic "
+                                      "head learns right vs wrong from them (balanced)")
+    vh.add_argument("model", help="run directory of the verifier model (an `ftlm sft` model of "
+                                  "the task suite, smaller than the policy)")
+    vh.add_argument("--policy", required=True, metavar="RUN_DIR", help="the policy to sample")
+    vh.add_argument("--out", required=True, help="output .json (the head)")
+    vh.add_argument("--allow-larger", action="store_true",
+                    help="allow a verifier as large as the policy or larger")
+    _add_verifier_data_args(vh, families="add", outcome_labels=False)
+    vh.set_defaults(fn=cmd_verifier_head)
 
     p = sub.add_parser("serve", help="serve a trained model over an OpenAI-compatible HTTP API")
     _add_model_args(p)
@@ -391,4 +465,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="verifier model (`ftlm verifier train`) that scores the samples of "
                         "requests with strategy best-of-n / weighted-best-of-n (default: the "
                         "policy's confidence)")
+    p.add_argument("--verifier-head", default="", metavar="JSON",
+                   help="outcome head of --verifier (`ftlm verifier head`): score whole samples "
+                        "by it instead of line by line")
     p.set_defaults(fn=cmd_serve)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 import pytest
 
-from ftlm.ft.group import GroupProtocol
+import ftlm.sim.protocol as sim_protocol
+from ftlm.ft.group import GroupProtocol, ReplayCheck
+from ftlm.ft.history import extend_chain
+from ftlm.ft.membership import Membership
 from ftlm.sim.check import check, format_report
 from ftlm.sim.protocol import FAULTS, SimConfig, Simulation, run
 
@@ -29,11 +33,24 @@ REGRESSIONS = [
     (7533, 200, "same as seed 7309, after an explicit rollback"),
     (901, 100, "every holder of the head died and the groups restarted from a checkpoint of a branch "
                "an earlier rollback abandoned: the rollback target was refused, a livelock"),
+    (22, 100, "a leave judged while a lagging group's request had not gone out yet (a simulator bug)"),
+    (406, 100, ("a group left right after a coordinator restart: the restarted coordinator's first quorum "
+                "waited the join timeout for it (expected_groups counted a group that had left)")),
+    (1109, 100, "a leave judged while a peer's quorum answer was lost, its quorum stranded (a simulator bug)"),
+    (3618, 100, "same as seed 1109, the answer crossing the end of its member's long-poll"),
+    (3368, 100, ("a group committed one step past the furthest head the coordinator saw and checkpointed it; "
+                 "after a rollback every group restarted from that checkpoint, a claim the rollback refused "
+                 "as beyond where the job ever got: a livelock")),
 ]
 
 # (seed, faults): schedules of one kind of fault, where a rare interleaving is frequent.
 FOCUSED = [
     (12, ("hang_resume",), "a member declared dead came back and every quorum with it was aborted"),
+    (18, ("leave",), ("a group interrupted mid-step left after being counted in the quorum; the coordinator's "
+                      "leave did not abort that quorum, so the others waited for the all-reduce timeout")),
+    (21, ("leave",), "same as seed 18"),
+    (34, ("leave",), "same as seed 18"),
+    (49, ("leave",), "same as seed 18"),
 ]
 
 
@@ -66,6 +83,35 @@ def test_hangs_that_end_on_their_own_keep_the_job_live() -> None:
     assert report.ok, format_report(report, config)
 
 
+def test_graceful_leaves_never_make_the_others_wait() -> None:
+    """SIGTERM (finish the step, or the step owed to an early request, then leave) or an
+    interrupted step, densely, at every moment; launchers restart most leavers later."""
+    config = SimConfig(steps=100, faults=("leave", "crash"), fault_mtbf=2.0)
+    report = check(60, config, jobs=2)
+    assert report.ok, format_report(report, config)
+    assert report.faults["leave"] > 60 and report.leaves_judged > 30  # the liveness bound was applied
+
+
+def test_groups_ask_early_and_catch_up_after_the_quorum_answer() -> None:
+    """The production order is the default: a participant asks for the next quorum right after
+    its vote; a recovering group loads its snapshot right after its quorum answer and reports
+    the head after the vote of that same step, before it asks again. Asking after the update
+    (``early_ask=False``) holds every invariant too."""
+    sim = Simulation(3, SimConfig(steps=100, faults=("crash",)), trace_len=100_000)
+    assert sim.run().ok
+    assert sum("(early)" in line for line in sim.trace) > 100
+    loads = [(i, line.split()[1], int(line.split()[-1])) for i, line in enumerate(sim.trace)
+             if "loaded the snapshot" in line]
+    assert loads
+    for i, group, step in loads:
+        after = [line for line in sim.trace[i + 1:]
+                 if line.split()[1] == group and ("asks" in line or "caught" in line)]
+        assert after and re.search(rf"caught up to step ({step}|{step + 1})$", after[0]), after[:2]
+    late = SimConfig(steps=60, early_ask=False)
+    report = check(20, late)
+    assert report.ok, format_report(report, late)
+
+
 def test_a_seed_replays_exactly() -> None:
     a, b = Simulation(7, SimConfig(steps=60)), Simulation(7, SimConfig(steps=60))
     ra, rb = a.run(), b.run()
@@ -83,6 +129,29 @@ def test_a_planted_bug_is_found_and_its_seed_replays(monkeypatch: pytest.MonkeyP
     assert "without every participant's slice" in first.error or "another" in first.error
     assert run(first.seed, config).error == first.error  # the failing seed replays exactly
     assert f"--start {first.seed} --seeds 1" in format_report(report, config)
+
+
+def test_a_planted_leave_bug_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Revert the fix of the coordinator's leave (it names no quorum in flight the leaver was
+    counted in): the liveness check of graceful leaves finds the others waiting for a timeout."""
+    monkeypatch.setattr(Membership, "_unfinished_quorums", lambda self, replica_id: frozenset())
+    config = SimConfig(steps=200, faults=("leave",))
+    report = check(22, config)
+    assert {18, 21} <= {r.seed for r in report.failures}
+    assert all("got no quorum without it within 0.5 s" in r.error for r in report.failures)
+
+
+def test_a_planted_catch_up_bug_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A catch-up that replays whatever was buffered without checking it reaches the head (the
+    check the trainer runs after the quorum answer) joins the job with another state."""
+    def blind(step: int, chain: str, records: list, quorum: object, committed_now: bool) -> ReplayCheck:
+        for s, qid, parts in records:
+            chain = extend_chain(chain, s, qid, parts)
+        return ReplayCheck(True, len(records), chain)
+    monkeypatch.setattr(sim_protocol, "check_replay", blind)
+    config = SimConfig(steps=100)
+    errors = [r.error for r in check(20, config).failures]
+    assert errors and all("replayed state differs from the checked head" in e for e in errors), errors
 
 
 def test_a_job_rolled_back_after_it_finished_is_found(monkeypatch: pytest.MonkeyPatch) -> None:

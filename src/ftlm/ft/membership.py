@@ -13,6 +13,7 @@ those from the outputs), nor for validating the wire format (the shell parses re
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
@@ -85,6 +86,10 @@ class Membership:
         self.state = CoordinatorState(epoch=epoch if epoch is not None else uuid.uuid4().hex[:12])
         self.reason = "no member has asked for a quorum"
         self.dead: deque[tuple[float, str, str, str]] = deque()  # (time, replica id, group, reason)
+        # (time, replica id, ids of the quorums in flight it left without finishing their step)
+        self.left: deque[tuple[float, str, frozenset[int]]] = deque()
+        self._gone_groups: set[str] = set()  # left on purpose, not back since
+        self._options_less_gone: tuple[QuorumOptions, QuorumOptions] | None = None  # (options, less gone)
         self.kill_requests: set[str] = set()
         self._last_emitted_id: int | None = None
         self._dead_peers_key: tuple[Any, ...] | None = None
@@ -101,6 +106,7 @@ class Membership:
             rid == hb.replica_id for _, rid, _, _ in self.dead)
         for old in record_heartbeat(self.state, hb):
             self._mark_dead(now, old, hb.group, REASON_REPLACED, out)
+        self._gone_groups.discard(hb.group)
         out += self.tick(now)
         dead, aborted = self._dead_in_flight(now)
         answer: dict[str, Any] = {"quorum_id": self.state.quorum_id, "dead": dead, "dead_quorums": aborted,
@@ -118,6 +124,7 @@ class Membership:
         out: list[Output] = []
         for old in record_request(self.state, req):
             self._mark_dead(now, old, req.group, REASON_REPLACED, out)
+        self._gone_groups.discard(req.group)
         return out + self.tick(now)
 
     def withdraw(self, req: MemberRequest) -> None:
@@ -125,11 +132,22 @@ class Membership:
         withdraw_request(self.state, req)
 
     def leave(self, now: float, replica_id: str, group: str, reason: str) -> list[Output]:
-        """A group leaves on purpose (finished, preempted, stopped): not a failure."""
+        """A group leaves on purpose (finished, preempted, stopped): not a failure.
+
+        The quorums in flight that counted it and whose step it has not reported done cannot
+        complete (it was interrupted mid-step, or its answer crossed its stop request): heartbeat
+        answers name them in ``dead_quorums``, as for a dead member, so that their other members
+        abort now instead of waiting for ``ft.allreduce_timeout``.
+        """
         out: list[Output] = []
+        stranded = self._unfinished_quorums(replica_id)
         # A group that leaves having finished holds the job's final state: it is never rolled back.
         if remove_member(self.state, replica_id, now, finished=reason == "finished"):
             out.append(Event("member_left", {"group": group, "replica_id": replica_id, "reason": reason}))
+        if not any(hb.group == group for hb in self.state.heartbeats.values()):
+            self._gone_groups.add(group)
+        if stranded:
+            self.left.append((now, replica_id, stranded))
         out.append(Answer(replica_id, 409, {"error": f"{replica_id} left the job ({reason})"}))
         return out + self.tick(now)
 
@@ -149,12 +167,13 @@ class Membership:
     def tick(self, now: float) -> list[Output]:
         """Re-evaluate: expire the silent and the hung, move the head, issue a quorum if due."""
         out: list[Output] = []
-        for rid, why in expire(now, self.state, self.options):
+        options = self.options_now()
+        for rid, why in expire(now, self.state, options):
             self._mark_dead(now, rid, rid.split(":", 1)[0], why, out)
-        restores, waiting = advance_head(now, self.state, self.options)
+        restores, waiting = advance_head(now, self.state, options)
         for r in restores:
             out.append(Event("restore", self._restore_fields(r)))
-        quorum, reason = compute_quorum(now, self.state, self.options)
+        quorum, reason = compute_quorum(now, self.state, options)
         self.reason = waiting if quorum is None and waiting else reason
         if quorum is None:
             return out
@@ -189,13 +208,16 @@ class Membership:
         peers, issue 16)."""
         while self.dead and now - self.dead[0][0] > DEAD_MEMORY_SECONDS:
             self.dead.popleft()
-        if not self.dead:
+        while self.left and now - self.left[0][0] > DEAD_MEMORY_SECONDS:
+            self.left.popleft()
+        if not self.dead and not self.left:
             return [], []
         state = self.state
         index = state.index
         index.track_prev(state.prev_quorum)
-        # The answer changes only with the deaths, who heartbeats, and the quorums in flight.
-        key = (len(self.dead), self.dead[0][:2], self.dead[-1][:2], index.hb_version, id(index.prev),
+        # The answer changes only with the deaths and leaves, who heartbeats, and the quorums in flight.
+        key = (len(self.dead), self.dead[0][:2] if self.dead else None, self.dead[-1][:2] if self.dead else None,
+               len(self.left), self.left[-1][:2] if self.left else None, index.hb_version, id(index.prev),
                state.head, tuple(qid for qid, _ in state.head_quorums))
         if key == self._dead_peers_key:
             return list(self._dead_peers), list(self._dead_quorums)
@@ -210,12 +232,41 @@ class Membership:
         in_flight = [(qid, ids) for (qid, _), ids in zip(state.head_quorums, in_head)]
         if index.prev is not None:
             in_flight.append((index.prev.quorum_id, index.prev_ids))
-        aborted = sorted({qid for qid, ids in in_flight if not gone.isdisjoint(ids)})
+        stranded = {qid for _, _, qids in self.left for qid in qids}
+        aborted = sorted({qid for qid, ids in in_flight if not gone.isdisjoint(ids) or qid in stranded})
         self._dead_peers_key, self._dead_peers = key, dead[-MAX_DEAD_LISTED:]
         self._dead_quorums = aborted[-MAX_DEAD_LISTED:]
         return list(self._dead_peers), list(self._dead_quorums)
 
     # -- internals -------------------------------------------------------------------------------
+    def options_now(self) -> QuorumOptions:
+        """The quorum options, expecting no group that left on purpose (and has not come back):
+        the job's first quorum and a restarted coordinator's rebuild wait for the groups the job
+        was launched with, but never for one that left (a preempted group would cost the others
+        ``join_timeout``)."""
+        expected = self.options.expected_groups
+        if not self._gone_groups or not expected:
+            return self.options
+        less = max(1, expected - len(self._gone_groups))
+        cached = self._options_less_gone
+        if cached is None or cached[0] is not self.options or cached[1].expected_groups != less:
+            cached = self._options_less_gone = (self.options, dataclasses.replace(self.options, expected_groups=less))
+        return cached[1]
+
+    def _unfinished_quorums(self, replica_id: str) -> frozenset[int]:
+        """Ids of the quorums in flight with ``replica_id`` as a member whose step it has not
+        reported committed (a member reports a commit by a step past the quorum's)."""
+        state = self.state
+        hb = state.heartbeats.get(replica_id)
+        done = hb.step if hb is not None else -1  # it committed every step below this
+        ids = set()
+        prev = state.prev_quorum
+        if prev is not None and prev.present(replica_id) and prev.step >= done:
+            ids.add(prev.quorum_id)
+        if state.head is not None and state.head[0] >= done:
+            ids.update(qid for qid, parts in state.head_quorums if replica_id in parts)
+        return frozenset(ids)
+
     def _mark_dead(self, now: float, replica_id: str, group: str, reason: str, out: list[Output]) -> None:
         self.dead.append((now, replica_id, group, reason))
         out.append(Event("member_dead", {"group": group, "replica_id": replica_id, "reason": reason}))

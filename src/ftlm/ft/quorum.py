@@ -875,8 +875,10 @@ def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
         return [], (f"no live group holds the newest state (step {step}); rolling back to the "
                     f"newest state a live group holds in {left:.1f} s unless a holder returns")
     # Back to the newest state a live group holds, which may be a state of a branch an earlier
-    # rollback abandoned (a durable checkpoint of it), but never beyond where the job ever got.
-    plausible = {r: c for r, c in claims.items() if c[0] <= max(step + 1, state.top)}
+    # rollback abandoned (a durable checkpoint of it), but never beyond where the job ever got:
+    # one step past the furthest head, whose commit of a quorum issued there may not have been
+    # reported before its holders died (sim seed 3368: refusing it was a livelock).
+    plausible = {r: c for r, c in claims.items() if c[0] <= max(step, state.top) + 1}
     if not plausible:
         return [], f"no live group holds the newest state (step {step}) or an older one"
     target = _best(plausible)

@@ -26,6 +26,7 @@ class CheckReport:
     failures: list[SimResult] = field(default_factory=list)
     faults: Counter = field(default_factory=Counter)
     restores: int = 0
+    leaves_judged: int = 0
     simulated_seconds: float = 0.0
     wall_seconds: float = 0.0
 
@@ -54,6 +55,7 @@ def check(seeds: int, config: SimConfig, start: int = 0, jobs: int = 1, progress
             done += 1
             report.faults.update(r.faults)
             report.restores += r.restores
+            report.leaves_judged += r.leaves_judged
             report.simulated_seconds += r.seconds
             if not r.ok:
                 report.failures.append(r)
@@ -78,6 +80,7 @@ def check(seeds: int, config: SimConfig, start: int = 0, jobs: int = 1, progress
 def format_report(report: CheckReport, config: SimConfig, show: int = 3) -> str:
     lines = [f"{report.seeds} seeds x {report.steps} steps, {config.groups} groups: "
              f"{sum(report.faults.values())} faults injected, {report.restores} explicit rollbacks, "
+             f"{report.leaves_judged} graceful leaves judged, "
              f"{report.simulated_seconds:,.0f} simulated s in {report.wall_seconds:.1f} s: "
              f"{len(report.failures)} invariant violation(s)"]
     if report.faults:

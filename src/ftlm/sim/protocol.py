@@ -5,11 +5,15 @@ What runs for real: the coordinator's state machine (``ftlm.ft.membership.Member
 quorum rules of ``ftlm.ft.quorum``), each group's step protocol (``ftlm.ft.group.GroupProtocol``)
 and the catch-up check (``ftlm.ft.group.check_replay``): the same objects the aiohttp server and
 the manager drive in production. What is simulated: the network (latency, loss, reordering), the
-processes (start-up, crashes, hangs of a whole group or of its training thread only), the
-all-reduce (which can complete for some members and fail for others), the state transfer (slow,
-failing, source dying mid-way), durable checkpoints, the local supervisor, and a group's model,
-reduced to what the invariants need: its step, history chain, data cursor and the sample ranges
-of its history.
+processes (start-up, crashes, hangs of a whole group or of its training thread only, graceful
+leaves on SIGTERM and the launcher that starts a group again), the all-reduce (which can complete
+for some members and fail for others), the state transfer (slow, failing, source dying mid-way),
+durable checkpoints, the local supervisor, and a group's model, reduced to what the invariants
+need: its step, history chain, data cursor and the sample ranges of its history. A group's loop
+follows the trainer's order of operations (``ftlm.train.trainer``): it asks for the next quorum
+right after its commit vote and applies its update while the request waits, owes that quorum's
+step even when asked to stop meanwhile, and, recovering, loads an arrived snapshot and replays
+its buffered updates right after its quorum answer, reporting the head after that step's vote.
 
 After every event the simulator checks the invariants of DESIGN.md section 3b; a violation stops
 the run with the seed and the trace of events that led to it, so ``run(seed)`` replays it
@@ -31,7 +35,7 @@ from ftlm.ft.quorum_answer import AnswerEncoder, MemberQuorum
 
 FAULTS = ("crash", "hang", "hang_resume", "hang_training", "crash_starting", "hang_starting", "coordinator_crash",
           "lag", "slow_transfer", "source_crash_mid_transfer", "bogus_claim", "partition_drop",
-          "old_checkpoint")
+          "old_checkpoint", "leave")
 """Kinds of fault the simulator injects (a seed picks which, where and when)."""
 
 
@@ -82,6 +86,21 @@ class SimConfig:
     """Whatever the faults, some group commits a step at least this often (every fault here is
     detected and healed well within it: a livelock shows as a violation)."""
     max_seconds: float = 3600.0
+    early_ask: bool = True
+    """A participant asks for the next quorum right after its commit vote and applies its update
+    while the request waits (``Manager.ask``), as in production; False: it asks after the update."""
+    update_seconds: tuple[float, float] = (0.002, 0.02)
+    """Applying the optimizer update after the vote."""
+    exit_seconds: tuple[float, float] = (0.1, 3.0)
+    """From a group's leave to its process's exit (it writes its model and summary first): its
+    connections stay open meanwhile, so peers waiting on it are not reset."""
+    leave_restart: float = 0.7
+    """Probability that the launcher starts a group that left again (0.5-8 s later); otherwise
+    it is gone for good, as long as another group remains."""
+    leave_bound: float = 0.5
+    """Liveness of a graceful leave: every other healthy group gets a quorum without the leaver
+    within this many simulated seconds of the leave reaching the coordinator (5 heartbeat
+    intervals: below the heartbeat, join and all-reduce timeouts a leave must not wait for)."""
 
 
 class Violation(AssertionError):
@@ -128,6 +147,15 @@ class Incarnation:
     asked_at: float = float("-inf")  # when it last sent a quorum request (which is a heartbeat)
     absent_since: float | None = None  # not a live member of the coordinator since
     asking_since: float = 0.0  # when its current wait for a quorum began
+    polling: bool = False  # a quorum request is outstanding (the manager's long-poll)
+    asked_next: bool = False  # asked for the next quorum right after its vote: that step is owed
+    held: Answer | None = None  # an answer that came while the update was applied (``Manager._asked``)
+    poll_stopped: bool = False  # the early request's long-poll ended on a stop request
+    update_pending: bool = False  # SIGSTOPped while applying the update
+    preloaded: bool = False  # recovering: snapshot loaded and replayed to this step's head
+    stopping: bool = False  # SIGTERM: finish (or abort) the step, then leave
+    left: bool = False  # told the coordinator it leaves; the process exits a moment later
+    request_lost: bool = False  # its current quorum request or the answer to it was lost
 
     @property
     def replica_id(self) -> str:
@@ -136,6 +164,17 @@ class Incarnation:
     @property
     def running(self) -> bool:
         return self.alive and not self.hung
+
+
+@dataclass
+class LeaveWatch:
+    """A graceful leave under judgement: the healthy groups that must get a quorum without the
+    leaver by ``deadline`` (``SimConfig.leave_bound``)."""
+
+    leaver: str
+    at: float
+    deadline: float
+    waiting: set[str]
 
 
 @dataclass
@@ -158,6 +197,8 @@ class SimResult:
     seconds: float
     error: str = ""
     trace: list[str] = field(default_factory=list)
+    leaves_judged: int = 0
+    """Graceful leaves whose liveness was judged (those in quiet times, ``watch_leave``)."""
 
 
 class Simulation:
@@ -199,6 +240,11 @@ class Simulation:
         self.last_commit = 0.0
         self.slow_next = False
         self.kill_source_next = False
+        self.departed: set[str] = set()  # left and not started again by the launcher
+        self.last_loss = float("-inf")  # when a message was last lost
+        self.leave_watches: list[LeaveWatch] = []
+        self.leaves_judged = 0
+        self.lost_answers: set[tuple[str, int, int, str]] = set()  # (epoch, quorum id, step, replica id)
 
     def _epoch(self) -> str:
         return f"e{self.rng.getrandbits(32):08x}"
@@ -221,7 +267,14 @@ class Simulation:
         return self.rng.uniform(lo, hi)
 
     def lost(self) -> bool:
-        return self.rng.random() < self.loss
+        if self.rng.random() < self.loss:
+            self.last_loss = self.now
+            return True
+        return False
+
+    def settled(self) -> int:
+        """Groups done: finished, or gone for good (lost, departed)."""
+        return len(self.finished) + len(self.lost_groups) + len(self.departed - set(self.finished))
 
     def run(self) -> SimResult:
         try:
@@ -230,26 +283,27 @@ class Simulation:
             self.at(0.05, self.tick, "tick")
             if self.c.fault_mtbf > 0:
                 self.at(self.rng.expovariate(1 / self.c.fault_mtbf), self.inject, "fault")
-            while self._queue and len(self.finished) + len(self.lost_groups) < self.c.groups:
+            while self._queue and self.settled() < self.c.groups:
                 self.now, _, fn, what = heapq.heappop(self._queue)
                 if self.now > self.c.max_seconds:
                     self.fail("the run did not finish within max_seconds")
                 fn()
                 self.check(what)
-            if len(self.finished) + len(self.lost_groups) < self.c.groups:
+            if self.settled() < self.c.groups:
                 self.fail(f"the run stalled: {sorted(self.finished)} finished of {self.c.groups}")
             self.check_end()
-            return SimResult(self.seed, True, self.c.steps, self.faults, self.restores, self.now)
+            return SimResult(self.seed, True, self.c.steps, self.faults, self.restores, self.now,
+                             leaves_judged=self.leaves_judged)
         except Violation as e:
             return SimResult(self.seed, False, self.c.steps, self.faults, self.restores, self.now, str(e),
-                             list(self.trace))
+                             list(self.trace), self.leaves_judged)
 
     # -- processes (the supervisor's view) -------------------------------------------------------
     def spawn(self, group: str, delay: float) -> None:
         def start() -> None:
             others = [g for g in self.groups if g != group]
-            if self.finished and all(g in self.lost_groups or self.exited.get(g, self.now + 1) <= self.now
-                                     for g in others):
+            if self.finished and all(g in self.lost_groups or g in self.departed
+                                     or self.exited.get(g, self.now + 1) <= self.now for g in others):
                 # As the local supervisor does: every other group finished and its process
                 # exited, so a new incarnation would have nobody to recover from.
                 self.lost_groups.add(group)
@@ -280,7 +334,7 @@ class Simulation:
         inc.phase = "idle"
         self.log(f"boot {inc.replica_id} at step {inc.state.step}")
         self.heartbeat(inc)
-        self.ask(inc)
+        self.next_step(inc)  # (a stop requested during start-up: it joined, and leaves at once)
 
     def die(self, inc: Incarnation, why: str, restart: bool = True) -> None:
         if not inc.alive:
@@ -315,7 +369,7 @@ class Simulation:
         dead = {rid for t, rid, _, _ in self.coordinator.recent_dead(self.now) if self.now - t >= 0.5}
         members = self.coordinator.state.heartbeats
         for inc in list(self.groups.values()):
-            if inc is None or not inc.alive or inc.phase == "starting":
+            if inc is None or not inc.alive or inc.phase == "starting" or inc.left:
                 continue
             if inc.replica_id in dead and (inc.hung or inc.hung_training):
                 self.die(inc, "killed: declared dead while hung")
@@ -359,6 +413,7 @@ class Simulation:
                         self.fail(f"the job finished at step {next(iter(self.finished.values())).step} "
                                   f"and was rolled back: {o.fields['reason']}")
                     self.restores += 1
+                    self.leave_watches = []  # the others wait for a rollback, rightly
                     self.log(f"restore {o.fields['from_step']} -> {o.fields['to_step']}")
                     self.head = None  # an explicit rollback: the next head is judged afresh
         self.check_head()
@@ -378,7 +433,12 @@ class Simulation:
 
     def send_answer(self, answer: Answer) -> None:
         inc = self.groups.get(answer.replica_id.split(":")[0])
-        if inc is None or inc.replica_id != answer.replica_id or self.lost():
+        if inc is None or inc.replica_id != answer.replica_id:
+            return
+        if self.lost():
+            inc.request_lost = True
+            if answer.quorum is not None:
+                self.lost_answers.add((*_key(answer.quorum), answer.replica_id))
             return
         seq = inc.request_seq
         self.at(self.latency(), lambda: self.on_answer(inc, seq, answer), f"answer {answer.replica_id}")
@@ -398,7 +458,7 @@ class Simulation:
 
     # -- a group's loop --------------------------------------------------------------------------
     def heartbeat(self, inc: Incarnation) -> None:
-        if not inc.alive:
+        if not inc.alive or inc.left:  # (``Manager.leave`` stops the heartbeat thread first)
             return
         since = self.now - inc.asked_at
         if since < self.c.heartbeat_interval - 1e-9 and not inc.hung:  # (float rounding: no zero waits)
@@ -412,7 +472,7 @@ class Simulation:
                              known_head=p.known_head)
 
             def arrive() -> None:
-                if self.coordinator is None or not inc.alive:
+                if self.coordinator is None or not inc.alive or inc.left:
                     return
                 beat.last_seen = self.now
                 beat.progress_at = inc.progress_at
@@ -437,7 +497,8 @@ class Simulation:
         try:
             result = call(self.coordinator)
         except StaleIncarnation:
-            self.at(self.latency(), lambda: self.die(inc, "stale incarnation"), "stale")
+            if not inc.left:  # (a message that overtook its own leave: the process exits anyway)
+                self.at(self.latency(), lambda: self.die(inc, "stale incarnation"), "stale")
             return None
         inc.registered = True
         return result
@@ -453,14 +514,43 @@ class Simulation:
             if inc.phase == "collective":
                 self.abort(inc, "a quorum member was reported dead")
 
-    def ask(self, inc: Incarnation) -> None:
-        """Send this step's quorum request: one outstanding request per process, as the real
-        (synchronous) client has; a newer ask supersedes an older one that was not sent yet."""
-        if not inc.running or inc.hung_training:
+    def next_step(self, inc: Incarnation) -> None:
+        """The trainer's loop, between two steps: leave when asked to stop (unless the next
+        quorum was asked for already: that step is owed), else take the next quorum."""
+        if not inc.running or inc.hung_training or inc.left or inc.phase in ("done", "starting"):
             return
-        if inc.phase != "asking":
-            inc.asking_since = self.now
+        asked, inc.asked_next = inc.asked_next, False
+        if inc.stopping and not asked:
+            self.leave(inc, "stopped")
+            return
+        if not asked:
+            self.ask(inc)
+            return
+        # ``Manager._answer``: the answer of the request sent right after the vote.
         inc.phase = "asking"
+        if inc.held is not None:
+            answer, inc.held = inc.held, None
+            self.start_step(inc, answer)
+        elif inc.poll_stopped:  # its long-poll ended on the stop request: StopRequested
+            self.leave(inc, "stopped")
+        elif not inc.polling:
+            self.ask(inc)  # (its answer was refused or lost: ask anew)
+
+    def ask(self, inc: Incarnation, early: bool = False) -> None:
+        """Send this step's quorum request: one outstanding request per process, as the real
+        (synchronous) client has; a newer ask supersedes an older one that was not sent yet.
+        ``early``: right after the commit vote, while the update is applied (``Manager.ask``)."""
+        if not inc.running or inc.hung_training or inc.left:
+            return
+        if inc.stopping and not early and not inc.polling:
+            self.leave(inc, "stopped")  # ``_request_quorum`` raises StopRequested before asking
+            return
+        if not inc.polling:
+            inc.asking_since = self.now
+        if not early:
+            inc.phase = "asking"
+        inc.polling = True
+        inc.poll_stopped = False
         inc.progress_at = self.now
         inc.request_seq += 1
         seq = inc.request_seq
@@ -475,9 +565,9 @@ class Simulation:
         self.send_request(inc, seq)
 
     def send_request(self, inc: Incarnation, seq: int) -> None:
-        if not inc.running or inc.hung_training or inc.request_seq != seq or inc.phase != "asking":
+        if not inc.running or inc.hung_training or inc.request_seq != seq or not inc.polling or inc.left:
             return
-        inc.proto.sync(inc.state.step, inc.state.chain)  # as Manager.start_step does
+        inc.proto.sync(inc.state.step, inc.state.chain)  # as Manager.start_step (or Manager.ask) does
         fields = inc.proto.request()
         req = MemberRequest(inc.replica_id, inc.group, fields["step"], fields["last_quorum_id"], fields["failed"],
                             {"recover_request": fields["recover_request"]}, 0.0, fields["chain"],
@@ -487,34 +577,66 @@ class Simulation:
 
         def arrive() -> None:
             if self.coordinator is None or not inc.alive or inc.request is not req:
+                inc.request_lost = inc.request_lost or inc.request is req  # (the coordinator was down)
                 return
             req.asked_at = self.now
             outputs = self.to_coordinator(inc, lambda c: c.request(self.now, req))
             if outputs is not None:
                 self.deliver_outputs(outputs)
-        if not self.lost():
+        inc.request_lost = self.lost()
+        if not inc.request_lost:
             self.at(self.latency(), arrive, f"request {inc.replica_id} step {fields['step']}")
-        self.log(f"{inc.replica_id} asks at step {fields['step']}{' (failed)' if fields['failed'] else ''}")
+        self.log(f"{inc.replica_id} asks at step {fields['step']}{' (failed)' if fields['failed'] else ''}"
+                 f"{' (early)' if inc.phase == 'updating' else ''}")
 
         def poll_timeout() -> None:
-            if inc.running and inc.phase == "asking" and inc.request_seq == seq:
-                if self.now - inc.asking_since > self.c.quorum_seconds:
-                    self.die(inc, "no quorum within ft.quorum_timeout")  # as Manager._request_quorum
-                else:
-                    self.ask(inc)
+            if inc.running and inc.polling and inc.request_seq == seq and not inc.left:
+                self.poll_ended(inc)
         self.at(self.c.poll_timeout, poll_timeout, "poll timeout")
 
+    def poll_ended(self, inc: Incarnation) -> None:
+        """A long-poll ended without a quorum: ``Manager._request_quorum`` polls again, or raises
+        StopRequested when a stop was requested meanwhile, or gives up after ft.quorum_timeout."""
+        if inc.stopping:
+            inc.polling = False
+            if inc.request is not None and self.coordinator is not None:
+                self.coordinator.withdraw(inc.request)
+            inc.request = None
+            if inc.phase == "updating":
+                inc.poll_stopped = True  # the trainer sees it when it takes the answer
+            else:
+                self.leave(inc, "stopped")
+        elif self.now - inc.asking_since > self.c.quorum_seconds:
+            self.die(inc, "no quorum within ft.quorum_timeout")  # as Manager._request_quorum
+        else:
+            self.ask(inc, early=inc.phase == "updating")
+
     def on_answer(self, inc: Incarnation, seq: int, answer: Answer) -> None:
-        if (not inc.running or inc.hung_training or inc.phase != "asking" or inc.request_seq != seq
-                or inc.request is None):
+        if (not inc.running or inc.hung_training or not inc.polling or inc.request_seq != seq
+                or inc.request is None or inc.left):
+            if answer.quorum is not None and inc.running and not inc.left:
+                # It crossed the end of its long-poll: its quorum waits for this member (lost to it).
+                self.lost_answers.add((*_key(answer.quorum), answer.replica_id))
+                self.last_loss = self.now
             return
         inc.request = None
         if answer.status == 409:
             self.die(inc, "stale incarnation")
             return
         if answer.status != 200:
-            self.at(0.01, lambda: self.ask(inc), "re-ask")
+            self.at(0.01, lambda: self.poll_ended(inc) if inc.polling and inc.request_seq == seq else None,
+                    "re-ask")
             return
+        inc.polling = False
+        if answer.quorum is not None:
+            self.answered(inc, answer.quorum)
+        if inc.phase == "updating":
+            inc.held = answer  # the asker thread holds it until the trainer's next start_step
+            return
+        self.start_step(inc, answer)
+
+    def start_step(self, inc: Incarnation, answer: Answer) -> None:
+        """``Manager.start_step`` with the quorum answer, then the trainer's start of a step."""
         q = answer.quorum  # the whole quorum, for the simulator's own bookkeeping and checks
         # The group sees only its own answer, through the same encoding the coordinator sends.
         view = MemberQuorum.from_json(self.encoder.encode(q, inc.replica_id))
@@ -527,6 +649,7 @@ class Simulation:
             return
         inc.quorum = q
         inc.abort_pending = False
+        inc.preloaded = False
         inc.progress_at = self.now
         me = inc.replica_id
         if role.participant_index is not None and (inc.state.step, inc.state.chain) != (q.step, q.chain):
@@ -541,6 +664,10 @@ class Simulation:
         if role.drain:
             self.drain(inc, q, role)
             return
+        if role.recovering:
+            # As the trainer: a snapshot that arrived is loaded and the buffered updates replayed
+            # right after the quorum answer, while the participants compute this step.
+            inc.preloaded = self.load_and_replay(inc, q)
         inc.phase = "training"
         lo, hi = self.c.step_seconds
         self.at(self.rng.uniform(lo, hi), lambda: self.enter_collective(inc, q), f"train {me}")
@@ -548,8 +675,11 @@ class Simulation:
     def drain(self, inc: Incarnation, q: Quorum, role: Any) -> None:
         if role.recovering:
             inc.phase = "idle"
-            self.poll_fetch(inc, q, committed_now=False)
-            self.at(0.1, lambda: self.ask(inc), "drain ask")
+            if self.load_and_replay(inc, q):
+                self.finish_catch_up(inc, q, committed=False)  # at the final step: nothing to apply
+                self.at(0.0, lambda: self.next_step(inc), "next step")
+            else:
+                self.at(0.1, lambda: self.next_step(inc), "drain ask")
             return
         groups = {m.group for m in q.members}
         if not q.recovering and len(groups) >= self.c.groups:
@@ -557,11 +687,11 @@ class Simulation:
             return
         if inc.draining_since is None or q.recovering:
             inc.draining_since = self.now
-        if self.now - inc.draining_since > self.c.drain_seconds:
-            self.finish(inc)
+        if self.now - inc.draining_since > self.c.drain_seconds or inc.stopping:
+            self.finish(inc)  # (a stop request ends the serving; the group still leaves finished)
             return
         inc.phase = "idle"
-        self.at(0.25, lambda: self.ask(inc), "drain ask")
+        self.at(0.25, lambda: self.next_step(inc), "drain ask")
 
     def finish(self, inc: Incarnation) -> None:
         inc.finished = True
@@ -572,11 +702,51 @@ class Simulation:
         self.exited[inc.group] = self.now + self.rng.uniform(0.2, 3.0)
         if self.coordinator is not None:
             self.deliver_outputs(self.coordinator.leave(self.now, inc.replica_id, inc.group, "finished"))
+            self.watch_leave(inc)
         inc.alive = False
         first = next(iter(self.finished.values()))
         if (inc.state.step, inc.state.chain) != (first.step, first.chain):
             self.fail(f"{inc.replica_id} finished at step {inc.state.step} with another state than the "
                       f"first group to finish (step {first.step})")
+
+    def leave(self, inc: Incarnation, reason: str) -> None:
+        """A graceful leave (SIGTERM, a finished ``train.max_seconds``): the trainer's loop ended,
+        the manager stops its heartbeats and tells the coordinator (``Manager.leave``); the
+        process exits 0 a moment later (it writes its model and summary first), and the
+        launcher may start the group again later (a spot node coming back)."""
+        if inc.left or not inc.alive:
+            return
+        inc.left = True
+        inc.polling = False
+        inc.phase = "left"
+        self.log(f"{inc.replica_id} leaves: {reason}")
+        inc.request = None
+        if not self.lost():
+            epoch = self.coordinator_epoch
+
+            def arrive() -> None:
+                if self.coordinator is not None and self.coordinator_epoch == epoch:
+                    self.deliver_outputs(self.coordinator.leave(self.now, inc.replica_id, inc.group, reason))
+                    self.watch_leave(inc)
+            self.at(self.latency(), arrive, f"leave {inc.replica_id}")
+        lo, hi = self.c.exit_seconds
+        self.at(self.rng.uniform(lo, hi), lambda: self.exit_after_leave(inc), f"exit {inc.replica_id}")
+
+    def exit_after_leave(self, inc: Incarnation) -> None:
+        if not inc.alive:
+            return
+        self.die(inc, "exit 0 after leaving", restart=False)
+        if self.groups.get(inc.group) is not inc:
+            return
+        others = [g for g in self.groups if g != inc.group and g not in self.departed]
+        if self.rng.random() < self.c.leave_restart or len(others) < 2 or inc.group in self.slow_restart:
+            self.slow_restart.discard(inc.group)
+            delay = self.rng.uniform(0.5, 8.0)
+            self.spawn(inc.group, delay)  # the launcher brings it back
+            self.at(delay, lambda: setattr(self, "last_fault", self.now), "relaunch")  # liveness from here
+        else:
+            self.departed.add(inc.group)  # gone for good (its node did not come back): once a job at most
+            self.log(f"departed {inc.group}")
 
     # -- the all-reduce and the vote -------------------------------------------------------------
     def enter_collective(self, inc: Incarnation, q: Quorum) -> None:
@@ -628,7 +798,7 @@ class Simulation:
 
     def outcome(self, inc: Incarnation, q: Quorum | None, ok: bool, why: str = "") -> None:
         if (not inc.running or inc.hung_training or inc.phase != "collective" or q is None
-                or inc.quorum is None
+                or inc.quorum is None or inc.left
                 or (inc.quorum.epoch, inc.quorum.quorum_id, inc.quorum.step) != (q.epoch, q.quorum_id, q.step)):
             return
         if not ok:
@@ -662,12 +832,32 @@ class Simulation:
                 self.endgame = True  # from 3 steps before the end: the fault lands before, during or after the finish
                 if self.rng.random() < self.c.endgame_faults:
                     self.at(self.rng.uniform(0.0, 1.0), self.endgame_fault, "endgame fault")
-        elif committed and role.recovering:
-            inc.buffer[q.step] = (q.quorum_id, list(q.participants), samples)
+            # As the trainer: the next quorum is asked for right after the vote, and the update
+            # is applied while that request waits for the other groups; once asked, the next
+            # step is owed to the quorum it gets, even if a stop is requested meanwhile.
+            inc.phase = "updating"
+            inc.asked_next = self.c.early_ask and not inc.stopping
+            if inc.asked_next:
+                self.ask(inc, early=True)
+            lo, hi = self.c.update_seconds
+            self.at(self.rng.uniform(lo, hi), lambda: self.update_done(inc), f"update {inc.replica_id}")
+            return
         if role.recovering:
-            self.poll_fetch(inc, q, committed_now=committed)
+            if inc.preloaded:  # at this step's head already: apply its average if it committed here
+                self.finish_catch_up(inc, q, committed)
+            elif committed:
+                inc.buffer[q.step] = (q.quorum_id, list(q.participants), samples)
         inc.phase = "idle"
-        self.at(0.0, lambda: self.ask(inc), "next step")
+        self.at(0.0, lambda: self.next_step(inc), "next step")
+
+    def update_done(self, inc: Incarnation) -> None:
+        """The optimizer update is applied: the trainer's loop goes on (to the asked quorum)."""
+        if inc.phase != "updating" or not inc.alive or inc.left:
+            return
+        if not inc.running:
+            inc.update_pending = True  # stopped mid-update (SIGSTOP): it goes on after SIGCONT
+            return
+        self.next_step(inc)
 
     # -- live recovery ---------------------------------------------------------------------------
     def start_fetch(self, inc: Incarnation, q: Quorum, source: str) -> None:
@@ -683,40 +873,58 @@ class Simulation:
 
         def arrive() -> None:
             s = self.groups.get(source.split(":")[0])
-            if s is not None and s.replica_id == source and s.running and q.step in s.published:
+            if s is not None and s.replica_id == source and s.running and not s.left and q.step in s.published:
                 fetch["result"] = _copy(s.published[q.step])
             fetch["done"] = True
         self.at(seconds, arrive, f"transfer to {inc.replica_id}")
 
-    def poll_fetch(self, inc: Incarnation, q: Quorum, committed_now: bool) -> None:
+    def load_and_replay(self, inc: Incarnation, q: Quorum) -> bool:
+        """The trainer's ``_load_and_replay``: if the pulled snapshot arrived, load it and replay
+        the buffered updates up to the head of ``q`` (the step being computed), checked by
+        ``check_replay``; True when the group now holds that head (``caught_up`` comes after
+        the vote, ``finish_catch_up``)."""
         fetch = inc.fetch
         if fetch is None or not fetch["done"]:
-            return
+            return False
         inc.fetch = None
         inc.proto.fetch_finished()
         snap = fetch["result"]
         if snap is None:
-            return  # the pull failed: the next quorum assigns a source again
-        records, step = [], snap.step
-        while step in inc.buffer:
-            qid, parts, samples = inc.buffer[step]
-            records.append((step, qid, parts, samples))
-            step += 1
-        check = check_replay(snap.step, snap.chain, [(s, qi, p) for s, qi, p, _ in records], q, committed_now)
+            return False  # the pull failed: the next quorum assigns a source again
+        # ``CatchUpBuffer.take_from``: the updates from the snapshot's step on, without a gap.
+        later = sorted(s for s in inc.buffer if s >= snap.step)
+        if later != list(range(snap.step, snap.step + len(later))):
+            later = []
+        records = [(s, *inc.buffer[s]) for s in later]
         inc.buffer = {}
+        check = check_replay(snap.step, snap.chain, [(s, qi, p) for s, qi, p, _ in records], q, False)
         if not check.ok:
-            inc.state = snap
+            inc.state = snap  # the snapshot stays loaded; the group reports its step and recovers again
             self.log(f"{inc.replica_id} replay rejected: {check.reason}")
-            return
+            return False
         st = snap
         for s, qid, parts, samples in records[:check.apply]:
             st = State(st.step + 1, extend_chain(st.chain, s, qid, parts), st.cursor + samples,
                        st.ranges + ((st.cursor, st.cursor + samples),))
-        if st.chain != check.chain:
-            self.fail(f"{inc.replica_id}: replayed chain differs from the checked one")
+        if (st.step, st.chain) != (q.step, q.chain) or st.chain != check.chain:
+            self.fail(f"{inc.replica_id}: replayed state differs from the checked head")
         inc.state = st
-        inc.proto.caught_up(st.step, st.chain)
         self.remember(st)
+        self.log(f"{inc.replica_id} loaded the snapshot of step {snap.step} and replayed to step {st.step}")
+        return True
+
+    def finish_catch_up(self, inc: Incarnation, q: Quorum, committed: bool) -> None:
+        """The trainer's ``_finish_catch_up``: after the vote of the step the group caught up to,
+        apply that step's average if it committed here, and report the state from now on."""
+        inc.preloaded = False
+        st = inc.state
+        if committed:
+            samples = len(q.participants) * self.c.batch
+            st = State(st.step + 1, q.next_chain(), st.cursor + samples,
+                       st.ranges + ((st.cursor, st.cursor + samples),))
+            inc.state = st
+            self.remember(st)
+        inc.proto.caught_up(st.step, st.chain)
         self.log(f"{inc.replica_id} caught up to step {st.step}")
 
     # -- faults ----------------------------------------------------------------------------------
@@ -729,7 +937,7 @@ class Simulation:
 
     def endgame_fault(self) -> None:
         """One fault at the end of the job, when groups drain, serve late joiners and leave."""
-        kinds = [k for k in ("crash", "hang", "hang_resume", "coordinator_crash", "old_checkpoint")
+        kinds = [k for k in ("crash", "hang", "hang_resume", "coordinator_crash", "old_checkpoint", "leave")
                  if k in self.c.faults]
         if "crash" in kinds:
             kinds.append("crash_slow_restart")  # back only after the others may have left
@@ -739,7 +947,8 @@ class Simulation:
     def strike(self, kind: str) -> None:
         self.faults[kind] = self.faults.get(kind, 0) + 1
         self.last_fault = self.now
-        live = [g for g in self.groups.values() if g is not None and g.alive and not g.hung]
+        self.leave_watches = []  # another fault may delay anyone: a leave is judged in quiet times
+        live = [g for g in self.groups.values() if g is not None and g.alive and not g.hung and not g.left]
         target = self.rng.choice(live) if live else None
         self.log(f"fault {kind} -> {target.replica_id if target else '-'}")
         if kind == "coordinator_crash":
@@ -770,15 +979,20 @@ class Simulation:
                     t.hung = False
                     self.pending_hung.pop(t.replica_id, None)  # it came back on its own
                     self.log(f"resume {t.replica_id}")
-                    if t.phase == "asking":
-                        self.ask(t)  # its long-poll ended while it was stopped: ask anew
+                    if t.polling:  # its long-poll ended while it was stopped: ask anew
+                        self.ask(t, early=t.phase == "updating")
+                    if t.phase == "updating" and t.update_pending:
+                        t.update_pending = False
+                        self.update_done(t)
+                    elif t.phase == "asking" and not t.polling:
+                        self.ask(t)
                     elif t.phase == "collective" and t.quorum is not None:
                         self.at(self.c.allreduce_timeout, lambda: self.collective_timeout(t, t.quorum, None),
                                 "allreduce timeout")
                     elif t.phase == "training" and t.quorum is not None:
                         self.enter_collective(t, t.quorum)
                     elif t.phase == "idle":
-                        self.ask(t)
+                        self.next_step(t)
             self.at(self.rng.uniform(0.2, 3.0), resume, "SIGCONT")
         elif kind == "hang_training":
             target.injected = True
@@ -805,10 +1019,77 @@ class Simulation:
                 pass
             # The bogus claim replaced the group's real incarnation: that process exits and restarts.
             target.injected = True
+        elif kind == "leave":
+            self.stop(target)
         elif kind == "partition_drop":
             target.injected = True
             self.loss = 0.5
             self.at(self.rng.uniform(0.2, 1.0), lambda: setattr(self, "loss", self.c.loss), "heal partition")
+
+    def stop(self, inc: Incarnation) -> None:
+        """SIGTERM (spot reclaim, preemption, a drained node) at whatever moment ``inc`` is in:
+        the trainer finishes its step (or the step it owes an early request) and leaves; now
+        and then the step is interrupted where it is (SIGINT: KeyboardInterrupt) and it leaves
+        at once; before its handler is installed the signal kills a starting process."""
+        if inc.hung_training:
+            return  # its training thread cannot run the handler: the launcher's SIGKILL follows (a crash)
+        if inc.phase == "starting" and self.rng.random() < 0.3:
+            inc.injected = True
+            self.die(inc, "SIGTERM before its handler was installed")
+        elif inc.phase != "starting" and self.rng.random() < 0.25:
+            self.leave(inc, "stopped (interrupted)")
+        else:
+            inc.stopping = True
+            self.log(f"SIGTERM {inc.replica_id} in phase {inc.phase}")
+
+    def watch_leave(self, leaver: Incarnation) -> None:
+        """Judge a leave that reached the coordinator in quiet times: every other group healthy
+        and a live member holding the head (else the others may rightly wait: for a hung peer's
+        detection, a lagging peer, a lost request's poll timeout, a rollback). Their next quorum must come within
+        ``leave_bound`` (``check``)."""
+        c = self.coordinator
+        if c is None or c.state.head is None:
+            return
+        others = [g for g in self.groups.values() if g is not None and g is not leaver and g.alive and not g.left]
+        healthy = {g.replica_id for g in others
+                   if g.running and not g.hung_training and g.registered and g.phase != "starting"
+                   and not g.stopping and not (g.lag_once and not g.lagged) and not g.request_lost
+                   and not (g.polling and g.request is None)  # (a lagging request not sent yet)
+                   and g.replica_id in c.state.heartbeats}
+        if not healthy or len(healthy) < len(others) or set(c.state.heartbeats) != healthy:
+            return
+        for g in others:  # a quorum one of whose members lost its answer waits for that member
+            q = g.held.quorum if g.held is not None else g.quorum if g.phase in ("training", "collective") else None
+            if q is not None and any((*_key(q), r) in self.lost_answers for r in q.replica_ids()):
+                return
+        if not any((hb.step, hb.chain) == c.state.head for hb in c.state.heartbeats.values()):
+            return
+        if c.state.prev_quorum is None and len({g.group for g in others}) < c.options_now().expected_groups:
+            return  # a coordinator's first quorum waits for the groups it expects (some left before it started)
+        self.leave_watches.append(LeaveWatch(leaver.replica_id, self.now, self.now + self.c.leave_bound, healthy))
+        self.leaves_judged += 1
+
+    def answered(self, inc: Incarnation, q: Quorum) -> None:
+        """``inc`` received quorum ``q``: a leave it waited on is settled if ``q`` is without the leaver."""
+        for w in self.leave_watches:
+            if inc.replica_id in w.waiting and not q.present(w.leaver):
+                w.waiting.discard(inc.replica_id)
+
+    def check_leaves(self) -> None:
+        """A graceful leave never makes the others wait for a timeout (all-reduce, join, heartbeat)."""
+        kept = []
+        for w in self.leave_watches:
+            if self.last_loss >= w.at or self.loss != self.c.loss:
+                continue  # a lost message may delay anyone: not the leave's doing
+            w.waiting = {r for r in w.waiting if (g := self.groups.get(r.split(":")[0])) is not None
+                         and g.replica_id == r and g.alive and not g.left and not g.stopping}
+            if not w.waiting:
+                continue
+            if self.now > w.deadline:
+                self.fail(f"{w.leaver} left at {w.at:.3f} and {', '.join(sorted(w.waiting))} got no quorum "
+                          f"without it within {self.c.leave_bound:g} s (waiting for a timeout?)")
+            kept.append(w)
+        self.leave_watches = kept
 
     # -- invariants ------------------------------------------------------------------------------
     def remember(self, st: State) -> None:
@@ -824,6 +1105,8 @@ class Simulation:
             self.fail(f"state at step {st.step} trained samples not exactly once: {st.ranges[:4]}...")
 
     def check(self, what: str) -> None:
+        if self.leave_watches:
+            self.check_leaves()
         if not self.endgame and self.now - self.last_commit > self.c.progress_seconds:  # draining is no livelock
             self.fail(f"no step committed for {self.c.progress_seconds:g} simulated s (a livelock?)")
         if self.c.fault_mtbf and self.now - self.last_fault > self.c.liveness_seconds:
@@ -838,6 +1121,10 @@ class Simulation:
         (step, chain), = set(states.values())
         if step != self.c.steps:
             self.fail(f"groups finished at step {step}, not {self.c.steps}")
+
+
+def _key(q: Quorum) -> tuple[str, int, int]:
+    return q.epoch, q.quorum_id, q.step
 
 
 def _copy(st: State) -> State:

@@ -350,7 +350,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _add_verifier_data_args(p: argparse.ArgumentParser, families: str = "add,mod,sort,count",
-                            outcome_labels: bool = True) -> None:
+                            policy: bool = False, outcome_labels: bool = True) -> None:
+    if policy:  # the verifier's training commands: a policy to sample, smaller by default
+        p.add_argument("--policy", required=True, metavar="RUN_DIR", help="the policy to sample")
+        p.add_argument("--allow-larger", action="store_true",
+                       help="allow a verifier as large as the policy or larger")
     p.add_argument("--n", type=int, default=2000, help="tasks (default 2000)")
     p.add_argument("--families", default=families,
                    help="task families (default: " + (families or "the config's post.families")
@@ -427,12 +431,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                        "line)")
     vt.add_argument("config", help="TOML run config of the verifier (its [model], [train], "
                                    "run.dir), e.g. configs/tiny.toml --set model.dim=64")
-    vt.add_argument("--policy", required=True, metavar="RUN_DIR", help="the policy to sample")
     vt.add_argument("--set", dest="overrides", action="append", default=[],
                     metavar="SECTION.KEY=VALUE", help="override a verifier config field")
-    vt.add_argument("--allow-larger", action="store_true",
-                    help="allow a verifier as large as the policy or larger")
-    _add_verifier_data_args(vt, families="")
+    _add_verifier_data_args(vt, families="", policy=True)
     vt.set_defaults(fn=cmd_verifier_train)
     vh = vsub.add_parser("head", help="fit an outcome head: a small `ftlm sft` model reads the "
                                       "policy's samples of train tasks (its likelihood of the "
@@ -440,11 +441,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                       "head learns right vs wrong from them (balanced)")
     vh.add_argument("model", help="run directory of the verifier model (an `ftlm sft` model of "
                                   "the task suite, smaller than the policy)")
-    vh.add_argument("--policy", required=True, metavar="RUN_DIR", help="the policy to sample")
     vh.add_argument("--out", required=True, help="output .json (the head)")
-    vh.add_argument("--allow-larger", action="store_true",
-                    help="allow a verifier as large as the policy or larger")
-    _add_verifier_data_args(vh, families="add", outcome_labels=False)
+    _add_verifier_data_args(vh, families="add", policy=True, outcome_labels=False)
     vh.set_defaults(fn=cmd_verifier_head)
 
     p = sub.add_parser("serve", help="serve a trained model over an OpenAI-compatible HTTP API")

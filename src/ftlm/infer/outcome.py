@@ -34,7 +34,7 @@ import torch
 from ftlm.data.tokenizer import Tokenizer
 from ftlm.errors import ConfigError, DataError
 from ftlm.infer.chat import render_chat
-from ftlm.infer.strategies import Candidate
+from ftlm.infer.verifier import MemoScorer
 from ftlm.model.llama import Transformer
 
 THINK_CLOSE = "</think>"
@@ -188,7 +188,7 @@ def load_head(path: Path) -> Head:
                         "head`") from None
 
 
-class OutcomeVerifier:
+class OutcomeVerifier(MemoScorer):
     """Scores candidates by ``head`` over ``model``'s likelihood features: ``P(correct)``."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, head: Head,
@@ -197,9 +197,7 @@ class OutcomeVerifier:
         self.tokenizer = tokenizer
         self.head = head
         self.batch = batch
-        self._cache: dict[tuple[str, str], float] = {}
-        self.cache_limit = 100_000
-        """Memoised scores kept; the memo is emptied beyond it (a server runs for long)."""
+        super().__init__()
 
     def token_ids(self, prompt: str, completion: str) -> list[int]:
         """The tokens the verifier reads for ``completion`` (its cost), cut to its context."""
@@ -208,21 +206,3 @@ class OutcomeVerifier:
     def probabilities(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
         rows = likelihood_features(self.model, self.tokenizer, pairs, self.batch)
         return [self.head.probability(r) for r in rows]
-
-    def __call__(self, prompt: str, candidate: Candidate) -> float:
-        """A ``Scorer`` for ``ftlm.infer.strategies``: the score of one candidate (memoised)."""
-        key = (prompt, candidate.text)
-        if key not in self._cache:
-            self._remember([(key, self.probabilities([key])[0])])
-        return self._cache[key]
-
-    def score_all(self, prompt: str, candidates: Sequence[Candidate]) -> None:
-        """Score many candidates of one prompt in batches (fills the memo ``__call__`` reads)."""
-        todo = list(dict.fromkeys((prompt, c.text) for c in candidates
-                                  if (prompt, c.text) not in self._cache))
-        self._remember(list(zip(todo, self.probabilities(todo))))
-
-    def _remember(self, scored: list[tuple[tuple[str, str], float]]) -> None:
-        if len(self._cache) + len(scored) > self.cache_limit:
-            self._cache = {}
-        self._cache.update(scored)

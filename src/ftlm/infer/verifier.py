@@ -136,7 +136,43 @@ def write_records(records: Sequence[dict], path: Path) -> Path:
     return path
 
 
-class Verifier:
+class MemoScorer:
+    """A ``Scorer`` over a batched ``probabilities(pairs)``, memoised by ``(prompt, text)``.
+
+    Subclasses give ``probabilities``; the strategies call the scorer one candidate at a time,
+    ``score_all`` fills the memo for a prompt's candidates in batches first.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[str, str], float] = {}
+        self.cache_limit = 100_000
+        """Memoised scores kept; the memo is emptied beyond it (a server runs for long)."""
+
+    def probabilities(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
+        raise NotImplementedError
+
+    def __call__(self, prompt: str, candidate: Candidate) -> float:
+        """A ``Scorer`` for ``ftlm.infer.strategies``: the score of one candidate (memoised)."""
+        key = (prompt, candidate.text)
+        score = self._cache.get(key)
+        if score is None:
+            score = self.probabilities([key])[0]
+            self._remember([(key, score)])
+        return score
+
+    def score_all(self, prompt: str, candidates: Sequence[Candidate]) -> None:
+        """Score many candidates of one prompt in batches (fills the memo ``__call__`` reads)."""
+        todo = list(dict.fromkeys((prompt, c.text) for c in candidates
+                                  if (prompt, c.text) not in self._cache))
+        self._remember(list(zip(todo, self.probabilities(todo))))
+
+    def _remember(self, scored: list[tuple[tuple[str, str], float]]) -> None:
+        if len(self._cache) + len(scored) > self.cache_limit:
+            self._cache = {}
+        self._cache.update(scored)
+
+
+class Verifier(MemoScorer):
     """Scores candidates with a verifier model: its per-line ``P(yes)`` reduced, in [0, 1]."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, batch: int = 16,
@@ -153,9 +189,7 @@ class Verifier:
         if self.yes == self.no:
             raise ConfigError(f"the tokenizer starts '{YES}' and '{NO}' with the same token")
         self._cue = tokenizer.token_id("<|assistant|>")
-        self._cache: dict[tuple[str, str], float] = {}
-        self.cache_limit = 100_000
-        """Memoised scores kept; the memo is emptied beyond it (a server runs for long)."""
+        super().__init__()
 
     def token_ids(self, prompt: str, completion: str) -> list[int]:
         """The tokens the verifier reads for ``completion`` (its cost), cut to its context."""
@@ -188,23 +222,3 @@ class Verifier:
     def probabilities(self, pairs: Sequence[tuple[str, str]]) -> list[float]:
         """The score of each ``(prompt, completion)``: its lines' ``P(yes)`` reduced (``REDUCE``)."""
         return [self.reduce(lines) for lines in self.line_probabilities(pairs)]
-
-    def __call__(self, prompt: str, candidate: Candidate) -> float:
-        """A ``Scorer`` for ``ftlm.infer.strategies``: the score of one candidate (memoised)."""
-        key = (prompt, candidate.text)
-        score = self._cache.get(key)
-        if score is None:
-            score = self.probabilities([key])[0]
-            self._remember([(key, score)])
-        return score
-
-    def score_all(self, prompt: str, candidates: Sequence[Candidate]) -> None:
-        """Score many candidates of one prompt in batches (fills the memo ``__call__`` reads)."""
-        todo = list(dict.fromkeys((prompt, c.text) for c in candidates
-                                  if (prompt, c.text) not in self._cache))
-        self._remember(list(zip(todo, self.probabilities(todo))))
-
-    def _remember(self, scored: list[tuple[tuple[str, str], float]]) -> None:
-        if len(self._cache) + len(scored) > self.cache_limit:
-            self._cache = {}
-        self._cache.update(scored)

@@ -97,6 +97,61 @@ def test_multi_node_group_runs_one_torchrun_per_node_through_c10d(tmp_path, tiny
         ClusterConfig(nodes_per_group=3, ranks_per_group=4)
 
 
+FAKE_TORCHRUN = """#!{python}
+# Stands in for python on a node: `-m torch.distributed.run ... --no-python PROGRAM...` starts
+# PROGRAM once per local rank (as torchrun does); anything else is a trainer, which records the
+# metrics port it got and the discovery entry node.sh published for it.
+import json, os, subprocess, sys
+from pathlib import Path
+args = sys.argv[1:]
+if args[:2] == ["-m", "torch.distributed.run"]:
+    nproc = int(next(a.split("=")[1] for a in args if a.startswith("--nproc-per-node=")))
+    program = args[args.index("--no-python") + 1:]
+    ranks = [subprocess.Popen(program, env=dict(os.environ, LOCAL_RANK=str(r))) for r in range(nproc)]
+    sys.exit(max(p.wait() for p in ranks))
+state = Path(os.environ["OUT"]) / "state"
+sd = state / f"prometheus-{{os.environ['FTLM_GROUP_ID']}}-node{{os.environ['SLURM_NODEID']}}.json"
+record = {{"port": int(os.environ["FTLM_METRICS_PORT"]), "host": os.environ["FTLM_HOST"],
+          "args": args, "sd": json.loads(sd.read_text())}}
+(Path(os.environ["FAKE_DIR"]) / f"rank-{{os.environ['LOCAL_RANK']}}.json").write_text(json.dumps(record))
+"""
+
+
+def test_group_metrics_get_a_port_per_local_rank_and_a_discovery_entry(tmp_path, tiny_config):
+    """With observe.metrics on, node.sh gives each local rank its port (metrics_port + group
+    index x ranks per node + local rank: groups may share a node) and publishes them in a
+    Prometheus file_sd entry next to the coordinator's, removed when the node's trainers end.
+    node.sh runs under bash with a stand-in for python and torchrun."""
+    fake = tmp_path / "fake-python"
+    fake.write_text(FAKE_TORCHRUN.format(python=sys.executable))
+    fake.chmod(0o755)
+    config = tiny_config(observe={"metrics": True})
+    out = generate(tmp_path, config, groups=3, ranks_per_group=2, metrics_port=9500,
+                   python=str(fake))
+    env = dict(os.environ, OUT=str(out), FTLM_GROUP_ID="g2", SLURM_NODEID="0",
+               FAKE_DIR=str(tmp_path))
+    r = subprocess.run(["bash", str(out / "node.sh")], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    records = [json.loads((tmp_path / f"rank-{i}.json").read_text()) for i in (0, 1)]
+    assert [x["port"] for x in records] == [9504, 9505]  # 9500 + 2 groups x 2 ranks before g2
+    host = records[0]["host"]
+    assert records[0]["sd"] == [{"targets": [f"{host}:9504", f"{host}:9505"],
+                                 "labels": {"job": config.run.name}}]
+    assert "observe.metrics_host=0.0.0.0" in records[0]["args"]
+    assert records[0]["args"][:3] == ["-m", "ftlm.cli", "train"]
+    assert not (out / "state" / "prometheus-g2-node0.json").exists()
+    if shutil.which("shellcheck"):
+        r = subprocess.run(["shellcheck", str(out / "node.sh")], capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout
+    # Metrics off (the default config): torchrun runs the trainer itself, nothing is published.
+    out = generate(tmp_path / "off", tiny_config(), metrics_port=9500)
+    assert "--no-python" not in (out / "node.sh").read_text()
+    assert "FTLM_METRICS_BASE" not in (out / "node.sh").read_text()
+    with pytest.raises(ConfigError, match="cluster.metrics_port=65000"):
+        generate(tmp_path / "high", config, groups=400, ranks_per_group=2, metrics_port=65000)
+
+
 def test_coordinator_job_has_its_own_partition_time_and_signal(tmp_path, tiny_config):
     out = generate(tmp_path, tiny_config(), slurm_partition="gpu", slurm_time="4:00:00",
                    slurm_coordinator_partition="cpu", slurm_coordinator_time="7-00:00:00")
@@ -405,6 +460,53 @@ def test_groups_follow_a_resubmitted_coordinator_to_its_new_address(tmp_path, ti
     gaps = [b - a for a, b in zip(times, times[1:]) if b > killed_at - 1]
     print(f"coordinator moved: longest gap between g0's commits {max(gaps):.1f} s "
           f"(median {sorted(gaps)[len(gaps) // 2]:.2f} s; watch interval 1 s)")
+
+
+@pytest.mark.slow  # about 40 s: two groups trained until each rank's metrics answer
+@pytest.mark.timeout(300)
+def test_group_metrics_are_served_where_the_discovery_entries_say(tmp_path, tiny_config, slurm):
+    """What a Prometheus with file_sd on state/prometheus-*.json scrapes: every group's entry
+    names its node's address and the port its rank serves on, with the run's job label."""
+    import urllib.request
+    config = tiny_config(train={"steps": 100000}, observe={"metrics": True})
+    run_dir = config.run.path
+    out = generate(tmp_path, config, groups=2, python=sys.executable, slurm_cpus_per_rank=1,
+                   coordinator_port=_port(), metrics_port=_free_run(2))
+    env = slurm.env
+    subprocess.run([str(out / "submit-all.sh"), "--no-watch"], check=True, env=env, timeout=60)
+    try:
+        _wait_for(lambda: all(any(e["kind"] == "commit" and e["group"] == g and e["step"] >= 3
+                                  for e in _events(run_dir)) for g in ("g0", "g1")), 120,
+                  "both groups to commit step 3")
+        for g in ("g0", "g1"):
+            (entry,) = json.loads((out / "state" / f"prometheus-{g}-node0.json").read_text())
+            assert entry["labels"] == {"job": config.run.name}
+            (target,) = entry["targets"]
+            with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as answer:
+                text = answer.read().decode()
+            series = [line for line in text.splitlines()
+                      if line.startswith("ftlm_train_steps_committed_total{")]
+            assert series and f'group="{g}"' in series[0] and \
+                f'job="{config.run.name}"' in series[0], text[:2000]
+    finally:
+        subprocess.run([str(out / "stop-all.sh")], env=env, timeout=60, check=False)
+
+
+def _free_run(n: int) -> int:
+    """A port p with p .. p + n - 1 all free now, below the ephemeral range (where the next
+    port of a free one is often some connection's)."""
+    import random
+    import socket
+    for _ in range(200):
+        base = random.randrange(20000, 30000 - n)
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("0.0.0.0", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no run of {n} free ports in 20000-30000")
 
 
 def _port() -> int:

@@ -122,7 +122,7 @@ class ClusterConfig:
     coordinator_port: int = 29510
     """TCP port of the coordinator (quorum, /status, /metrics)."""
     metrics_port: int = 9400
-    """Port of rank 0's Prometheus metrics in each group pod (rank r: +r); 0: coordinator only."""
+    """Groups' metrics base port: local rank r at +r (Slurm: + group index x ranks per node); 0: not set."""
     mount_path: str = "/mnt/ftlm"
     """Where the durable volume is mounted; the run directory (and checkpoints) go under it."""
     storage_size: str = "100Gi"

@@ -11,7 +11,9 @@
   preemption) it signals the step's tasks with SIGTERM (never ``srun`` itself), the trainers
   finish their step, leave the quorum and exit, and the job requeues itself, appending to its log;
 * ``node.sh``: torchrun on one node (``--standalone``, or c10d rendezvous on the first node of a
-  multi-node group) with ``--shutdown-timeout`` inside the grace;
+  multi-node group) with ``--shutdown-timeout`` inside the grace; with ``observe.metrics`` on it
+  gives each local rank its metrics port and publishes them in ``state/prometheus-<g>-node<n>.json``
+  (Prometheus file_sd);
 * ``watch.sh``: polls squeue/scontrol/sacct and resubmits a group (or the coordinator) whose job
   ended with a failure, at most ``max_restarts`` times each; ends when the job is done;
 * ``submit-all.sh`` (forgets a previous run's state in the folder) and ``stop-all.sh``;
@@ -28,6 +30,7 @@ import shlex
 from pathlib import Path
 
 from ftlm.config import RunConfig
+from ftlm.errors import ConfigError
 from ftlm.launch.cluster_config import ClusterConfig
 from ftlm.launch.slurm_watch import WATCH_SCRIPT
 
@@ -104,6 +107,12 @@ def coordinator_script(run: RunConfig, cluster: ClusterConfig, out: Path, workdi
     return "\n".join(lines) + "\n"
 
 
+def group_metrics(run: RunConfig, cluster: ClusterConfig) -> bool:
+    """Whether the group scripts place the trainers' metrics: the config turns them on
+    (``observe.metrics``) and ``cluster.metrics_port`` gives their ports."""
+    return bool(run.observe.metrics and cluster.metrics_port)
+
+
 def _torchrun(run: RunConfig, cluster: ClusterConfig, run_dir: Path) -> str:
     """The command each node of a group runs (one srun task per node)."""
     q = shlex.quote
@@ -113,11 +122,37 @@ def _torchrun(run: RunConfig, cluster: ClusterConfig, run_dir: Path) -> str:
         placement = (f"--nnodes={cluster.nodes_per_group} --rdzv-backend=c10d "
                      f"--rdzv-endpoint=\"$FTLM_HEAD:{cluster.rendezvous_port}\" "
                      "--rdzv-id=\"$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}\"")
+    train = (f"-m ftlm.cli train \"$OUT/config.toml\" --set ft.coordinator= "
+             f"--set run.dir={q(str(run_dir))} --set observe.progress=false")
+    program = train
+    if group_metrics(run, cluster):
+        # Each process serves on its node's base port + LOCAL_RANK (the ports node.sh publishes);
+        # global ranks come in c10d's arrival order, so they cannot name the port.
+        program = ("--no-python sh -c 'export FTLM_METRICS_PORT=$((FTLM_METRICS_BASE + LOCAL_RANK)); "
+                   f"exec \"$0\" \"$@\"' {cluster.python} {train} --set observe.metrics_host=0.0.0.0")
     return (f"{cluster.python} -m torch.distributed.run {placement} "
             f"--nproc-per-node={cluster.ranks_per_node} "
-            f"--shutdown-timeout={cluster.shutdown_timeout} "
-            f"-m ftlm.cli train \"$OUT/config.toml\" --set ft.coordinator= "
-            f"--set run.dir={q(str(run_dir))} --set observe.progress=false")
+            f"--shutdown-timeout={cluster.shutdown_timeout} {program}")
+
+
+def _metrics_lines(run: RunConfig, cluster: ClusterConfig) -> list[str]:
+    """node.sh lines that pick this node's metrics ports and publish them for Prometheus
+    (file-based discovery, next to the coordinator's entry)."""
+    if not group_metrics(run, cluster):
+        return []
+    labels, rpn = shlex.quote(json.dumps({"job": run.run.name})), cluster.ranks_per_node
+    return [
+        "# Metrics: local rank l of group g<i> serves on metrics_port + i x ranks_per_node + l,",
+        "# so that groups sharing a node do not collide; this node's entry tells Prometheus.",
+        f"export FTLM_METRICS_BASE=$(({cluster.metrics_port} + ${{FTLM_GROUP_ID#g}} * {rpn}))",
+        "sd_file=\"$OUT/state/prometheus-$FTLM_GROUP_ID-node${SLURM_NODEID:-0}.json\"",
+        "targets=",
+        f"for l in $(seq 0 {rpn - 1}); do",
+        "  targets=\"$targets${targets:+, }\\\"$FTLM_HOST:$((FTLM_METRICS_BASE + l))\\\"\"",
+        "done",
+        f"printf '[{{\"targets\": [%s], \"labels\": %s}}]\\n' \"$targets\" {labels} > \"$sd_file.tmp\"",
+        "mv \"$sd_file.tmp\" \"$sd_file\"",
+    ]
 
 
 def node_script(run: RunConfig, cluster: ClusterConfig, workdir: Path) -> str:
@@ -137,11 +172,15 @@ def node_script(run: RunConfig, cluster: ClusterConfig, workdir: Path) -> str:
         # Other groups reach this node's rendezvous store and state server at its address.
         "FTLM_HOST=$(hostname -I 2>/dev/null | awk '{print $1}')",
         "export FTLM_HOST=\"${FTLM_HOST:-127.0.0.1}\"",
+        *_metrics_lines(run, cluster),
         "stopped=0",
         "trap 'stopped=1; kill -TERM \"$pid\" 2>/dev/null' TERM",
+        *(["# shellcheck disable=SC2016  # sh expands it in each rank's process"]
+          if group_metrics(run, cluster) else []),
         _torchrun(run, cluster, run_dir) + " &",
         "pid=$!",
         "while :; do wait \"$pid\"; rc=$?; kill -0 \"$pid\" 2>/dev/null || break; done",
+        *(["rm -f \"$sd_file\"  # nothing serves there any more"] if group_metrics(run, cluster) else []),
         "if [ \"$stopped\" = 1 ]; then",
         "  echo \"ftlm: trainers stopped on request (torchrun: $rc)\" >&2",
         "  exit 0",
@@ -244,7 +283,7 @@ mkdir -p "$OUT/state" "$OUT/logs"
 # A new job in an old folder: forget the last one's addresses, restarts and finished groups
 # (a stale g<i>.done would make the watcher end at once and cancel the coordinator).
 rm -f "$OUT/state/coordinator.url" "$OUT/state/STOP" "$OUT/state/"*.restarts \\
-  "$OUT/state/"*.done "$OUT/state/"relay-*.port
+  "$OUT/state/"*.done "$OUT/state/"relay-*.port "$OUT/state/"prometheus-g*.json
 sbatch --parsable "$OUT/coordinator.sbatch" > "$OUT/state/coordinator.jobid"
 for g in {groups}; do
   sbatch --parsable "$OUT/group-$g.sbatch" > "$OUT/state/$g.jobid"
@@ -286,6 +325,12 @@ def generate_slurm(run_config: RunConfig, cluster: ClusterConfig, out_dir: Path,
                    config_toml: str, workdir: Path | None = None) -> list[Path]:
     """Write the job's scripts under ``out_dir``; ``workdir`` (default: the current directory)
     is where relative paths of the config (data, run directory) resolve on the nodes."""
+    if group_metrics(run_config, cluster):
+        last = cluster.metrics_port + cluster.groups * cluster.ranks_per_node - 1
+        if last > 65535:
+            raise ConfigError(f"cluster.metrics_port={cluster.metrics_port}: the groups' metrics "
+                              f"ports would run to {last} (one per group x rank of a node); "
+                              "pick a lower port")
     out = Path(out_dir).resolve()
     workdir = (workdir or Path.cwd()).resolve()
     (out / "state").mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ import pytest
 
 from ftlm.ft.client import CoordinatorClient
 from ftlm.ft.config import CoordinatorConfig
-from ftlm.ft.coordinator import Coordinator
+from ftlm.ft.coordinator import Coordinator, _HotEndpoints
 from ftlm.ft.history import GENESIS
 from ftlm.ft.hot_path import HotPathProtocol
 
@@ -277,3 +277,36 @@ def test_a_stale_incarnation_gets_409_on_the_lean_path(coord: Coordinator) -> No
 def test_the_coordinator_serves_from_uvloop_where_installed(coord: Coordinator) -> None:
     uvloop = pytest.importorskip("uvloop")
     assert isinstance(coord._loop, uvloop.Loop)
+
+
+class _Recorder:
+    """A transport that records, in one shared list, which member's connection was written to."""
+
+    def __init__(self, name: str, log: list[tuple[str, bytes]]) -> None:
+        self.name, self.log = name, log
+
+    def write(self, data: bytes) -> None:
+        self.log.append((self.name, data))
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def test_a_quorums_answers_go_out_in_the_order_its_members_asked() -> None:
+    """The member that asked first has waited longest: its answer is written first, whatever its
+    rank (in-process: the lean path's protocols over recording transports, no event loop)."""
+    c = Coordinator(CoordinatorConfig(heartbeat_timeout=60.0, join_timeout=60.0, token=TOKEN, min_replicas=1,
+                                      expected_groups=4))
+    hot, log = _HotEndpoints(c), []
+    conns = {}
+    for g in ("g0", "g1", "g2", "g3"):
+        conns[g] = HotPathProtocol(hot, lambda: None)  # type: ignore[arg-type, return-value]
+        conns[g].connection_made(_Recorder(g, log))  # type: ignore[arg-type]
+        conns[g].data_received(_request("/v1/heartbeat", _beat(g)))
+    log.clear()
+    order = ["g3", "g1", "g0", "g2"]
+    for g in order:
+        conns[g].data_received(_request("/v1/quorum", _ask(g, timeout=60.0)))
+    assert [name for name, _ in log] == order
+    answers = [json.loads(data.split(b"\r\n\r\n", 1)[1]) for _, data in log]
+    assert [a["rank"] for a in answers] == [3, 1, 0, 2] and {a["size"] for a in answers} == {4}

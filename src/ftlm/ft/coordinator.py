@@ -455,8 +455,21 @@ class Coordinator:
             heapq.heapify(self._deadlines)
 
     def _apply(self, outputs: list[Output]) -> None:
-        """Carry out what the membership state machine decided: answers, events, metrics."""
+        """Carry out what the membership state machine decided: answers, events, metrics.
+
+        A quorum's answers (a run of them among the outputs) are written longest-waiting member
+        first, not in member order: the first to ask has waited for all the others already, and
+        at 2,000 groups the last of a step's answers leaves tens of ms after the first (issue 16).
+        Everything else keeps the state machine's order."""
+        run: dict[str, Answer] = {}  # a quorum's answers not written yet
         for o in outputs:
+            if isinstance(o, Answer) and o.quorum is not None and o.replica_id not in run:
+                if o.replica_id in self._waiters:  # else nobody waits (it asked again, or gave up)
+                    run[o.replica_id] = o
+                continue
+            if run:
+                self._answer_quorum(run)
+                run = {}
             if isinstance(o, Answer):
                 if o.replica_id not in self._waiters:
                     continue  # nobody waits (it asked again, or gave up): nothing to encode
@@ -478,6 +491,16 @@ class Coordinator:
             elif isinstance(o, Issued):
                 self.metrics.quorum_issued(o.quorum, o.latency)
                 self.dashboard.quorum_issued(o.quorum)
+        if run:
+            self._answer_quorum(run)
+
+    def _answer_quorum(self, answers: dict[str, Answer]) -> None:
+        """Write quorum answers in the order their members asked (``_waiters`` keeps it: a member
+        enters it with its first waiting request and leaves it when answered); each member gets
+        its own part (issue 16)."""
+        for rid in [r for r in self._waiters if r in answers]:
+            o = answers[rid]
+            self._answer(rid, o.status, None, self._encoder.encode(o.quorum, rid))  # type: ignore[arg-type]
 
     def report_dead(self, replica_id: str, reason: str = "process exited") -> None:
         """A supervisor saw the replica's process end: drop it now instead of waiting for its

@@ -56,11 +56,17 @@ _REASONS = {200: "OK", 409: "Conflict", 500: "Internal Server Error", 503: "Serv
             504: "Gateway Timeout"}
 
 
+_STATUS_LINES = {status: b"HTTP/1.1 %d %s\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: "
+                 % (status, reason.encode()) for status, reason in _REASONS.items()}
+
+
 def response_bytes(status: int, body: bytes, close: bool = False) -> bytes:
-    """A complete HTTP/1.1 answer with a JSON body."""
-    head = (b"HTTP/1.1 %d %s\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n"
-            % (status, _REASONS.get(status, "Error").encode(), len(body)))
-    return head + (b"Connection: close\r\n\r\n" if close else b"\r\n") + body
+    """A complete HTTP/1.1 answer with a JSON body (one formatting of the bytes: a step's answers
+    are written one after another)."""
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        line = b"HTTP/1.1 %d Error\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: " % status
+    return b"%s%d\r\n%s\r\n%s" % (line, len(body), b"Connection: close\r\n" if close else b"", body)
 
 
 class HotServer(Protocol):

@@ -20,6 +20,7 @@ Four tables into the ``goodput`` section of BENCHMARKS.md:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import subprocess
@@ -29,12 +30,13 @@ from pathlib import Path
 
 from bench.common import REPO_ROOT, ensure_demo, section_header, table, write_section
 from ftlm.goodput import estimate, run
-from ftlm.goodput.calibrate import Calibration, calibrate
+from ftlm.goodput.calibrate import GAP_STEPS, Calibration, calibrate
 from ftlm.goodput.model import JobModel
 from ftlm.goodput.presets import DAYS, PAPER_ETT, ftlm_projection, paper_ft, paper_sync
 from ftlm.goodput.spot import compare_spot
 from ftlm.goodput.sweep import SWEEPS, plot_sweep, plot_timeline, run_sweep
 from ftlm.observe.events import read_events
+from ftlm.observe.summary import commit_steps, final_history
 
 SECTION = "goodput"
 PLOTS = REPO_ROOT / "docs" / "goodput"
@@ -127,22 +129,49 @@ def real_runs(k: int, steps: int, mtbf: float) -> list[Path]:
     return dirs
 
 
+def rate_by_thirds(run_dir: Path, groups: int) -> list[float | None]:
+    """The token rate with all groups committing in each third of the run (tokens per second;
+    None where a third has no such step): the model takes it to be constant, which it is only on
+    a box whose speed does not change under the job."""
+    events = sorted(final_history(read_events(run_dir / "events.jsonl"))[0], key=lambda e: e["ts"])
+    steps = sorted(commit_steps(events), key=lambda r: r.ts)
+    participants: dict[int, int] = {}
+    for e in events:
+        if e["kind"] == "commit" and isinstance(e.get("participants"), int):
+            participants[e["step"]] = max(participants.get(e["step"], 0), e["participants"])
+    if len(steps) < 2:
+        return [None, None, None]
+    first, span = steps[0].ts, (steps[-1].ts - steps[0].ts) or 1.0
+    gaps = sorted(b.ts - a.ts for a, b in itertools.pairwise(steps))
+    longest = GAP_STEPS * gaps[len(gaps) // 2]  # a longer gap is a stall, as in the calibration
+    thirds = [[0.0, 0.0] for _ in range(3)]
+    for prev, rec in itertools.pairwise(steps):
+        dt = rec.ts - prev.ts
+        if participants.get(rec.step) == groups and 0 < dt <= longest:
+            third = thirds[min(2, int(3 * (rec.ts - first) / span))]
+            third[0] += rec.tokens
+            third[1] += dt
+    return [tokens / seconds if seconds else None for tokens, seconds in thirds]
+
+
 def calibration_table(cal: list[Calibration], runs: int) -> tuple[str, list[float]]:
     rows, diffs = [], []
     for c in cal:
         est = estimate(c.local_model(), runs=runs)
         replay = run(c.replay_model(), 0).ett
         diffs.append((100 * (replay - c.measured_ett), 100 * (est.ett - c.measured_ett)))
+        thirds = ", ".join("-" if r is None else f"{r:,.0f}" for r in rate_by_thirds(Path(c.run_dir), c.groups))
         rows.append([Path(c.run_dir).name, f"{c.duration:.0f}", str(c.failures),
                      f"{c.startup:.1f}", f"{c.teardown:.1f}", f"{c.detection:.2f}",
                      f"{c.stall:.2f}", f"{c.rejoin_stall:.2f}", f"{c.restart:.1f}",
-                     f"{c.catchup:.2f}", ", ".join(f"{s:.2f}" for s in c.speed_by_participants),
+                     f"{c.catchup:.2f}", ", ".join(f"{s:.2f}" for s in c.speed_by_participants), thirds,
                      _pct(c.ett_summary), _pct(c.measured_ett),
                      f"{_pct(replay)} ({diffs[-1][0]:+.1f})",
                      f"{_pct(est.ett)} ± {_pct(est.ett_std)} ({diffs[-1][1]:+.1f})"])
     return table(["run", "wall s", "failures", "start-up s", "teardown s", "detection s",
                   "stall s", "rejoin stall s", "restart s", "catch-up s",
-                  "speed with 1..4 groups", "ETT (summary.json)", "ETT measured",
+                  "speed with 1..4 groups", "all-groups tok/s by thirds of the run", "ETT (summary.json)",
+                  "ETT measured",
                   "simulated, failures replayed (points)",
                   "simulated, random failures (points)"], rows), diffs
 

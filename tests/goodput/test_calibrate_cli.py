@@ -65,7 +65,7 @@ def test_calibration_measures_start_up_detection_stall_restart_and_catch_up(tmp_
     _chaos_run(tmp_path / "run")
     cal = calibrate(tmp_path / "run")
     assert cal.groups == 4 and cal.failures == 1
-    assert cal.startup == pytest.approx(2.0, abs=1e-6)
+    assert cal.startup == pytest.approx(2.0 - DT, abs=1e-6)  # the first commit's step began a step earlier
     assert cal.detection == pytest.approx(1.0, abs=1e-6)
     assert cal.restart == pytest.approx(5.0, abs=1e-6)
     assert cal.catchup == pytest.approx(1.0, abs=0.11)
@@ -125,6 +125,23 @@ def test_calibrating_a_directory_without_a_run_is_a_one_line_error(tmp_path):
         (tmp_path / "summary.json").write_text("{")
         (tmp_path / "events.jsonl").write_text("")
         calibrate(tmp_path)
+
+
+def test_a_failure_with_no_death_of_its_own_is_not_given_the_next_ones(tmp_path):
+    """g1's restarted process is killed again 3 s after the first kill, before it joined (no
+    member_dead of its own), and once more 20 s later (declared dead 0.2 s after): detection is
+    the mean of the two real ones, not stretched by the next failure's death."""
+    _chaos_run(tmp_path / "run")
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    kill = T0 + 12.02
+    events += [_event(kill + 3.0, "failure_injected", "supervisor", target="g1", how="SIGKILL"),
+               _event(kill + 23.0, "failure_injected", "supervisor", target="g1", how="SIGKILL"),
+               _event(kill + 23.2, "member_dead", "coordinator", target="g1:def")]
+    events.sort(key=lambda e: e["ts"])
+    (tmp_path / "run" / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    cal = calibrate(tmp_path / "run")
+    assert cal.failures == 3 and cal.samples["detection"] == 2
+    assert cal.detection == pytest.approx((1.0 + 0.2) / 2, abs=1e-6)
 
 
 def test_calibration_replays_the_runs_own_failures(tmp_path):

@@ -2,15 +2,19 @@
 
 From ``events.jsonl`` and ``summary.json`` of a finished ``ftlm launch local`` (or cluster) run:
 
-* ``startup``: the job's launch (``run_start``) to its first commit, and ``teardown`` its last
-  commit to the end of the record (saving, hashing, exiting);
+* ``startup``: the job's launch (``run_start``) to the start of its first committed step (its
+  first commit less one median step), and ``teardown`` its last commit to the end of the record
+  (saving, hashing, exiting);
 * ``job_mtbf``: wall time over the group failures injected (chaos) or, without chaos, detected;
-* ``detection``: an injected failure to the coordinator's ``member_dead`` of that group;
+* ``detection``: an injected failure to the coordinator's ``member_dead`` of that group (before
+  the group's next failure: a process killed while it starts, before it joined, has no death to
+  detect);
 * ``stall``: mean stall per failure of a group that was in the quorums (``summary.stall_seconds``
   of those failures: a group killed while it starts stalls nobody), and ``rejoin_stall`` the mean
   of the rejoins';
 * ``restart``: a failure to its group's next ``recovery_start`` (process start, set-up, join);
-* ``catchup``: ``recovery_start`` to the group's next commit;
+* ``catchup``: ``recovery_start`` to the start of the group's next committed step (its commit
+  less one median step);
 * ``speed_by_participants``: the job's token rate with P groups committing over the rate with
   all of them (commits within a stall, gaps over 3 median steps, are left out).
 
@@ -167,17 +171,23 @@ def calibrate(run_dir: Path | str) -> Calibration:
     starts = [e["ts"] for e in events if e["kind"] == "run_start"]
     first_commit = min(r.ts for r in steps)
     begin = starts[0] if starts else events[0]["ts"]
-    startup = max(0.0, first_commit - begin)
-    teardown = max(0.0, begin + duration - max(r.ts for r in steps))
     median_step = float(summary.get("median_step_seconds") or 0.0)
+    # The first commit's tokens were trained during the step before it: the model, which accrues
+    # tokens from the end of start-up, starts that step earlier (a 100-step run read 0.8 points
+    # low without it).
+    startup = max(0.0, first_commit - begin - median_step)
+    teardown = max(0.0, begin + duration - max(r.ts for r in steps))
 
     ledger = failure_ledger(events)
     failures = [f for f in (ledger.injected or ledger.detected) if f.group != COORDINATOR]
     deaths = [e for e in events if e["kind"] == "member_dead"]
     detection, restart, catchup = [], [], []
     for f in failures:
+        # Its own death only: a process killed before it joined (a restart struck again) has
+        # none, and the group's next death belongs to its next failure.
+        until = min((ff.ts for ff in failures if ff.group == f.group and ff.ts > f.ts), default=float("inf"))
         dead = next((e["ts"] - f.ts for e in deaths
-                     if affected_group(e) == f.group and 0 <= e["ts"] - f.ts < 30), None)
+                     if affected_group(e) == f.group and 0 <= e["ts"] - f.ts < 30 and e["ts"] <= until), None)
         if dead is not None:
             detection.append(dead)
         start = next((e for e in events if e["kind"] == "recovery_start"
@@ -191,7 +201,8 @@ def calibrate(run_dir: Path | str) -> Calibration:
         commit = next((e["ts"] for e in events if e["kind"] == "commit"
                        and affected_group(e) == f.group and e["ts"] >= start["ts"]), None)
         if commit is not None:
-            catchup.append(commit - start["ts"])
+            # As for start-up: that commit's step began a step earlier, with the group in it.
+            catchup.append(max(0.0, commit - start["ts"] - median_step))
 
     stalls = summary.get("stall_seconds") or []
     fails = failure_events(events)

@@ -13,7 +13,8 @@ need: its step, history chain, data cursor and the sample ranges of its history.
 follows the trainer's order of operations (``ftlm.train.trainer``): it asks for the next quorum
 right after its commit vote and applies its update while the request waits, owes that quorum's
 step even when asked to stop meanwhile, and, recovering, loads an arrived snapshot and replays
-its buffered updates right after its quorum answer, reporting the head after that step's vote.
+its backlog of buffered updates while its zero contribution to the all-reduce waits (over
+several steps when it is long), reporting the head after the vote of the step it reached it in.
 
 After every event the simulator checks the invariants of DESIGN.md section 3b; a violation stops
 the run with the seed and the trace of events that led to it, so ``run(seed)`` replays it
@@ -152,7 +153,7 @@ class Incarnation:
     held: Answer | None = None  # an answer that came while the update was applied (``Manager._asked``)
     poll_stopped: bool = False  # the early request's long-poll ended on a stop request
     update_pending: bool = False  # SIGSTOPped while applying the update
-    preloaded: bool = False  # recovering: snapshot loaded and replayed to this step's head
+    catching: bool = False  # recovering: a snapshot is loaded, its backlog replayed step by step
     stopping: bool = False  # SIGTERM: finish (or abort) the step, then leave
     left: bool = False  # told the coordinator it leaves; the process exits a moment later
     request_lost: bool = False  # its current quorum request or the answer to it was lost
@@ -649,7 +650,6 @@ class Simulation:
             return
         inc.quorum = q
         inc.abort_pending = False
-        inc.preloaded = False
         inc.progress_at = self.now
         me = inc.replica_id
         if role.participant_index is not None and (inc.state.step, inc.state.chain) != (q.step, q.chain):
@@ -664,10 +664,6 @@ class Simulation:
         if role.drain:
             self.drain(inc, q, role)
             return
-        if role.recovering:
-            # As the trainer: a snapshot that arrived is loaded and the buffered updates replayed
-            # right after the quorum answer, while the participants compute this step.
-            inc.preloaded = self.load_and_replay(inc, q)
         inc.phase = "training"
         lo, hi = self.c.step_seconds
         self.at(self.rng.uniform(lo, hi), lambda: self.enter_collective(inc, q), f"train {me}")
@@ -675,7 +671,8 @@ class Simulation:
     def drain(self, inc: Incarnation, q: Quorum, role: Any) -> None:
         if role.recovering:
             inc.phase = "idle"
-            if self.load_and_replay(inc, q):
+            self.load_snapshot(inc)
+            if inc.catching and self.replay_backlog(inc, q, until_head=True):
                 self.finish_catch_up(inc, q, committed=False)  # at the final step: nothing to apply
                 self.at(0.0, lambda: self.next_step(inc), "next step")
             else:
@@ -754,6 +751,11 @@ class Simulation:
             return
         inc.phase = "collective"
         inc.progress_at = self.now
+        if inc.proto.role is not None and inc.proto.role.recovering:
+            # As the trainer: its zero buckets are on their way; it catches up while they wait.
+            self.load_snapshot(inc)
+            if inc.catching:
+                self.replay_backlog(inc, q, until_head=False)
         if inc.abort_pending:
             self.abort(inc, "a quorum member was reported dead")
             return
@@ -843,10 +845,20 @@ class Simulation:
             self.at(self.rng.uniform(lo, hi), lambda: self.update_done(inc), f"update {inc.replica_id}")
             return
         if role.recovering:
-            if inc.preloaded:  # at this step's head already: apply its average if it committed here
+            # As the trainer: at this step's head, apply its average if it committed here; else
+            # keep the average for the replay. Then ask for the next quorum with the state this
+            # step leaves, as the participants do (the bookkeeping overlaps with the request).
+            if inc.catching and inc.state.step == q.step:
                 self.finish_catch_up(inc, q, committed)
             elif committed:
                 inc.buffer[q.step] = (q.quorum_id, list(q.participants), samples)
+            inc.phase = "updating"
+            inc.asked_next = self.c.early_ask and not inc.stopping
+            if inc.asked_next:
+                self.ask(inc, early=True)
+            lo, hi = self.c.update_seconds
+            self.at(self.rng.uniform(lo, hi), lambda: self.update_done(inc), f"bookkeeping {inc.replica_id}")
+            return
         inc.phase = "idle"
         self.at(0.0, lambda: self.next_step(inc), "next step")
 
@@ -878,45 +890,54 @@ class Simulation:
             fetch["done"] = True
         self.at(seconds, arrive, f"transfer to {inc.replica_id}")
 
-    def load_and_replay(self, inc: Incarnation, q: Quorum) -> bool:
-        """The trainer's ``_load_and_replay``: if the pulled snapshot arrived, load it and replay
-        the buffered updates up to the head of ``q`` (the step being computed), checked by
-        ``check_replay``; True when the group now holds that head (``caught_up`` comes after
-        the vote, ``finish_catch_up``)."""
+    def load_snapshot(self, inc: Incarnation) -> None:
+        """The trainer loads the pulled snapshot once it arrived (``poll_recovery``); its backlog
+        of buffered updates is then replayed over one or more steps (``replay_backlog``)."""
         fetch = inc.fetch
-        if fetch is None or not fetch["done"]:
-            return False
+        if inc.catching or fetch is None or not fetch["done"]:
+            return
         inc.fetch = None
         inc.proto.fetch_finished()
-        snap = fetch["result"]
-        if snap is None:
-            return False  # the pull failed: the next quorum assigns a source again
-        # ``CatchUpBuffer.take_from``: the updates from the snapshot's step on, without a gap.
-        later = sorted(s for s in inc.buffer if s >= snap.step)
-        if later != list(range(snap.step, snap.step + len(later))):
-            later = []
-        records = [(s, *inc.buffer[s]) for s in later]
-        inc.buffer = {}
-        check = check_replay(snap.step, snap.chain, [(s, qi, p) for s, qi, p, _ in records], q, False)
-        if not check.ok:
-            inc.state = snap  # the snapshot stays loaded; the group reports its step and recovers again
-            self.log(f"{inc.replica_id} replay rejected: {check.reason}")
+        if fetch["result"] is None:
+            return  # the pull failed: the next quorum assigns a source again
+        inc.state = fetch["result"]
+        inc.catching = True
+        self.log(f"{inc.replica_id} loaded the snapshot of step {inc.state.step}")
+
+    def replay_backlog(self, inc: Incarnation, q: Quorum, until_head: bool) -> bool:
+        """The trainer's ``_replay_backlog``: the buffered updates from the state's step on
+        (``CatchUpBuffer.run_from``) must lead to the head of ``q`` (``check_replay``); then at
+        least two are applied, more while the all-reduce waits (a random number here), all of
+        them with ``until_head``. False (and the pull starts over) when they do not lead there."""
+        st = inc.state
+        inc.buffer = {s: r for s, r in inc.buffer.items() if s >= st.step}
+        later = sorted(inc.buffer)
+        records = ([(s, *inc.buffer[s]) for s in later]
+                   if later == list(range(st.step, st.step + len(later))) else None)
+        check = (check_replay(st.step, st.chain, [(s, qi, p) for s, qi, p, _ in records], q, False)
+                 if records is not None else None)
+        if check is None or not check.ok:
+            inc.catching = False  # the snapshot stays loaded; the group reports its step and recovers again
+            inc.buffer = {}
+            self.log(f"{inc.replica_id} replay rejected: {check.reason if check else 'a buffered update is missing'}")
             return False
-        st = snap
-        for s, qid, parts, samples in records[:check.apply]:
+        n = check.apply if until_head else min(check.apply, max(2, self.rng.randint(0, check.apply)))
+        for s, qid, parts, samples in records[:n]:
             st = State(st.step + 1, extend_chain(st.chain, s, qid, parts), st.cursor + samples,
                        st.ranges + ((st.cursor, st.cursor + samples),))
-        if (st.step, st.chain) != (q.step, q.chain) or st.chain != check.chain:
+            del inc.buffer[s]
+        if n == check.apply and (st.step, st.chain) != (q.step, q.chain):
             self.fail(f"{inc.replica_id}: replayed state differs from the checked head")
         inc.state = st
         self.remember(st)
-        self.log(f"{inc.replica_id} loaded the snapshot of step {snap.step} and replayed to step {st.step}")
+        self.log(f"{inc.replica_id} replayed to step {st.step} (head {q.step})")
         return True
 
     def finish_catch_up(self, inc: Incarnation, q: Quorum, committed: bool) -> None:
         """The trainer's ``_finish_catch_up``: after the vote of the step the group caught up to,
         apply that step's average if it committed here, and report the state from now on."""
-        inc.preloaded = False
+        inc.catching = False
+        inc.buffer = {}
         st = inc.state
         if committed:
             samples = len(q.participants) * self.c.batch

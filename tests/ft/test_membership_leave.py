@@ -12,14 +12,19 @@ from ftlm.ft.quorum import Heartbeat, MemberRequest, Quorum, QuorumOptions
 GROUPS = ("g0", "g1", "g2")
 
 
+def ask(m: Membership, group: str, now: float, step: int = 0, last_quorum_id: int = -1,
+        failed: bool = False, chain: str = GENESIS) -> list[Quorum]:
+    """``group`` asks for a quorum; returns the quorums issued as a result."""
+    req = MemberRequest(f"{group}:a", group, step, last_quorum_id, failed, {}, now, chain)
+    return [o.quorum for o in m.request(now, req) if isinstance(o, Issued)]
+
+
 def job() -> tuple[Membership, Quorum]:
     """Three groups heartbeating at 0.0 and in one quorum of step 0 issued at 0.1."""
     m = Membership(QuorumOptions(1, 2.0, 1.0, len(GROUPS), rebuild_grace=0.0), epoch="e")
     for g in GROUPS:
         m.heartbeat(0.0, Heartbeat(f"{g}:a", g, 0.0, 0))
-    issued = [o.quorum for g in GROUPS
-              for o in m.request(0.1, MemberRequest(f"{g}:a", g, 0, -1, False, {}, 0.1, GENESIS))
-              if isinstance(o, Issued)]
+    issued = [q for g in GROUPS for q in ask(m, g, 0.1)]
     assert len(issued) == 1
     return m, issued[0]
 
@@ -39,9 +44,7 @@ def test_a_group_that_leaves_mid_step_aborts_the_quorum_that_counted_it() -> Non
     assert [o.kind for o in out if isinstance(o, Event)] == ["member_left"]  # not a death
     assert aborted(m, "g0", 0.25) == [q.quorum_id] and aborted(m, "g1", 0.26) == [q.quorum_id]
     assert m.recent_dead(0.3) == []  # the status page lists no death
-    out = [o for g in ("g0", "g1")
-           for o in m.request(0.3, MemberRequest(f"{g}:a", g, 0, q.quorum_id, True, {}, 0.3, GENESIS))]
-    issued = [o.quorum for o in out if isinstance(o, Issued)]
+    issued = [n for g in ("g0", "g1") for n in ask(m, g, 0.3, 0, q.quorum_id, failed=True)]
     assert len(issued) == 1 and issued[0].replica_ids() == ["g0:a", "g1:a"]
     assert issued[0].quorum_id not in aborted(m, "g0", 0.35)  # the new quorum is not aborted
 
@@ -50,7 +53,7 @@ def test_a_group_that_leaves_after_reporting_its_commit_aborts_nothing() -> None
     """g2 committed the step and asked for the next one before its stop: the quorum it took part
     in completed, so its leave must not fail the others' step."""
     m, q = job()
-    m.request(0.2, MemberRequest("g2:a", "g2", 1, q.quorum_id, False, {}, 0.2, q.next_chain()))
+    ask(m, "g2", 0.2, 1, q.quorum_id, chain=q.next_chain())
     m.leave(0.25, "g2:a", "g2", "stopped")
     assert aborted(m, "g0", 0.3) == [] and aborted(m, "g1", 0.3) == []
 
@@ -69,8 +72,7 @@ def test_the_first_quorum_does_not_wait_for_a_group_that_left() -> None:
     for g in GROUPS:
         m.heartbeat(0.0, Heartbeat(f"{g}:a", g, 0.0, 0))
     m.leave(0.05, "g2:a", "g2", "stopped")
-    out = [o for g in ("g0", "g1") for o in m.request(0.1, MemberRequest(f"{g}:a", g, 0, -1, False, {}, 0.1, GENESIS))]
-    issued = [o.quorum for o in out if isinstance(o, Issued)]
+    issued = [q for g in ("g0", "g1") for q in ask(m, g, 0.1)]
     assert len(issued) == 1 and issued[0].replica_ids() == ["g0:a", "g1:a"]  # not 2 s later
 
     m = Membership(QuorumOptions(1, 2.0, 1.0, len(GROUPS), rebuild_grace=0.0), epoch="e")
@@ -78,5 +80,4 @@ def test_the_first_quorum_does_not_wait_for_a_group_that_left() -> None:
     m.leave(0.05, "g2:a", "g2", "stopped")
     m.heartbeat(0.06, Heartbeat("g2:b", "g2", 0.06, 0))  # back: expected again
     m.heartbeat(0.06, Heartbeat("g0:a", "g0", 0.06, 0))
-    out = m.request(0.1, MemberRequest("g0:a", "g0", 0, -1, False, {}, 0.1, GENESIS))
-    assert not [o for o in out if isinstance(o, Issued)] and "first quorum" in m.reason
+    assert ask(m, "g0", 0.1) == [] and "first quorum" in m.reason

@@ -834,15 +834,7 @@ class Simulation:
                 self.endgame = True  # from 3 steps before the end: the fault lands before, during or after the finish
                 if self.rng.random() < self.c.endgame_faults:
                     self.at(self.rng.uniform(0.0, 1.0), self.endgame_fault, "endgame fault")
-            # As the trainer: the next quorum is asked for right after the vote, and the update
-            # is applied while that request waits for the other groups; once asked, the next
-            # step is owed to the quorum it gets, even if a stop is requested meanwhile.
-            inc.phase = "updating"
-            inc.asked_next = self.c.early_ask and not inc.stopping
-            if inc.asked_next:
-                self.ask(inc, early=True)
-            lo, hi = self.c.update_seconds
-            self.at(self.rng.uniform(lo, hi), lambda: self.update_done(inc), f"update {inc.replica_id}")
+            self.ask_early_and_update(inc)
             return
         if role.recovering:
             # As the trainer: at this step's head, apply its average if it committed here; else
@@ -852,15 +844,22 @@ class Simulation:
                 self.finish_catch_up(inc, q, committed)
             elif committed:
                 inc.buffer[q.step] = (q.quorum_id, list(q.participants), samples)
-            inc.phase = "updating"
-            inc.asked_next = self.c.early_ask and not inc.stopping
-            if inc.asked_next:
-                self.ask(inc, early=True)
-            lo, hi = self.c.update_seconds
-            self.at(self.rng.uniform(lo, hi), lambda: self.update_done(inc), f"bookkeeping {inc.replica_id}")
+            self.ask_early_and_update(inc)
             return
         inc.phase = "idle"
         self.at(0.0, lambda: self.next_step(inc), "next step")
+
+    def ask_early_and_update(self, inc: Incarnation) -> None:
+        """As the trainer after a vote: the next quorum is asked for right away, and the update
+        (or a recovering group's bookkeeping) is applied while that request waits for the other
+        groups; once asked, the next step is owed to the quorum it gets, even if a stop is
+        requested meanwhile."""
+        inc.phase = "updating"
+        inc.asked_next = self.c.early_ask and not inc.stopping
+        if inc.asked_next:
+            self.ask(inc, early=True)
+        lo, hi = self.c.update_seconds
+        self.at(self.rng.uniform(lo, hi), lambda: self.update_done(inc), f"update {inc.replica_id}")
 
     def update_done(self, inc: Incarnation) -> None:
         """The optimizer update is applied: the trainer's loop goes on (to the asked quorum)."""

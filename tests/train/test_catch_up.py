@@ -12,11 +12,11 @@ from types import SimpleNamespace
 
 import torch
 
-from ftlm.ft.history import extend_chain
+from ftlm.ft.history import GENESIS, extend_chain
 from ftlm.ft.protocol import NoFaultTolerance, Recovered, StepPlan
 from ftlm.train.trainer import Trainer
 
-STEPS = 6
+STEPS = 9
 
 
 class Recording(NoFaultTolerance):
@@ -47,11 +47,19 @@ class Recovering(NoFaultTolerance):
     """Recovers from ``source``: the snapshot of ``snapshot_step`` arrives while the step after
     it is computed; every all-reduce delivers the source's average of that step."""
 
-    def __init__(self, source: Recording, chains: dict[int, str], snapshot_step: int) -> None:
+    def __init__(self, source: Recording, chains: dict[int, str], snapshot_step: int,
+                 transfer_steps: int = 1, peers_busy_for: int = 0) -> None:
         super().__init__()
         self.source, self.chains, self.snapshot_step = source, chains, snapshot_step
+        self.transfer_steps = transfer_steps  # steps the participants commit while it arrives
+        self.peers_busy_for = peers_busy_for  # replays per step before the all-reduce completes
         self.head = snapshot_step  # the step the participants compute
-        self.recovering, self.calls = True, []
+        self.recovering, self.calls, self.asked = True, [], []
+        self._asked = 0
+
+    def allreduce_in_flight(self):
+        self._asked += 1
+        return self._asked <= self.peers_busy_for
 
     def start_step(self, step, chain, snapshot):
         self.calls.append("start_step")
@@ -63,6 +71,7 @@ class Recovering(NoFaultTolerance):
                         recovering=True, quorum=q)
 
     def allreduce_start(self, tensors):
+        self._asked = 0
         self.calls.append("allreduce")
         for t, avg in zip(tensors, self.source.grads[self.head][:len(tensors)]):
             t.copy_(avg)  # the participants' average, as a real all-reduce delivers it
@@ -77,7 +86,7 @@ class Recovering(NoFaultTolerance):
 
     def poll_recovery(self):
         self.calls.append("poll")
-        if self.head != self.snapshot_step + 1:  # the transfer takes one step
+        if self.head != self.snapshot_step + self.transfer_steps:
             return None
         tensors, meta = self.source.snapshots[self.snapshot_step]
         return Recovered(step=self.snapshot_step, tensors=tensors, meta=meta, source="g0",
@@ -87,9 +96,16 @@ class Recovering(NoFaultTolerance):
         self.calls.append(f"caught_up {step}")
         self.recovering = False
 
+    def ask(self, step, chain):
+        self.calls.append(f"ask {step}")
+        self.asked.append((step, chain))
+        return False  # no early answer: start_step answers as scripted
 
-def test_a_recovering_group_catches_up_before_the_all_reduce_and_ends_with_the_source_state(
-        tiny_config, tmp_path) -> None:
+    def restart_recovery(self, reason):
+        raise AssertionError(f"the catch-up should not restart: {reason}")
+
+
+def _source(tiny_config, tmp_path) -> tuple[Trainer, Recording, dict[int, str]]:
     source_ft = Recording()
     source = Trainer.for_run(tiny_config(tmp_path / "source", train={"steps": STEPS}), ft=source_ft)
     chains = {}
@@ -97,20 +113,55 @@ def test_a_recovering_group_catches_up_before_the_all_reduce_and_ends_with_the_s
         chains[source.state.step] = source.state.chain
         source.step()
     chains[source.state.step] = source.state.chain
-    ft = Recovering(source_ft, chains, snapshot_step=2)
+    return source, source_ft, chains
+
+
+def _catch_up(tiny_config, tmp_path, source: Trainer, ft: "Recovering") -> Trainer:
     joiner = Trainer.for_run(tiny_config(tmp_path / "joiner", train={"steps": STEPS}), ft=ft)
     while joiner.state.step < STEPS:
         joiner.step()
     assert joiner.state_hash() == source.state_hash()
     assert (joiner.state.step, joiner.state.cursor, joiner.state.chain) == (
         source.state.step, source.state.cursor, source.state.chain)
-    # Step 2 is buffered while the snapshot is on its way; at step 3 the group loads it and
-    # replays step 2 before the all-reduce (while the participants compute), and after the vote
-    # applies step 3 itself: its next quorum request is not delayed by the catch-up.
+    joiner.loader.close()
+    return joiner
+
+
+def test_a_recovering_group_catches_up_while_its_all_reduce_waits_and_ends_with_the_source_state(
+        tiny_config, tmp_path) -> None:
+    source, source_ft, chains = _source(tiny_config, tmp_path)
+    ft = Recovering(source_ft, chains, snapshot_step=2)
+    _catch_up(tiny_config, tmp_path, source, ft)
+    # Step 2 is buffered while the snapshot is on its way; at step 3 the group starts its zero
+    # buckets first (the participants never wait for its catch-up), then loads the snapshot and
+    # replays step 2 while they compute, and after the vote applies step 3 itself.
     calls = ft.calls
     third = [i for i, c in enumerate(calls) if c == "start_step"][1]
     step3 = calls[third:calls.index("caught_up 4") + 1]
-    assert step3[:2] == ["start_step", "poll"] and step3[-2:] == ["commit", "caught_up 4"]
-    assert "allreduce" in step3[2:-2]
+    assert step3[0] == "start_step" and step3[-3:] == ["commit", "ask 4", "caught_up 4"]
+    assert step3.index("allreduce") < step3.index("poll")
+    # It asks for its next quorum right after its vote, as a participant does, with the state
+    # the step leaves: before, in step 2, its own (fresh) state; here the head's successor.
+    assert ft.asked[:2] == [(0, GENESIS), (4, chains[4])]
     source.loader.close()
-    joiner.loader.close()
+
+
+def test_a_long_backlog_is_replayed_over_several_steps_without_holding_the_peers_up(
+        tiny_config, tmp_path) -> None:
+    """The snapshot of step 1 arrives four steps later: the group replays two buffered updates a
+    step (the all-reduce completes at once here), records the new averages behind them, and
+    reaches the head two steps later, with the source's exact state."""
+    source, source_ft, chains = _source(tiny_config, tmp_path)
+    ft = Recovering(source_ft, chains, snapshot_step=1, transfer_steps=4)
+    _catch_up(tiny_config, tmp_path, source, ft)
+    assert "caught_up 8" in ft.calls  # 1..4 buffered; at 5 replays 1,2; at 6: 3,4; at 7: 5,6
+    assert ft.calls.count("poll") == 5  # at steps 1 to 5, until it arrived; never after
+    source.loader.close()
+
+
+def test_the_backlog_is_replayed_for_as_long_as_the_peers_compute(tiny_config, tmp_path) -> None:
+    source, source_ft, chains = _source(tiny_config, tmp_path)
+    ft = Recovering(source_ft, chains, snapshot_step=1, transfer_steps=4, peers_busy_for=3)
+    _catch_up(tiny_config, tmp_path, source, ft)
+    assert "caught_up 6" in ft.calls  # at 5: replays 1..4 (3 while busy, then the minimum)
+    source.loader.close()

@@ -380,13 +380,13 @@ class Manager:
                 # claims beyond that is ever allocated.
                 self._expected = expected_layout(snapshot()[0])
             self._start_fetch(q, role.fetch_from)
-        return self._plan(role)
+        return self._plan(role, waited)
 
-    def _plan(self, role: Role) -> StepPlan:
+    def _plan(self, role: Role, waited: float = 0.0) -> StepPlan:
         q = role.quorum
         return StepPlan(quorum_id=q.quorum_id, step=q.step, participant_index=role.participant_index,
                         participants=role.participants, recovering=role.recovering,
-                        drain=role.drain, quorum=q)
+                        drain=role.drain, quorum=q, waited=waited)
 
     def allreduce_start(self, tensors: list[torch.Tensor]) -> None:
         """Issue the average of one bucket of ``tensors`` now (e.g. from a backward hook); the
@@ -425,6 +425,11 @@ class Manager:
         sent = sum(t.numel() * t.element_size() for p in pending for t in p.tensors)
         self.metrics.on_allreduce(time.monotonic() - self._allreduce_started, nbytes=sent)
         self._fire("after_allreduce")
+
+    def allreduce_in_flight(self) -> bool:
+        """Whether a bucket this step started is still on its way: the peers are still computing
+        (a recovering group replays its backlog meanwhile)."""
+        return any(p.work is not None and not p.work.is_completed() for p in self._pending or ())
 
     def _buckets(self, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Consecutive runs of same-dtype, same-device tensors of at most ``bucket_bytes`` each."""

@@ -36,6 +36,9 @@ class StepPlan:
     """The job reached its last step: nothing to train; a recovering group only catches up."""
     quorum: Any = None
     """The issued ``ftlm.ft.quorum.Quorum`` (None without fault tolerance)."""
+    waited: float = 0.0
+    """Seconds ``start_step`` waited for the quorum answer (after an early ``ask``: only what
+    was left of its round trip and of the wait for the other groups)."""
 
     @property
     def participating(self) -> bool:
@@ -65,6 +68,7 @@ class FaultTolerance(Protocol):
     def start_step(self, step: int, chain: str, snapshot: SnapshotFn) -> StepPlan: ...
     def allreduce_start(self, tensors: list[torch.Tensor]) -> None: ...
     def allreduce(self, tensors: list[torch.Tensor]) -> None: ...
+    def allreduce_in_flight(self) -> bool: ...
     def fail_step(self, reason: str) -> None: ...
     def commit(self) -> bool: ...
     def poll_recovery(self) -> Recovered | None: ...
@@ -98,6 +102,9 @@ class NoFaultTolerance:
 
     def allreduce(self, tensors: list[torch.Tensor]) -> None:
         return None
+
+    def allreduce_in_flight(self) -> bool:
+        return False
 
     def fail_step(self, reason: str) -> None:
         self._failed = True

@@ -5,6 +5,10 @@ in every all-reduce (with zero gradients) and records what it receives: the aver
 each committed step with the step's metadata. Replaying these through the same update function as
 the peers reproduces their state bit for bit (DESIGN.md section 4). The buffer is bounded; when it
 overflows the group drops it and asks for a fresher snapshot.
+
+Once the snapshot is loaded, the group replays the buffered updates a few at a time, while its
+zero contribution to each step's all-reduce waits for the participants' gradients, and keeps
+recording the new steps' averages behind them until it reaches the head (``run_from``, ``drop``).
 """
 
 from __future__ import annotations
@@ -75,6 +79,25 @@ class CatchUpBuffer:
         taken = [self._updates[s] for s in later]
         self._updates.clear()
         return taken
+
+
+    def run_from(self, step: int) -> list[BufferedUpdate] | None:
+        """The updates of steps ``step, step+1, ...`` in order, left in the buffer (a catch-up
+        replays them over several steps and drops each once applied, ``drop``).
+
+        Updates before ``step`` are dropped: the state is past them. Returns None when a step in
+        the run is missing (as ``take_from``).
+        """
+        for s in [s for s in self._updates if s < step]:
+            del self._updates[s]
+        later = sorted(self._updates)
+        if later != list(range(step, step + len(later))):
+            return None
+        return [self._updates[s] for s in later]
+
+    def drop(self, step: int) -> None:
+        """Forget the update of ``step`` (it was applied)."""
+        self._updates.pop(step, None)
 
 
 def unflatten_into(flat: torch.Tensor, params: list[torch.Tensor]) -> None:

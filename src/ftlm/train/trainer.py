@@ -60,13 +60,18 @@ class TrainingDiverged(FtlmError):
     """The loss or gradient stayed non-finite: training cannot continue from this state."""
 
 
+REPLAY_AT_LEAST = 2
+"""Buffered updates a recovering group replays per step at least, even when its all-reduce
+completed at once: the backlog grows by one a step, so it shrinks by at least one."""
+
+
 @dataclass
-class _Preloaded:
-    """A peer's snapshot loaded, and the buffered updates before the current step replayed."""
+class _Catching:
+    """A peer's snapshot loaded, its backlog of buffered updates being replayed."""
 
     recovered: Recovered
-    replayed: int
-    seconds: float
+    replayed: int = 0
+    seconds: float = 0.0
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -235,6 +240,7 @@ class Trainer:
             # The job token authenticates checkpoint manifests (HMAC); none without a token.
             key=(os.environ.get("FTLM_TOKEN", "") or config.ft.read_token()).encode() or None)
         self.catchup = CatchUpBuffer(config.ft.catchup_max_steps, config.ft.catchup_max_bytes)
+        self._catching: _Catching | None = None  # a loaded snapshot not yet at the head
         self._check_memory_budgets()
         self.metrics = metrics if metrics is not None else start_metrics(config, group, self.rank)
         self.metrics_port = _served_port(self.metrics)
@@ -308,10 +314,6 @@ class Trainer:
         if plan.drain:
             self._drain_step(plan)
             return
-        # A recovering group whose snapshot arrived catches up now, while the participants
-        # compute this step: after the vote it is at the head, and its next quorum request is
-        # not late (the others would wait for it).
-        preloaded = self._load_and_replay(plan) if plan.recovering else None
         self.sync.begin()
         if plan.participating:
             batch = self.loader.batch(state.cursor, plan.participant_index, plan.participants,
@@ -325,6 +327,8 @@ class Trainer:
                 p.grad = torch.zeros_like(p)
             loss = torch.zeros((), device=self.device)
         grads = self.sync.finish()  # starts the buckets backward did not start
+        if plan.recovering:
+            self._catch_up_while_waiting(plan)
         # A non-finite gradient must not reach any replica's state: the flag that travels with
         # the loss makes every group fail this step together, so no average that includes it is
         # ever applied, nor buffered for a catch-up (the buckets are already on their way).
@@ -346,7 +350,7 @@ class Trainer:
         lr = self._lr(plan)
         samples = plan.participants * tc.batch_size
         if plan.recovering:
-            self._recovering_step(plan, ok, grads, lr, samples, float(loss_buf[0]), preloaded)
+            self._recovering_step(plan, ok, grads, lr, samples, float(loss_buf[0]))
             return
         if not ok:
             self.state.optimizer.zero_grad(set_to_none=True)
@@ -382,7 +386,7 @@ class Trainer:
                          participants=plan.participants, samples=[start, start + samples],
                          loss=global_loss, tokens=samples * self.tokens_per_sample, lr=lr,
                          grad_norm=grad_norm, step_seconds=seconds, chain=state.chain,
-                         parent=parent)
+                         parent=parent, quorum_wait=plan.waited)
         now = time.monotonic()
         if self._stalled and self._last_commit is not None:
             # Time this healthy group lost to a failure: the gap since its previous commit,
@@ -405,60 +409,106 @@ class Trainer:
                              tokens=state.cursor * self.tokens_per_sample, seconds=ev.seconds)
             self.metrics.on_eval(ev.loss)
 
+    def _catch_up_while_waiting(self, plan: StepPlan) -> None:
+        """A recovering group's work while its zero contribution waits for the participants'
+        gradients: load the peer's snapshot if it arrived, then replay buffered updates until
+        the all-reduce completes (at least ``REPLAY_AT_LEAST``), so the catch-up never holds
+        the participants up, however large the state. A backlog left over is replayed in the
+        next steps, behind which the new steps' averages are recorded (DESIGN.md section 4)."""
+        # The buckets in flight write this step's average into these gradients, and the
+        # replay needs the parameters' .grad for its own updates: set them aside meanwhile.
+        held = [p.grad for p in self.params]
+        try:
+            if self._catching is None and (rec := self.ft.poll_recovery()) is not None:
+                self.state.load_flat(rec.tensors, rec.meta, copy=False)  # received: ours alone
+                self._catching = _Catching(rec)
+            if self._catching is not None:
+                self._replay_backlog(plan, until_head=False)
+        finally:
+            for p, g in zip(self.params, held):
+                p.grad = g
+
+    def _replay_backlog(self, plan: StepPlan, until_head: bool) -> bool:
+        """Replay buffered updates toward the head of ``plan``, checked against the quorum's
+        history first; all of them with ``until_head`` or in a group of several ranks (their
+        ranks must stay at one step). False (and the recovery restarts) when the snapshot plus
+        the buffer does not lead to the head."""
+        state, catching = self.state, self._catching
+        assert catching is not None
+        updates = self.catchup.run_from(state.step)
+        check = (check_replay(state.step, state.chain,
+                              [(u.step, u.quorum_id, u.participants) for u in updates],
+                              plan.quorum, committed_now=False)
+                 if updates is not None else None)
+        if check is None or not check.ok:
+            # The snapshot stays loaded; the group reports its step and recovers again.
+            self._catching = None
+            self.catchup.clear()
+            self.ft.restart_recovery(check.reason if check is not None
+                                     else f"a buffered update after step {state.step} is missing")
+            return False
+        t0 = time.perf_counter()
+        everything = until_head or self.ranks > 1
+        for n, u in enumerate(updates[:check.apply]):
+            if not everything and n >= REPLAY_AT_LEAST and not self.ft.allreduce_in_flight():
+                break
+            unflatten_into(u.grads, self.params)
+            apply_update(self.params, state.optimizer, u.lr, self.config.train.grad_clip)
+            state.chain = extend_chain(state.chain, u.step, u.quorum_id, u.participants)
+            state.step += 1
+            state.cursor += u.samples
+            self.catchup.drop(u.step)
+            catching.replayed += 1
+            self.ft.fire("during_replay")
+        catching.seconds += time.perf_counter() - t0
+        self.metrics.on_catchup_lag(plan.step - state.step)
+        return True
+
     def _recovering_step(self, plan: StepPlan, ok: bool, grads: list[torch.Tensor], lr: float,
-                         samples: int, global_loss: float, preloaded: _Preloaded | None) -> None:
-        if preloaded is not None:  # at this step's head already: apply its update, if committed
-            self._finish_catch_up(preloaded, plan, lr if ok else None, samples, global_loss)
+                         samples: int, global_loss: float) -> None:
+        at_head = self._catching is not None and self.state.step == plan.step
+        # Ask for the next quorum now, as the participants do right after their vote, with the
+        # state this step leaves (the head's successor once it caught up here): the next
+        # quorum waits for every member of this one, and the bookkeeping below (a copy of the
+        # whole gradient, or the update) would make this group late for it.
+        after = ((plan.step + 1, plan.quorum.next_chain()) if at_head and ok
+                 else (self.state.step, self.state.chain))
+        self._asked_next = not self._stop and not self._time_up() and self.ft.ask(*after)
+        if at_head:
+            # At this step's head: apply its average, if committed (the participants may still
+            # have failed it after the all-reduce completed here, as for any participant).
+            self._finish_catch_up(plan, lr if ok else None, samples, global_loss)
         else:
-            if ok:
+            if ok:  # behind the backlog, or before the snapshot arrived: kept for the replay
                 self.catchup.record(plan.step, grads, lr, samples, plan.quorum_id,
                                     plan.quorum.participants if plan.quorum is not None else [])
-            self.metrics.on_catchup_lag(len(self.catchup))
+            self.metrics.on_catchup_lag(plan.step + 1 - self.state.step if self._catching
+                                        else len(self.catchup))
             if self.catchup.overflowing:
                 self.catchup.clear()
+                self._catching = None
                 self.ft.restart_recovery(f"catch-up buffer exceeded {self.catchup.limit()}")
         for p in self.params:
             p.grad = None
 
     def _drain_step(self, plan: StepPlan) -> None:
         """The job reached its last step: a recovering group only catches up, nobody trains."""
-        if plan.recovering and (preloaded := self._load_and_replay(plan)) is not None:
-            self._finish_catch_up(preloaded, plan, None, 0, None)
-            return
+        if plan.recovering:
+            if self._catching is None and (rec := self.ft.poll_recovery()) is not None:
+                self.state.load_flat(rec.tensors, rec.meta, copy=False)
+                self._catching = _Catching(rec)
+            if self._catching is not None and self._replay_backlog(plan, until_head=True):
+                self._finish_catch_up(plan, None, 0, None)
+                return
         time.sleep(0.1)  # the snapshot is on its way; ask again shortly
 
-    def _load_and_replay(self, plan: StepPlan) -> _Preloaded | None:
-        """If the peer's snapshot arrived: load it and replay the buffered updates up to the
-        head of ``plan`` (the step being computed), checked against the quorum's history."""
-        rec = self.ft.poll_recovery()
-        if rec is None:
-            return None
-        state = self.state
-        state.load_flat(rec.tensors, rec.meta, copy=False)  # received tensors: ours alone
-        updates = self.catchup.take_from(rec.step) or []
-        check = check_replay(rec.step, state.chain,
-                             [(u.step, u.quorum_id, u.participants) for u in updates],
-                             plan.quorum, committed_now=False)
-        if not check.ok:
-            # The snapshot stays loaded; the group reports its step and recovers again.
-            self.ft.restart_recovery(check.reason)
-            return None
-        t0 = time.perf_counter()
-        for u in updates[:check.apply]:
-            unflatten_into(u.grads, self.params)
-            apply_update(self.params, state.optimizer, u.lr, self.config.train.grad_clip)
-            state.step += 1
-            state.cursor += u.samples
-            self.ft.fire("during_replay")
-        state.chain = check.chain
-        return _Preloaded(rec, check.apply, time.perf_counter() - t0)
-
-    def _finish_catch_up(self, pre: _Preloaded, plan: StepPlan, lr: float | None, samples: int,
+    def _finish_catch_up(self, plan: StepPlan, lr: float | None, samples: int,
                          global_loss: float | None) -> None:
-        """After the vote of the step the group caught up to: apply that step's average (``lr``
-        set: it committed here; the participants may still have failed it after the all-reduce
-        completed here, as for any participant) and report the head."""
-        state, replayed = self.state, pre.replayed
+        """At the head of ``plan`` after its vote: apply that step's average (``lr`` set: it
+        committed here) and report the head."""
+        state, catching = self.state, self._catching
+        assert catching is not None
+        self._catching = None
         t0 = time.perf_counter()
         if lr is not None:
             start = state.cursor
@@ -466,21 +516,22 @@ class Trainer:
             state.step += 1
             state.cursor += samples
             state.chain = plan.quorum.next_chain()
-            replayed += 1
+            catching.replayed += 1
             self.events.emit("commit", step=plan.step, quorum_id=plan.quorum_id,
                              participants=plan.participants, samples=[start, start + samples],
                              loss=global_loss, tokens=samples * self.tokens_per_sample,
                              lr=lr, grad_norm=grad_norm, chain=state.chain,
                              parent=plan.quorum.chain, replayed=True)
             self.ft.fire("during_replay")
-        rec = pre.recovered
+        self.catchup.clear()
+        rec = catching.recovered
         self.ft.caught_up(state.step, state.chain)
-        replay_seconds = pre.seconds + time.perf_counter() - t0
+        replay_seconds = catching.seconds + time.perf_counter() - t0
         self.metrics.on_recovery(rec.seconds, rec.nbytes, replay_seconds=replay_seconds,
                                  source=rec.source)
         self.metrics.on_catchup_lag(0)
         self.events.emit("recovery_end", step=state.step, ok=True, source=rec.source,
-                         snapshot_step=rec.step, replayed=replayed, bytes=rec.nbytes,
+                         snapshot_step=rec.step, replayed=catching.replayed, bytes=rec.nbytes,
                          transfer_seconds=rec.seconds, chain=state.chain,
                          replay_seconds=replay_seconds)
 

@@ -30,7 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from bench.common import (DEMO_DIR, DEMO_SEQ_LEN, REPO_ROOT, commits_by_group, ensure_demo,
-                          intervals, median, section_header, spread, steady, table, write_section)
+                          intervals, median, section_header, steady, table, write_section)
 from ftlm.config import RunConfig, build_config
 
 SECTION = "ft_overhead"
@@ -58,6 +58,9 @@ class Timing:
     intervals: list[float]
     """Seconds between consecutive step ends of the first process (everything per step)."""
     failed_steps: int = 0
+    quorum_waits: list[float] | None = None
+    """ftlm: seconds each measured step waited for its quorum answer at its start (after the
+    early request of the step before: what was left of the round trip)."""
 
 
 def build_run_config(case: Case, run_dir: Path) -> RunConfig:
@@ -101,8 +104,10 @@ def run_ftlm(case: Case) -> Timing:
         seconds = [s for g in both.values()
                    for s in steady([e["step_seconds"] for e in g], case.warmup)]
         first = both["g0"]
+        waits = [w for g in both.values()
+                 for w in steady([e.get("quorum_wait", float("nan")) for e in g], case.warmup)]
         return Timing(seconds, steady(intervals([e["ts"] for e in first]), case.warmup),
-                      summary.get("steps_failed", 0))
+                      summary.get("steps_failed", 0), waits)
 
 
 # -- DDP -------------------------------------------------------------------------------------------
@@ -212,13 +217,14 @@ def run(cases: list[Case], reps: int) -> tuple[list[list[object]], float]:
                      f"{100 * (ft_step / ddp_step - 1):+.1f}%",
                      ", ".join(f"{p:+.1f}%" for p in paired),
                      f"{ft_iv:.4f}", f"{ddp_iv:.4f}", f"{100 * (ft_iv / ddp_iv - 1):+.1f}%",
+                     f"{1000 * median(median(t.quorum_waits) for t in ft):.1f}",
                      sum(t.failed_steps for t in ft)])
     return rows, time.perf_counter() - t0
 
 
 HEADERS = ["model", "batch/rank", "ftlm median step s", "DDP median step s", "overhead",
            "per-rep overheads", "ftlm median interval s", "DDP median interval s",
-           "interval overhead", "ftlm failed steps"]
+           "interval overhead", "ftlm median quorum wait ms", "ftlm failed steps"]
 
 
 def render(rows: list[list[object]], cases: list[Case], reps: int, seconds: float,
@@ -238,7 +244,10 @@ def render(rows: list[list[object]], cases: list[Case], reps: int, seconds: floa
               f"then the median over repetitions. *Interval s*: median gap between consecutive "
               f"step ends of the first process (everything a step costs, loop included). "
               f"*Overhead*: ftlm / DDP - 1; per-rep overheads pair each ftlm run with the DDP "
-              f"run right after it. Took {seconds:.0f} s.\n\n"
+              f"run right after it. *Quorum wait*: what a step's start waited for its quorum "
+              f"answer (`quorum_wait` of the `commit` events), asked for right after the "
+              f"previous step's vote; the forward pass starts once it is there. "
+              f"Took {seconds:.0f} s.\n\n"
             + table(HEADERS, rows) + "\n")
 
 

@@ -11,8 +11,9 @@ What runs for real: ``ftlm coordinator`` in a process of its own (its CPU and me
 are sent here). What is simulated: the groups, all in this one asyncio process, each with two
 keep-alive connections as a real leader has (its quorum thread's and its heartbeat thread's),
 spoken over by a lean HTTP/1.1 client of this module (``LeanConnection``: pre-built header bytes,
-Content-Length answers; aiohttp's client cost ~0.2 ms a request, so 2,000 groups' clients alone
-took most of a core on the 2-core box): a group "trains" by waiting for its next step time, commits the
+byte-template bodies, Content-Length answers, driven by timer and protocol callbacks rather than a
+task per group; aiohttp's client cost ~0.2 ms a request, so 2,000 groups' clients alone took most
+of a core on the 2-core box): a group "trains" by waiting for its next step time, commits the
 quorum's step (the answer's ``next_chain``) and asks again with the new state; heartbeats report the
 committed state, and, as ``ftlm.ft.client.Heartbeater`` does, a group skips a heartbeat when its
 quorum request went out within the heartbeat interval. Each member reads and parses its own compact
@@ -24,7 +25,10 @@ step) p50/p99, the achieved steps per second, coordinator CPU (process CPU secon
 and RSS, and the client process's CPU (if it is near 100%, the clients, not the coordinator, limit
 what is measured). Failure detection: a few seconds before the end one group stops heartbeating and
 asking; detection latency is the time from its last answered heartbeat until a heartbeat answer of
-another group names it dead, and the time until the first quorum without it is issued.
+another group names it dead, and the time until the first quorum without it is issued. With
+``--trace`` the coordinator process also timestamps each quorum request and answer (bench-only
+patches, ``traced_coordinator``) and each latency is cut into its parts (``decompose``): the
+other groups' asks, the coordinator's socket, deciding and fan-out, the load generator's read.
 
 Not measured here: the real manager's step protocol (``tests/ft``, ``ftlm sim check``), TLS.
 """

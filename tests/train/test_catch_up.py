@@ -165,3 +165,19 @@ def test_the_backlog_is_replayed_for_as_long_as_the_peers_compute(tiny_config, t
     _catch_up(tiny_config, tmp_path, source, ft)
     assert "caught_up 6" in ft.calls  # at 5: replays 1..4 (3 while busy, then the minimum)
     source.loader.close()
+
+
+def test_an_overflowing_backlog_restarts_the_recovery_naming_the_limit_it_exceeded(
+        tiny_config, tmp_path) -> None:
+    source, source_ft, chains = _source(tiny_config, tmp_path)
+    step_bytes = sum(p.numel() * p.element_size() for p in source.params)
+    ft = Recovering(source_ft, chains, snapshot_step=1, transfer_steps=6)
+    reasons: list[str] = []
+    ft.restart_recovery = reasons.append
+    joiner = Trainer.for_run(tiny_config(tmp_path / "joiner", train={"steps": STEPS},
+                                         ft={"catchup_max_bytes": 2 * step_bytes}), ft=ft)
+    for _ in range(3):  # three buffered steps: one more than the bytes allow
+        joiner.step()
+    assert len(reasons) == 1 and "ft.catchup_max_bytes" in reasons[0], reasons
+    joiner.loader.close()
+    source.loader.close()

@@ -485,9 +485,10 @@ class Trainer:
             self.metrics.on_catchup_lag(plan.step + 1 - self.state.step if self._catching
                                         else len(self.catchup))
             if self.catchup.overflowing:
+                reason = f"catch-up buffer exceeded {self.catchup.limit()}"  # before it is emptied
                 self.catchup.clear()
                 self._catching = None
-                self.ft.restart_recovery(f"catch-up buffer exceeded {self.catchup.limit()}")
+                self.ft.restart_recovery(reason)
         for p in self.params:
             p.grad = None
 

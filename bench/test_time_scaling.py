@@ -7,7 +7,8 @@ from the policy through the engine; the strategies then see the first ``N`` of t
 * ``first sample`` (N = 1 whatever N is: the baseline), ``self-consistency`` (majority vote),
 * ``best-of-N`` and ``weighted best-of-N`` scored by the policy's confidence and, with
   ``--verifier``, by the verifier model's score (the smallest per-line P(yes) of a line-by-line
-  verifier, ``ftlm verifier train``),
+  verifier, ``ftlm verifier train``; with ``--verifier-head``, the outcome verifier's
+  P(correct), ``ftlm verifier head``),
 * with ``--verifier``, ``beam search`` (``ftlm.infer.search``: step = one reasoning line, the
   verifier as the process scorer, ``--beam-width``) for each N of ``--beam-ns``, run afresh,
 * ``oracle`` (any of the N correct: pass@N, the ceiling of a perfect verifier).

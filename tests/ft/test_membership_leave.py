@@ -81,3 +81,12 @@ def test_the_first_quorum_does_not_wait_for_a_group_that_left() -> None:
     m.heartbeat(0.06, Heartbeat("g2:b", "g2", 0.06, 0))  # back: expected again
     m.heartbeat(0.06, Heartbeat("g0:a", "g0", 0.06, 0))
     assert ask(m, "g0", 0.1) == [] and "first quorum" in m.reason
+
+
+def test_a_group_with_a_stale_claim_ahead_that_leaves_mid_step_aborts_its_quorum() -> None:
+    """Sim seed 2031: a recovering group reported a step far ahead of the head (a checkpoint of
+    an abandoned branch) and left mid-step; its report is no commit of the quorum it was in."""
+    m, q = job()
+    m.heartbeat(0.15, Heartbeat("g2:a", "g2", 0.15, 120, q.quorum_id, "f" * 64))
+    m.leave(0.2, "g2:a", "g2", "stopped")
+    assert aborted(m, "g0", 0.25) == [q.quorum_id]

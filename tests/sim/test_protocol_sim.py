@@ -41,6 +41,8 @@ REGRESSIONS = [
     (3368, 100, ("a group committed one step past the furthest head the coordinator saw and checkpointed it; "
                  "after a rollback every group restarted from that checkpoint, a claim the rollback refused "
                  "as beyond where the job ever got: a livelock")),
+    (2031, 200, ("a recovering group holding a stale claim ahead of the head left mid-step; the leave took its "
+                 "claim for a commit of the quorum it was in and aborted nothing")),
 ]
 
 # (seed, faults): schedules of one kind of fault, where a rare interleaving is frequent.

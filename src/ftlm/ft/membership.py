@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftlm.ft.history import extend_chain
 from ftlm.ft.quorum import (
     CoordinatorState,
     Heartbeat,
@@ -254,17 +255,20 @@ class Membership:
         return cached[1]
 
     def _unfinished_quorums(self, replica_id: str) -> frozenset[int]:
-        """Ids of the quorums in flight with ``replica_id`` as a member whose step it has not
-        reported committed (a member reports a commit by a step past the quorum's)."""
+        """Ids of the quorums in flight with ``replica_id`` as a member whose commit it has not
+        reported (its last report is not the state that quorum's commit reaches: a member
+        still at the quorum's step, recovering, or holding a stale claim ahead of it)."""
         state = self.state
         hb = state.heartbeats.get(replica_id)
-        done = hb.step if hb is not None else -1  # it committed every step below this
+        done = (hb.step, hb.chain) if hb is not None else None
         ids = set()
         prev = state.prev_quorum
-        if prev is not None and prev.present(replica_id) and prev.step >= done:
+        if prev is not None and prev.present(replica_id) and done != (prev.step + 1, prev.next_chain()):
             ids.add(prev.quorum_id)
-        if state.head is not None and state.head[0] >= done:
-            ids.update(qid for qid, parts in state.head_quorums if replica_id in parts)
+        if state.head is not None:
+            step, chain = state.head
+            ids.update(qid for qid, parts in state.head_quorums
+                       if replica_id in parts and done != (step + 1, extend_chain(chain, step, qid, parts)))
         return frozenset(ids)
 
     def _mark_dead(self, now: float, replica_id: str, group: str, reason: str, out: list[Output]) -> None:

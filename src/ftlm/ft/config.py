@@ -181,11 +181,14 @@ class FTConfig:
     """Parallel connections of a live state transfer."""
     transfer_chunk_bytes: int = 4 << 20
     """Chunk size of a live state transfer (each chunk is checksummed)."""
-    transfer_nice: int = 19
-    """CPU priority (nice value, 0-19) of the threads that serve and pull a snapshot: above
-    0 a source's training thread gets the CPU first, so serving a peer does not slow its steps
-    where cores are short (``bench.serve_impact``, 2 cores: +8% and -3% at 19, +74-97% at 10,
-    +330-430% at 0); 0 gives them the training thread's priority."""
+    transfer_nice: int = 0
+    """CPU priority (nice value, 0-19) of the threads that serve and pull a snapshot; 0 (the
+    default) gives them the training thread's priority. Above 0, where cores are short, a
+    source's steps slow less while it serves (``bench.serve_impact``: +8% at 19, +330-430% at 0
+    under repeated pulls on 2 cores), but the transfer is far slower and a transfer thread
+    preempted while it holds the interpreter lock stalls the group's heartbeat and training
+    threads (``bench.transfer_priority``: ticks up to 0.6-2.4 s late at 19, beyond the 1 s
+    heartbeat timeout; pulls 18x slower), so peers declare a healthy group dead."""
     host: str = "127.0.0.1"
     """Address a group binds its rendezvous store and state server to and tells other groups;
     on a cluster, the pod or node IP (the ``FTLM_HOST`` environment variable overrides it)."""

@@ -1,0 +1,131 @@
+"""Does a low-priority transfer thread stall the other threads of its process? (issue 11)
+
+``python -m bench.transfer_priority [--mb 256] [--pulls 3] [--reps 2] [--hogs 3] [--nice 19,0]``.
+
+A group process pulls (or serves) a snapshot on threads of its own while its heartbeat thread
+and its training thread run beside them. ``ft.transfer_nice`` lowers the transfer threads' CPU
+priority so that, where cores are short, training goes first. But the threads share one Python
+interpreter lock: a low-priority thread that the scheduler preempts while it holds the lock
+holds up every other thread of the process until it runs again, and where cores are short that
+can take seconds (a priority inversion). This measures it: one process pulls a snapshot from a
+server process (``fetch_snapshot``, 4 connections, ``--pulls`` times) while a thread of its own
+ticks every 50 ms, as the heartbeat thread does every ``ft.heartbeat_interval``; ``--hogs``
+busy processes at normal priority keep the cores short. It reports how late the ticks were
+(a heartbeat later than ``ft.heartbeat_timeout``, 1 s by default, declares the group dead)
+and how long the pulls took, for each nice value, interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import threading
+import time
+
+from bench.common import section_header, table, write_section
+
+SECTION = "transfer_priority"
+TICK_S = 0.05
+
+_SERVER = """
+import sys, time, torch
+from ftlm.ft.transport import SnapshotServer, snapshot_state
+server = SnapshotServer(keep=1)
+server.start()
+server.publish(snapshot_state({"w": torch.randn(int(sys.argv[1]) << 18)}, {"step": 1}, 1))
+print(server.url, flush=True)
+sys.stdin.read()  # until the bench closes it
+server.stop()
+"""
+
+
+def _pulls(url: str, pulls: int, nice: int) -> tuple[float, list[float]]:
+    """Seconds for ``pulls`` pulls at ``nice`` and the lateness of every tick meanwhile."""
+    from ftlm.ft.transport import fetch_snapshot
+    late: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        due = time.monotonic()
+        while not stop.is_set():
+            due += TICK_S
+            time.sleep(max(0.0, due - time.monotonic()))
+            late.append(time.monotonic() - due)
+
+    ticker = threading.Thread(target=tick, name="ticks")
+    ticker.start()
+    t0 = time.monotonic()
+    try:
+        for _ in range(pulls):
+            fetch_snapshot(url, 1, parallel=4, timeout=300, thread_nice=nice)
+    finally:
+        seconds = time.monotonic() - t0
+        stop.set()
+        ticker.join()
+    return seconds, late
+
+
+def measure(mb: int, pulls: int, reps: int, hogs: int, nices: list[int]) -> list[list]:
+    server = subprocess.Popen([sys.executable, "-c", _SERVER, str(mb)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
+    results: dict[int, list[tuple[float, list[float]]]] = {n: [] for n in nices}
+    try:
+        url = server.stdout.readline().strip()
+        if not url:
+            raise RuntimeError("the snapshot server did not start")
+        for rep in range(reps):
+            for nice in nices:  # interleaved
+                seconds, late = _pulls(url, pulls, nice)
+                results[nice].append((seconds, late))
+                print(f"  rep {rep + 1}/{reps} nice {nice}: {pulls} pulls {seconds:.1f} s, "
+                      f"latest tick {1000 * max(late):.0f} ms", flush=True)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+        server.stdin.close()
+        server.wait(timeout=30)
+    rows = []
+    for nice in nices:
+        late = sorted(x for _, ls in results[nice] for x in ls)
+        gbps = [pulls * mb / 1024 / s for s, _ in results[nice]]
+        rows.append([nice, ", ".join(f"{s:.1f}" for s, _ in results[nice]),
+                     f"{min(gbps):.2f}-{max(gbps):.2f}", f"{1000 * late[len(late) // 2]:.0f}",
+                     f"{1000 * late[int(0.99 * (len(late) - 1))]:.0f}", f"{1000 * late[-1]:.0f}",
+                     sum(1 for x in late if x > 1.0)])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mb", type=int, default=256, help="snapshot size in MiB (default 256)")
+    p.add_argument("--pulls", type=int, default=3, help="pulls per measurement (default 3)")
+    p.add_argument("--reps", type=int, default=2, help="repetitions per nice value (default 2)")
+    p.add_argument("--hogs", type=int, default=3, help="busy processes (default 3)")
+    p.add_argument("--nice", default="19,0", help="ft.transfer_nice values (default 19,0)")
+    p.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md alone")
+    args = p.parse_args(argv)
+    nices = [int(n) for n in args.nice.split(",")]
+    t0 = time.time()
+    rows = measure(args.mb, args.pulls, args.reps, args.hogs, nices)
+    flags = [f"--mb {args.mb}", f"--pulls {args.pulls}", f"--reps {args.reps}",
+             f"--hogs {args.hogs}", f"--nice {args.nice}"]
+    body = (section_header("A low-priority transfer thread and the other threads of its process "
+                           "(issue 11)", "bench.transfer_priority", flags)
+            + f"* Method: see `bench/transfer_priority.py`: a {args.mb} MiB snapshot pulled "
+              f"{args.pulls} times (4 connections) from a server process while a thread of the "
+              f"pulling process ticks every {1000 * TICK_S:.0f} ms and {args.hogs} busy processes "
+              f"keep the cores short; {args.reps} repetitions per nice value, interleaved. "
+              f"Took {time.time() - t0:.0f} s.\n\n"
+            + table(["ft.transfer_nice", "pull seconds (each rep)", "GB/s", "tick late p50 ms",
+                     "p99 ms", "max ms", "ticks over 1 s late"], rows) + "\n")
+    print(body)
+    if not args.no_write:
+        write_section(SECTION, body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

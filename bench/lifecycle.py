@@ -306,11 +306,12 @@ def verdict(result: dict) -> str:
 
 FINDINGS = """\
 DPO meets the target and GRPO does not: DPO is above SFT by more than the paired interval
-(every seed above), GRPO above SFT on every seed but by less than the interval. And DPO's gain
-comes from its NLL term, not from the preferences (the ablation below). What changed since the 00:35 table
-(add,mod: SFT 0.185, DPO 0.152, GRPO 0.182), and why (2026-12-01). Settings were compared on
-the validation split (400 add tasks of the training split that no stage trains on, seed 0;
-the SFT model scores 0.170 there). The test split was scored once per model:
+(every seed above), GRPO above SFT on every seed but by less than the interval. And DPO's
+gain comes from its NLL term, not from the preferences (the ablation below). What changed
+since the 00:35 table (add,mod: SFT 0.185, DPO 0.152, GRPO 0.182), and why (2026-12-01).
+Settings were compared on the validation split (400 add tasks of the training split that no
+stage trains on, seed 0; the SFT model scores 0.170 there). The test split was scored once per
+model:
 
 * **DPO and GRPO train on add alone, and are scored on it.** On mod, a right remainder is
   mostly a guess after a wrong division: none of the 216 "correct" mod samples of the earlier
@@ -337,17 +338,20 @@ the SFT model scores 0.170 there). The test split was scored once per model:
   the 4,096-token vocabulary in `ftlm.infer.sampling.filtered_logits`, run for every row and
   step even when no top-k/top-p/min-p filter is set (the engine's code; asked of its owner).
   The 28 min of wall time per seed of the 00:35 table was mostly the load (six processes at
-  nice 19, load 13-21). A step of 32 prompts x 8 now costs about 12 s of CPU. On validation,
-  20 steps of 32 prompts (5,120 samples) scored 0.198, not above the 10 steps' 0.212 (a run
-  of the previous session, per-prompt sampler), so 10 steps stay. A test run of 20 steps was started and stopped before it scored anything, once
-  validation had decided. The GRPO rows are those of the 00:23-00:36 runs
+  nice 19, load 13-21). A step of 64 prompts x 8 now costs 29 s of CPU (288 s for 10 steps,
+  the whole run). On validation, 20 steps of 32 prompts (5,120 samples) scored 0.198, and 10
+  steps of 64 prompts (5,120 samples too) 0.193: neither above the 10 steps of 32 prompts
+  (0.212, a run of the previous session with the per-prompt sampler), so those stay. A test
+  run of 20 steps was started and stopped before it scored anything, once validation had
+  decided. The GRPO rows are those of the 00:23-00:36 runs
   (`bench/results/lifecycle/add_grpo_seed*.json`, from the same SFT model).
 * **Why GRPO is not above the interval.** Its gain was +0.042 on validation (one seed) and
-  +0.013 on the test split (3 seeds). At an accuracy of about 0.2 with one greedy answer per
-  task, 400 tasks give a paired interval of about ± 0.03, so a true gain of 0.01-0.03 cannot be
-  told from zero here. Not tried: GRPO with an NLL anchor as DPO has, GRPO from the DPO model,
-  a larger G, or more held-out tasks. The interval shrinks as 1/sqrt(n), so 1,600 tasks would
-  halve it; that must be decided before a run, not after one.
+  +0.013 on the test split (3 seeds); twice the samples, as more steps or as more prompts per
+  step, gave +0.023-0.028 on validation. At an accuracy of about 0.2 with one greedy answer
+  per task, 400 tasks give a paired interval of about ± 0.03, so a true gain of 0.01-0.03
+  cannot be told from zero here. Not tried: GRPO with an NLL anchor as DPO has, GRPO from the
+  DPO model, a larger G, or more held-out tasks. The interval shrinks as 1/sqrt(n), so 1,600
+  tasks would halve it; that must be decided before a run, not after one.
 * **The statistic.** The paired per-task difference is now averaged over the seeds for each
   task, and its interval is taken over the 400 tasks. The seeds share the SFT model and the
   tasks, so a task's three differences are not independent. This is stricter than pooling the

@@ -43,6 +43,7 @@ REGRESSIONS = [
                  "as beyond where the job ever got: a livelock")),
     (2031, 200, ("a recovering group holding a stale claim ahead of the head left mid-step; the leave took its "
                  "claim for a commit of the quorum it was in and aborted nothing")),
+    (4400, 200, "a leave judged while the others' requests waited on a coordinator that had crashed (a simulator bug)"),
 ]
 
 # (seed, faults): schedules of one kind of fault, where a rare interleaving is frequent.

@@ -447,6 +447,9 @@ class Simulation:
     def coordinator_crash(self) -> None:
         self.log("coordinator crash")
         self.coordinator = None
+        for inc in self.groups.values():  # their long-polls wait on a coordinator that forgot them
+            if inc is not None and inc.polling:
+                inc.request_lost = True
         self.coordinator_epoch += 1
         epoch = self.coordinator_epoch
         self.head = None

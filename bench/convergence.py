@@ -59,9 +59,9 @@ from bench.common import (
     DEMO_SEQ_LEN,
     REPO_ROOT,
     ensure_demo,
+    publish,
     section_header,
     table,
-    write_section,
 )
 from ftlm.config import RunConfig, load_config
 
@@ -427,10 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in plan.seeds:
         results += run_seed(plan, seed, lambda: time.perf_counter() - t0)
     body = render(plan, results, time.perf_counter() - t0, _flags(args))
-    print(body)
-    if not args.no_write:
-        write_section(SECTION, body)
-    return 0
+    return publish(SECTION, body, write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from bench.common import (DEMO_DIR, DEMO_SEQ_LEN, REPO_ROOT, commits_by_group, ensure_demo,
-                          intervals, median, section_header, steady, table, write_section)
+                          intervals, publish, median, section_header, steady, table)
 from ftlm.config import RunConfig, build_config
 
 SECTION = "ft_overhead"
@@ -277,10 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ft_overhead: {len(cases)} models x {reps} ABAB repetition(s)", flush=True)
     rows, seconds = run(cases, reps)
     body = render(rows, cases, reps, seconds, _flags(args))
-    print(body)
-    if not args.no_write:
-        write_section(SECTION, body)
-    return 0
+    return publish(SECTION, body, write=not args.no_write)
 
 
 if __name__ == "__main__":

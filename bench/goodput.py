@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import REPO_ROOT, ensure_demo, section_header, table, write_section
+from bench.common import REPO_ROOT, ensure_demo, publish, section_header, table
 from ftlm.goodput import estimate, run
 from ftlm.goodput.calibrate import GAP_STEPS, Calibration, calibrate
 from ftlm.goodput.model import JobModel
@@ -272,10 +272,7 @@ def main(argv: list[str] | None = None) -> int:
               "capacity is not paid for.", "", spot_table(models["ftlm"], runs), "",
               f"* Took {time.perf_counter() - t0:.0f} s."]
     body = "\n".join(parts)
-    print(body)
-    if not args.no_write:
-        write_section(SECTION, body)
-    return 0
+    return publish(SECTION, body, write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -36,8 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import (DEMO_DIR, DEMO_SEQ_LEN, REPO_ROOT, commits_by_group, ensure_demo,
-                          median, section_header, spread, steady, table, usable_cores,
-                          write_section)
+                          median, publish, section_header, spread, steady, table, usable_cores)
 from ftlm.config import RunConfig, build_config, save_config
 
 SECTION = "hsdp"
@@ -277,10 +276,7 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     rows, seconds = run(cases, reps)
     body = render(rows, cases, reps, seconds, _flags(args))
-    print(body)
-    if not args.no_write:
-        write_section(SECTION, body)
-    return 0
+    return publish(SECTION, body, write=not args.no_write)
 
 
 if __name__ == "__main__":

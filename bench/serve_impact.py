@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from bench.common import section_header, table, write_section
+from bench.common import publish, section_header, table
 from bench.ft_vs_torchft import model_of, params_of
 
 SECTION = "serve_impact"
@@ -153,10 +153,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(a phase's first step left out). Took {time.time() - t0:.0f} s.\n\n"
             + table(["model", "params", "state GiB", "ft.transfer_nice", "idle step s",
                      "serving step s", "serving vs idle", "pulled GB/s"], rows) + "\n")
-    print(body)
-    if not args.no_write:
-        write_section(SECTION, body)
-    return 0
+    return publish(SECTION, body, write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from bench.common import REPO_ROOT, section_header, table, write_section
+from bench.common import REPO_ROOT, publish, section_header, table
 from ftlm.infer import Engine, SamplingParams
 from ftlm.infer import strategies as st
 from ftlm.infer.chat import chat_stop_ids, render_chat
@@ -304,10 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     figure = (REPO_ROOT / "bench" / "results" if not args.no_write else
               Path(tempfile.mkdtemp())) / "test_time_scaling.png"
     body = report(data, args.note, figure)
-    print(body)
-    if not args.no_write:
-        write_section(SECTION, body)
-    return 0
+    return publish(SECTION, body, write=not args.no_write)
 
 
 def _params(tok, args, seed: int) -> SamplingParams:

@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench.common import section_header, table, write_section
+from bench.common import publish, section_header, table
 from ftlm.ft.framing import ChunkTable, chunk_digest
 from ftlm.ft.transport import SnapshotServer, fetch_snapshot, snapshot_state
 
@@ -194,10 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--mb={mb} and --reps={reps} must be at least 1")
     flags = [f"--mb {mb}", f"--reps {reps}"] if not args.quick else ["--quick"]
     body = render(measure(mb, reps), mb, reps, flags)
-    print(body)
-    if not args.no_write:
-        write_section(SECTION, body)
-    return 0
+    return publish(SECTION, body, write=not args.no_write)
 
 
 if __name__ == "__main__":

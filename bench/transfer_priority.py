@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from bench.common import section_header, table, write_section
+from bench.common import publish, section_header, table
 
 SECTION = "transfer_priority"
 TICK_S = 0.05
@@ -121,10 +121,7 @@ def main(argv: list[str] | None = None) -> int:
               f"Took {time.time() - t0:.0f} s.\n\n"
             + table(["ft.transfer_nice", "pull seconds (each rep)", "GB/s", "tick late p50 ms",
                      "p99 ms", "max ms", "ticks over 1 s late"], rows) + "\n")
-    print(body)
-    if not args.no_write:
-        write_section(SECTION, body)
-    return 0
+    return publish(SECTION, body, write=not args.no_write)
 
 
 if __name__ == "__main__":

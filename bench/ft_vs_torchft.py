@@ -210,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mtbf", type=float, default=None, help="chaos mean time between failures "
                    "(default 30 s, 15 with --quick)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--sizes", default=None,
+                   help="parts 2 and 3: only these models, e.g. large or tiny,large (default all; "
+                        "a written section then has only their rows)")
     p.add_argument("--no-write", action="store_true", help="print, leave BENCHMARKS.md alone")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     ensure_demo()
@@ -232,6 +235,13 @@ def main(argv: list[str] | None = None) -> int:
         signals = ["kill"] if quick else ["kill", "stop"]
         if 3 not in parts:
             sizes = sizes[:1]
+        if args.sizes:
+            wanted = args.sizes.split(",")
+            unknown = sorted(set(wanted) - {m for m, _, _ in sizes})
+            if unknown:
+                p.error(f"--sizes: unknown {', '.join(unknown)}; choose from "
+                        f"{', '.join(m for m, _, _ in sizes)}")
+            sizes = [s for s in sizes if s[0] in wanted]
         t2, t3 = part23(sizes, signals, not missing, duration=55.0 if quick else 300.0)
         if 2 in parts:
             body.append("### 2. Stall of the healthy groups per failure, 3 groups\n\n"

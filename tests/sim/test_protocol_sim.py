@@ -44,6 +44,7 @@ REGRESSIONS = [
     (2031, 200, ("a recovering group holding a stale claim ahead of the head left mid-step; the leave took its "
                  "claim for a commit of the quorum it was in and aborted nothing")),
     (4400, 200, "a leave judged while the others' requests waited on a coordinator that had crashed (a simulator bug)"),
+    (9124, 200, "a leave judged while a group resumed after a SIGSTOP waited out an old all-reduce (a simulator bug)"),
 ]
 
 # (seed, faults): schedules of one kind of fault, where a rare interleaving is frequent.

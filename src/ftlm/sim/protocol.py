@@ -1067,6 +1067,8 @@ class Simulation:
 
     def watch_leave(self, leaver: Incarnation) -> None:
         """Judge a leave that reached the coordinator in quiet times: every other group healthy
+        (no fault was injected into its process: one resumed after a SIGSTOP may still wait out
+        an old all-reduce, seed 9124)
         and a live member holding the head (else the others may rightly wait: for a hung peer's
         detection, a lagging peer, a lost request's poll timeout, a rollback). Their next quorum must come within
         ``leave_bound`` (``check``)."""
@@ -1075,7 +1077,7 @@ class Simulation:
             return
         others = [g for g in self.groups.values() if g is not None and g is not leaver and g.alive and not g.left]
         healthy = {g.replica_id for g in others
-                   if g.running and not g.hung_training and g.registered and g.phase != "starting"
+                   if g.running and not g.hung_training and g.registered and g.phase != "starting" and not g.injected
                    and not g.stopping and not (g.lag_once and not g.lagged) and not g.request_lost
                    and not (g.polling and g.request is None)  # (a lagging request not sent yet)
                    and g.replica_id in c.state.heartbeats}

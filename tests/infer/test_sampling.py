@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from ftlm.infer.sampling import SamplingParams, filtered_logits, params_tensors, sample
+import ftlm.infer.sampling as sampling
+from ftlm.infer import Engine
+from ftlm.infer.sampling import (
+    SamplingParams,
+    draw_uniform,
+    filtered_logits,
+    params_tensors,
+    sample,
+)
 from ftlm.infer.text import TextStream, cut_at_stop
 
 
@@ -44,6 +52,51 @@ def test_draws_follow_the_distribution_and_each_row_its_own_settings():
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
     ids = sample(logits, *params_tensors(rows), torch.tensor([0.99, 0.99, 0.0]))
     assert ids.tolist() == [1, 0, 2]
+
+
+def sorted_draw(logits, temperature, top_k, top_p, min_p, uniform):
+    """The sampler as it was before unfiltered rows skipped the sort (written out again):
+    inverse CDF over every row sorted descending by a stable sort; greedy rows take the argmax."""
+    temp = temperature.clamp_min(1e-5)[:, None]
+    scaled, order = torch.sort(logits.float() / temp, dim=-1, descending=True, stable=True)
+    cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)
+    pos = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True)
+    drawn = order.gather(-1, pos.clamp_max(logits.shape[-1] - 1))[:, 0]
+    return torch.where(temperature > 0, drawn, logits.argmax(dim=-1))
+
+
+def test_unfiltered_rows_draw_the_sorted_rows_tokens_without_sorting_most(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    n, vocab = 600, 4096
+    # From flat rows (draws beyond the 32 most likely tokens: the sorted path) to peaked ones.
+    logits = torch.randn(n, vocab, generator=g) * torch.linspace(0.3, 8.0, n)[:, None]
+    logits[5, 100:103] = logits[5].max() + 1.0  # tied at the top: the sorted path decides
+    rows = [SamplingParams(temperature=t) for t in (0.7, 1.0, 0.0)] * (n // 3)
+    uniform = draw_uniform([torch.Generator().manual_seed(i) for i in range(n)])
+    sorted_rows = []
+    real = sampling.filtered_logits
+    monkeypatch.setattr(sampling, "filtered_logits",
+                        lambda logits, *a: sorted_rows.append(len(logits)) or real(logits, *a))
+    ids = sample(logits, *params_tensors(rows), uniform)
+    assert torch.equal(ids, sorted_draw(logits, *params_tensors(rows), uniform))
+    assert 0 < sum(sorted_rows) < n // 3, sorted_rows  # the tied row, a few flat ones
+    assert ids[5].item() == 100
+    # A row with a filter is sorted, and an unfiltered one next to it is not.
+    sorted_rows.clear()
+    mixed = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0)]
+    sample(logits[-2:], *params_tensors(mixed), uniform[:2])
+    assert sorted_rows == [1]
+
+
+def test_engine_samples_the_same_tokens_as_the_sorted_sampler(model, monkeypatch):
+    import ftlm.infer.engine as engine_module
+    params = [SamplingParams(max_new_tokens=16, temperature=t, seed=s, ignore_eos=True)
+              for t, s in ((1.0, 3), (0.7, 4), (1.5, 5), (0.0, None))]
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+    now = [s.tokens for s in Engine(model, max_batch=4).generate(prompts, params)]
+    monkeypatch.setattr(engine_module, "sample", sorted_draw)
+    before = [s.tokens for s in Engine(model, max_batch=4).generate(prompts, params)]
+    assert now == before
 
 
 def test_text_stream_holds_back_partial_stops_and_cuts_at_them():

@@ -12,6 +12,10 @@ The draw is inverse-CDF sampling over the logits sorted in descending order: the
 prefix masks of the sorted row (top-k keeps exactly ``k`` tokens, ties broken towards the lower
 token id by a stable sort), and one uniform number per row, taken from that row's own CPU
 ``torch.Generator``, picks the token. ``temperature == 0`` is greedy (argmax) and draws nothing.
+A row with no filter is not sorted: its draw is looked up among its ``HEAD`` most likely tokens
+(``torch.topk``), which picks the token the sorted row would (the same CDF, summed over the
+whole row in another order: equal up to float rounding at a CDF boundary); a row whose draw
+falls beyond them, or whose head holds tied logits, takes the sorted path.
 """
 
 from __future__ import annotations
@@ -105,6 +109,10 @@ def filtered_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     return scaled.masked_fill(drop, float("-inf")), order
 
 
+HEAD = 32
+"""Most likely tokens among which an unfiltered row's draw is looked for before sorting it."""
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            top_p: torch.Tensor, min_p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Draw one token id per row of ``logits [B, V]``; returns ``LongTensor[B]``.
@@ -112,17 +120,62 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     ``uniform [B]`` holds one number in [0, 1) per row (see :func:`draw_uniform`); rows with
     ``temperature == 0`` take the argmax and ignore it. Pure: the same inputs give the same ids.
     """
-    greedy = logits.argmax(dim=-1)
-    if bool((temperature > 0).any()):
-        scaled, order = filtered_logits(logits, temperature, top_k, top_p, min_p)
-        cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)
-        u = uniform.to(cdf.device, torch.float32)[:, None] * cdf[:, -1:]
-        pos = torch.searchsorted(cdf, u, right=True).clamp_max(logits.shape[-1] - 1)
-        # A filtered token has zero mass, so the CDF is flat there and searchsorted skips it;
-        # the clamp only guards u rounding up to the total.
-        drawn = order.gather(-1, pos).squeeze(-1)
-        greedy = torch.where(temperature.to(logits.device) > 0, drawn, greedy)
-    return greedy
+    hot = temperature > 0
+    if not bool(hot.any()):
+        return logits.argmax(dim=-1)
+    ids = (logits.argmax(dim=-1) if not bool(hot.all())
+           else torch.zeros(len(logits), dtype=torch.long, device=logits.device))
+    uniform = uniform.to(logits.device, torch.float32)
+    vocab = logits.shape[-1]
+    todo = hot
+    plain = hot & ((top_k == 0) | (top_k >= vocab)) & (top_p >= 1.0) & (min_p <= 0.0)
+    if vocab > HEAD and bool(plain.any()):
+        rows = _rows(plain)
+        drawn, found = _head_draw(logits[rows], temperature[rows], uniform[rows])
+        ids[rows] = torch.where(found, drawn, ids[rows])
+        todo = hot.clone()
+        todo[rows] = ~found
+    if bool(todo.any()):
+        rows = _rows(todo)
+        ids[rows] = _sorted_draw(logits[rows], temperature[rows], top_k[rows], top_p[rows],
+                                 min_p[rows], uniform[rows])
+    return ids
+
+
+def _rows(mask: torch.Tensor) -> torch.Tensor | slice:
+    """An index of the rows where ``mask`` holds (every row: a slice, which copies nothing)."""
+    return slice(None) if bool(mask.all()) else mask.nonzero()[:, 0]
+
+
+def _sorted_draw(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                 top_p: torch.Tensor, min_p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The inverse-CDF draw over each row sorted and filtered (``filtered_logits``)."""
+    scaled, order = filtered_logits(logits, temperature, top_k, top_p, min_p)
+    cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)
+    u = uniform[:, None] * cdf[:, -1:]
+    pos = torch.searchsorted(cdf, u, right=True).clamp_max(logits.shape[-1] - 1)
+    # A filtered token has zero mass, so the CDF is flat there and searchsorted skips it;
+    # the clamp only guards u rounding up to the total.
+    return order.gather(-1, pos).squeeze(-1)
+
+
+def _head_draw(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfiltered ``_sorted_draw`` without the sort: ``(ids, found)``, where ``found`` says
+    whether the row's draw lies among its ``HEAD`` most likely tokens (else its id is
+    meaningless). The first ``HEAD`` entries of the sorted CDF are the CDF of ``topk``'s values;
+    the total is the sum of the whole row (in token order, hence the rounding caveat)."""
+    scaled = logits.float() / temperature.clamp_min(1e-5).to(torch.float32)[:, None]
+    probs = torch.softmax(scaled, dim=-1)
+    top, index = torch.topk(scaled, HEAD + 1, dim=-1)
+    cdf = probs.gather(-1, index[:, :HEAD]).cumsum(dim=-1)
+    u = uniform[:, None] * probs.sum(dim=-1, keepdim=True)
+    pos = torch.searchsorted(cdf, u, right=True)
+    # topk orders tied values as it likes; the stable sort puts the lower id first, so a tie
+    # in the head (or at its edge) leaves the row to the sorted path.
+    tied = (top[:, 1:] == top[:, :-1]).any(dim=-1)
+    found = (pos[:, 0] < HEAD) & ~tied
+    return index.gather(-1, pos.clamp_max(HEAD - 1)).squeeze(-1), found
 
 
 def draw_uniform(generators: list[torch.Generator | None]) -> torch.Tensor:

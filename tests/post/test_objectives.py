@@ -127,9 +127,10 @@ def test_dpo_losses_are_the_published_formulas() -> None:
     assert torch.allclose(dpo_losses(pc, pr, rc, rr, 0.2, "ipo"), torch.tensor([(h - 2.5) ** 2]))
 
 
-def _grpo_by_hand(logp, old, ref, adv, mask, clip, kl):
-    """GRPO (DeepSeekMath eq. 3 with the k3 KL estimate), one token at a time."""
-    seqs = []
+def _grpo_by_hand(logp, old, ref, adv, mask, clip, kl, nll=0.0, correct=()):
+    """GRPO (DeepSeekMath eq. 3 with the k3 KL estimate), one token at a time; plus ``nll``
+    times the mean negative log-prob over the tokens of the sequences in ``correct``."""
+    seqs, anchor = [], []
     for i in range(logp.shape[0]):
         terms = []
         for t in range(logp.shape[1]):
@@ -139,8 +140,11 @@ def _grpo_by_hand(logp, old, ref, adv, mask, clip, kl):
             unclipped, clipped = rho * adv[i], torch.clamp(rho, 1 - clip, 1 + clip) * adv[i]
             r = ref[i, t] - logp[i, t]
             terms.append(-torch.minimum(unclipped, clipped) + kl * (torch.exp(r) - r - 1))
+            if i in correct:
+                anchor.append(-logp[i, t])
         seqs.append(torch.stack(terms).mean())
-    return torch.stack(seqs).mean()
+    loss = torch.stack(seqs).mean()
+    return loss + nll * torch.stack(anchor).mean() if anchor else loss
 
 
 def test_grpo_loss_and_gradient_equal_the_formula_by_hand() -> None:
@@ -165,6 +169,17 @@ def test_grpo_loss_and_gradient_equal_the_formula_by_hand() -> None:
     torch.testing.assert_close(adv, torch.tensor(expected))
     # An all-equal group carries no signal: zero advantages, not a division by zero.
     assert torch.equal(group_advantages(torch.ones(1, 4)), torch.zeros(1, 4))
+    # The NLL anchor: the mean NLL per token of the rewarded samples, weighted.
+    correct = rewards.reshape(-1) > 0
+    ours = grpo_loss(logp, old, ref, adv, mask, 0.2, 0.04, nll_coef=0.5, correct=correct)
+    (grad_ours,) = torch.autograd.grad(ours, logp)
+    theirs = _grpo_by_hand(logp, old, ref, adv, mask, 0.2, 0.04, 0.5,
+                           correct.nonzero()[:, 0].tolist())
+    (grad_theirs,) = torch.autograd.grad(theirs, logp)
+    torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(grad_ours, grad_theirs)
+    none_right = grpo_loss(logp, old, ref, adv, mask, 0.2, 0.04, 0.5, torch.zeros(6, dtype=torch.bool))
+    torch.testing.assert_close(none_right, grpo_loss(logp, old, ref, adv, mask, 0.2, 0.04))
 
 
 def test_grpo_samples_are_seeded_by_step_and_task(model, tokenizer) -> None:
@@ -186,6 +201,9 @@ def test_grpo_samples_are_seeded_by_step_and_task(model, tokenizer) -> None:
     loss = objective.loss(model, rows)
     loss.backward()
     assert torch.isfinite(loss) and any(p.grad is not None for p in model.parameters())
+    # With the anchor, the rewarded samples' NLL (> 0) is added: the same samples, a larger loss.
+    objective.nll_coef = 1.0
+    assert objective.loss(model, rows).item() > loss.item()
 
 
 def test_dpo_nll_term_is_the_mean_nll_per_chosen_token(model) -> None:

@@ -67,6 +67,9 @@ class PostConfig:
     """GRPO: the policy ratio is clipped to [1 - clip, 1 + clip]."""
     kl_coef: float = 0.04
     """GRPO: weight of the per-token KL estimate to the reference (0: no KL term)."""
+    grpo_nll: float = 0.0
+    """GRPO: weight of the NLL per token of the verified-correct samples added to the loss (an
+    anchor like DPO's RPO term; 0: plain GRPO)."""
     max_new_tokens: int = 160
     """Longest sampled completion (GRPO, preference pairs, evaluation)."""
     temperature: float = 1.0
@@ -92,6 +95,7 @@ class PostConfig:
         _real("clip", self.clip, 0.0, 1.0)
         _real("kl_coef", self.kl_coef, 0.0, low_closed=True)
         _real("dpo_nll", self.dpo_nll, 0.0, low_closed=True)
+        _real("grpo_nll", self.grpo_nll, 0.0, low_closed=True)
         _real("temperature", self.temperature, 0.0)
         if self.verify not in VERIFY:
             _fail("verify", self.verify, f"one of {', '.join(VERIFY)}")

@@ -11,7 +11,9 @@
   (``rollout.sample_groups``: the micro-batch's prompts decoded together) with seeds that
   depend only on ``(run.seed, step, task index, sample)``; reward 1 when the task's checker accepts the answer, else 0; ``group_advantages``;
   ``grpo_loss`` (clipped ratio, k3 KL estimate to the reference, per-sequence token mean, then
-  the mean over sequences: DeepSeekMath's form) on log-probs at the sampling temperature. One
+  the mean over sequences: DeepSeekMath's form) on log-probs at the sampling temperature, plus,
+  with ``nll_coef``, an anchor like DPO's RPO term: the mean NLL per token of the micro-batch's
+  verified-correct samples (rejection-sampling fine-tuning on what the policy got right). One
   optimizer step per sampled batch, so the "old" policy is the current one detached (the ratio
   is 1 in value, its gradient is the policy gradient).
 
@@ -148,12 +150,15 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor,
               advantages: torch.Tensor, mask: torch.Tensor, clip: float,
-              kl_coef: float) -> torch.Tensor:
+              kl_coef: float, nll_coef: float = 0.0,
+              correct: torch.Tensor | None = None) -> torch.Tensor:
     """GRPO's loss from per-token log-probs ``[N, T]``, advantages ``[N]`` and a mask ``[N, T]``.
 
     Per token: ``-min(rho * A, clip(rho, 1 - clip, 1 + clip) * A) + kl_coef * k3`` with
     ``rho = exp(logp - old_logp)`` and ``k3 = exp(ref - logp) - (ref - logp) - 1``; averaged over
-    each sequence's completion tokens, then over the sequences.
+    each sequence's completion tokens, then over the sequences. With ``nll_coef``, plus
+    ``nll_coef`` times the mean of ``-logp`` over the completion tokens of the sequences that
+    ``correct [N]`` (bool) marks (0 when none is).
     """
     ratio = torch.exp(logp - old_logp)
     a = advantages[:, None]
@@ -161,7 +166,13 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     diff = ref_logp - logp
     per_token = -surrogate + kl_coef * (torch.exp(diff) - diff - 1.0)
     per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
-    return per_seq.mean()
+    if not nll_coef:
+        return per_seq.mean()
+    if correct is None:
+        raise ValueError("grpo_loss: nll_coef > 0 needs correct, the [N] mask of rewarded samples")
+    anchored = mask * correct.to(mask.dtype)[:, None]
+    nll = -(logp * anchored).sum() / anchored.sum().clamp(min=1.0)
+    return per_seq.mean() + nll_coef * nll
 
 
 class GRPO:
@@ -170,13 +181,13 @@ class GRPO:
     def __init__(self, tasks: Sequence[Task], tokenizer: Tokenizer, reference: nn.Module, *,
                  seq_len: int, seed: int, group_size: int, clip: float, kl_coef: float,
                  max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-                 verify: Callable[[Task, str], bool] = check) -> None:
+                 nll_coef: float = 0.0, verify: Callable[[Task, str], bool] = check) -> None:
         self.tasks, self.tokenizer = list(tasks), tokenizer
         self.verify = verify
         """Reward 1 when ``verify(task, completion)`` (``check``, or ``check_trace``)."""
         self.reference = reference.eval().requires_grad_(False)
         self.seed, self.group_size = seed, group_size
-        self.clip, self.kl_coef = clip, kl_coef
+        self.clip, self.kl_coef, self.nll_coef = clip, kl_coef, nll_coef
         self.max_new_tokens, self.temperature, self.top_k = max_new_tokens, temperature, top_k
         self.tokens_per_sample = group_size * seq_len
         self.clock: Callable[[], int] = lambda: 0
@@ -225,7 +236,8 @@ class GRPO:
         logp, m = completion_logprobs(model, tokens, mask, self.temperature)
         with torch.no_grad():
             ref_logp, _ = completion_logprobs(self.reference, tokens, mask, self.temperature)
-        return grpo_loss(logp, logp.detach(), ref_logp, advantages, m, self.clip, self.kl_coef)
+        return grpo_loss(logp, logp.detach(), ref_logp, advantages, m, self.clip, self.kl_coef,
+                         self.nll_coef, rewards.reshape(-1).to(tokens.device) > 0)
 
     def eval_sums(self, model: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Held-out error rate (1 - accuracy) of greedy completions: sum of errors, prompts."""

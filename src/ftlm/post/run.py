@@ -129,7 +129,7 @@ def build_grpo(config: RunConfig, tokenizer: Tokenizer,
     objective = GRPO(tasks, tokenizer, load_reference(config, device), seq_len=config.data.seq_len,
                      seed=config.run.seed, group_size=post.group_size, clip=post.clip,
                      kl_coef=post.kl_coef, max_new_tokens=post.max_new_tokens,
-                     temperature=post.temperature, top_k=post.top_k,
+                     temperature=post.temperature, top_k=post.top_k, nll_coef=post.grpo_nll,
                      verify=VERIFIERS[post.verify])
     index = np.arange(len(tasks), dtype=np.int64)[:, None]
     return objective, TrainData(tokenizer, Rows(index[:len(train)]), Rows(index[len(train):]))

@@ -44,9 +44,9 @@ from bench.common import (
     REPO_ROOT,
     command_line,
     ensure_demo,
+    publish,
     section_header,
     table,
-    write_section,
 )
 
 # The families of the 800-step SFT recipe that reads its prompt (the test-time scaling policy's);
@@ -58,13 +58,14 @@ FAMILIES = "add"
 
 FULL = {
     "families": FAMILIES, "sft_families": SFT_FAMILIES, "pretrain_steps": 200,
-    "heldout_tasks": 400, "max_new_tokens": 96,
+    "heldout_tasks": 1600, "max_new_tokens": 96,
     "train_tasks": 4000, "sft_steps": 800, "sft_lr": 3e-3, "sft_batch": 16, "sft_seq_len": 128,
     "sft_seeds": 1,
     "pair_tasks": 300, "pair_samples": 4, "pair_temperature": 1.0,
     "dpo_steps": 40, "dpo_lr": 5e-5, "dpo_beta": 0.1, "dpo_nll": 10.0,
     "grpo_steps": 10, "grpo_batch": 32, "group_size": 8, "grpo_lr": 2e-4, "grpo_kl": 0.04,
-    "grpo_clip": 0.2, "grpo_temperature": 0.7, "grpo_tasks": 1000, "verify": "answer",
+    "grpo_clip": 0.2, "grpo_temperature": 0.7, "grpo_tasks": 1000, "grpo_nll": 0.0,
+    "verify": "answer",
 }
 """Sizes and hyper-parameters of the full run (``--set KEY=VALUE`` overrides one)."""
 QUICK = {**FULL, "pretrain_steps": 20, "sft_steps": 10, "train_tasks": 100, "sft_seeds": 3, "heldout_tasks": 20,
@@ -184,13 +185,18 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
         whether it trained."""
         done = config.run.path / "summary.json"
         if reuse and done.is_file() and (config.run.path / "model.safetensors").is_file():
-            s = json.loads(done.read_text())
             print(f"reusing {config.run.path}", flush=True)
+            kept = config.run.path / "lifecycle_compute.json"  # what the run that trained it cost
+            if kept.is_file():
+                return json.loads(kept.read_text()), False
+            s = json.loads(done.read_text())
             return {"seconds": s.get("wall_seconds", float("nan")),
                     "tokens": s.get("tokens_committed", 0),
                     "steps": s.get("steps_committed", 0),
                     "final_loss": s.get("final_loss")}, False
-        return _train(kind, config), True
+        compute = _train(kind, config)
+        (config.run.path / "lifecycle_compute.json").write_text(json.dumps(compute))
+        return compute, True
 
     pre = _config(root / "pretrain", 0, train={"steps": sizes["pretrain_steps"]})
     compute, trained = train("pretrain", pre)
@@ -243,6 +249,7 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
                 sizes, sizes["grpo_lr"], sizes["grpo_steps"], sft_weights,
                 group_size=sizes["group_size"], kl_coef=sizes["grpo_kl"],
                 clip=sizes["grpo_clip"], temperature=sizes["grpo_temperature"],
+                grpo_nll=sizes["grpo_nll"],
                 train_tasks=sizes["grpo_tasks"], task_seed=200 + seed,
                 verify=sizes.get("verify", "answer")))
             grpo.train.batch_size = sizes["grpo_batch"]
@@ -418,7 +425,8 @@ def format_section(result: dict, flags: list[str]) -> str:
              f"{z['dpo_nll']}, lr {z['dpo_lr']}); GRPO {z['grpo_steps']} steps of "
              f"{z['grpo_batch']} prompts x G={z['group_size']} at temperature "
              f"{z['grpo_temperature']} from {z['grpo_tasks']} training tasks (clip "
-             f"{z['grpo_clip']}, KL {z['grpo_kl']}, lr {z['grpo_lr']}); rewards and pairs "
+             f"{z['grpo_clip']}, KL {z['grpo_kl']}, lr {z['grpo_lr']}, NLL weight on the "
+             f"correct samples {z.get('grpo_nll', 0)}); rewards and pairs "
              f"verified on the {sizes.get('verify', 'answer')}\n"
              "* Compute: mean wall seconds per run on this shared machine (evaluation not "
              "included; in brackets the CPU seconds of the process, which the load does not "
@@ -449,7 +457,7 @@ STAGE_SIZES = {
     "DPO": ("pair_tasks", "pair_samples", "pair_temperature", "dpo_steps", "dpo_lr", "dpo_beta",
             "dpo_nll"),
     "GRPO": ("grpo_steps", "grpo_batch", "group_size", "grpo_lr", "grpo_kl", "grpo_clip",
-             "grpo_temperature", "grpo_tasks"),
+             "grpo_temperature", "grpo_tasks", "grpo_nll"),
 }
 """The sizes that only one post-SFT stage reads (every other size is shared by the stages)."""
 
@@ -562,11 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         result["command"] = command_line()
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
-    section = format_section(result, flags)
-    print(section)
-    if not args.no_write and not args.quick and result.get("split", "test") == "test":
-        write_section("lifecycle", section)
-    return 0
+    return publish("lifecycle", format_section(result, flags),
+                   not args.no_write and not args.quick and result.get("split", "test") == "test")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ chaos invariants of the post-training commands are tested in tests/post, not her
    (``ftlm pairs``: correct vs incorrect sample, or the reference solution vs an incorrect sample
    when no sample is correct), then ``ftlm dpo`` with the SFT model as the frozen reference;
 4. **GRPO** from each SFT model (``ftlm grpo``: G samples per prompt, checker reward, clipped
-   ratio, KL to the SFT model).
+   ratio, KL to the SFT model, optionally an NLL anchor on the correct samples);
+5. optionally (``--stages ...,grpo_dpo``) **GRPO from DPO**: the same GRPO from each seed's DPO
+   model (its reference), a row of its own, compared with DPO.
 
 Every model is scored on the same held-out tasks (the suite's test split, which shares no problem
 with training) by greedy pass@1 (``ftlm eval``'s ``task_accuracy``), with a 95 % interval over
@@ -198,6 +200,18 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
         (config.run.path / "lifecycle_compute.json").write_text(json.dumps(compute))
         return compute, True
 
+    def grpo(stage: str, name: str, start: Path, seed: int) -> None:
+        """GRPO from the model ``start`` (also its frozen reference), as row ``stage``."""
+        config = _config(root / name, seed, **_post_sections(
+            sizes, sizes["grpo_lr"], sizes["grpo_steps"], start,
+            group_size=sizes["group_size"], kl_coef=sizes["grpo_kl"],
+            clip=sizes["grpo_clip"], temperature=sizes["grpo_temperature"],
+            grpo_nll=sizes["grpo_nll"],
+            train_tasks=sizes["grpo_tasks"], task_seed=200 + seed,
+            verify=sizes.get("verify", "answer")))
+        config.train.batch_size = sizes["grpo_batch"]
+        record(stage, seed, _train("grpo", config), config.run.path / "model.safetensors", True)
+
     pre = _config(root / "pretrain", 0, train={"steps": sizes["pretrain_steps"]})
     compute, trained = train("pretrain", pre)
     base_weights = pre.run.path / "model.safetensors"
@@ -245,15 +259,14 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
             compute["pair_seconds"], compute["pairs"] = pair_seconds, counts
             record("DPO", seed, compute, dpo.run.path / "model.safetensors", True)
         if "grpo" in stages:
-            grpo = _config(root / f"grpo{seed}", seed, **_post_sections(
-                sizes, sizes["grpo_lr"], sizes["grpo_steps"], sft_weights,
-                group_size=sizes["group_size"], kl_coef=sizes["grpo_kl"],
-                clip=sizes["grpo_clip"], temperature=sizes["grpo_temperature"],
-                grpo_nll=sizes["grpo_nll"],
-                train_tasks=sizes["grpo_tasks"], task_seed=200 + seed,
-                verify=sizes.get("verify", "answer")))
-            grpo.train.batch_size = sizes["grpo_batch"]
-            record("GRPO", seed, _train("grpo", grpo), grpo.run.path / "model.safetensors", True)
+            grpo("GRPO", f"grpo{seed}", sft_weights, seed)
+        if "grpo_dpo" in stages:
+            # GRPO from this seed's DPO model (trained above, or by an earlier run in root).
+            dpo_weights = root / f"dpo{seed}" / "model.safetensors"
+            if not dpo_weights.is_file():
+                raise SystemExit(f"--stages grpo_dpo: no DPO model {dpo_weights}; add dpo to "
+                                 "--stages (or run it first in the same --workdir)")
+            grpo("GRPO from DPO", f"grpo_dpo{seed}", dpo_weights, seed)
     return out
 
 
@@ -288,7 +301,8 @@ def verdict(result: dict) -> str:
         return statistics.fmean(e[key] for e in stages[stage].values())
 
     lines = []
-    for better, worse in (("SFT", "pretrained"), ("DPO", "SFT"), ("GRPO", "SFT")):
+    for better, worse in (("SFT", "pretrained"), ("DPO", "SFT"), ("GRPO", "SFT"),
+                          ("GRPO from DPO", "DPO")):
         if better not in stages or worse not in stages:
             continue
         diff = mean(better) - mean(worse)
@@ -432,7 +446,11 @@ def format_section(result: dict, flags: list[str]) -> str:
              "included; in brackets the CPU seconds of the process, which the load does not "
              "inflate), tokens = committed training tokens (row budget: GRPO counts G x 256 per "
              "prompt). Wall seconds depend on the machine's load: a reused model keeps the time "
-             "of the run that trained it\n\n")
+             "of the run that trained it\n")
+    if "GRPO from DPO" in result["stages"]:
+        body += ("* GRPO from DPO: the GRPO settings above, started from each seed's DPO model "
+                 "(also its KL reference) instead of the SFT model\n")
+    body += "\n"
     body += table(["stage", "pass@1, mean over seeds", "per seed (± 95 % CI)",
                    "compute (wall)", "tokens"], rows)
     pairs = [e["pairs"] for e in result["stages"].get("DPO", {}).values()]
@@ -459,6 +477,7 @@ STAGE_SIZES = {
     "GRPO": ("grpo_steps", "grpo_batch", "group_size", "grpo_lr", "grpo_kl", "grpo_clip",
              "grpo_temperature", "grpo_tasks", "grpo_nll"),
 }
+STAGE_SIZES["GRPO from DPO"] = STAGE_SIZES["DPO"] + STAGE_SIZES["GRPO"]
 """The sizes that only one post-SFT stage reads (every other size is shared by the stages)."""
 
 
@@ -504,7 +523,7 @@ def merge(results: list[dict]) -> dict:
         found = [r["sizes"][key] for r in results if key in r["sizes"]]
         if found and key not in out["sizes"]:
             out["sizes"][key] = found[0]
-    order = ["pretrained", "SFT", "DPO", "GRPO"]
+    order = ["pretrained", "SFT", "DPO", "GRPO", "GRPO from DPO"]
     out["stages"] = {stage: dict(sorted(by_seed.items(), key=lambda kv: int(kv[0])))
                      for stage, by_seed in sorted(out["stages"].items(),
                                                   key=lambda kv: order.index(kv[0]))}
@@ -532,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-split", choices=("test", "val"), default="test",
                    help="score on the held-out test split (the table) or on a validation set "
                    "of unseen training-split tasks (for choosing hyper-parameters; not written)")
-    p.add_argument("--stages", default="dpo,grpo", help="post-SFT stages to run (dpo,grpo)")
+    p.add_argument("--stages", default="dpo,grpo", help="post-SFT stages to run (dpo,grpo; "
+                   "grpo_dpo: GRPO from each seed's DPO model, a row of its own)")
     p.add_argument("--workdir", default="", help="keep the runs here (default: a temporary "
                    "folder, removed at the end)")
     p.add_argument("--reuse", action="store_true", help="with --workdir: take the pretrained "

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from ftlm.ft import transport
+from ftlm.ft import snapshot_routes, transport
 from ftlm.ft.framing import DTYPES, FramingError, chunk_digest, parse_header
 from ftlm.ft.tls import client_context, server_context
 from ftlm.ft.transport import (
@@ -215,7 +215,9 @@ def test_the_header_is_answered_before_any_digest_and_each_chunk_is_hashed_once(
     is answered at once, and a chunk's digest is computed when the chunk is first served."""
     hashed: list[int] = []
     real = transport.chunk_digest
-    monkeypatch.setattr(transport, "chunk_digest", lambda data: hashed.append(len(data)) or real(data))
+    for module in (transport, snapshot_routes):  # the receiver's and the source's
+        monkeypatch.setattr(module, "chunk_digest",
+                            lambda data: hashed.append(len(data)) or real(data))
     server = make_server(chunk_bytes=256)
     state = mixed_state()
     snapshot = snapshot_state(state, META, step=7)

@@ -133,7 +133,7 @@ class BulkHTTPServer:
                  max_connections: int = 64, read_timeout: float = 10.0,
                  write_timeout: float = 60.0, pace: Callable[[int], bool] | None = None,
                  name: str = "ftlm-bulk-http", logger: logging.Logger | None = None,
-                 thread_nice: int = 0) -> None:
+                 thread_nice: int = 0, listener: socket.socket | None = None) -> None:
         self.handle, self.host, self.port = handle, host, port
         self.ssl_context = ssl_context
         self.max_connections, self.read_timeout = max_connections, read_timeout
@@ -143,6 +143,9 @@ class BulkHTTPServer:
         self.stopping = threading.Event()
         self._lock = threading.Lock()
         self._open: dict[threading.Thread, socket.socket] = {}  # connection thread -> its socket
+        # A listening socket bound elsewhere (the serving process gets its parent's): host and
+        # port are then ignored.
+        self._given_listener = listener
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
 
@@ -163,8 +166,12 @@ class BulkHTTPServer:
         """Bind and start accepting; return the bound (host, port). Raises OSError if it cannot."""
         if self._acceptor is not None:
             raise RuntimeError("BulkHTTPServer.start() may be called once")
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        self._listener = socket.create_server((self.host, self.port), family=family, backlog=128)
+        if self._given_listener is not None:
+            self._listener = self._given_listener
+        else:
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            self._listener = socket.create_server((self.host, self.port), family=family,
+                                                  backlog=128)
         self._listener.settimeout(0.5)  # the accept loop also flushes the abuse log
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"{self.name}-accept",
                                           daemon=True)

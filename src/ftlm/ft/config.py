@@ -130,6 +130,7 @@ def is_loopback(host: str) -> bool:
 
 
 LR_POLICIES = ("none", "linear", "sqrt")
+SNAPSHOT_SERVERS = ("process", "thread")
 
 
 @dataclass
@@ -181,14 +182,23 @@ class FTConfig:
     """Parallel connections of a live state transfer."""
     transfer_chunk_bytes: int = 4 << 20
     """Chunk size of a live state transfer (each chunk is checksummed)."""
+    snapshot_server: str = "process"
+    """Where a source serves its snapshots from: ``process``, a child process at CPU priority
+    ``serve_nice`` reading the snapshot from shared memory (Linux), so that serving shares no
+    interpreter lock with training; or ``thread``, threads of the training process at
+    ``transfer_nice`` (``ftlm.ft.serve_process``)."""
+    serve_nice: int = 19
+    """CPU priority (nice value, 0-19) of the snapshot server process (``snapshot_server =
+    'process'``); 19, the lowest, lets training run first where cores are short: the source's
+    step time stays near normal while it serves (``bench.serve_impact``), and the transfer gets
+    the cores training leaves idle."""
     transfer_nice: int = 0
-    """CPU priority (nice value, 0-19) of the threads that serve and pull a snapshot; 0 (the
-    default) gives them the training thread's priority. Above 0, where cores are short, a
-    source's steps slow less while it serves (``bench.serve_impact``: +8% at 19, +330-430% at 0
-    under repeated pulls on 2 cores), but the transfer is far slower and a transfer thread
-    preempted while it holds the interpreter lock stalls the group's heartbeat and training
-    threads (``bench.transfer_priority``: ticks up to 0.6-2.4 s late at 19, beyond the 1 s
-    heartbeat timeout; pulls 18x slower), so peers declare a healthy group dead."""
+    """CPU priority (nice value, 0-19) of the threads of the training process that move a
+    snapshot: the pulling threads, and the serving threads with ``snapshot_server = 'thread'``;
+    0 (the default) gives them the training thread's priority. Above 0, where cores are short, a
+    transfer thread preempted while it holds the interpreter lock stalls the group's heartbeat
+    and training threads (``bench.transfer_priority``: ticks up to 0.6-2.4 s late at 19, beyond
+    the 1 s heartbeat timeout; pulls 18x slower), so peers declare a healthy group dead."""
     host: str = "127.0.0.1"
     """Address a group binds its rendezvous store and state server to and tells other groups;
     on a cluster, the pod or node IP (the ``FTLM_HOST`` environment variable overrides it)."""
@@ -237,10 +247,16 @@ class FTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"{s}.{name}={value!r} must be an integer >= {low}")
-        nice = self.transfer_nice
-        if not isinstance(nice, int) or isinstance(nice, bool) or not 0 <= nice <= 19:
-            raise ConfigError(f"{s}.transfer_nice={nice!r} must be an integer from 0 (the "
-                              "training thread's priority) to 19 (the lowest)")
+        for name in ("transfer_nice", "serve_nice"):
+            nice = getattr(self, name)
+            if not isinstance(nice, int) or isinstance(nice, bool) or not 0 <= nice <= 19:
+                raise ConfigError(f"{s}.{name}={nice!r} must be an integer from 0 (the "
+                                  "training thread's priority) to 19 (the lowest)")
+        if self.snapshot_server not in SNAPSHOT_SERVERS:
+            raise ConfigError(f"{s}.snapshot_server={self.snapshot_server!r}; valid: "
+                              f"{', '.join(SNAPSHOT_SERVERS)} ('process': a child process "
+                              f"serves from shared memory, Linux only; 'thread': threads of "
+                              f"the training process)")
         if self.lr_policy not in LR_POLICIES:
             raise ConfigError(f"{s}.lr_policy={self.lr_policy!r}; valid: {', '.join(LR_POLICIES)}")
         for name in ("tls_cert", "tls_key", "tls_ca"):

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import xxhash
+
+from ftlm.ft.digest import DIGEST, chunk_digest
 
 # Names used on the wire. Only fixed-size, non-complex dtypes that every backend can hold.
 DTYPES: dict[str, torch.dtype] = {
@@ -56,8 +57,6 @@ _NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 # Tensor offsets are multiples of this, so a receiver may view any tensor in place if it wants.
 ALIGN = 8
-DIGEST = "xxh3_128"
-"""Name of the per-chunk digest on the wire (header field `digest`)."""
 DIGEST_HEX = re.compile(r"[0-9a-f]{32}")
 """What a chunk digest looks like: 32 lowercase hex digits."""
 
@@ -221,14 +220,6 @@ def layout(tensors: Mapping[str, torch.Tensor]) -> tuple[tuple[TensorEntry, ...]
         entries.append(TensorEntry(name, dtype_name(t.dtype), tuple(t.shape), offset, nbytes))
         offset += nbytes
     return tuple(entries), offset
-
-
-def chunk_digest(data: bytes | bytearray | memoryview) -> str:
-    """The wire digest (`DIGEST`) of one chunk's bytes, as 32 lowercase hex digits.
-
-    xxhash releases the GIL, so chunks hash on several threads at once and beside training.
-    """
-    return xxhash.xxh3_128_hexdigest(data)
 
 
 def _int(obj: Mapping[str, Any], key: str, where: str, minimum: int = 0) -> int:

@@ -39,8 +39,9 @@ from ftlm.ft.quorum_answer import MemberQuorum
 from ftlm.observe.logs import CONTEXT as LOG_CONTEXT
 from ftlm.observe.metrics import NullMetrics
 from ftlm.ft.framing import ExpectedLayout, expected_layout
-from ftlm.ft.tls import client_context, server_context
-from ftlm.ft.transport import SnapshotServer, TransferError, fetch_snapshot, snapshot_state
+from ftlm.ft.serve_process import make_snapshot_server
+from ftlm.ft.tls import client_context
+from ftlm.ft.transport import TransferError, fetch_snapshot, snapshot_state
 
 log = logging.getLogger("ftlm.ft.manager")
 
@@ -108,12 +109,12 @@ class Manager:
         # Other groups reach this one at ``host``: loopback locally, the pod/node IP on a cluster.
         self.host = os.environ.get("FTLM_HOST") or config.host
         # TLS for the live state transfer when [ft] tls_cert/tls_key (and tls_ca to verify) are set.
-        self._server_tls = server_context(config.tls_cert, config.tls_key) if config.tls_cert else None
         self._client_tls = client_context(config.tls_ca) if config.tls_ca else None
-        self.server = SnapshotServer(host=self.host, token=token,
-                                     chunk_bytes=config.transfer_chunk_bytes, keep=2,
-                                     on_chunk=self._on_serve_chunk, ssl_context=self._server_tls,
-                                     thread_nice=config.transfer_nice)
+        # The serve fault points need a hook per chunk; without one, serving costs this process
+        # nothing per chunk (a server process never calls back).
+        serve_fault = fault is not None and fault.point in ("during_serve", "slow_serve")
+        self.server = make_snapshot_server(config, host=self.host, token=token,
+                                           on_chunk=self._on_serve_chunk if serve_fault else None)
         self.server.start()
         self.transfer_urls = _gather_strings(self.server.url, self.ranks, self.control)
         self.abort = threading.Event()
@@ -296,7 +297,7 @@ class Manager:
             # so a starved copy would delay the step it should overlap with.
             try:
                 t0 = time.monotonic()
-                snap = snapshot_state(tensors, meta, step)
+                snap = snapshot_state(tensors, meta, step, shared=self.server.shared_memory)
                 self.server.publish(snap)
                 self.metrics.on_snapshot(time.monotonic() - t0, snap.total_bytes)
             except BaseException as e:  # noqa: BLE001 - reported on the training thread

@@ -15,6 +15,11 @@ connection (`ftlm.ft.bulk_http`), and the receiver reads them with `recv_into` s
 destination buffer: no copy in user space on either side. A snapshot's buffer is never written
 after `snapshot_state` returns, so digests and served bytes are always consistent.
 
+Two servers answer the same protocol (`ftlm.ft.snapshot_routes`): `SnapshotServer` from threads
+of this process, and `ftlm.ft.serve_process.ProcessSnapshotServer` from a process of its own at
+a low CPU priority, reading snapshots taken into shared memory (`snapshot_state(...,
+shared=True)`), so that serving never holds the training process's interpreter lock.
+
 A receiver bounds what a peer can make it allocate: `fetch_snapshot(..., expected=)` takes the
 `ExpectedLayout` of the receiver's own state (`expected_layout(tensors)`) and refuses a header
 that describes other tensors or another size before allocating the snapshot buffer; a hard cap
@@ -32,7 +37,6 @@ replaying them (the manager and `ftlm.ft.catchup` do that), or making certificat
 
 from __future__ import annotations
 
-import hmac
 import http.client
 import json
 import logging
@@ -47,8 +51,7 @@ from typing import Any
 
 import torch
 
-from ftlm.errors import ConfigError, FaultError
-from ftlm.ft.bulk_http import CLOSE, BulkHTTPServer, Request, Response, json_response
+from ftlm.errors import FaultError
 from ftlm.ft.framing import (
     DEFAULT_MAX_TOTAL_BYTES, DIGEST, DIGEST_HEX, MAX_HEADER_BYTES, ChunkEntry, ExpectedLayout,
     FramingError, Header, LayoutMismatch, TensorEntry, canonical_json, chunk_digest,
@@ -56,6 +59,8 @@ from ftlm.ft.framing import (
 )
 from ftlm.ft.http_client import Endpoint, EndpointError
 from ftlm.ft.priority import background_priority
+from ftlm.ft.shared_buffer import SharedBuffer
+from ftlm.ft.snapshot_routes import SnapshotRoutes
 from ftlm.observe.iostats import timed_io
 
 __all__ = ["ExpectedLayout", "Snapshot", "SnapshotServer", "TransferError", "default_max_bytes",
@@ -78,6 +83,7 @@ class Snapshot:
     meta: dict[str, Any]
     tensors: tuple[TensorEntry, ...]
     buffer: torch.Tensor  # flat uint8 on CPU (pinned when taken from CUDA); never written again
+    shared: SharedBuffer | None = None  # the shared memory `buffer` lives in, when it does
 
     @property
     def total_bytes(self) -> int:
@@ -94,19 +100,26 @@ class Snapshot:
 
 
 def snapshot_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
-                   step: int) -> Snapshot:
+                   step: int, *, shared: bool = False) -> Snapshot:
     """Copy `tensors` (any devices) and `meta` into a new Snapshot of `step`, right now.
 
     Call at a step boundary; training may mutate the tensors as soon as this returns. CUDA tensors
     go through one pinned host buffer with asynchronous copies and one synchronize per device.
+    `shared`: the buffer is anonymous shared memory (`ftlm.ft.shared_buffer`) that the snapshot
+    server process maps (`ProcessSnapshotServer`); CUDA tensors are then copied into it without
+    pinning (synchronously).
     """
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be an integer >= 0, got {step!r}")
     meta_copy = json.loads(canonical_json(meta))  # deep copy, and proof that meta is JSON data
     entries, total = layout(tensors)
     devices = {t.device for t in tensors.values() if t.is_cuda}
-    pinned = bool(devices) and torch.cuda.is_available()
-    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
+    pinned = bool(devices) and torch.cuda.is_available() and not shared
+    memory = SharedBuffer(total) if shared else None
+    if memory is not None and total:
+        buffer = torch.frombuffer(memory.memory, dtype=torch.uint8)  # keeps the mapping alive
+    else:
+        buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
     end = 0
     for entry, t in zip(entries, tensors.values()):
         buffer[end:entry.offset].zero_()  # alignment padding: never send stale process memory
@@ -118,80 +131,26 @@ def snapshot_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
         buffer[entry.offset:entry.offset + entry.nbytes].copy_(src, non_blocking=pinned)
     for device in devices:
         torch.cuda.synchronize(device)
-    return Snapshot(step, meta_copy, entries, buffer)
+    return Snapshot(step, meta_copy, entries, buffer, memory)
 
 
-@dataclass(eq=False)
-class _Published:
-    snapshot: Snapshot
-    header_json: bytes
-    digests: list[str | None]  # per chunk, computed when the chunk is first served
+def header_json(snapshot: Snapshot, chunk_bytes: int) -> tuple[bytes, int]:
+    """The header a server answers for `snapshot` cut in chunks of `chunk_bytes`, and how many
+    chunks that makes."""
+    header = Header(snapshot.step, snapshot.meta, snapshot.total_bytes, snapshot.tensors,
+                    chunk_bytes)
+    return json.dumps(header.to_json()).encode(), len(header.chunks)
 
 
-def _json_error(status: int, message: str) -> Response:
-    return json_response(status, {"error": message})
+class SnapshotServer(SnapshotRoutes):
+    """Serves published snapshots from threads of this process (`ftlm.ft.snapshot_routes`).
 
-
-def _parse_index(text: str) -> int | None:
-    # isdigit() rejects signs, spaces and non-ASCII digits; the length cap keeps int() cheap.
-    if not (text.isascii() and text.isdigit()) or len(text) > 18:
-        return None
-    return int(text)
-
-
-class SnapshotServer:
-    """Serves published snapshots over HTTP(S), one thread per connection (`ftlm.ft.bulk_http`).
-
-    Endpoints: `GET /v1/snapshots`, `GET /v1/snapshot/{step}/header`,
-    `GET /v1/snapshot/{step}/chunk/{index}`; a chunk's answer carries its digest in the
-    `X-Ftlm-Digest: xxh3_128=<hex>` header. At most `max_connections` connections are open (one
-    more is answered 503), and a client that does not send a complete request within
-    `read_timeout` of connecting or of its last answer is closed. Single use: `start()` once,
-    `stop()` once or more.
+    Its connection threads share the training process's interpreter lock and cores: where cores
+    are short, `ftlm.ft.serve_process.ProcessSnapshotServer` serves from a process of its own.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str = "",
-                 chunk_bytes: int = 4 << 20, keep: int = 2,
-                 throttle_bytes_per_s: float | None = None,
-                 on_chunk: Callable[[int, int], None] | None = None,
-                 ssl_context: ssl.SSLContext | None = None,
-                 max_connections: int = 64, read_timeout: float = 10.0,
-                 thread_nice: int = 0) -> None:
-        if chunk_bytes < 1:
-            raise ConfigError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-        if keep < 1:
-            raise ConfigError(f"keep must be >= 1 (snapshots kept), got {keep}")
-        if throttle_bytes_per_s is not None and not throttle_bytes_per_s > 0:
-            raise ConfigError(f"throttle_bytes_per_s must be > 0 or None, got "
-                              f"{throttle_bytes_per_s}")
-        if max_connections < 1 or not read_timeout > 0:
-            raise ConfigError(f"need max_connections >= 1 and read_timeout > 0, got "
-                              f"{max_connections} and {read_timeout}")
-        self.host, self.port, self.token = host, port, token
-        self.chunk_bytes, self.keep = chunk_bytes, keep
-        self.throttle_bytes_per_s = throttle_bytes_per_s
-        self.on_chunk = on_chunk  # test hook: called (step, index) before serving each chunk
-        self.ssl_context = ssl_context  # serves https:// when set (ftlm.ft.tls.server_context)
-        self._lock = threading.Lock()
-        self._published: dict[int, _Published] = {}
-        self._throttle_free_at = 0.0  # monotonic time at which the throttle has sent all bytes
-        self._http = BulkHTTPServer(
-            self._handle, host=host, port=port, ssl_context=ssl_context,
-            max_connections=max_connections, read_timeout=read_timeout,
-            pace=self._pace if throttle_bytes_per_s is not None else None,
-            name="ftlm-snapshot-server", logger=log, thread_nice=thread_nice)
-        self._url: str | None = None
-
-    @property
-    def url(self) -> str:
-        if self._url is None:
-            raise RuntimeError("SnapshotServer has no URL before start()")
-        return self._url
-
-    def steps(self) -> list[int]:
-        """Steps currently available, ascending."""
-        with self._lock:
-            return sorted(self._published)
+    shared_memory = False
+    """Whether `publish` needs snapshots taken with `snapshot_state(..., shared=True)`."""
 
     def publish(self, snapshot: Snapshot) -> None:
         """Make `snapshot` available by its step (replacing one of the same step), keep newest.
@@ -199,123 +158,8 @@ class SnapshotServer:
         Cheap: the header names the chunk size only; each chunk's digest is computed when that
         chunk is first served (`chunk_digest`, on the serving thread) and kept for later pulls.
         """
-        if self._http.stopping.is_set():
-            raise RuntimeError("SnapshotServer is stopped; publish to a running server")
-        header = Header(snapshot.step, snapshot.meta, snapshot.total_bytes, snapshot.tensors,
-                        self.chunk_bytes)
-        published = _Published(snapshot, json.dumps(header.to_json()).encode(),
-                               [None] * len(header.chunks))
-        with self._lock:
-            self._published[snapshot.step] = published
-            for old in sorted(self._published)[:-self.keep]:
-                del self._published[old]
-
-    def retain(self, steps: set[int] | frozenset[int]) -> None:
-        """Drop every published snapshot whose step is not in ``steps``, freeing its memory once
-        no chunk of it is being written (a pull of a dropped step gets 404 and starts over)."""
-        with self._lock:
-            for step in [s for s in self._published if s not in steps]:
-                del self._published[step]
-
-    def start(self) -> str:
-        """Bind and serve from background threads; return the URL (with the OS-chosen port)."""
-        try:
-            host, port = self._http.start()
-        except OSError as e:
-            raise OSError(f"SnapshotServer could not listen on {self.host}:{self.port}: "
-                          f"{e}") from e
-        scheme = "https" if self.ssl_context is not None else "http"
-        self._url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
-        return self._url
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop serving and cut in-flight transfers (their pullers get an error at once).
-
-        Safe from any thread; from a serving thread (e.g. inside `on_chunk`) it cuts and returns,
-        and a later call from another thread joins the threads.
-        """
-        self._http.stop(timeout)
-
-    # -- answering -----------------------------------------------------------------------------
-
-    def _handle(self, request: Request) -> Response:
-        if self.token:
-            got = request.headers.get("authorization", "").encode("latin-1")
-            if not hmac.compare_digest(got, f"Bearer {self.token}".encode()):
-                self._http.abuse.note("HTTP 401")
-                return _json_error(401, "missing or wrong job token: send "
-                                        "'Authorization: Bearer <token>' with the job's FTLM_TOKEN")
-        if request.method != "GET":
-            return _json_error(405, f"method {request.method[:20]!r} not allowed; use GET")
-        parts = request.path.split("/")
-        if parts[:2] == ["", "v1"]:
-            if parts[2:] == ["snapshots"]:
-                return json_response(200, {"steps": self.steps()})
-            if len(parts) == 5 and parts[2] == "snapshot" and parts[4] == "header":
-                return self._header(parts[3])
-            if len(parts) == 6 and parts[2] == "snapshot" and parts[4] == "chunk":
-                return self._chunk(parts[3], parts[5])
-        return _json_error(404, f"no such endpoint {request.path[:80]!r}; see SnapshotServer")
-
-    def _lookup(self, step_text: str) -> tuple[int, _Published] | Response:
-        step = _parse_index(step_text)
-        if step is None:
-            return _json_error(400, f"step must be a non-negative integer, got "
-                                    f"{step_text[:40]!r}")
-        with self._lock:
-            published, available = self._published.get(step), sorted(self._published)
-        if published is None:
-            return _json_error(404, f"snapshot of step {step} is not available on this server "
-                                    f"(available steps: {available})")
-        return step, published
-
-    def _header(self, step_text: str) -> Response:
-        found = self._lookup(step_text)
-        if isinstance(found, Response):
-            return found
-        return Response(200, found[1].header_json)
-
-    def _chunk(self, step_text: str, index_text: str) -> Response:
-        found = self._lookup(step_text)
-        if isinstance(found, Response):
-            return found
-        step, published = found
-        index = _parse_index(index_text)
-        count = len(published.digests)
-        if index is None:
-            return _json_error(400, f"chunk index must be a non-negative integer, got "
-                                    f"{index_text[:40]!r}")
-        if index >= count:
-            return _json_error(404, f"step {step} has {count} chunks; "
-                                    f"index {index} is out of range")
-        if self.on_chunk is not None:
-            self.on_chunk(step, index)
-        if self._http.stopping.is_set():
-            return CLOSE  # a stopping server drops the connection, like a dead peer
-        snap = published.snapshot
-        offset = index * self.chunk_bytes
-        data = snap.view()[offset:min(offset + self.chunk_bytes, snap.total_bytes)]
-        digest = published.digests[index]
-        if digest is None:
-            # Once per chunk and snapshot: later pulls compare against this first digest, so a
-            # snapshot buffer corrupted after it was first served is caught too.
-            digest = published.digests[index] = chunk_digest(data)
-        return Response(200, data, "application/octet-stream",
-                        (("X-Ftlm-Digest", f"{DIGEST}={digest}"),), paced=True)
-
-    def _pace(self, nbytes: int) -> bool:
-        """Reserve nbytes of the shared byte budget, then sleep until the reservation ends;
-        False when the server stops meanwhile.
-
-        Ending (not starting) each reservation before writing means that B bytes are never all
-        written before B / rate seconds have passed, whatever the number of connections.
-        """
-        assert self.throttle_bytes_per_s is not None
-        with self._lock:
-            now = time.monotonic()
-            self._throttle_free_at = max(now, self._throttle_free_at) + nbytes / self.throttle_bytes_per_s
-            wait = self._throttle_free_at - now
-        return not self._http.stopping.wait(wait)
+        header, chunks = header_json(snapshot, self.chunk_bytes)
+        self.add(snapshot.step, header, snapshot.view(), chunks)
 
 
 # ---------------------------------------------------------------------------------------------

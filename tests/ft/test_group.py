@@ -27,8 +27,7 @@ def test_a_source_serves_every_new_recovery_of_the_same_incarnation() -> None:
     q1 = quorum(1, 3, "3" * 64, ["A:a"], ["B:b"], meta={"B:b": joiner.request()})
     assert source.on_quorum(q1).publish
     assert joiner.on_quorum(q1).fetch_from == "A:a"
-    joiner.fetch_finished()  # the first pull arrived; the joiner caught up ...
-    joiner.caught_up(4, "4" * 64)
+    joiner.caught_up(4, "4" * 64)  # the first pull arrived; the joiner caught up ...
     # ... and later fell behind again (it failed a step the others committed): a new request.
     q2 = quorum(2, 9, "9" * 64, ["A:a"], ["B:b"], meta={"B:b": joiner.request()})
     assert source.on_quorum(q2).publish
@@ -37,6 +36,33 @@ def test_a_source_serves_every_new_recovery_of_the_same_incarnation() -> None:
     q3 = quorum(2, 10, "a" * 64, ["A:a"], ["B:b"], meta={"B:b": joiner.request()})
     assert not source.on_quorum(q3).publish
     assert joiner.on_quorum(q3).fetch_from is None
+
+
+def test_a_pull_that_arrived_stays_open_while_its_backlog_is_replayed_over_several_steps() -> None:
+    """A backlog replayed over several steps kept the joiner recovering after its pull arrived;
+    the next quorum then started a second whole-state pull (and a new snapshot copy on the
+    source) while the first was still being replayed: seen as two `recovery_start` events and a
+    12 s pull of the 82M model in `bench.ft_vs_torchft`'s rejoin case, healthy steps slowed
+    throughout. Only a rejected replay or a failed pull asks for a source again."""
+    source = GroupProtocol("A:a", 50)
+    joiner = GroupProtocol("B:b", 50)
+
+    def step(qid: int, s: int) -> tuple[bool, str | None]:
+        q = quorum(qid, s, f"{s:064x}", ["A:a"], ["B:b"], meta={"B:b": joiner.request()})
+        return source.on_quorum(q).publish, joiner.on_quorum(q).fetch_from
+
+    assert step(1, 3) == (True, "A:a")  # the pull starts
+    # It arrives (the manager's poll_recovery keeps it open); the replay takes three more steps.
+    for s in (4, 5, 6):
+        assert step(1, s) == (False, None)
+    # The replay was rejected (e.g. a buffered update is missing): a new request, a new source.
+    joiner.fetch_finished()
+    assert step(1, 7) == (True, "A:a")
+    assert step(1, 8) == (False, None)
+    joiner.caught_up(9, "9" * 64)  # it reached the head: the pull is over
+    assert not joiner.fetching
+    # Fallen behind again later: another new request.
+    assert step(2, 12) == (True, "A:a")
 
 
 def test_replay_that_does_not_reach_the_head_is_rejected() -> None:

@@ -236,3 +236,63 @@ def test_a_stop_request_ends_the_wait_for_a_quorum_at_once():
         waiting.cancel()
         m.close()
         coordinator.stop()
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.kinds: list[str] = []
+
+    def emit(self, kind: str, **fields) -> None:
+        self.kinds.append(kind)
+
+
+def test_a_joiner_that_replays_its_backlog_over_several_steps_pulls_the_state_once():
+    """A pull that arrived used to end the recovery request at once (``fetch_finished``); a
+    joiner still replaying its backlog at the next quorum then pulled the whole state a second
+    time and its source copied a new snapshot for it (two ``recovery_start`` events and a 12 s
+    pull of the 82M model in ``bench.ft_vs_torchft``'s rejoin case). Only the end of the replay
+    (``caught_up``) or its rejection (``restart_recovery``) ends it."""
+    c = Coordinator(FTConfig(**FT, groups=1).coordinator_config())
+    c.start()
+    replay_steps = 2
+    published, g0_ahead, g1_done = [], threading.Event(), threading.Event()
+
+    def g0_snapshot():
+        published.append(1)
+        return snapshot()
+
+    def group(i: int):
+        events = _Events()
+        if i == 1:
+            assert g0_ahead.wait(20), "g0 did not commit its first steps"
+        m = Manager(FTConfig(**FT), f"g{i}", f"inc{i}", c.url, events=events)
+        try:
+            step, chain, arrived_at, participated = 0, GENESIS, None, 0
+            m.join(step, chain)
+            while not (g1_done.is_set() if i == 0 else participated == 2):
+                plan = m.start_step(step, chain, g0_snapshot if i == 0 else snapshot)
+                m.allreduce([torch.zeros(3) if plan.recovering else torch.ones(3)])
+                assert m.commit()
+                if not plan.recovering:
+                    step, chain = plan.step + 1, plan.quorum.next_chain()
+                    participated += 1
+                    if step == 3:
+                        g0_ahead.set()
+                    continue
+                if arrived_at is None and m.poll_recovery() is not None:
+                    arrived_at = plan.step  # the trainer now replays its backlog for a while
+                if arrived_at is not None and plan.step >= arrived_at + replay_steps:
+                    step, chain = plan.step + 1, plan.quorum.next_chain()
+                    m.caught_up(step, chain)
+            g1_done.set()
+            return events.kinds, arrived_at
+        finally:
+            m.close()
+
+    try:
+        (kinds0, _), (kinds1, arrived_at) = run_groups(group, 2, timeout=60)
+    finally:
+        c.stop()
+    assert arrived_at is not None
+    assert kinds1.count("recovery_start") == 1, kinds1
+    assert len(published) == 1  # the source copied its state for this joiner once

@@ -88,6 +88,9 @@ class GroupProtocol:
     quorum: AnyQuorum | None = None
     role: Role | None = None
     fetching: bool = False
+    """A pull is in flight, or the snapshot it brought is loaded and still being replayed (over
+    one or more steps): no source is asked for again until it ends (``fetch_finished`` when it
+    failed or its replay was rejected, ``caught_up`` when it reached the head)."""
     known_head: int = 0
     """The highest step this group saw the job reach (reported in heartbeats)."""
     _pg_quorum: tuple[str, int] | None = None
@@ -201,13 +204,21 @@ class GroupProtocol:
 
     # -- recovery --------------------------------------------------------------------------------
     def fetch_finished(self) -> None:
-        """A pull ended (arrived, failed or abandoned): the next one is a new request."""
+        """A pull ended without a usable state (it failed, was abandoned, or its replay did not
+        lead to the head): the next quorum's source serves a new request."""
         self.fetching = False
         self.recover_request += 1
 
     def caught_up(self, step: int, chain: str) -> None:
-        """The replayed state was checked against the head: report it from now on."""
+        """The replayed state was checked against the head: report it from now on. The pull is
+        over; a later recovery is a new request.
+
+        Until then a pull that arrived stays open: a backlog replayed over several steps used to
+        start a second whole-state pull at the next quorum (and a new snapshot copy on the
+        source), which slowed every group while the first one was still being replayed."""
         self.step, self.chain = step, chain
+        self.fetching = False
+        self.recover_request += 1
 
 
 def check_replay(snapshot_step: int, snapshot_chain: str, records: list[tuple[int, int, list[str]]],

@@ -502,11 +502,13 @@ class Manager:
         if not _group_all(fetch is not None and fetch.done.is_set(), self.ranks, self.control):
             return None
         self._fetch = None
-        self.proto.fetch_finished()
         if not _group_all(not fetch.error and fetch.result is not None, self.ranks, self.control):
+            self.proto.fetch_finished()
             self.events.emit("recovery_end", step=self.proto.step, ok=False, source=fetch.source,
                              error=fetch.error)
             return None
+        # Arrived: the pull stays open (no new source) until the trainer's replay reaches the
+        # head (``caught_up``) or is rejected (``restart_recovery``).
         tensors, meta = fetch.result
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         return Recovered(step=fetch.step, tensors=tensors, meta=meta, source=fetch.source,
@@ -515,7 +517,7 @@ class Manager:
     def restart_recovery(self, reason: str) -> None:
         log.warning("restarting recovery: %s", reason)
         self.events.emit("recovery_end", step=self.proto.step, ok=False, error=reason)
-        if self._fetch is not None:  # (a pull that arrived was already counted by poll_recovery)
+        if self._fetch is not None or self.proto.fetching:  # in flight, or arrived and replaying
             self._fetch = None  # an in-flight pull finishes on its own and is ignored
             self.proto.fetch_finished()
 

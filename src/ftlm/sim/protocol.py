@@ -875,6 +875,8 @@ class Simulation:
 
     # -- live recovery ---------------------------------------------------------------------------
     def start_fetch(self, inc: Incarnation, q: Quorum, source: str) -> None:
+        if inc.catching:  # its pull arrived and is being replayed: a second one is wasted work
+            self.fail(f"{inc.replica_id} started a second pull while replaying the snapshot it loaded")
         fetch = {"source": source, "step": q.step, "done": False, "result": None}
         inc.fetch = fetch
         seconds = self.rng.uniform(0.05, 0.5) * (20 if self.slow_next else 1)
@@ -899,8 +901,8 @@ class Simulation:
         if inc.catching or fetch is None or not fetch["done"]:
             return
         inc.fetch = None
-        inc.proto.fetch_finished()
         if fetch["result"] is None:
+            inc.proto.fetch_finished()
             return  # the pull failed: the next quorum assigns a source again
         inc.state = fetch["result"]
         inc.catching = True
@@ -920,6 +922,7 @@ class Simulation:
                  if records is not None else None)
         if check is None or not check.ok:
             inc.catching = False  # the snapshot stays loaded; the group reports its step and recovers again
+            inc.proto.fetch_finished()  # the manager's restart_recovery
             inc.buffer = {}
             self.log(f"{inc.replica_id} replay rejected: {check.reason if check else 'a buffered update is missing'}")
             return False

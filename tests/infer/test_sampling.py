@@ -68,7 +68,7 @@ def sorted_draw(logits, temperature, top_k, top_p, min_p, uniform):
 def test_unfiltered_rows_draw_the_sorted_rows_tokens_without_sorting_most(monkeypatch):
     g = torch.Generator().manual_seed(0)
     n, vocab = 600, 4096
-    # From flat rows (draws beyond the 32 most likely tokens: the sorted path) to peaked ones.
+    # From flat rows (draws beyond the HEAD most likely tokens: the sorted path) to peaked ones.
     logits = torch.randn(n, vocab, generator=g) * torch.linspace(0.3, 8.0, n)[:, None]
     logits[5, 100:103] = logits[5].max() + 1.0  # tied at the top: the sorted path decides
     rows = [SamplingParams(temperature=t) for t in (0.7, 1.0, 0.0)] * (n // 3)

@@ -109,7 +109,7 @@ def filtered_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     return scaled.masked_fill(drop, float("-inf")), order
 
 
-HEAD = 32
+HEAD = 16
 """Most likely tokens among which an unfiltered row's draw is looked for before sorting it."""
 
 

@@ -780,6 +780,8 @@ def test_a_job_finished_through_leave_is_never_rolled_back_for_a_late_group() ->
     m.tick(now)
     assert m.state.head == (3, claims["g0"][1])
     m.leave(now, "g0:a", "g0", "finished")
+    # Listed as left (in the coordinator's /status), for supervisors to wait for its exit.
+    assert [d[1:] for d in m.recent_departed(now)] == [("g0:a", "g0", "finished")]
     m.report_dead(now, "g1:a", "g1", "SIGKILL")  # g1 died before it could leave
     outputs = []
     for t in (1.0, 2.0, 4.0):  # g1's new incarnation starts from scratch, past the rollback grace

@@ -151,6 +151,34 @@ def test_registered_group_missing_from_the_members_is_killed_after_the_grace(lau
     assert kinds(launcher, "member_killed")[0]["reason"].startswith("declared dead: no progress")
 
 
+def test_group_that_left_the_job_gets_the_grace_to_exit_not_the_heartbeat_timeout(launcher):
+    """A group that left (finished, preempted) sends no heartbeat any more, then saves, writes its
+    summary and stops its snapshot server before it exits: on a busy box that took over three
+    heartbeat timeouts, and the watchdog killed it as hung after it had finished, so its final
+    state was never reported (``test_late_joiner_catches_up`` failed with two state hashes)."""
+    g0, g1, _ = launcher.groups
+    start(launcher, g0)
+    start(launcher, g1)
+    t0 = time.time()
+    launcher._observe({"members": [member(g0), member(g1)]}, t0)
+    status = {"members": [member(g0)], "dead": [],
+              "left": [{"replica_id": g1.replica_id, "group": "g1", "reason": "finished",
+                        "seconds_ago": 0.1}]}
+    launcher._observe(status, t0 + 0.1)
+    launcher._watchdog(status, launcher.events, t0 + 10.0)
+    assert g1.running(), "a group that left was killed after the heartbeat grace"
+    # The coordinator forgets old leaves (or restarts): the launcher does not.
+    status = {"members": [member(g0)], "dead": []}
+    launcher._observe(status, t0 + 60.0)
+    grace = launcher.config.cluster.grace_seconds
+    launcher._watchdog(status, launcher.events, t0 + grace)
+    assert g1.running()
+    launcher._watchdog(status, launcher.events, t0 + grace + 0.5)
+    assert not g1.running() and g0.running()
+    assert kinds(launcher, "member_killed")[0]["reason"] == (
+        f"did not exit within cluster.grace_seconds={grace} s of leaving the job")
+
+
 def test_group_that_comes_back_within_the_grace_is_not_killed(launcher):
     g = launcher.groups[0]
     start(launcher, g)

@@ -755,6 +755,10 @@ class Coordinator:
                 for t, rid, g, why in dead[-MAX_DEAD_LISTED:]
             ],
             "dead_total": len(dead),
+            "left": [
+                {"replica_id": rid, "group": g, "reason": why, "seconds_ago": round(now - t, 3)}
+                for t, rid, g, why in self.membership.recent_departed(now)
+            ],
             "min_replicas": self.config.min_replicas,
             **self.dashboard.to_json(),
         }

@@ -89,6 +89,9 @@ class Membership:
         self.dead: deque[tuple[float, str, str, str]] = deque()  # (time, replica id, group, reason)
         # (time, replica id, ids of the quorums in flight it left without finishing their step)
         self.left: deque[tuple[float, str, frozenset[int]]] = deque()
+        # (time, replica id, group, reason) of every leave: a supervisor gives a group that left
+        # the time to exit (save, summarize, stop its servers) instead of taking it for hung.
+        self.departed: deque[tuple[float, str, str, str]] = deque()
         self._gone_groups: set[str] = set()  # left on purpose, not back since
         self._options_less_gone: tuple[QuorumOptions, QuorumOptions] | None = None  # (options, less gone)
         self.kill_requests: set[str] = set()
@@ -145,6 +148,7 @@ class Membership:
         # A group that leaves having finished holds the job's final state: it is never rolled back.
         if remove_member(self.state, replica_id, now, finished=reason == "finished"):
             out.append(Event("member_left", {"group": group, "replica_id": replica_id, "reason": reason}))
+            self.departed.append((now, replica_id, group, reason))
         if not any(hb.group == group for hb in self.state.heartbeats.values()):
             self._gone_groups.add(group)
         if stranded:
@@ -195,6 +199,13 @@ class Membership:
         while self.dead and now - self.dead[0][0] > DEAD_MEMORY_SECONDS:
             self.dead.popleft()
         return list(self.dead)
+
+    def recent_departed(self, now: float) -> list[tuple[float, str, str, str]]:
+        """The leaves of the last ``DEAD_MEMORY_SECONDS``: (time, replica id, group, reason)."""
+        while self.departed and (now - self.departed[0][0] > DEAD_MEMORY_SECONDS
+                                 or len(self.departed) > MAX_DEAD_LISTED):
+            self.departed.popleft()
+        return list(self.departed)
 
     def dead_peers(self, now: float) -> list[str]:
         """Recently dead members of the quorums in flight: what a member must abort for (bounded).

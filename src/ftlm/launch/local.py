@@ -67,6 +67,7 @@ class GroupProcess:
     first_step: int | None = None  # its step when it first appeared there
     progressed: bool = False  # its step changed since: it committed or recovered
     absent_since: float | None = None  # registered, but missing from the members since then
+    left_at: float | None = None  # the coordinator reported its leave (finished, preempted)
     cause: str = ""  # why the current incarnation may die: "chaos", "hung", "fault", or ""
     crash_times: list[float] = field(default_factory=list)  # exits without progress
     log_offsets: list[int] = field(default_factory=list)  # where this incarnation's logs begin
@@ -196,7 +197,7 @@ class LocalLauncher:
         g.started = time.time()
         g.restart_at = None
         g.stopped = g.registered = g.progressed = False
-        g.first_step = g.absent_since = None
+        g.first_step = g.absent_since = g.left_at = None
 
     def _write_targets(self) -> None:
         """Prometheus file_sd targets of every rank's metrics endpoint (rewritten on restarts)."""
@@ -321,6 +322,7 @@ class LocalLauncher:
         """Registration and progress of each group's current incarnation, from the status."""
         members = {m["replica_id"]: m for m in status.get("members", [])}
         self._declared_dead = {d["replica_id"] for d in status.get("dead", [])}
+        left = {d["replica_id"] for d in status.get("left", [])}
         for g in self.groups:
             m = members.get(g.replica_id)
             if m is not None:
@@ -331,6 +333,8 @@ class LocalLauncher:
                 g.absent_since = None
             elif g.registered and g.absent_since is None and g.running():
                 g.absent_since = now
+            if g.replica_id in left and g.left_at is None and m is None:
+                g.left_at = now
 
     # -- the coordinator -------------------------------------------------------------------------
     def _watch_coordinator(self, events: EventLog) -> None:
@@ -473,7 +477,10 @@ class LocalLauncher:
         * it registered, but has been missing from the coordinator's members for ``grace`` seconds:
           the coordinator dropped it (its heartbeat stopped, or it made no progress for
           ``ft.progress_timeout`` while its heartbeat lived: a hung non-leader rank or a wedged
-          training thread), or it never came back to a restarted coordinator.
+          training thread), or it never came back to a restarted coordinator;
+        * it left the job (finished or preempted: no heartbeat is expected any more) but has not
+          exited within ``cluster.grace_seconds``: saving the model, summarizing and stopping its
+          servers take longer than a heartbeat timeout for a large model or on a busy machine.
 
         The quorum drops a dead group at once (the healthy groups do not wait); the grace of a few
         heartbeat timeouts lets a process that was only starved of CPU come back and rejoin.
@@ -488,6 +495,10 @@ class LocalLauncher:
             if not g.registered:
                 if self._up_seconds(g.started, now) > ft.startup_timeout:
                     reason = "start-up timeout"
+            elif g.left_at is not None:
+                if now - g.left_at > self.config.cluster.grace_seconds:
+                    reason = (f"did not exit within cluster.grace_seconds="
+                              f"{self.config.cluster.grace_seconds} s of leaving the job")
             elif g.absent_since is not None and self._up_seconds(g.absent_since, now) > grace:
                 entry = dead.get(g.replica_id)
                 reason = f"declared dead: {entry['reason']}" if entry else "heartbeat lost"

@@ -67,10 +67,11 @@ def ensure_demo() -> Path:
 
 
 def commits_by_group(events: Iterable[dict]) -> dict[str, list[dict]]:
-    """The ``commit`` events of each group, in step order."""
+    """The ``commit`` events of the steps each group trained, in step order (a commit a
+    recovering group replayed has no step time: it is left out)."""
     out: dict[str, list[dict]] = {}
     for e in events:
-        if e.get("kind") == "commit":
+        if e.get("kind") == "commit" and not e.get("replayed"):
             out.setdefault(e["group"], []).append(e)
     for commits in out.values():
         commits.sort(key=lambda e: e["step"])

@@ -38,6 +38,13 @@ import sys
 import threading
 from typing import Any
 
+# Imported at the parent's CPU priority, before this process lowers its own: at nice 19 on
+# busy cores, the imports alone would take seconds.
+from ftlm.ft.priority import background_priority
+from ftlm.ft.snapshot_routes import SnapshotRoutes
+from ftlm.ft.tls import server_context
+from ftlm.observe.iostats import io_totals
+
 _LENGTH = struct.Struct(">I")
 MAX_FRAME = 256 << 20
 """Largest control frame (a publish frame carries the snapshot's header, at most 64 MiB)."""
@@ -111,8 +118,6 @@ class _Serving:
 
     def __init__(self, control: socket.socket, settings: dict[str, Any],
                  listener: socket.socket) -> None:
-        from ftlm.ft.snapshot_routes import SnapshotRoutes
-        from ftlm.ft.tls import server_context
         self.control, self.send_lock = control, threading.Lock()
         self.stopped = threading.Event()
         self._answers: dict[int, threading.Event] = {}  # chunk request id -> parent's answer
@@ -140,7 +145,11 @@ class _Serving:
                 message, fds = got
                 if message["op"] == "stop":
                     break
-                self._apply(message, fds)
+                try:
+                    self._apply(message, fds)
+                except Exception:  # noqa: BLE001 - e.g. a mapping the host cannot make
+                    log.exception("could not apply the parent's %r frame; serving on",
+                                  message["op"])
         finally:
             self.routes.stop(self.stop_timeout)
             self.stopped.set()
@@ -185,7 +194,6 @@ class _Serving:
                 return
 
     def _send_io(self) -> None:
-        from ftlm.observe.iostats import io_totals
         nbytes, seconds = io_totals()["transfer_sent"]
         if nbytes != self._reported[0]:
             self.send({"op": "io", "bytes": nbytes - self._reported[0],
@@ -212,7 +220,6 @@ def main(argv: list[str] | None = None) -> int:
     if got is None or got[0].get("op") != "settings":
         return 0  # the parent went away before it sent the settings
     settings = got[0]
-    from ftlm.ft.priority import background_priority
     background_priority(settings["nice"])  # before any thread: they all inherit it
     _Serving(control, settings, socket.socket(fileno=listen_fd)).run()
     return 0

@@ -1,13 +1,17 @@
 """A source's training step time while it serves its snapshot to a recovering peer (issue 11).
 
-``python -m bench.serve_impact [--models small,large] [--steps 6] [--reps 2] [--nice 0,10]``.
+``python -m bench.serve_impact [--models small:4,large:1] [--steps 6] [--reps 2]
+[--settings process:19,process:0,thread:19,thread:0]``.
 One process trains a model (forward, backward, AdamW, one torch thread: a group of one rank) and
-serves its state (parameters and AdamW moments) with the ``SnapshotServer`` a source runs; a
-second process, the recovering peer, pulls that snapshot with ``fetch_snapshot`` (4 connections)
-over and over. Per model it measures, interleaved, the median step time with nobody pulling
-(*idle*) and while the peer pulls (*serving*), for each ``ft.transfer_nice`` value in ``--nice``:
-the CPU priority of the serving and fetching threads (0: the training thread's own). The issue's
-target: serving within 10% of idle.
+serves its state (parameters and AdamW moments) the way a source does; a second process, the
+recovering peer, pulls that snapshot with ``fetch_snapshot`` (4 connections) over and over. Per
+model it measures the median step time with nobody pulling (*idle*) and while the peer pulls
+(*serving*), for each setting ``SERVER:NICE`` of ``--settings``: the server kind
+(``ft.snapshot_server``: ``process``, a child process serving from shared memory at nice
+``ft.serve_nice``; ``thread``, threads of the training process at ``ft.transfer_nice``) and its
+CPU priority. The puller's threads run at the same nice value. Repetitions go round all settings
+(in reverse order every other round), each an idle/serving pair in alternating order, so drift
+of the machine's load hits every setting alike. The issue's target: serving within 10% of idle.
 
 This isolates what serving costs the source from the rest of a rejoin (the quorum, the process
 group rebuild, the joiner's catch-up), which ``python -m bench.ft_vs_torchft --parts 3`` measures
@@ -22,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -30,6 +35,8 @@ from bench.ft_vs_torchft import model_of, params_of
 
 SECTION = "serve_impact"
 STEP = 0  # the snapshot's step number (any)
+STARTS: list[float] = []  # seconds ProcessSnapshotServer.start() took on the calling thread
+READY: list[float] = []  # seconds from start() until its process answered
 
 # The recovering peer: pulls the snapshot until stdin closes, one line per completed pull.
 _PULLER = """
@@ -97,32 +104,57 @@ def _phase(training: _Training, steps: int, url: str | None, nice: int) -> tuple
     return times, pulled / max(time.perf_counter() - t0, 1e-9) / 1e9
 
 
-def measure(models: list[tuple[str, int]], steps: int, reps: int, nices: list[int]) -> list[list]:
-    from ftlm.ft.transport import SnapshotServer, snapshot_state
+def _server(kind: str, nice: int) -> Any:
+    from ftlm.ft.serve_process import ProcessSnapshotServer
+    from ftlm.ft.transport import SnapshotServer
+    if kind == "process":
+        return ProcessSnapshotServer(nice=nice)
+    if kind == "thread":
+        return SnapshotServer(thread_nice=nice)
+    raise SystemExit(f"--settings: server {kind!r} is neither 'process' nor 'thread'")
+
+
+def measure(models: list[tuple[str, int]], steps: int, reps: int,
+            settings: list[tuple[str, int]]) -> list[list]:
+    from ftlm.ft.transport import snapshot_state
     rows = []
     torch.set_num_threads(1)
     for name, batch in models:
         training = _Training(name, batch)
         state = training.state()
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        for nice in nices:
-            server = SnapshotServer(thread_nice=nice)
-            url = server.start()
-            server.publish(snapshot_state(state, {"step": STEP}, STEP))
-            idle, serving, rates = [], [], []
-            try:
-                for rep in range(reps):  # ABAB: the machine's drift hits both alike
+        idle: dict[tuple[str, int], list[float]] = {s: [] for s in settings}
+        serving: dict[tuple[str, int], list[float]] = {s: [] for s in settings}
+        rates: dict[tuple[str, int], list[float]] = {s: [] for s in settings}
+        for rep in range(reps):
+            for kind, nice in (settings if rep % 2 == 0 else settings[::-1]):
+                server = _server(kind, nice)
+                t0 = time.perf_counter()
+                url = server.start()
+                if kind == "process":  # what starting it costs a group, and until it answers
+                    STARTS.append(time.perf_counter() - t0)
+                    server.sync()
+                    READY.append(time.perf_counter() - t0)
+                server.publish(snapshot_state(state, {"step": STEP}, STEP,
+                                              shared=server.shared_memory))
+                try:
+                    # ABAB across repetitions: the machine's drift hits both alike.
                     for pulling in ((False, True) if rep % 2 == 0 else (True, False)):
                         times, rate = _phase(training, steps, url if pulling else None, nice)
-                        (serving if pulling else idle).extend(times[1:])  # first: phase change
+                        # A phase's first step is left out: it straddles the phase change.
+                        (serving if pulling else idle)[kind, nice].extend(times[1:])
                         if pulling:
-                            rates.append(rate)
-            finally:
-                server.stop()
-            a, b = statistics.median(idle), statistics.median(serving)
+                            rates[kind, nice].append(rate)
+                finally:
+                    server.stop()
+                print(f"  {name} rep {rep + 1}/{reps} {kind}:{nice}: idle "
+                      f"{statistics.median(idle[kind, nice]):.3f} s, serving "
+                      f"{statistics.median(serving[kind, nice]):.3f} s", flush=True)
+        for kind, nice in settings:
+            a, b = statistics.median(idle[kind, nice]), statistics.median(serving[kind, nice])
             row = [name, f"{params_of(model_of(name)) / 1e6:.1f}M", f"{nbytes / 2**30:.2f}",
-                   nice, f"{a:.3f}", f"{b:.3f}", f"{100 * (b / a - 1):+.1f}%",
-                   f"{statistics.median(rates):.2f}"]
+                   kind, nice, f"{a:.3f}", f"{b:.3f}", f"{100 * (b / a - 1):+.1f}%",
+                   f"{statistics.median(rates[kind, nice]):.2f}"]
             print("  " + " | ".join(map(str, row)), flush=True)
             rows.append(row)
     return rows
@@ -134,24 +166,33 @@ def main(argv: list[str] | None = None) -> int:
                    help="NAME:BATCH,... (names as in bench.ft_vs_torchft; default small:4,large:1)")
     p.add_argument("--steps", type=int, default=6, help="steps per phase (default 6)")
     p.add_argument("--reps", type=int, default=2, help="idle/serving pairs per setting (default 2)")
-    p.add_argument("--nice", default="0,10", help="ft.transfer_nice values to compare (default 0,10)")
+    p.add_argument("--settings", default="process:19,process:0,thread:19,thread:0",
+                   help="SERVER:NICE,... server kinds (process, thread) and CPU priorities to "
+                        "compare (default process:19,process:0,thread:19,thread:0)")
     p.add_argument("--quick", action="store_true", help="smoke-test size: tiny model, 3 steps, 1 pair")
     p.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
     if args.quick:
         args.models, args.steps, args.reps = "tiny:8", 3, 1
     models = [(m.partition(":")[0], int(m.partition(":")[2] or 1)) for m in args.models.split(",")]
-    nices = [int(n) for n in args.nice.split(",")]
+    settings = [(s.partition(":")[0], int(s.partition(":")[2] or 0))
+                for s in args.settings.split(",")]
     t0 = time.time()
-    rows = measure(models, args.steps, args.reps, nices)
+    rows = measure(models, args.steps, args.reps, settings)
     flags = [f"--models {args.models}", f"--steps {args.steps}", f"--reps {args.reps}",
-             f"--nice {args.nice}"]
+             f"--settings {args.settings}"]
     body = (section_header("A source's step time while it serves its snapshot (issue 11)",
                            "bench.serve_impact", flags)
             + f"* Method: see `bench/serve_impact.py`; one torch thread, sequences of 128 tokens, "
-              f"{args.reps} idle/serving pair(s) of {args.steps} steps per setting, ABAB, medians "
-              f"(a phase's first step left out). Took {time.time() - t0:.0f} s.\n\n"
-            + table(["model", "params", "state GiB", "ft.transfer_nice", "idle step s",
+              f"{args.reps} idle/serving pair(s) of {args.steps} steps per setting, settings "
+              f"interleaved and pairs ABAB, medians (a phase's first step left out); the "
+              f"puller's threads at the server's nice value. Took {time.time() - t0:.0f} s."
+              + (f" Starting a server process took {1000 * statistics.median(STARTS):.1f} ms "
+                 f"(median of {len(STARTS)}, max {1000 * max(STARTS):.1f}) on the calling "
+                 f"thread, and it answered {1000 * statistics.median(READY):.0f} ms (max "
+                 f"{1000 * max(READY):.0f}) after start() began." if STARTS else "")
+              + "\n\n"
+            + table(["model", "params", "state GiB", "server", "nice", "idle step s",
                      "serving step s", "serving vs idle", "pulled GB/s"], rows) + "\n")
     return publish(SECTION, body, write=not args.no_write)
 

@@ -4,12 +4,15 @@
 an 82M-parameter model's parameters plus AdamW moments is about 1 GiB) it measures, side by side
 in one run and as the median of ``--reps`` interleaved repetitions:
 
-* the source's snapshot copy (``snapshot_state``) into a fresh buffer, and the same bytes copied
-  into an already-touched buffer (the part of the copy that is page faults);
+* the source's snapshot copy (``snapshot_state``) into a fresh buffer, into fresh shared memory
+  (``shared=True``, what the snapshot server process serves), and the same bytes copied into an
+  already-touched buffer (the part of the copy that is page faults);
 * the per-chunk digests a source computes as it first serves each chunk (XXH3-128), and what
   sha256, the digest before issue 11, costs for the same chunks;
 * ``fetch_snapshot`` of a freshly published snapshot (the source computes each chunk's digest as
   it serves it) with 4 connections, and of an already served one with 1 and 4 connections;
+  the same two 4-connection pulls from the snapshot server process (``ft.snapshot_server =
+  'process'``, the default; at nice 0 here) serving a snapshot taken into shared memory;
 * a raw loopback socket moving the same bytes (the ceiling): ``sendall`` from the snapshot's
   buffer, ``recv_into`` a fresh buffer of the same kind the fetch allocates, no HTTP, no checks;
   also with 4 connections, and as this benchmark did before issue 11's transport change: from a
@@ -17,7 +20,8 @@ in one run and as the median of ``--reps`` interleaved repetitions:
   ``bytearray(n)``, whose allocation writes every page before the clock starts. That left the
   receive buffer's page faults (about 0.5 s per GiB here) out of the ceiling but in the fetch.
 
-Each row also gives the CPU seconds the whole process spent (both ends run in it), which says
+Each row also gives the CPU seconds the whole process spent (both ends run in it; with the
+server process, its CPU seconds are added), which says
 where the time goes on a machine with few cores: the kernel's two copies of every byte (send and
 receive), page faults of the fresh destination buffer, and the digests.
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import resource
 import socket
 import statistics
@@ -40,6 +45,7 @@ import torch
 
 from bench.common import publish, section_header, table
 from ftlm.ft.framing import ChunkTable, chunk_digest
+from ftlm.ft.serve_process import ProcessSnapshotServer
 from ftlm.ft.transport import SnapshotServer, fetch_snapshot, snapshot_state
 
 SECTION = "transfer"
@@ -92,11 +98,19 @@ def _digests(view: memoryview, digest: Callable[[memoryview], object]) -> None:
         digest(view[chunk.offset:chunk.offset + chunk.nbytes])
 
 
-ROWS = ("copy_fresh", "copy_touched", "xxh3", "sha256", "fetch4_fresh", "fetch1", "fetch4",
-        "loopback4", "loopback_zero", "loopback")
+ROWS = ("copy_fresh", "copy_shared", "copy_touched", "xxh3", "sha256", "fetch4_fresh", "fetch1", "fetch4",
+        "process_fresh", "process4", "loopback4", "loopback_zero", "loopback")
 
 
-def _one_rep(server: SnapshotServer, state: dict[str, torch.Tensor], step: int,
+def _process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has spent so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _one_rep(server: SnapshotServer, process: ProcessSnapshotServer,
+             state: dict[str, torch.Tensor], step: int,
              timed: Callable[[str, Callable[[], object]], object]) -> None:
     snap = timed("copy_fresh", lambda: snapshot_state(state, {"step": step}, step))
     buf = snap.buffer
@@ -111,6 +125,11 @@ def _one_rep(server: SnapshotServer, state: dict[str, torch.Tensor], step: int,
     server.publish(snap)  # fresh: no chunk digest computed yet
     for key, par in (("fetch4_fresh", 4), ("fetch1", 1), ("fetch4", 4)):
         timed(key, lambda par=par: fetch_snapshot(server.url, step, timeout=120, parallel=par))
+    process.publish(timed("copy_shared", lambda: snapshot_state(state, {"step": step}, step,
+                                                                shared=True)))
+    process.sync()
+    for key in ("process_fresh", "process4"):
+        timed(key, lambda: fetch_snapshot(process.url, step, timeout=120, parallel=4))
     timed("loopback", lambda: _loopback(snap.view()))
     timed("loopback4", lambda: _loopback(snap.view(), 4))
     # As this benchmark measured before: from a bytes object never written (its pages are
@@ -126,32 +145,42 @@ def measure(mb: int, reps: int) -> dict[str, list[tuple[float, float]]]:
     state = {"w": torch.randn(nbytes // 8), "m": torch.randn(nbytes // 8)}
     out: dict[str, list[tuple[float, float]]] = {k: [] for k in ROWS}
 
-    def timed(key: str, fn: Callable[[], object]) -> object:
-        c0, t0 = _cpu(), time.perf_counter()
-        result = fn()
-        out[key].append((time.perf_counter() - t0, _cpu() - c0))
-        return result
-
     server = SnapshotServer(chunk_bytes=CHUNK, keep=1)
     server.start()
+    process = ProcessSnapshotServer(chunk_bytes=CHUNK, keep=1, nice=0)
+    process.start()
+
+    def cpu() -> float:  # both ends, and the server process
+        return _cpu() + _process_cpu(process.pid)
+
+    def timed(key: str, fn: Callable[[], object]) -> object:
+        c0, t0 = cpu(), time.perf_counter()
+        result = fn()
+        out[key].append((time.perf_counter() - t0, cpu() - c0))
+        return result
+
     try:
         for rep in range(reps):
-            _one_rep(server, state, rep + 1, timed)
+            _one_rep(server, process, state, rep + 1, timed)
             print(f"  rep {rep + 1}/{reps}: "
                   + ", ".join(f"{k} {v[-1][0]:.3f}s" for k, v in out.items()), flush=True)
     finally:
         server.stop()
+        process.stop()
     return out
 
 
 LABELS = {
     "copy_fresh": "snapshot copy, fresh buffer (source)",
+    "copy_shared": "snapshot copy into fresh shared memory (for the server process)",
     "copy_touched": "same copy, touched buffer",
     "xxh3": "XXH3-128 of every 4 MiB chunk (source, as first served)",
     "sha256": "sha256 of every 4 MiB chunk (the digest before issue 11)",
     "fetch4_fresh": "fetch_snapshot, 4 connections, first pull (digests computed while serving)",
     "fetch1": "fetch_snapshot, 1 connection",
     "fetch4": "fetch_snapshot, 4 connections",
+    "process_fresh": "fetch_snapshot from the server process, 4 connections, first pull",
+    "process4": "fetch_snapshot from the server process, 4 connections",
     "loopback4": "raw loopback, 4 connections at once",
     "loopback_zero": "raw loopback, zero-page source, pre-faulted sink (the earlier reference)",
     "loopback": "raw loopback socket (ceiling: the target's reference)",
@@ -167,7 +196,7 @@ def render(out: dict[str, list[tuple[float, float]]], mb: int, reps: int, flags:
         # Each repetition's own ratio (its operations ran seconds apart), then the median:
         # steadier than a ratio of medians when the machine's load drifts during the run.
         share = (f"{statistics.median(l / w for (w, _), (l, _) in zip(out[key], out['loopback'])):.0%}"
-                 if key.startswith(("fetch", "loopback")) else "")
+                 if key.startswith(("fetch", "process", "loopback")) else "")
         rows.append([LABELS[key], f"{wall[key]:.3f}", f"{gb / wall[key]:.2f}", share,
                      f"{cpu[key]:.2f}"])
     return (section_header("Live state transfer: copy, digests, fetch vs loopback (issue 11)",

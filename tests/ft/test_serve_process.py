@@ -251,6 +251,19 @@ def test_the_child_dies_with_its_parent_and_leaves_no_shared_memory(started_from
         fetch_snapshot(url, 1, timeout=5, wait_available=0)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_snapshot_in_shared_memory_round_trips(make_server):
+    live = state()
+    cuda_state = {name: t.cuda() for name, t in live.items()}
+    snapshot = snapshot_state(cuda_state, META, step=7, shared=True)
+    for t in cuda_state.values():  # training resumes right away on the GPU
+        t.zero_()
+    server = make_server()
+    server.publish(snapshot)
+    tensors, _ = fetch_snapshot(server.url, 7, timeout=5, expected=expected_layout(cuda_state))
+    assert_bitwise_equal(tensors, live)
+
+
 def test_a_snapshot_not_in_shared_memory_is_refused_with_the_fix(make_server):
     server = make_server()
     with pytest.raises(ValueError, match=r"snapshot_state\(\.\.\., shared=True\)"):

@@ -326,69 +326,79 @@ def verdict(result: dict) -> str:
 
 
 FINDINGS = """\
-DPO meets the target and GRPO does not: DPO is above SFT by more than the paired interval
-(every seed above), GRPO above SFT on every seed but by less than the interval. And DPO's
-gain comes from its NLL term, not from the preferences (the ablation below). What changed
-since the 00:35 table (add,mod: SFT 0.185, DPO 0.152, GRPO 0.182), and why (2026-12-01).
-Settings were compared on the validation split (400 add tasks of the training split that no
-stage trains on, seed 0; the SFT model scores 0.170 there). The test split was scored once per
-model:
+Neither DPO nor GRPO is above SFT by more than the interval in this table: DPO +0.005 ±
+0.011, GRPO +0.001 ± 0.006 (paired per task, 1,600 test tasks, 3 seeds). The DPO target that
+the 02:56 table met (+0.068 ± 0.030 on 400 tasks) does not hold for a retrained SFT model, and
+no GRPO setting tried beats SFT on validation. What changed since that table, and why
+(2026-12-01, 03:45-04:50 UTC):
 
-* **DPO and GRPO train on add alone, and are scored on it.** On mod, a right remainder is
-  mostly a guess after a wrong division: none of the 216 "correct" mod samples of the earlier
-  pairs had the reference trace, against 55 of 69 on add. So mod's rewards and chosen samples
-  carry no signal. SFT is unchanged: the add,mod recipe (`sft_families`), the very model of the
-  00:35 table, here scored on 400 add tasks of the test split.
-* **DPO: a lower learning rate and a heavier NLL term** (validation, seed 0's pairs fixed):
-  the 00:35 settings (lr 2e-4, NLL weight 1) 0.128; beta 0.5 0.122; NLL 4 0.168; lr 5e-5 0.203;
-  lr 5e-5 + NLL 4 0.228 (the same at 80 steps 0.223; at lr 2e-5 0.207; at lr 1e-4 0.212);
-  lr 5e-5 + NLL 10 0.245 (chosen). At lr 2e-4 the preference term pushed the model into
-  digit-copy slips (the 00:35 reading); at 5e-5 with the NLL term add rises instead.
-* **What DPO's gain is made of: the NLL term.** The same run with beta 0.001 (the preference
-  term then has almost no gradient) scores 0.240 on validation, against 0.245 with beta 0.1.
-  Of the 1,200 samples (300 tasks x 4 at temperature 1), about 50 are right, so 257-260 of
-  the 300 pairs per seed have the reference solution as the chosen side. The NLL term is
-  therefore mostly supervised learning on the worked solutions of 300 new training problems.
-  The DPO row is what the stage does (DPO with RPO's NLL term, TRL's `["sigmoid", "sft"]`),
-  but it does not show that preferences help: more SFT would likely do the same (not measured).
-* **GRPO: its steps are cheaper; more of them did not help.** One step of 8 prompts x G=8
-  (cProfile, thread CPU time): 6.6 s of CPU before, of which 4.6 s sampling with one engine
-  per prompt (1,094 decode steps of 8 rows for 16 groups); now the micro-batch's prompts are
-  decoded together (`ftlm.post.rollout.sample_groups`: 140 decode steps of up to 64 rows),
-  2.2 s of sampling and 3.6 s in all. Half of what is left of sampling is `torch.sort` over
-  the 4,096-token vocabulary in `ftlm.infer.sampling.filtered_logits`, run for every row and
-  step even when no top-k/top-p/min-p filter is set (the engine's code; asked of its owner).
-  The 28 min of wall time per seed of the 00:35 table was mostly the load (six processes at
-  nice 19, load 13-21). A step of 64 prompts x 8 now costs 29 s of CPU (288 s for 10 steps,
-  the whole run). On validation, 20 steps of 32 prompts (5,120 samples) scored 0.198, and 10
-  steps of 64 prompts (5,120 samples too) 0.193: neither above the 10 steps of 32 prompts
-  (0.212, a run of the previous session with the per-prompt sampler), so those stay. A test
-  run of 20 steps was started and stopped before it scored anything, once validation had
-  decided. The GRPO rows are those of the 00:23-00:36 runs
-  (`bench/results/lifecycle/add_grpo_seed*.json`, from the same SFT model).
-* **Why GRPO is not above the interval.** Its gain was +0.042 on validation (one seed) and
-  +0.013 on the test split (3 seeds); twice the samples, as more steps or as more prompts per
-  step, gave +0.023-0.028 on validation. At an accuracy of about 0.2 with one greedy answer
-  per task, 400 tasks give a paired interval of about ± 0.03, so a true gain of 0.01-0.03
-  cannot be told from zero here. Not tried: GRPO with an NLL anchor as DPO has, GRPO from the
-  DPO model, a larger G, or more held-out tasks. The interval shrinks as 1/sqrt(n), so 1,600
-  tasks would halve it; that must be decided before a run, not after one.
-* **The statistic.** The paired per-task difference is now averaged over the seeds for each
-  task, and its interval is taken over the 400 tasks. The seeds share the SFT model and the
-  tasks, so a task's three differences are not independent. This is stricter than pooling the
-  1,200 differences, as the 00:35 reading did: GRPO's ± 0.020 becomes ± 0.028.
-* Checked and right: the reference is the SFT model; advantages are per group; the objectives
-  equal independent formulas on fixed batches, and ftlm's DPO loss and gradients equal
-  `trl.DPOTrainer`'s (TRL 1.16.0, `tests/post/test_trl_parity.py`). GRPO under chaos with the
-  batched sampler still ends with identical replicas and every prompt once
-  (`tests/post/test_run.py`, slow tier, passed 02:23).
+* **Every row is scored on 1,600 test tasks** (add, seed 1234; the first 400 are the old 400),
+  decided before any test-split run of this round (commit 4c8b20a): a stage's interval is
+  ± 0.019 instead of ± 0.039. SFT, DPO and GRPO answer the same tasks.
+* **Pretraining and SFT were trained again** (the models of 2026-11-30 lived in /tmp and were
+  lost in a restart), with the same sizes on today's code: pretraining 67 s (34 s CPU), final
+  loss 5.007 (then 4.974); SFT 582 s (299 s CPU, load 6-9), final loss 0.279 (then 0.232).
+  They are not the models of the 02:56 table: on its 400 test tasks the new SFT scores 0.168,
+  the old one 0.195 (paired -0.028 ± 0.045). Every other row starts from this SFT model.
+* **DPO with the 02:56 settings (lr 5e-5, NLL weight 10) no longer helps**: +0.010, +0.004,
+  +0.001 per seed on the test split, and on validation (1,600 training-split tasks that no
+  stage trains on, seed 0; SFT 0.161 there) 0.153, -0.008 ± 0.014. Its pairs are like the
+  old ones (251-257 of 300 with the reference solution as the chosen side), so its NLL term
+  sees the same kind of data; on this SFT model that does not raise greedy accuracy. DPO was
+  not searched again (no time left in this session): the row says that the 02:56 gain did not
+  carry over to another SFT run, not that no DPO setting helps.
+* **GRPO: no setting tried is above SFT on validation** (seed 0, SFT 0.161; 10 steps of 32
+  prompts unless said; paired difference to SFT; CPU seconds of the training run):
 
-Run time of this table. The pretrained model (86 s at load about 3) and the SFT model (39 min
-at load 11-20) are reused from the runs of 2026-11-30. GRPO: 00:23-00:36 on 2026-12-01, three
-processes at load about 5. DPO: 02:37-02:43, one process at a time at `nice 15` and load 5-8,
-from a copy of the tree taken at 02:03 (`PYTHONPATH`; others were editing `ftlm.infer`). DPO's
-CPU time is its training alone: its pairs took 68-86 s of wall time, and scoring 400 tasks took
-5-6 s of CPU. The tokens column is the load-independent measure."""
+  | GRPO setting | validation | paired vs SFT | CPU |
+  |---|---|---|---|
+  | lr 2e-4, KL 0.04, G=8 (the 02:56 setting) | 0.151 | -0.010 ± 0.014 | 104 s |
+  | the same + NLL anchor on the correct samples, weight 1 | 0.139 | -0.023 ± 0.017 | 107 s |
+  | the same + NLL anchor, weight 4 | 0.131 | -0.031 ± 0.017 | 106 s |
+  | lr 5e-5 | 0.158 | -0.003 ± 0.009 | 110 s |
+  | lr 5e-5 + NLL anchor 4 | 0.158 | -0.004 ± 0.009 | 92 s |
+  | lr 5e-5, G=16 | 0.161 | +0.000 ± 0.011 | 189 s |
+  | lr 5e-5, reward only with the reference trace (`verify=trace`) | 0.161 | +0.000 ± 0.009 | 102 s |
+  | lr 2e-5 (chosen) | 0.163 | +0.001 ± 0.005 | 101 s |
+
+  The test rows use lr 2e-5, the best on validation, which barely moves the model: the GRPO
+  row is close to SFT because the setting that harms least is the one that changes least.
+* **Why GRPO does not help this model (a reading, not a proof).** Sampled at temperature 0.7,
+  the SFT model answers 11 % of 64 training add tasks right (8 samples each): 61 % of the
+  groups are all wrong and carry no advantage, 39 % carry a signal, about 12 prompts of a
+  step's 32. After GRPO at lr 2e-4 with the NLL anchor 1 the same draw scores 9 %: the
+  reward itself went down. Adam's first steps move each weight by about the learning rate
+  whatever the gradient's size, so a gradient from a dozen groups is likely mostly noise at
+  2e-4; lower rates do less harm and, at 2e-5, little of anything. The NLL anchor (rejection
+  sampling fine-tuning on the correct samples, as DPO's RPO term on its chosen side) made it
+  worse at 2e-4 and changed nothing at 5e-5: the correct samples are the model's own likely
+  completions (their NLL is about 0.03 per token, the loss of those runs).
+* **GRPO from the DPO model** (a row of its own, compared with DPO, not with SFT; the GRPO
+  settings of the test rows): 0.184, 0.177, 0.176 against DPO's 0.186, 0.180, 0.177,
+  paired -0.002 ± 0.004: at lr 2e-5 it stays where DPO left it.
+* **Sampling is cheaper.** `ftlm.infer.sampling` no longer sorts the 4,096-token vocabulary for
+  a row with no top-k/top-p/min-p filter: it looks the draw up among the 16 most likely tokens
+  (`topk`) and sorts only a row whose draw falls beyond them (0.06 % of the SFT model's draws
+  at temperature 0.7, 0.25 % at 1.0). The tokens are the sorted sampler's (tested; the
+  completions of a step were equal). One step's samples (32 prompts x 8) took 10.2 s of CPU
+  with the sort and 2.5 s without; a 10-step GRPO run now costs about 100 s of CPU in all.
+* **Not tried:** a DPO search on the new SFT model; GRPO for many more steps at a low rate
+  (every run here was 10 steps, about 2 minutes); the NLL anchor at temperature 1 instead of
+  the sampling temperature; the reference solution as an extra group member where a group is
+  all wrong (off-policy guidance); several SFT seeds (`sft_seeds`): the two SFT runs of the same
+  command differ by 0.03 on 400 tasks, as much as the gains this table looks for.
+* The statistic is unchanged: the paired per-task difference averaged over the seeds per
+  task, its interval over the 1,600 tasks. Checked and right: the reference is the SFT model
+  (the DPO model for GRPO from DPO); GRPO's objective with the NLL anchor equals the
+  token-by-token formula on a fixed batch, loss and gradient (`tests/post/test_objectives.py`).
+
+Run time of this table: pretraining and SFT 03:45-03:57, DPO 04:22-04:32, GRPO 04:36-04:42,
+GRPO from DPO 04:42-04:48, one process at a time at `nice 10` (load 5-11: the lead and another
+helper ran benchmarks), from a copy of the tree (`git archive` of 852c644 with the sampler's
+HEAD at 16). Validation 03:57-04:36. Results: `bench/results/lifecycle/r1600/` (test),
+`bench/results/lifecycle/val1600/` (validation). DPO's CPU time is its training alone; its pairs
+took 27-28 s and scoring 1,600 tasks 17-24 s of CPU. The tokens column is the load-independent
+measure."""
 
 
 def _fmt(value: float) -> str:

@@ -9,7 +9,7 @@ model it measures the median step time with nobody pulling (*idle*) and while th
 (*serving*), for each setting ``SERVER:NICE`` of ``--settings``: the server kind
 (``ft.snapshot_server``: ``process``, a child process serving from shared memory at nice
 ``ft.serve_nice``; ``thread``, threads of the training process at ``ft.transfer_nice``) and its
-CPU priority. The puller's threads run at the same nice value. Repetitions go round all settings
+CPU priority. The puller process runs at the same nice value. Repetitions go round all settings
 (in reverse order every other round), each an idle/serving pair in alternating order, so drift
 of the machine's load hits every setting alike. The issue's target: serving within 10% of idle.
 
@@ -38,15 +38,19 @@ STEP = 0  # the snapshot's step number (any)
 STARTS: list[float] = []  # seconds ProcessSnapshotServer.start() took on the calling thread
 READY: list[float] = []  # seconds from start() until its process answered
 
-# The recovering peer: pulls the snapshot until stdin closes, one line per completed pull.
+# The recovering peer: pulls the snapshot until stdin closes, one line per completed pull. It
+# stands for another host, so all of it runs at the setting's nice value, not only its pulling
+# threads: its main thread allocates and frees a receive buffer per pull (at nice 0 that alone
+# cost the small model's source +23-37% at process:19, and +6% with the whole puller at 19).
 _PULLER = """
 import os, sys, threading
 from ftlm.ft.transport import fetch_snapshot
 url, nice = sys.argv[1], int(sys.argv[2])
+os.nice(nice)  # before any thread: they all inherit it
 stop = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
 while not stop.is_set():
-    tensors, _ = fetch_snapshot(url, 0, parallel=4, timeout=60, thread_nice=nice)
+    tensors, _ = fetch_snapshot(url, 0, parallel=4, timeout=60)
     print(sum(t.numel() * t.element_size() for t in tensors.values()), flush=True)
 """
 
@@ -186,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             + f"* Method: see `bench/serve_impact.py`; one torch thread, sequences of 128 tokens, "
               f"{args.reps} idle/serving pair(s) of {args.steps} steps per setting, settings "
               f"interleaved and pairs ABAB, medians (a phase's first step left out); the "
-              f"puller's threads at the server's nice value. Took {time.time() - t0:.0f} s."
+              f"puller process at the server's nice value. Took {time.time() - t0:.0f} s."
               + (f" Starting a server process took {1000 * statistics.median(STARTS):.1f} ms "
                  f"(median of {len(STARTS)}, max {1000 * max(STARTS):.1f}) on the calling "
                  f"thread, and it answered {1000 * statistics.median(READY):.0f} ms (max "

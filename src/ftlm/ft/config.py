@@ -190,10 +190,10 @@ class FTConfig:
     serve_nice: int = 19
     """CPU priority (nice value, 0-19) of the snapshot server process (``snapshot_server =
     'process'``); 19, the lowest, lets training run first where cores are short, and the transfer
-    gets the cores training leaves idle (``bench.serve_impact`` on 2 cores shared with the
-    puller: a source's step +2% for the 82M model and +23-37% for the 16M one while it serves,
-    against +210-350% at 0). Unlike serving threads at 19, the process never stalls the group's
-    heartbeat (``bench.transfer_priority``: ticks at most 12 ms late against 287 ms)."""
+    gets the cores training leaves idle (``bench.serve_impact`` on 2 cores: a source's step
+    +0.5-5% while it serves, against +220-370% at 0). Unlike serving threads at 19, the process
+    never stalls the group's heartbeat (``bench.transfer_priority``: ticks at most 12 ms late
+    against 287 ms)."""
     transfer_nice: int = 0
     """CPU priority (nice value, 0-19) of the threads of the training process that move a
     snapshot: the pulling threads, and the serving threads with ``snapshot_server = 'thread'``;

@@ -1,4 +1,5 @@
-"""Fixtures of the ft tests: certificates for TLS, made at test time (nothing secret is stored)."""
+"""Fixtures of the ft tests: snapshot servers stopped after each test, and certificates for TLS,
+made at test time (nothing secret is stored)."""
 
 from __future__ import annotations
 
@@ -85,3 +86,20 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
                     cert=write_cert(root / "server.pem", server), key=key_path,
                     cert_without_ip=write_cert(root / "server-no-ip.pem", no_ip),
                     other_ca=write_cert(root / "other-ca.pem", other))
+
+
+@pytest.fixture
+def make_server():
+    """``make(cls=SnapshotServer, **kwargs)``: a started snapshot server, stopped after the test."""
+    from ftlm.ft.transport import SnapshotServer
+    servers: list = []
+
+    def make(cls: type = SnapshotServer, **kwargs):
+        server = cls(**kwargs)
+        servers.append(server)
+        server.start()
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()

@@ -84,18 +84,9 @@ def wait_until(condition, timeout: float = 10.0) -> bool:
 
 
 @pytest.fixture
-def make_server():
-    servers: list[ProcessSnapshotServer] = []
-
-    def make(**kwargs) -> ProcessSnapshotServer:
-        server = ProcessSnapshotServer(**{"nice": 0, **kwargs})
-        servers.append(server)
-        server.start()
-        return server
-
-    yield make
-    for server in servers:
-        server.stop()
+def make_server(make_server):
+    """The conftest fixture, making process servers (at nice 0 unless told otherwise)."""
+    return lambda **kwargs: make_server(ProcessSnapshotServer, **{"nice": 0, **kwargs})
 
 
 def test_a_pull_from_the_process_server_equals_the_snapshot_bit_for_bit(make_server):

@@ -63,21 +63,6 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
         assert torch.equal(raw_a, raw_b), name
 
 
-@pytest.fixture
-def make_server():
-    servers: list[SnapshotServer] = []
-
-    def make(cls: type[SnapshotServer] = SnapshotServer, **kwargs) -> SnapshotServer:
-        server = cls(**kwargs)
-        servers.append(server)
-        server.start()
-        return server
-
-    yield make
-    for server in servers:
-        server.stop()
-
-
 def http_status(url: str, token: str = "") -> int:
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
     try:

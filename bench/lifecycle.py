@@ -60,7 +60,7 @@ FAMILIES = "add"
 
 FULL = {
     "families": FAMILIES, "sft_families": SFT_FAMILIES, "pretrain_steps": 200,
-    "heldout_tasks": 1600, "max_new_tokens": 96,
+    "heldout_tasks": 1600, "test_seed": 1234, "max_new_tokens": 96,
     "train_tasks": 4000, "sft_steps": 800, "sft_lr": 3e-3, "sft_batch": 16, "sft_seq_len": 128,
     "sft_seeds": 1,
     "pair_tasks": 300, "pair_samples": 4, "pair_temperature": 1.0,
@@ -75,6 +75,9 @@ QUICK = {**FULL, "pretrain_steps": 20, "sft_steps": 10, "train_tasks": 100, "sft
          "grpo_tasks": 100, "max_new_tokens": 48}
 VAL_SEED = 4321
 """Seed of the validation draw (training split, problems of every training stage removed)."""
+FIRST_TEST = (1234, 1600)
+"""The test draw the tables up to 2026-12-01 05:19 UTC scored (seed, tasks; families add): a
+second setting was scored on it, so a draw of another ``test_seed`` leaves its problems out."""
 
 
 def _config(run_dir: Path, seed: int, **sections):
@@ -131,15 +134,11 @@ def _train(kind: str, config) -> dict:
             "steps": summary["steps_committed"], "final_loss": summary["final_loss"]}
 
 
-def evaluation_tasks(sizes: dict, split: str, seeds: int) -> list:
-    """The tasks every model is scored on: the suite's held-out split (``test``, what the table
-    reports), or a validation set for choosing hyper-parameters (``val``): training-split
-    problems that no training stage of any seed sees."""
+def training_problems(sizes: dict, seeds: int) -> set[tuple[str, str]]:
+    """(family, key) of every task a training stage (SFT, preference pairs, GRPO) of any of
+    ``seeds`` draws."""
     from ftlm.tasks import generate
-    families, n = sizes["families"], sizes["heldout_tasks"]
-    if split == "test":
-        return generate(families, "test", n, 1234)
-    used = set()
+    families, used = sizes["families"], set()
     for seed in range(seeds):
         for count, task_seed in ((sizes["train_tasks"], seed % sizes["sft_seeds"]),
                                  (sizes["pair_tasks"], 100 + seed),
@@ -150,6 +149,28 @@ def evaluation_tasks(sizes: dict, split: str, seeds: int) -> list:
         sft = generate(sizes.get("sft_families", families), "train", sizes["train_tasks"],
                        seed % sizes["sft_seeds"])
         used |= {(t.family, t.key) for t in sft}
+    return used
+
+
+def evaluation_tasks(sizes: dict, split: str, seeds: int) -> list:
+    """The tasks every model is scored on: the suite's held-out split (``test``, what the table
+    reports), or a validation set for choosing hyper-parameters (``val``): training-split
+    problems that no training stage of any seed sees.
+
+    The test tasks are the draw of seed ``test_seed``; a seed other than the first draw's
+    (``FIRST_TEST``) gives a fresh draw: ``n`` test problems none of which the first draw of the
+    same families holds (its ``max(n, FIRST_TEST[1])`` tasks of seed ``FIRST_TEST[0]``)."""
+    from ftlm.tasks import generate
+    families, n = sizes["families"], sizes["heldout_tasks"]
+    seed = sizes.get("test_seed", FIRST_TEST[0])
+    if split == "test" and seed == FIRST_TEST[0]:
+        return generate(families, "test", n, seed)
+    if split == "test":
+        seen = {(t.family, t.key) for t in
+                generate(families, "test", max(n, FIRST_TEST[1]), FIRST_TEST[0])}
+        pool = generate(families, "test", n + len(seen), seed)
+        return [t for t in pool if (t.family, t.key) not in seen][:n]
+    used = training_problems(sizes, seeds)
     pool = generate(families, "train", 2 * n + len(used) // 4, VAL_SEED)
     return [t for t in pool if (t.family, t.key) not in used][:n]
 
@@ -165,12 +186,14 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
     torch.set_num_threads(1)
     ensure_demo()
     heldout = evaluation_tasks(sizes, split, seeds)
+    test_seed = sizes.get("test_seed", FIRST_TEST[0])
     out: dict = {"sizes": sizes, "split": split, "stages": {}}
 
     def record(stage: str, seed: int, compute: dict, weights: Path, trained: bool) -> None:
         # With reuse, the score of a reused model on these very tasks is read back, not computed
         # again (a model trained just now is always scored: its folder may hold an old score).
-        cache = weights.parent / (f"eval_{split}_{sizes['families'].replace(',', '-')}_"
+        draw = split if split != "test" or test_seed == FIRST_TEST[0] else f"test{test_seed}"
+        cache = weights.parent / (f"eval_{draw}_{sizes['families'].replace(',', '-')}_"
                                   f"{len(heldout)}_{sizes['max_new_tokens']}.json")
         if reuse and not trained and cache.is_file():
             acc = json.loads(cache.read_text())
@@ -444,7 +467,11 @@ def format_section(result: dict, flags: list[str]) -> str:
         body += ("* Trained by " + "; ".join(f"`{c}`" for c in runs) +
                  " (one process each); this text formatted from their JSON\n")
     z = {k: _fmt(v) if isinstance(v, float) else v for k, v in sizes.items()}
-    where = ("held-out: {n} tasks of the test split (no problem shared with training)"
+    test_seed = sizes.get("test_seed", FIRST_TEST[0])
+    where = ("held-out: {n} tasks of the test split (no problem shared with training; seed "
+             f"{test_seed}" + ("" if test_seed == FIRST_TEST[0] else
+                               f", none of the {FIRST_TEST[1]:,} tasks of seed {FIRST_TEST[0]}")
+             + ")"
              if result.get("split", "test") == "test" else
              "VALIDATION: {n} training-split tasks no stage trains on")
     body += (f"* Model: tiny (configs/tiny.toml), one group, 1 thread. Tasks: {z['families']} "
@@ -513,7 +540,7 @@ def merge(results: list[dict]) -> dict:
     the first (e.g. ``--only-seeds none``, the pretraining alone) on the pretraining and the
     evaluation. A size one run does not record (an older run) is not a disagreement."""
     first, rest = results[0], results[1:] or results
-    shared = ("families", "pretrain_steps", "heldout_tasks", "max_new_tokens")
+    shared = ("families", "pretrain_steps", "heldout_tasks", "test_seed", "max_new_tokens")
     own = {k for keys in STAGE_SIZES.values() for k in keys}
     out = {"sizes": dict(rest[0]["sizes"]), "split": first.get("split", "test"), "stages": {}}
 

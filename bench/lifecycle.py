@@ -24,10 +24,12 @@ processed (committed training tokens; for pairs and evaluation, the sampling tim
 
 It does not tune hyper-parameters by itself: ``--eval-split val`` scores every model on a
 validation set instead (training-split problems that no stage of any seed trains on), which is
-where settings are compared; the test split is for the table only. ``--workdir``/``--reuse``
-keep the runs and take back the models, pairs and scores found there, and ``--only-seeds`` with
-``--merge`` let seeds (or the DPO and GRPO stages, via ``--stages``) run as separate processes.
-It does not measure fault tolerance.
+where settings are compared; the test split is for the table only (``--set test_seed=N``: a
+fresh draw of it that leaves out the first draw's problems). ``--workdir``/``--reuse`` keep the
+runs and take back the models, pairs and scores found there (refused when they were made with
+other settings), ``--only-seeds`` with ``--merge`` let seeds (or the DPO and GRPO stages, via
+``--stages``) run as separate processes, and ``--label`` names a variant's rows ("DPO, LABEL")
+so that rows of several settings merge into one table. It does not measure fault tolerance.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ FULL = {
     "train_tasks": 4000, "sft_steps": 800, "sft_lr": 3e-3, "sft_batch": 16, "sft_seq_len": 128,
     "sft_seeds": 1,
     "pair_tasks": 300, "pair_samples": 4, "pair_temperature": 1.0,
-    "dpo_steps": 40, "dpo_lr": 5e-5, "dpo_beta": 0.1, "dpo_nll": 10.0,
+    "dpo_steps": 40, "dpo_lr": 5e-5, "dpo_beta": 0.1, "dpo_nll": 10.0, "dpo_loss": "sigmoid",
     "grpo_steps": 10, "grpo_batch": 32, "group_size": 8, "grpo_lr": 2e-4, "grpo_kl": 0.04,
     "grpo_clip": 0.2, "grpo_temperature": 0.7, "grpo_tasks": 1000, "grpo_nll": 0.0,
     "verify": "answer",
@@ -175,11 +177,33 @@ def evaluation_tasks(sizes: dict, split: str, seeds: int) -> list:
     return [t for t in pool if (t.family, t.key) not in used][:n]
 
 
+def _saved_settings_differ(run_dir: Path, config) -> list[str]:
+    """The settings (``model``, ``train``, ``post``) in which the run that left ``run_dir`` differs
+    from ``config`` (a setting only one of them has, from an older version, is not compared;
+    files are compared by the path they resolve to: a workdir may link to another's models)."""
+    import os
+    import tomllib
+    saved = tomllib.loads((run_dir / "config.toml").read_text())
+    now = config.to_dict()
+    same = lambda key, a, b: a == b or (key in ("init_from", "data", "reference") and
+                                        os.path.realpath(a) == os.path.realpath(b))
+    return [f"{section}.{key}: {saved[section][key]!r} there, {value!r} now"
+            for section in ("model", "train", "post") for key, value in now[section].items()
+            if key in saved.get(section, {}) and not same(key, saved[section][key], value)]
+
+
+def base_stage(stage: str) -> str:
+    """The stage a row is of (``"DPO"`` for ``"DPO, chosen"``: ``--label`` names a variant)."""
+    return stage.split(", ", 1)[0]
+
+
 def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
                   stages: tuple[str, ...] = ("dpo", "grpo"), reuse: bool = False,
-                  only: list[int] | None = None) -> dict:
+                  only: list[int] | None = None, label: str = "") -> dict:
     """Pretrain once, then SFT, DPO and GRPO for each seed (``only``: these seeds of
-    ``range(seeds)``; the validation set still leaves out every seed's training tasks)."""
+    ``range(seeds)``; the validation set still leaves out every seed's training tasks). With
+    ``label``, the DPO and GRPO rows are named "DPO, <label>" etc. (a variant's row, to be
+    merged beside the plain one); the result records each of these rows' own settings."""
     from ftlm.post.pairs import make_pairs, write_pairs
     from ftlm.post.run import load_reference, load_tokenizer
     from ftlm.tasks import VERIFIERS, generate
@@ -187,7 +211,8 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
     ensure_demo()
     heldout = evaluation_tasks(sizes, split, seeds)
     test_seed = sizes.get("test_seed", FIRST_TEST[0])
-    out: dict = {"sizes": sizes, "split": split, "stages": {}}
+    out: dict = {"sizes": sizes, "split": split, "stages": {}, "stage_sizes": {}}
+    named = lambda stage: f"{stage}, {label}" if label else stage
 
     def record(stage: str, seed: int, compute: dict, weights: Path, trained: bool) -> None:
         # With reuse, the score of a reused model on these very tasks is read back, not computed
@@ -202,14 +227,20 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
             cache.write_text(json.dumps(acc))
         entry = {**compute, **acc}
         out["stages"].setdefault(stage, {})[seed] = entry
+        if base_stage(stage) in STAGE_SIZES:
+            out["stage_sizes"][stage] = {k: sizes[k] for k in STAGE_SIZES[base_stage(stage)]}
         print(f"{stage} seed {seed}: acc {acc['acc']:.3f} +- {acc['ci95']:.3f} "
               f"({compute.get('seconds', 0):.0f} s) {acc['families']}", flush=True)
 
     def train(kind: str, config) -> tuple[dict, bool]:
-        """Train, or with ``reuse`` take the model an earlier run left in the same folder;
-        whether it trained."""
+        """Train, or with ``reuse`` take the model an earlier run with the same settings left
+        in the same folder; whether it trained."""
         done = config.run.path / "summary.json"
         if reuse and done.is_file() and (config.run.path / "model.safetensors").is_file():
+            differ = _saved_settings_differ(config.run.path, config)
+            if differ:
+                raise SystemExit(f"--reuse: {config.run.path} was trained with other settings ("
+                                 + "; ".join(differ) + "); use another --workdir")
             print(f"reusing {config.run.path}", flush=True)
             kept = config.run.path / "lifecycle_compute.json"  # what the run that trained it cost
             if kept.is_file():
@@ -233,7 +264,8 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
             train_tasks=sizes["grpo_tasks"], task_seed=200 + seed,
             verify=sizes.get("verify", "answer")))
         config.train.batch_size = sizes["grpo_batch"]
-        record(stage, seed, _train("grpo", config), config.run.path / "model.safetensors", True)
+        compute, trained = train("grpo", config)
+        record(stage, seed, compute, config.run.path / "model.safetensors", trained)
 
     pre = _config(root / "pretrain", 0, train={"steps": sizes["pretrain_steps"]})
     compute, trained = train("pretrain", pre)
@@ -257,9 +289,17 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
             # DPO: pairs sampled from this SFT model on training tasks, checked.
             t0 = time.perf_counter()
             pairs, counts_file = root / f"pairs{seed}.jsonl", root / f"pairs{seed}.counts.json"
+            settings = {"sft_model": str(sft_weights.resolve()), "seed": seed,
+                        **{k: sizes.get(k) for k in ("families", "pair_tasks", "pair_samples",
+                                                     "pair_temperature", "max_new_tokens",
+                                                     "verify")}}
             if reuse and pairs.is_file() and counts_file.is_file():
                 counts = json.loads(counts_file.read_text())
                 pair_seconds = counts.pop("seconds")
+                if counts.pop("settings", None) != settings:
+                    raise SystemExit(f"--reuse: {pairs} was sampled with other settings than "
+                                     f"{settings} (or before they were recorded in "
+                                     f"{counts_file.name}); use another --workdir")
                 print(f"reusing {pairs}", flush=True)
             else:
                 pcfg = _config(root / f"pairs{seed}", seed, **_post_sections(
@@ -274,22 +314,24 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
                                              verify=VERIFIERS[sizes.get("verify", "answer")])
                 write_pairs(records, pairs)
                 pair_seconds = time.perf_counter() - t0
-                counts_file.write_text(json.dumps({**counts, "seconds": pair_seconds}))
+                counts_file.write_text(json.dumps({**counts, "seconds": pair_seconds,
+                                                   "settings": settings}))
             dpo = _config(root / f"dpo{seed}", seed, **_post_sections(
                 sizes, sizes["dpo_lr"], sizes["dpo_steps"], sft_weights, data=str(pairs),
-                beta=sizes["dpo_beta"], dpo_nll=sizes["dpo_nll"]))
-            compute = _train("dpo", dpo)
+                beta=sizes["dpo_beta"], dpo_nll=sizes["dpo_nll"],
+                dpo_loss=sizes.get("dpo_loss", "sigmoid")))
+            compute, trained = train("dpo", dpo)
             compute["pair_seconds"], compute["pairs"] = pair_seconds, counts
-            record("DPO", seed, compute, dpo.run.path / "model.safetensors", True)
+            record(named("DPO"), seed, compute, dpo.run.path / "model.safetensors", trained)
         if "grpo" in stages:
-            grpo("GRPO", f"grpo{seed}", sft_weights, seed)
+            grpo(named("GRPO"), f"grpo{seed}", sft_weights, seed)
         if "grpo_dpo" in stages:
             # GRPO from this seed's DPO model (trained above, or by an earlier run in root).
             dpo_weights = root / f"dpo{seed}" / "model.safetensors"
             if not dpo_weights.is_file():
                 raise SystemExit(f"--stages grpo_dpo: no DPO model {dpo_weights}; add dpo to "
                                  "--stages (or run it first in the same --workdir)")
-            grpo("GRPO from DPO", f"grpo_dpo{seed}", dpo_weights, seed)
+            grpo(named("GRPO from DPO"), f"grpo_dpo{seed}", dpo_weights, seed)
     return out
 
 
@@ -323,10 +365,16 @@ def verdict(result: dict) -> str:
     def mean(stage: str, key: str = "acc") -> float:
         return statistics.fmean(e[key] for e in stages[stage].values())
 
+    # Each row against the model it started from: a labelled GRPO from DPO against the DPO row
+    # of the same label.
+    below = {"SFT": "pretrained", "DPO": "SFT", "GRPO": "SFT", "GRPO from DPO": "DPO"}
     lines = []
-    for better, worse in (("SFT", "pretrained"), ("DPO", "SFT"), ("GRPO", "SFT"),
-                          ("GRPO from DPO", "DPO")):
-        if better not in stages or worse not in stages:
+    for better in stages:
+        base = base_stage(better)
+        if base not in below:
+            continue
+        worse = below[base] + better[len(base):] if base == "GRPO from DPO" else below[base]
+        if worse not in stages:
             continue
         diff = mean(better) - mean(worse)
         interval = max(mean(better, "ci95"), mean(worse, "ci95"))
@@ -456,7 +504,7 @@ def format_section(result: dict, flags: list[str]) -> str:
         cpu = [e["cpu_seconds"] for e in by_seed.values() if "cpu_seconds" in e]
         if len(cpu) == len(by_seed):  # newer runs (a reused model has no CPU time)
             extra += f" ({statistics.fmean(cpu):.0f} s CPU)"
-        if stage == "DPO":
+        if base_stage(stage) == "DPO":
             extra += f" + {statistics.fmean(e['pair_seconds'] for e in by_seed.values()):.0f} s pairs"
         rows.append([stage, f"{mean:.3f}" + ("" if len(accs) < 2 else f" (sd {sd:.3f})"), seeds,
                      f"{secs:.0f} s{extra}", f"{tokens:,.0f}"])
@@ -486,8 +534,8 @@ def format_section(result: dict, flags: list[str]) -> str:
                 else f"seed s starts from the SFT model of seed s mod {z['sft_seeds']}") +
              f"); DPO {z['dpo_steps']} steps (batch 8 pairs) on pairs "
              f"from {z['pair_tasks']} training tasks x {z['pair_samples']} samples at "
-             f"temperature {z['pair_temperature']} (beta {z['dpo_beta']}, NLL weight "
-             f"{z['dpo_nll']}, lr {z['dpo_lr']}); GRPO {z['grpo_steps']} steps of "
+             f"temperature {z['pair_temperature']} ({z.get('dpo_loss', 'sigmoid')} loss, beta "
+             f"{z['dpo_beta']}, NLL weight {z['dpo_nll']}, lr {z['dpo_lr']}); GRPO {z['grpo_steps']} steps of "
              f"{z['grpo_batch']} prompts x G={z['group_size']} at temperature "
              f"{z['grpo_temperature']} from {z['grpo_tasks']} training tasks (clip "
              f"{z['grpo_clip']}, KL {z['grpo_kl']}, lr {z['grpo_lr']}, NLL weight on the "
@@ -501,14 +549,21 @@ def format_section(result: dict, flags: list[str]) -> str:
     if "GRPO from DPO" in result["stages"]:
         body += ("* GRPO from DPO: the GRPO settings above, started from each seed's DPO model "
                  "(also its KL reference) instead of the SFT model\n")
+    for stage, own in result.get("stage_sizes", {}).items():
+        if stage != base_stage(stage):  # a labelled variant: how its settings differ
+            differ = [f"{k} {_fmt(v) if isinstance(v, float) else v}" for k, v in own.items()
+                      if sizes.get(k) != v]
+            body += (f"* {stage}: the {base_stage(stage)} settings above"
+                     + (", but " + ", ".join(differ) if differ else "") + "\n")
     body += "\n"
     body += table(["stage", "pass@1, mean over seeds", "per seed (± 95 % CI)",
                    "compute (wall)", "tokens"], rows)
-    pairs = [e["pairs"] for e in result["stages"].get("DPO", {}).values()]
-    if pairs:
-        body += "\n\nPairs per seed (sampled correct vs incorrect / solution vs incorrect / all " \
-                "correct, skipped): " + "; ".join(
-                    f"{p['sample']} / {p['solution']} / {p['all_correct']}" for p in pairs)
+    for stage, by_seed in result["stages"].items():
+        pairs = [e["pairs"] for e in by_seed.values() if "pairs" in e]
+        if base_stage(stage) == "DPO" and pairs:
+            body += (f"\n\nPairs of {stage} per seed (sampled correct vs incorrect / solution vs "
+                     "incorrect / all correct, skipped): " + "; ".join(
+                         f"{p['sample']} / {p['solution']} / {p['all_correct']}" for p in pairs))
     body += "\n\n" + verdict(result)
     if result.get("split", "test") == "test" and sizes["families"] == FAMILIES:
         body += "\n\n" + FINDINGS
@@ -524,7 +579,7 @@ def format_section(result: dict, flags: list[str]) -> str:
 
 STAGE_SIZES = {
     "DPO": ("pair_tasks", "pair_samples", "pair_temperature", "dpo_steps", "dpo_lr", "dpo_beta",
-            "dpo_nll"),
+            "dpo_nll", "dpo_loss"),
     "GRPO": ("grpo_steps", "grpo_batch", "group_size", "grpo_lr", "grpo_kl", "grpo_clip",
              "grpo_temperature", "grpo_tasks", "grpo_nll"),
 }
@@ -536,9 +591,11 @@ def merge(results: list[dict]) -> dict:
     """One result from runs over disjoint seeds or stages, scored on the same tasks (the
     pretrained model's entry is taken from the first run; a seed present twice is refused). The
     runs after the first must agree on every size their stages read (a DPO run and a GRPO run
-    may differ in each other's settings; the merged sizes take each stage's from a run of it);
-    the first (e.g. ``--only-seeds none``, the pretraining alone) on the pretraining and the
-    evaluation. A size one run does not record (an older run) is not a disagreement."""
+    may differ in each other's settings, and so may the runs of a labelled variant row and of
+    the plain one; the merged sizes take each plain stage's from a run of it, ``stage_sizes``
+    holds every row's own); the first (e.g. ``--only-seeds none``, the pretraining alone) on the
+    pretraining and the evaluation. A size one run does not record (an older run) is not a
+    disagreement."""
     first, rest = results[0], results[1:] or results
     shared = ("families", "pretrain_steps", "heldout_tasks", "test_seed", "max_new_tokens")
     own = {k for keys in STAGE_SIZES.values() for k in keys}
@@ -547,14 +604,17 @@ def merge(results: list[dict]) -> dict:
     def agree(a: dict, b: dict, keys) -> bool:
         return all(a[k] == b[k] for k in keys if k in a and k in b)
 
-    taken: dict[str, dict] = {}  # stage -> the sizes of the first run that trained it
+    taken: dict[str, dict] = {}  # stage -> its own sizes, from the first run that trained it
     for r in results:
         sizes = r["sizes"]
         same = agree(sizes, out["sizes"], shared if r is first else
                      (set(sizes) | set(out["sizes"])) - own)
-        for stage, keys in STAGE_SIZES.items():
-            if stage in r["stages"]:
-                same = same and agree(sizes, taken.setdefault(stage, sizes), keys)
+        for stage in r["stages"]:
+            keys = STAGE_SIZES.get(base_stage(stage))
+            if keys:
+                mine = r.get("stage_sizes", {}).get(stage) or \
+                    {k: sizes[k] for k in keys if k in sizes}
+                same = same and agree(mine, taken.setdefault(stage, mine), keys)
         if not same or r.get("split", "test") != out["split"]:
             raise SystemExit("--merge: the runs differ in sizes or split")
         for stage, by_seed in r["stages"].items():
@@ -569,15 +629,17 @@ def merge(results: list[dict]) -> dict:
                 raise SystemExit(f"--merge: seed(s) {sorted(twice)} of {stage} in two runs")
             into.update(by_seed)
     for stage, sizes in taken.items():
-        out["sizes"].update({k: sizes[k] for k in STAGE_SIZES[stage] if k in sizes})
+        if stage == base_stage(stage):
+            out["sizes"].update(sizes)
+    out["stage_sizes"] = taken
     for key in ("sft_families",):  # recorded by newer runs only
         found = [r["sizes"][key] for r in results if key in r["sizes"]]
         if found and key not in out["sizes"]:
             out["sizes"][key] = found[0]
     order = ["pretrained", "SFT", "DPO", "GRPO", "GRPO from DPO"]
     out["stages"] = {stage: dict(sorted(by_seed.items(), key=lambda kv: int(kv[0])))
-                     for stage, by_seed in sorted(out["stages"].items(),
-                                                  key=lambda kv: order.index(kv[0]))}
+                     for stage, by_seed in sorted(out["stages"].items(), key=lambda kv: (
+                         order.index(base_stage(kv[0])), kv[0]))}
     return out
 
 
@@ -615,6 +677,9 @@ def main(argv: list[str] | None = None) -> int:
                    "their JSON files")
     p.add_argument("--merge", nargs="+", default=[], metavar="JSON",
                    help="do not train: join the results of runs over disjoint seeds")
+    p.add_argument("--label", default="", help="name this run's DPO/GRPO rows \"DPO, LABEL\" "
+                   "etc.: a variant's rows, merged (--merge) beside the plain ones, each row "
+                   "with its own settings")
     p.add_argument("--json", default="", help="also write the raw results here")
     p.add_argument("--from-json", default="", help="do not train: format (and write) the section "
                    "from results saved by an earlier --json run")
@@ -633,11 +698,12 @@ def main(argv: list[str] | None = None) -> int:
         args.json = ""
     elif args.workdir:
         result = run_lifecycle(Path(args.workdir), sizes, args.seeds, args.eval_split, stages,
-                               args.reuse, only)
+                               args.reuse, only, args.label)
         result["command"] = command_line()
     else:
         with tempfile.TemporaryDirectory(prefix="ftlm-lifecycle-") as tmp:
-            result = run_lifecycle(Path(tmp), sizes, args.seeds, args.eval_split, stages)
+            result = run_lifecycle(Path(tmp), sizes, args.seeds, args.eval_split, stages,
+                                   label=args.label)
         result["command"] = command_line()
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))

@@ -1,6 +1,7 @@
-"""The held-out draws of bench/lifecycle.py: the fresh test draw (``test_seed``) shares no problem
-with the first draw (seed 1234) nor with any training stage's tasks, and the first draw is the
-one the earlier tables scored. No model is trained or scored."""
+"""The pure parts of bench/lifecycle.py. The held-out draws: the fresh test draw (``test_seed``)
+shares no problem with the first draw (seed 1234) nor with any training stage's tasks, and the
+first draw is the one the earlier tables scored. Merging a labelled variant's rows beside the
+plain ones, and the settings check of ``--reuse``. No model is trained or scored."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # bench/ is a top-level package beside src/, not installed
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.lifecycle import FIRST_TEST, FULL, evaluation_tasks, training_problems
+import pytest
+
+from bench.lifecycle import (FIRST_TEST, FULL, STAGE_SIZES, _config, _post_sections,
+                             _saved_settings_differ, base_stage, evaluation_tasks, format_section,
+                             merge, training_problems, verdict)
 from ftlm.tasks import generate
 
 FRESH_SEED = 20261201  # the fresh draw of the 2026-12-01 confirmation (chosen before scoring it)
@@ -49,3 +54,58 @@ def test_a_fresh_draw_of_several_families_leaves_out_their_first_draw() -> None:
     fresh = evaluation_tasks(sizes, "test", 1)
     assert len(fresh) == 200 and {t.family for t in fresh} == {"add", "mod"}
     assert not _keys(fresh) & _keys(generate("add,mod", "test", FIRST_TEST[1], FIRST_TEST[0]))
+
+
+def _run(stages: dict[str, dict[int, list[int]]], **sizes) -> dict:
+    """A result as one bench.lifecycle run writes it: per stage and seed, the per-task
+    correctness (no compute but what format_section reads)."""
+    z = {**FULL, **sizes}
+    entry = lambda correct: {"acc": sum(correct) / len(correct), "ci95": 0.1, "seconds": 1.0,
+                             "tokens": 10, "correct": correct, "families": {"add": 0.5},
+                             "pair_seconds": 1.0}
+    return {"sizes": z, "split": "test", "command": "python -m bench.lifecycle",
+            "stages": {stage: {str(seed): entry(c) for seed, c in by_seed.items()}
+                       for stage, by_seed in stages.items()},
+            "stage_sizes": {stage: {k: z[k] for k in STAGE_SIZES[base_stage(stage)]}
+                            for stage in stages if base_stage(stage) in STAGE_SIZES}}
+
+
+def test_merge_keeps_a_labelled_variant_beside_the_plain_row_with_its_own_settings() -> None:
+    sft = [1, 0, 0, 1, 0, 0, 1, 0]
+    plain = _run({"pretrained": {0: [0] * 8}, "SFT": {0: sft}, "DPO": {0: sft, 1: sft}})
+    chosen = _run({"pretrained": {0: [0] * 8}, "SFT": {0: sft},
+                   "DPO, chosen": {0: [1] * 8, 1: [1] * 8}}, dpo_lr=2e-4, dpo_beta=0.5)
+    out = merge([plain, chosen])
+    assert list(out["stages"]) == ["pretrained", "SFT", "DPO", "DPO, chosen"]
+    assert out["sizes"]["dpo_lr"] == FULL["dpo_lr"]  # the plain row's are the table's settings
+    assert out["stage_sizes"]["DPO, chosen"]["dpo_lr"] == 2e-4
+    text = verdict(out)
+    assert "DPO - SFT: paired per task +0.000" in text and "NOT met" in text
+    assert "DPO, chosen - SFT: paired per task +0.625" in text
+    section = format_section(out, ["--no-write"])
+    assert "* DPO, chosen: the DPO settings above, but dpo_lr 0.0002, dpo_beta 0.5\n" in section
+
+
+def test_merge_refuses_two_runs_of_one_row_with_different_settings() -> None:
+    sft = [1, 0, 1, 0]
+    a = _run({"pretrained": {0: [0] * 4}, "SFT": {0: sft}, "GRPO, long": {0: sft}}, grpo_steps=40)
+    b = _run({"pretrained": {0: [0] * 4}, "SFT": {0: sft}, "GRPO, long": {1: sft}}, grpo_steps=20)
+    with pytest.raises(SystemExit, match="differ in sizes"):
+        merge([a, b])
+
+
+def test_reuse_check_names_a_changed_setting_and_follows_linked_models(tmp_path: Path) -> None:
+    models = tmp_path / "elsewhere"
+    models.mkdir()
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "sft0").symlink_to(models)
+    saved = _config(tmp_path / "work" / "dpo0", 0, **_post_sections(
+        FULL, 5e-5, 40, models / "model.safetensors", beta=0.1))
+    saved.run.path.mkdir()
+    (saved.run.path / "config.toml").write_text(saved.to_toml())
+    linked = _post_sections(FULL, 5e-5, 40, tmp_path / "work" / "sft0" / "model.safetensors",
+                            beta=0.1)
+    assert _saved_settings_differ(saved.run.path, _config(saved.run.path, 0, **linked)) == []
+    linked["post"]["beta"] = 0.5
+    differ = _saved_settings_differ(saved.run.path, _config(saved.run.path, 0, **linked))
+    assert differ == ["post.beta: 0.1 there, 0.5 now"]

@@ -46,9 +46,16 @@ system-deps-cluster:
 	echo "system-deps-cluster: installing slurm-wlm munge shellcheck (missing:$$missing)"; \
 	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge shellcheck
 
-# The slow tier (long real-process chaos tests) runs with `$(BIN)/python -m pytest -m slow`.
+# The default tier keeps one real-process test per fault path (the protocol simulation visits
+# thousands of schedules of each); the slow tier (`make test-slow`, about 15 minutes) runs the
+# longer real-process variants: every all-reduce kill point, a source killed mid-transfer, a
+# SIGSTOPped group resumed, a catch-up that overflows its buffer, Slurm requeues, compiles.
+.PHONY: test-slow
 test: setup system-deps system-deps-cluster
 	$(BIN)/python -m pytest -q -m "not slow"
+
+test-slow: setup system-deps system-deps-cluster
+	$(BIN)/python -m pytest -q -m slow
 
 bench: setup
 	$(BIN)/python -m bench

@@ -35,6 +35,7 @@ def healthy_gaps(events: list[dict], group: str, start: float, end: float) -> li
     return [b - a for a, b in zip(times, times[1:]) if start <= a and b <= end]
 
 
+@pytest.mark.slow  # 47 s; a performance property, measured in bench.serve_impact and bench.ft_vs_torchft
 def test_slow_transfer_does_not_slow_the_healthy_group_and_joiner_ends_bitwise_equal(tmp_path,
                                                                                    demo_data):
     # A buffer large enough for the whole slow transfer: one catch-up, many replayed steps.
@@ -54,6 +55,7 @@ def test_slow_transfer_does_not_slow_the_healthy_group_and_joiner_ends_bitwise_e
     check_invariants(summary, events, 2, steps=LONG)
 
 
+@pytest.mark.slow  # 38 s; overflow and restart of a catch-up are visited thousands of times by tests/sim
 def test_buffer_smaller_than_the_lag_restarts_catch_up_and_converges(tmp_path, demo_data):
     # The first (slow) transfer lags by far more steps than the buffer holds; an ordinary one
     # (a fraction of a second) fits, so the second attempt converges.
@@ -88,6 +90,8 @@ def test_two_groups_failing_at_once(tmp_path, demo_data):
     check_invariants(summary, events, 3, steps=LONG)
 
 
+@pytest.mark.slow  # 69 s; SIGSTOP then SIGCONT ("hang_resume") is visited thousands of times by tests/sim,
+# and test_fault_tolerance.py's test_hung_group_is_detected_killed_and_rejoins runs a hang for real
 def test_hung_group_of_three_detected_within_heartbeat_timeout_then_resumed(tmp_path, demo_data):
     """SIGSTOP one group of three: the others commit again within the heartbeat timeout plus a
     step; the hung group, resumed with SIGCONT (not killed), rejoins without corrupting anyone."""

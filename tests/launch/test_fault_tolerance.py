@@ -105,7 +105,10 @@ def test_two_groups_match_single_process_on_same_global_batches(tmp_path, demo_d
         torch.testing.assert_close(ft_weights[name], single_weights[name], rtol=2e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("point", ["before_allreduce", "inside_allreduce", "after_allreduce"])
+# inside_allreduce in the default tier (20 s each); the sim visits every point of the step.
+@pytest.mark.parametrize("point", [pytest.param("before_allreduce", marks=pytest.mark.slow),
+                                   "inside_allreduce",
+                                   pytest.param("after_allreduce", marks=pytest.mark.slow)])
 def test_group_killed_at_allreduce_point_others_continue(tmp_path, demo_data, point):
     summary, events = run_job(tmp_path, demo_data, groups=2, faults={"g1": [f"{point}@10"]})
     assert any(e["kind"] == "failure_injected" and e["group"] == "g1" for e in events)
@@ -123,6 +126,8 @@ def test_group_killed_while_receiving_state(tmp_path, demo_data):
     check_invariants(summary, events, 2, steps=LONG)
 
 
+@pytest.mark.slow  # 64 s; a source killed mid-transfer is visited thousands of times by tests/sim;
+# test_group_killed_while_receiving_state walks the transfer's other end for real
 def test_source_killed_while_serving_state(tmp_path, demo_data):
     # g1 dies; g0 (the first participant) is its source and dies while serving; g2 takes over.
     summary, events = run_job(tmp_path, demo_data, groups=3, steps=LONG,

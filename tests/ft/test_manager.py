@@ -257,20 +257,19 @@ def test_a_joiner_that_replays_its_backlog_over_several_steps_pulls_the_state_on
     replay_steps = 2
     published, g0_ahead, g1_done = [], threading.Event(), threading.Event()
 
-    def g0_snapshot():
-        published.append(1)
-        return snapshot()
-
     def group(i: int):
         events = _Events()
         if i == 1:
             assert g0_ahead.wait(20), "g0 did not commit its first steps"
         m = Manager(FTConfig(**FT), f"g{i}", f"inc{i}", c.url, events=events)
+        if i == 0:
+            publish = m.server.publish
+            m.server.publish = lambda snap: (published.append(snap.step), publish(snap))[1]
         try:
             step, chain, arrived_at, participated = 0, GENESIS, None, 0
             m.join(step, chain)
             while not (g1_done.is_set() if i == 0 else participated == 2):
-                plan = m.start_step(step, chain, g0_snapshot if i == 0 else snapshot)
+                plan = m.start_step(step, chain, snapshot)
                 m.allreduce([torch.zeros(3) if plan.recovering else torch.ones(3)])
                 assert m.commit()
                 if not plan.recovering:
@@ -296,3 +295,49 @@ def test_a_joiner_that_replays_its_backlog_over_several_steps_pulls_the_state_on
     assert arrived_at is not None
     assert kinds1.count("recovery_start") == 1, kinds1
     assert len(published) == 1  # the source copied its state for this joiner once
+
+
+def test_a_source_writes_the_joiners_snapshot_into_memory_it_prepared_ahead():
+    """Issue 11: a snapshot written into new memory pays a page fault per page on the step every
+    healthy group waits for. A participant prepares the next snapshot's memory while nobody
+    pulls (``ftlm.ft.snapshot_reserve``), the joiner's snapshot is written into it, and once
+    the joiner no longer pulls, new memory is prepared for the next one."""
+    c = Coordinator(FTConfig(**FT, groups=1).coordinator_config())
+    c.start()
+    reserved, published = [], []
+    g0_ready, g1_done = threading.Event(), threading.Event()
+
+    def group(i: int):
+        if i == 1:
+            assert g0_ready.wait(20), "g0 prepared no snapshot memory"
+        m = Manager(FTConfig(**FT), f"g{i}", f"inc{i}", c.url)
+        if i == 0:
+            publish = m.server.publish
+            m.server.publish = lambda snap: (published.append(snap.shared), publish(snap))[1]
+        try:
+            step, chain = 0, GENESIS
+            m.join(step, chain)
+            while not (g1_done.is_set() and (i == 1 or m.reserve.wait(10))):
+                plan = m.start_step(step, chain, snapshot)
+                m.allreduce([torch.zeros(3) if plan.recovering else torch.ones(3)])
+                assert m.commit()
+                if i == 0 and step >= 2 and not g0_ready.is_set() and m.reserve.wait(10):
+                    reserved.append(m.reserve._ready.memory)  # held: its identity stays its own
+                    g0_ready.set()
+                if not plan.recovering:
+                    step, chain = plan.step + 1, plan.quorum.next_chain()
+                    if i == 1:
+                        g1_done.set()
+                elif m.poll_recovery() is not None:
+                    step, chain = plan.step + 1, plan.quorum.next_chain()
+                    m.caught_up(step, chain)
+            return m.reserve._ready.memory if i == 0 else None
+        finally:
+            m.close()
+
+    try:
+        (again, _) = run_groups(group, 2, timeout=60)
+    finally:
+        c.stop()
+    assert len(published) == 1 and published[0] is reserved[0]  # written into the prepared pages
+    assert again is not None and again is not reserved[0]  # prepared anew after the pull

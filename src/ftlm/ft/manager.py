@@ -38,10 +38,11 @@ from ftlm.ft.protocol import Recovered, SnapshotFn, StepPlan, StopRequested
 from ftlm.ft.quorum_answer import MemberQuorum
 from ftlm.observe.logs import CONTEXT as LOG_CONTEXT
 from ftlm.observe.metrics import NullMetrics
-from ftlm.ft.framing import ExpectedLayout, expected_layout
+from ftlm.ft.framing import ExpectedLayout, expected_layout, layout
 from ftlm.ft.serve_process import make_snapshot_server
+from ftlm.ft.snapshot_reserve import SnapshotReserve
 from ftlm.ft.tls import client_context
-from ftlm.ft.transport import TransferError, fetch_snapshot, snapshot_state
+from ftlm.ft.transport import TransferError, fetch_snapshot, snapshot_pinned, snapshot_state
 
 log = logging.getLogger("ftlm.ft.manager")
 
@@ -116,6 +117,8 @@ class Manager:
         self.server = make_snapshot_server(config, host=self.host, token=token,
                                            on_chunk=self._on_serve_chunk if serve_fault else None)
         self.server.start()
+        # The next snapshot's memory, allocated ahead at the lowest priority (issue 11).
+        self.reserve = SnapshotReserve() if config.snapshot_reserve else None
         self.transfer_urls = _gather_strings(self.server.url, self.ranks, self.control)
         self.abort = threading.Event()
         self.quorum: MemberQuorum | None = None
@@ -297,7 +300,8 @@ class Manager:
             # so a starved copy would delay the step it should overlap with.
             try:
                 t0 = time.monotonic()
-                snap = snapshot_state(tensors, meta, step, shared=self.server.shared_memory)
+                snap = snapshot_state(tensors, meta, step, shared=self.server.shared_memory,
+                                      reserve=self.reserve)
                 self.server.publish(snap)
                 self.metrics.on_snapshot(time.monotonic() - t0, snap.total_bytes)
             except BaseException as e:  # noqa: BLE001 - reported on the training thread
@@ -375,6 +379,7 @@ class Manager:
             self._publish_in_background(snapshot, q.step)
         # Snapshots no recovering peer pulls any more are freed, not kept for the next one.
         self.server.retain(role.retain)
+        self._keep_reserve(role, snapshot)
         if role.fetch_from is not None:
             if self._expected is None:
                 # A peer's snapshot must have exactly this rank's own tensor layout: nothing it
@@ -382,6 +387,19 @@ class Manager:
                 self._expected = expected_layout(snapshot()[0])
             self._start_fetch(q, role.fetch_from)
         return self._plan(role, waited)
+
+    def _keep_reserve(self, role: Role, snapshot: SnapshotFn) -> None:
+        """Prepare the next snapshot's memory while nobody pulls one: a participant past its
+        first step (the optimizer state exists then), with no snapshot published. So at most one
+        snapshot and one reserve are held at a time."""
+        reserve = self.reserve
+        if (reserve is None or not reserve.idle or role.participant_index is None
+                or role.publish or role.quorum.step == 0 or self.server.steps()):
+            return
+        tensors = snapshot()[0]
+        shared = self.server.shared_memory
+        reserve.prepare(layout(tensors)[1], shared=shared,
+                        pinned=snapshot_pinned(tensors, shared=shared))
 
     def _plan(self, role: Role, waited: float = 0.0) -> StepPlan:
         q = role.quorum
@@ -571,6 +589,8 @@ class Manager:
             self.heartbeater.stop()
         self.pg.abort_current()
         self.server.stop()
+        if self.reserve is not None:
+            self.reserve.close()
         if self.client is not None:
             self.client.close()
 

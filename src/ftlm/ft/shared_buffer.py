@@ -38,9 +38,12 @@ class SharedBuffer:
     ``memory`` is the mapping (a buffer: wrap it with ``torch.frombuffer``); ``fd`` the
     descriptor to pass to another process. The descriptor is closed when this object is
     garbage-collected (or by ``close_fd``); the mapping lives while anything views it.
+    ``prefault``: allocate every page now (``posix_fallocate``) and map them all
+    (``MAP_POPULATE``), so that a later write costs no page faults
+    (``ftlm.ft.snapshot_reserve``).
     """
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, *, prefault: bool = False) -> None:
         if not supported():
             raise ConfigError("anonymous shared memory (os.memfd_create) needs Linux; on this "
                               "platform set ft.snapshot_server = 'thread'")
@@ -51,8 +54,12 @@ class SharedBuffer:
         self._closer = weakref.finalize(self, os.close, self.fd)
         try:
             os.ftruncate(self.fd, nbytes)
+            flags = mmap.MAP_SHARED
+            if prefault and nbytes:
+                os.posix_fallocate(self.fd, 0, nbytes)  # ENOSPC/ENOMEM here, not at the copy
+                flags |= getattr(mmap, "MAP_POPULATE", 0)
             # mmap cannot map 0 bytes: an empty snapshot has a descriptor and nothing mapped.
-            self.memory: mmap.mmap | bytearray = (mmap.mmap(self.fd, nbytes) if nbytes
+            self.memory: mmap.mmap | bytearray = (mmap.mmap(self.fd, nbytes, flags=flags) if nbytes
                                                   else bytearray())
         except BaseException:
             self._closer()

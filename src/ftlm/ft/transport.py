@@ -60,6 +60,7 @@ from ftlm.ft.framing import (
 from ftlm.ft.http_client import Endpoint, EndpointError
 from ftlm.ft.priority import background_priority
 from ftlm.ft.shared_buffer import SharedBuffer
+from ftlm.ft.snapshot_reserve import SnapshotReserve, allocate_snapshot_buffer
 from ftlm.ft.snapshot_routes import SnapshotRoutes
 from ftlm.observe.iostats import timed_io
 
@@ -99,27 +100,35 @@ class Snapshot:
         return tensors_from_buffer(self.buffer.numpy(), self.tensors), meta
 
 
+def snapshot_pinned(tensors: Mapping[str, torch.Tensor], *, shared: bool) -> bool:
+    """Whether a snapshot of ``tensors`` goes through pinned host memory (CUDA tensors, not
+    shared memory)."""
+    return (any(t.is_cuda for t in tensors.values()) and torch.cuda.is_available()
+            and not shared)
+
+
 def snapshot_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
-                   step: int, *, shared: bool = False) -> Snapshot:
+                   step: int, *, shared: bool = False,
+                   reserve: SnapshotReserve | None = None) -> Snapshot:
     """Copy `tensors` (any devices) and `meta` into a new Snapshot of `step`, right now.
 
     Call at a step boundary; training may mutate the tensors as soon as this returns. CUDA tensors
     go through one pinned host buffer with asynchronous copies and one synchronize per device.
     `shared`: the buffer is anonymous shared memory (`ftlm.ft.shared_buffer`) that the snapshot
     server process maps (`ProcessSnapshotServer`); CUDA tensors are then copied into it without
-    pinning (synchronously).
+    pinning (synchronously). `reserve`: take the buffer it prepared ahead when it fits
+    (`ftlm.ft.snapshot_reserve`), else allocate one now.
     """
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be an integer >= 0, got {step!r}")
     meta_copy = json.loads(canonical_json(meta))  # deep copy, and proof that meta is JSON data
     entries, total = layout(tensors)
     devices = {t.device for t in tensors.values() if t.is_cuda}
-    pinned = bool(devices) and torch.cuda.is_available() and not shared
-    memory = SharedBuffer(total) if shared else None
-    if memory is not None and total:
-        buffer = torch.frombuffer(memory.memory, dtype=torch.uint8)  # keeps the mapping alive
-    else:
-        buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
+    pinned = snapshot_pinned(tensors, shared=shared)
+    got = reserve.take(total, shared=shared, pinned=pinned) if reserve is not None else None
+    if got is None:
+        got = allocate_snapshot_buffer(total, shared=shared, pinned=pinned)
+    buffer, memory = got.buffer, got.memory
     end = 0
     for entry, t in zip(entries, tensors.values()):
         buffer[end:entry.offset].zero_()  # alignment padding: never send stale process memory

@@ -63,7 +63,21 @@ def test_every_group_dead_resumes_from_the_newest_durable_checkpoint(tmp_path, d
                             faults={"g0": ["before_commit@12"], "g1": ["before_commit@12"]}).run()
     events = read_events(cfg.run.path / "events.jsonl")
     restores = [e for e in events if e["kind"] == "restore"]
-    assert [(r["from_step"], r["to_step"]) for r in restores] == [(12, 10)], restores
+    assert [(r["from_step"], r["to_step"]) for r in restores] == [(12, 10)], _timeline(events)
     assert summary["replicas_identical"] and len(summary["state_hashes"]) == 2, summary["state_hashes"]
     assert summary["data"]["duplicates"] == 0 and summary["data"]["gaps"] == 0, summary["data"]
     assert summary["steps_committed"] == 40
+
+
+def _timeline(events: list[dict]) -> str:
+    """What decided a rollback, for the failure message: who started where, who died and why,
+    what each restore chose (seen once under load: (12, 0) before (12, 10), with nothing else
+    kept; a live group still at step 0, restarted early and recovering, is one explanation)."""
+    kinds = {"group_start", "member_dead", "failure_injected", "restore", "recovery_start",
+             "recovery_end", "checkpoint_saved", "checkpoint_rejected", "group_exit"}
+    t0 = min((e["ts"] for e in events), default=0.0)
+    return "\n".join(
+        f"{e['ts'] - t0:8.3f} {e['kind']:<20} {e.get('group')} step={e.get('step')} "
+        + " ".join(f"{k}={e[k]}" for k in ("from_step", "to_step", "holders", "reason", "target")
+                   if k in e)
+        for e in sorted(events, key=lambda e: e["ts"]) if e["kind"] in kinds)

@@ -179,6 +179,33 @@ def test_group_that_left_the_job_gets_the_grace_to_exit_not_the_heartbeat_timeou
         f"did not exit within cluster.grace_seconds={grace} s of leaving the job")
 
 
+def test_a_killed_group_still_exiting_does_not_take_the_launcher_down(launcher, capsys):
+    """A SIGKILLed process with gigabytes to free took over 10 s to exit on a starved box, and
+    ``GroupProcess.kill`` raised ``TimeoutExpired`` out of the watchdog: the whole job died
+    (bench.ft_vs_torchft, 82M). It now says so and leaves the reaping to the loop, and the
+    watchdog does not kill the same incarnation again while it exits."""
+    g0, g1, _ = launcher.groups
+    start(launcher, g0)
+    start(launcher, g1)
+    t0 = time.time()
+    launcher._observe({"members": [member(g0), member(g1)]}, t0)
+    signals = []
+
+    def slow_wait(timeout=None):
+        raise subprocess.TimeoutExpired("train", timeout)
+
+    real = g1.procs[0]
+    g1.procs[0] = SimpleNamespace(pid=real.pid, poll=lambda: None, kill=lambda: signals.append("KILL"),
+                                  wait=slow_wait)
+    status = {"members": [member(g0)], "dead": []}
+    launcher._observe(status, t0 + 0.1)
+    launcher._watchdog(status, launcher.events, t0 + 3.5)
+    launcher._watchdog(status, launcher.events, t0 + 4.0)
+    assert signals == ["KILL"] and len(kinds(launcher, "member_killed")) == 1
+    assert f"process {real.pid} still exiting" in capsys.readouterr().err
+    g1.procs[0] = real  # the fixture stops the real one
+
+
 def test_group_that_comes_back_within_the_grace_is_not_killed(launcher):
     g = launcher.groups[0]
     start(launcher, g)

@@ -68,6 +68,7 @@ class GroupProcess:
     progressed: bool = False  # its step changed since: it committed or recovered
     absent_since: float | None = None  # registered, but missing from the members since then
     left_at: float | None = None  # the coordinator reported its leave (finished, preempted)
+    killed: bool = False  # SIGKILL sent to this incarnation (it may still be exiting)
     cause: str = ""  # why the current incarnation may die: "chaos", "hung", "fault", or ""
     crash_times: list[float] = field(default_factory=list)  # exits without progress
     log_offsets: list[int] = field(default_factory=list)  # where this incarnation's logs begin
@@ -79,13 +80,28 @@ class GroupProcess:
     def running(self) -> bool:
         return any(p.poll() is None for p in self.procs)
 
-    def kill(self) -> None:
-        """SIGKILL every rank still alive (a stopped process dies too) and reap them."""
+    def kill(self, timeout: float = 10.0) -> None:
+        """SIGKILL every rank still alive (a stopped process dies too) and reap them, waiting
+        ``timeout`` seconds at most: on a starved machine a process with gigabytes to free can
+        take longer to exit, and the launcher's loop reaps it once it has (this never raises:
+        it raised ``TimeoutExpired`` and took the whole job down, bench.ft_vs_torchft 82M)."""
+        self.killed = True
         for p in self.procs:
             if p.poll() is None:
-                p.kill()
+                try:
+                    p.kill()
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + timeout
+        late = []
         for p in self.procs:
-            p.wait(timeout=10)
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                late.append(p.pid)
+        if late:
+            print(f"ftlm: {self.name}: process {', '.join(map(str, late))} still exiting "
+                  f"{timeout:g} s after SIGKILL; reaped when it has", file=sys.stderr)
 
     def log(self, run_dir: Path, rank: int = 0) -> Path:
         return run_dir / "logs" / (f"{self.name}.log" if rank == 0 else f"{self.name}.r{rank}.log")
@@ -196,7 +212,7 @@ class LocalLauncher:
             self._write_targets()
         g.started = time.time()
         g.restart_at = None
-        g.stopped = g.registered = g.progressed = False
+        g.stopped = g.registered = g.progressed = g.killed = False
         g.first_step = g.absent_since = g.left_at = None
 
     def _write_targets(self) -> None:
@@ -489,8 +505,8 @@ class LocalLauncher:
         grace = 3 * ft.heartbeat_timeout
         dead = {d["replica_id"]: d for d in status.get("dead", [])}
         for g in self.groups:
-            if not g.running() or g.finished or g.restart_at is not None:
-                continue
+            if not g.running() or g.finished or g.restart_at is not None or g.killed:
+                continue  # (killed: still exiting; the loop reaps and restarts it)
             reason = ""
             if not g.registered:
                 if self._up_seconds(g.started, now) > ft.startup_timeout:

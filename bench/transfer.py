@@ -5,8 +5,9 @@ an 82M-parameter model's parameters plus AdamW moments is about 1 GiB) it measur
 in one run and as the median of ``--reps`` interleaved repetitions:
 
 * the source's snapshot copy (``snapshot_state``) into a fresh buffer, into fresh shared memory
-  (``shared=True``, what the snapshot server process serves), and the same bytes copied into an
-  already-touched buffer (the part of the copy that is page faults);
+  (``shared=True``, what the snapshot server process serves), into shared memory prepared ahead
+  (``ft.snapshot_reserve``: what a job does, with the preparation timed on its own), and the same
+  bytes copied into an already-touched buffer (the part of the copy that is page faults);
 * the per-chunk digests a source computes as it first serves each chunk (XXH3-128), and what
   sha256, the digest before issue 11, costs for the same chunks;
 * ``fetch_snapshot`` of a freshly published snapshot (the source computes each chunk's digest as
@@ -46,6 +47,7 @@ import torch
 from bench.common import publish, section_header, table
 from ftlm.ft.framing import ChunkTable, chunk_digest
 from ftlm.ft.serve_process import ProcessSnapshotServer
+from ftlm.ft.snapshot_reserve import SnapshotReserve
 from ftlm.ft.transport import SnapshotServer, fetch_snapshot, snapshot_state
 
 SECTION = "transfer"
@@ -98,7 +100,7 @@ def _digests(view: memoryview, digest: Callable[[memoryview], object]) -> None:
         digest(view[chunk.offset:chunk.offset + chunk.nbytes])
 
 
-ROWS = ("copy_fresh", "copy_shared", "copy_touched", "xxh3", "sha256", "fetch4_fresh", "fetch1", "fetch4",
+ROWS = ("copy_fresh", "copy_shared", "reserve_prepare", "copy_reserve", "copy_touched", "xxh3", "sha256", "fetch4_fresh", "fetch1", "fetch4",
         "process_fresh", "process4", "loopback4", "loopback_zero", "loopback")
 
 
@@ -128,6 +130,15 @@ def _one_rep(server: SnapshotServer, process: ProcessSnapshotServer,
     process.publish(timed("copy_shared", lambda: snapshot_state(state, {"step": step}, step,
                                                                 shared=True)))
     process.sync()
+    # The memory prepared ahead (ft.snapshot_reserve): its preparation runs on a background
+    # thread at nice 19 in a job; here at the caller's priority, timed on its own.
+    reserve = SnapshotReserve(nice=0)
+    timed("reserve_prepare", lambda: (reserve.prepare(snap.total_bytes, shared=True, pinned=False),
+                                      reserve.wait(600)))
+    reserved = timed("copy_reserve", lambda: snapshot_state(state, {"step": step}, step,
+                                                            shared=True, reserve=reserve))
+    assert reserved.shared is not None and torch.equal(reserved.buffer, snap.buffer)
+    del reserved
     for key in ("process_fresh", "process4"):
         timed(key, lambda: fetch_snapshot(process.url, step, timeout=120, parallel=4))
     timed("loopback", lambda: _loopback(snap.view()))
@@ -173,6 +184,8 @@ def measure(mb: int, reps: int) -> dict[str, list[tuple[float, float]]]:
 LABELS = {
     "copy_fresh": "snapshot copy, fresh buffer (source)",
     "copy_shared": "snapshot copy into fresh shared memory (for the server process)",
+    "reserve_prepare": "preparing the reserve: shared memory allocated and mapped ahead (nice 19 in a job)",
+    "copy_reserve": "snapshot copy into the reserve (ft.snapshot_reserve, the default)",
     "copy_touched": "same copy, touched buffer",
     "xxh3": "XXH3-128 of every 4 MiB chunk (source, as first served)",
     "sha256": "sha256 of every 4 MiB chunk (the digest before issue 11)",

@@ -131,8 +131,8 @@ def _one_rep(server: SnapshotServer, process: ProcessSnapshotServer,
                                                                 shared=True)))
     process.sync()
     # The memory prepared ahead (ft.snapshot_reserve): its preparation runs on a background
-    # thread at nice 19 in a job; here at the caller's priority, timed on its own.
-    reserve = SnapshotReserve(nice=0)
+    # thread in a job while no peer recovers; timed on its own here.
+    reserve = SnapshotReserve()
     timed("reserve_prepare", lambda: (reserve.prepare(snap.total_bytes, shared=True, pinned=False),
                                       reserve.wait(600)))
     reserved = timed("copy_reserve", lambda: snapshot_state(state, {"step": step}, step,
@@ -184,7 +184,7 @@ def measure(mb: int, reps: int) -> dict[str, list[tuple[float, float]]]:
 LABELS = {
     "copy_fresh": "snapshot copy, fresh buffer (source)",
     "copy_shared": "snapshot copy into fresh shared memory (for the server process)",
-    "reserve_prepare": "preparing the reserve: shared memory allocated and mapped ahead (nice 19 in a job)",
+    "reserve_prepare": "preparing the reserve: shared memory allocated and mapped ahead (in a job: a background thread, before any rejoin)",
     "copy_reserve": "snapshot copy into the reserve (ft.snapshot_reserve, the default)",
     "copy_touched": "same copy, touched buffer",
     "xxh3": "XXH3-128 of every 4 MiB chunk (source, as first served)",

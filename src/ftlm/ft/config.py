@@ -196,9 +196,9 @@ class FTConfig:
     against 287 ms)."""
     snapshot_reserve: bool = True
     """Keep the memory of the next snapshot allocated ahead (one host copy of this rank's
-    parameters and optimizer state, prepared at the lowest CPU priority while no peer recovers):
-    a source's snapshot copy then writes into pages that exist instead of faulting in new ones,
-    3-4x less CPU on the step every healthy group waits for (``ftlm.ft.snapshot_reserve``).
+    parameters and optimizer state, prepared on a background thread while no peer recovers): a
+    source's snapshot copy then writes into pages that exist instead of faulting in new ones,
+    3.5x less CPU on the step every healthy group waits for (``ftlm.ft.snapshot_reserve``).
     False: allocate when a peer asks (less host memory, a longer rejoin stall)."""
     transfer_nice: int = 0
     """CPU priority (nice value, 0-19) of the threads of the training process that move a

@@ -6,9 +6,17 @@ of CPU on a 2-core Xeon, against 0.15-0.22 s into pages that are there already).
 its snapshot while its step's forward and backward run, and its update waits for the copy, so
 that cost lands on every healthy group's step: it is much of why the rejoin stall grew with the
 state (issue 11). ``SnapshotReserve`` prepares one buffer of the state's size on a thread of its
-own at the lowest CPU priority, while no peer needs a snapshot; ``snapshot_state(...,
-reserve=)`` takes it when one does, and the manager prepares the next one once that snapshot is
-released.
+own while no peer needs a snapshot; ``snapshot_state(..., reserve=)`` takes it when one does, and
+the manager prepares the next one once that snapshot is released.
+
+The thread runs at the training thread's priority and holds the interpreter lock only between
+system calls (``posix_fallocate``, ``madvise`` through ctypes and torch's fill release it). Not at
+nice 19: on busy cores a starved thread that asks for the interpreter lock makes the thread that
+holds it wait until the starved one has run (CPython's forced switching), and ``mmap``'s own
+``MAP_POPULATE`` holds the lock throughout: a ticking thread of the process was 40-112 s late
+with the reserve made at nice 19 against two CPU hogs (at most 20 ms without it). So on a host
+whose cores are all busy the preparation costs training what it costs (0.6 s of CPU per GiB), at
+a moment when nobody waits for a rejoin; on a GPU host with idle cores it costs nothing.
 
 A buffer is handed out once and never reused: the next one is new memory, so a transfer still
 reading an old snapshot never sees its bytes change (the chunk digests stay true).
@@ -30,7 +38,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ftlm.ft.priority import MAX_NICE, background_priority
 from ftlm.ft.shared_buffer import SharedBuffer
 
 __all__ = ["SnapshotBuffer", "SnapshotReserve", "allocate_snapshot_buffer"]
@@ -71,10 +78,9 @@ def allocate_snapshot_buffer(nbytes: int, *, shared: bool, pinned: bool,
 
 
 class SnapshotReserve:
-    """At most one prepared snapshot buffer, made in the background at CPU priority ``nice``."""
+    """At most one prepared snapshot buffer, made on a background thread."""
 
-    def __init__(self, nice: int = MAX_NICE) -> None:
-        self._nice = nice
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._ready: SnapshotBuffer | None = None
         self._making = False
@@ -108,10 +114,6 @@ class SnapshotReserve:
             return True
 
     def _make(self, nbytes: int, shared: bool, pinned: bool) -> None:
-        # The lowest priority: the pages are made with the CPU training leaves idle. The thread
-        # holds the interpreter lock only between system calls (fallocate, mmap and torch's
-        # fill each release it), so a preempted reserve thread cannot stall the heartbeat.
-        background_priority(self._nice)
         made: SnapshotBuffer | None = None
         try:
             made = allocate_snapshot_buffer(nbytes, shared=shared, pinned=pinned, prefault=True)

@@ -15,7 +15,9 @@ runs ``--pulls`` times. Each setting ``SIDE:NICE`` of ``--settings`` says what t
 process does: ``pull``, it pulls (``fetch_snapshot``) from a server process, its pulling threads
 at NICE; ``thread``, it serves from its own threads at NICE (``ft.snapshot_server = 'thread'``)
 to a puller process; ``process``, it serves through its snapshot server process at NICE
-(``ft.snapshot_server = 'process'``, ``ft.serve_nice``) to a puller process. It reports how late
+(``ft.snapshot_server = 'process'``, ``ft.serve_nice``) to a puller process; ``reserve``, it
+prepares the next snapshot's memory ``--pulls`` times (``ft.snapshot_reserve``, on a thread at the
+training thread's priority: NICE is not used). It reports how late
 the ticks were (a heartbeat later than ``ft.heartbeat_timeout``, 1 s by default, declares the
 group dead) and how long the pulls took, settings interleaved.
 """
@@ -52,7 +54,7 @@ for _ in range(int(sys.argv[2])):
     fetch_snapshot(sys.argv[1], 1, parallel=4, timeout=300, wait_available=120)
 """
 
-SIDES = ("pull", "thread", "process")
+SIDES = ("pull", "thread", "process", "reserve")
 
 
 def _ticks_during(work: Callable[[], None]) -> tuple[float, list[float]]:
@@ -105,6 +107,22 @@ def _serves(kind: str, mb: int, pulls: int, nice: int) -> tuple[float, list[floa
         server.stop()
 
 
+def _reserves(mb: int, times: int) -> tuple[float, list[float]]:
+    """This process prepares the next snapshot's memory (``ft.snapshot_reserve``) ``times`` times,
+    as a source does on a background thread while no peer recovers (its priority is the
+    training thread's: the setting's NICE is not used)."""
+    from ftlm.ft.snapshot_reserve import SnapshotReserve
+
+    def work() -> None:
+        for _ in range(times):
+            reserve = SnapshotReserve()
+            reserve.prepare(mb << 20, shared=True, pinned=False)
+            if not reserve.wait(900):
+                raise RuntimeError("the snapshot reserve was not made within 900 s")
+            reserve.close()
+    return _ticks_during(work)
+
+
 def measure(mb: int, pulls: int, reps: int, hogs: int,
             settings: list[tuple[str, int]]) -> list[list]:
     server = subprocess.Popen([sys.executable, "-c", _SERVER, str(mb)], stdin=subprocess.PIPE,
@@ -118,6 +136,7 @@ def measure(mb: int, pulls: int, reps: int, hogs: int,
         for rep in range(reps):
             for side, nice in settings:  # interleaved
                 seconds, late = (_pulls(url, pulls, nice) if side == "pull"
+                                 else _reserves(mb, pulls) if side == "reserve"
                                  else _serves(side, mb, pulls, nice))
                 results[side, nice].append((seconds, late))
                 print(f"  rep {rep + 1}/{reps} {side}:{nice}: {pulls} pulls {seconds:.1f} s, "
@@ -129,7 +148,8 @@ def measure(mb: int, pulls: int, reps: int, hogs: int,
         server.stdin.close()
         server.wait(timeout=30)
     labels = {"pull": "pulls (its own threads)", "thread": "serves (its own threads)",
-              "process": "serves (server process)"}
+              "process": "serves (server process)",
+              "reserve": "prepares the snapshot reserve (its own thread; seconds and GB/s: preparing)"}
     rows = []
     for side, nice in settings:
         late = sorted(x for _, ls in results[side, nice] for x in ls)
@@ -148,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=2, help="repetitions per nice value (default 2)")
     p.add_argument("--hogs", type=int, default=3, help="busy processes (default 3)")
     p.add_argument("--settings", default="pull:19,pull:0,thread:19,process:19",
-                   help="SIDE:NICE,... what the measured process does (pull, thread, process) "
+                   help="SIDE:NICE,... what the measured process does (pull, thread, process, "
+                        "reserve) "
                         "and the transfer's nice value (default pull:19,pull:0,thread:19,"
                         "process:19)")
     p.add_argument("--no-write", action="store_true", help="print only, leave BENCHMARKS.md alone")

@@ -114,3 +114,22 @@ def test_snapshot_reserve_must_be_a_boolean():
     assert FTConfig().snapshot_reserve is True
     with pytest.raises(ConfigError, match="snapshot_reserve='yes' must be true or false"):
         FTConfig(snapshot_reserve="yes")
+
+
+def test_no_reserve_where_the_memory_available_is_under_twice_its_size(monkeypatch, caplog):
+    """A reserve is one more host copy of the state: where it would leave less than its own size
+    free (a pod's cgroup limit), none is made, and the process says why once."""
+    import ftlm.ft.snapshot_reserve as module
+    monkeypatch.setattr(module, "available_memory", lambda: 8191)
+    reserve = SnapshotReserve()
+    assert not reserve.prepare(4096, shared=False, pinned=False)
+    assert "needs 4096 bytes and only 8191 are available" in caplog.text
+    assert not reserve.idle and not reserve.ready  # not tried again every step
+    monkeypatch.setattr(module, "available_memory", lambda: 8192)
+    assert SnapshotReserve().prepare(4096, shared=False, pinned=False)
+
+
+def test_available_memory_reads_the_host():
+    from ftlm.ft.snapshot_reserve import available_memory
+    got = available_memory()
+    assert got is None or got > 0

@@ -24,7 +24,9 @@ reading an old snapshot never sees its bytes change (the chunk digests stay true
 Memory: one host copy of the rank's replicated state (parameters and optimizer state), held
 while no peer recovers, and two while one pulls and the next is prepared (never more: a new one
 is prepared only once no snapshot is published). ``ft.snapshot_reserve = false`` allocates on
-demand instead.
+demand instead. A reserve is not made where the memory available to this process (the host's,
+or its cgroup's limit in a container) is under twice its size: a reserve must never be what gets
+a pod OOM-killed; the process says so once and allocates on demand.
 
 Not responsible for: what goes into the buffer (``ftlm.ft.transport.snapshot_state``), or when a
 snapshot is released (the manager and the snapshot server decide).
@@ -40,7 +42,7 @@ import torch
 
 from ftlm.ft.shared_buffer import SharedBuffer
 
-__all__ = ["SnapshotBuffer", "SnapshotReserve", "allocate_snapshot_buffer"]
+__all__ = ["SnapshotBuffer", "SnapshotReserve", "allocate_snapshot_buffer", "available_memory"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,32 @@ def allocate_snapshot_buffer(nbytes: int, *, shared: bool, pinned: bool,
     return SnapshotBuffer(buffer, memory, shared, pinned)
 
 
+def available_memory() -> int | None:
+    """Bytes this process may still allocate: the host's ``MemAvailable``, or less where a cgroup
+    (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) limits it; None where neither is known."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit) as f:
+                text = f.read().strip()
+            if text == "max":
+                continue
+            with open(usage) as f:
+                found.append(max(0, int(text) - int(f.read().strip())))
+        except (OSError, ValueError):
+            continue
+    return min(found) if found else None
+
+
 class SnapshotReserve:
     """At most one prepared snapshot buffer, made on a background thread."""
 
@@ -106,6 +134,14 @@ class SnapshotReserve:
             if self._closed or self._making or self._failed:
                 return False
             if self._ready is not None and self._ready.fits(nbytes, shared=shared, pinned=pinned):
+                return False
+            available = available_memory()
+            if available is not None and 2 * nbytes > available:
+                self._failed = True
+                log.warning("no snapshot reserve: it needs %d bytes and only %d are available to "
+                            "this process (host or cgroup); snapshots will allocate their memory "
+                            "when a peer asks (ft.snapshot_reserve = false says this up front)",
+                            nbytes, available)
                 return False
             self._ready, self._making = None, True
             self._thread = threading.Thread(target=self._make, args=(nbytes, shared, pinned),

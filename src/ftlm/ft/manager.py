@@ -390,10 +390,11 @@ class Manager:
 
     def _keep_reserve(self, role: Role, snapshot: SnapshotFn) -> None:
         """Prepare the next snapshot's memory while nobody pulls one: a participant past its
-        first step (the optimizer state exists then), with no snapshot published. So at most one
-        snapshot and one reserve are held at a time."""
+        first step (the optimizer state exists then), with no snapshot published, before the job's
+        end (a finished group serving late joiners takes no more snapshots after theirs). So at
+        most one snapshot and one reserve are held at a time."""
         reserve = self.reserve
-        if (reserve is None or not reserve.idle or role.participant_index is None
+        if (reserve is None or not reserve.idle or role.participant_index is None or role.drain
                 or role.publish or role.quorum.step == 0 or self.server.steps()):
             return
         tensors = snapshot()[0]

@@ -200,6 +200,11 @@ class SimResult:
     trace: list[str] = field(default_factory=list)
     leaves_judged: int = 0
     """Graceful leaves whose liveness was judged (those in quiet times, ``watch_leave``)."""
+    restores_past_checkpoint: int = 0
+    """Rollbacks to a state older than the newest durable checkpoint at that moment (not a
+    violation: progress on disk the job gave up; see ``tests/sim``'s known-defect test)."""
+    steps_past_checkpoint: int = 0
+    """Steps between those rollbacks' targets and the newest durable checkpoint, summed."""
 
 
 class Simulation:
@@ -226,6 +231,7 @@ class Simulation:
         self._trace_len = trace_len
         self.faults: dict[str, int] = {}
         self.restores = 0
+        self.restores_past_checkpoint = self.steps_past_checkpoint = 0
         self.last_fault = 0.0
         self.max_issued_id: dict[str, int] = {}  # per coordinator epoch
         self.head: tuple[int, str] | None = None
@@ -294,10 +300,13 @@ class Simulation:
                 self.fail(f"the run stalled: {sorted(self.finished)} finished of {self.c.groups}")
             self.check_end()
             return SimResult(self.seed, True, self.c.steps, self.faults, self.restores, self.now,
-                             leaves_judged=self.leaves_judged)
+                             leaves_judged=self.leaves_judged,
+                             restores_past_checkpoint=self.restores_past_checkpoint,
+                             steps_past_checkpoint=self.steps_past_checkpoint)
         except Violation as e:
             return SimResult(self.seed, False, self.c.steps, self.faults, self.restores, self.now, str(e),
-                             list(self.trace), self.leaves_judged)
+                             list(self.trace), self.leaves_judged, self.restores_past_checkpoint,
+                             self.steps_past_checkpoint)
 
     # -- processes (the supervisor's view) -------------------------------------------------------
     def spawn(self, group: str, delay: float) -> None:
@@ -414,6 +423,10 @@ class Simulation:
                         self.fail(f"the job finished at step {next(iter(self.finished.values())).step} "
                                   f"and was rolled back: {o.fields['reason']}")
                     self.restores += 1
+                    newest = max(self.disk, default=-1)
+                    if o.fields["to_step"] < newest <= o.fields["from_step"]:
+                        self.restores_past_checkpoint += 1
+                        self.steps_past_checkpoint += newest - o.fields["to_step"]
                     self.leave_watches = []  # the others wait for a rollback, rightly
                     self.log(f"restore {o.fields['from_step']} -> {o.fields['to_step']}")
                     self.head = None  # an explicit rollback: the next head is judged afresh

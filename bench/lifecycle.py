@@ -540,9 +540,9 @@ settings. 2026-12-01, 06:40-08:16 UTC:
 
 Run time of this table: DPO search on validation 06:40-06:51, scoring on the fresh draw and
 training DPO, val-best 06:51-06:59, SFT seed 1 06:59-07:08, the stages from it 07:10-07:42, SFT
-seed 2 07:45-07:51, the stages from it 07:52-08:16, one process at a time at `nice 10` (load 2-7: the lead ran tests), from a
-copy of the tree (`git archive` of 202b8c8). The DPO, GRPO and GRPO, 40-step rows keep the
-compute of the runs that trained them (04:22-05:18). Results:
+seed 2 07:45-07:51, the stages from it 07:52-08:16, one process at a time at `nice 10` (load
+2-7: the lead ran tests), from a copy of the tree (`git archive` of 202b8c8). The DPO, GRPO and
+GRPO, 40-step rows keep the compute of the runs that trained them (04:22-05:18). Results:
 `bench/results/lifecycle/fresh20261201/` (`c_*.json` the rows, `c_sft1.json` and `c_sft2.json`
 SFT seeds 1 and 2, `sft1/` and `sft2/` the stages from them, `val/` the DPO search)."""
 

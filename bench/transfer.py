@@ -185,7 +185,7 @@ LABELS = {
     "copy_fresh": "snapshot copy, fresh buffer (source)",
     "copy_shared": "snapshot copy into fresh shared memory (for the server process)",
     "reserve_prepare": "preparing the reserve: shared memory allocated and mapped ahead (in a job: a background thread, before any rejoin)",
-    "copy_reserve": "snapshot copy into the reserve (ft.snapshot_reserve, the default)",
+    "copy_reserve": "snapshot copy into the reserve (ft.snapshot_reserve = true)",
     "copy_touched": "same copy, touched buffer",
     "xxh3": "XXH3-128 of every 4 MiB chunk (source, as first served)",
     "sha256": "sha256 of every 4 MiB chunk (the digest before issue 11)",

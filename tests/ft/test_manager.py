@@ -310,7 +310,7 @@ def test_a_source_writes_the_joiners_snapshot_into_memory_it_prepared_ahead():
     def group(i: int):
         if i == 1:
             assert g0_ready.wait(20), "g0 prepared no snapshot memory"
-        m = Manager(FTConfig(**FT), f"g{i}", f"inc{i}", c.url)
+        m = Manager(FTConfig(**FT, snapshot_reserve=True), f"g{i}", f"inc{i}", c.url)
         if i == 0:
             publish = m.server.publish
             m.server.publish = lambda snap: (published.append(snap.shared), publish(snap))[1]

@@ -111,7 +111,7 @@ def test_a_reserve_that_cannot_be_made_leaves_snapshots_to_allocate(monkeypatch,
 
 
 def test_snapshot_reserve_must_be_a_boolean():
-    assert FTConfig().snapshot_reserve is True
+    assert FTConfig().snapshot_reserve is False  # opt-in: hosts with idle cores
     with pytest.raises(ConfigError, match="snapshot_reserve='yes' must be true or false"):
         FTConfig(snapshot_reserve="yes")
 

@@ -194,12 +194,14 @@ class FTConfig:
     +0.5-5% while it serves, against +220-370% at 0). Unlike serving threads at 19, the process
     never stalls the group's heartbeat (``bench.transfer_priority``: ticks at most 12 ms late
     against 287 ms)."""
-    snapshot_reserve: bool = True
-    """Keep the memory of the next snapshot allocated ahead (one host copy of this rank's
+    snapshot_reserve: bool = False
+    """Keep the memory of the next snapshot allocated ahead (one more host copy of this rank's
     parameters and optimizer state, prepared on a background thread while no peer recovers): a
     source's snapshot copy then writes into pages that exist instead of faulting in new ones,
-    3.5x less CPU on the step every healthy group waits for (``ftlm.ft.snapshot_reserve``).
-    False: allocate when a peer asks (less host memory, a longer rejoin stall)."""
+    3.5x less CPU on the step every healthy group waits for (``ftlm.ft.snapshot_reserve``). For
+    hosts with idle CPU cores (GPU nodes), where preparing it costs training nothing. Off by
+    default: where every core trains (the 2-core CPU box) the preparation takes the same CPU at
+    another moment, and the rejoin stall measured no better (BENCHMARKS, transfer section)."""
     transfer_nice: int = 0
     """CPU priority (nice value, 0-19) of the threads of the training process that move a
     snapshot: the pulling threads, and the serving threads with ``snapshot_server = 'thread'``;

@@ -24,7 +24,9 @@ reading an old snapshot never sees its bytes change (the chunk digests stay true
 Memory: one host copy of the rank's replicated state (parameters and optimizer state), held
 while no peer recovers, and two while one pulls and the next is prepared (never more: a new one
 is prepared only once no snapshot is published). ``ft.snapshot_reserve = false`` allocates on
-demand instead. A reserve is not made where the memory available to this process (the host's,
+demand, as by default (on where the host has idle cores: the preparation is then free, and
+on a box whose cores all train it only moves the CPU to another moment; the 82M rejoin stall on
+2 cores measured no better with it, BENCHMARKS transfer section). A reserve is not made where the memory available to this process (the host's,
 or its cgroup's limit in a container) is under twice its size: a reserve must never be what gets
 a pod OOM-killed; the process says so once and allocates on demand.
 

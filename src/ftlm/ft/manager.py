@@ -117,7 +117,7 @@ class Manager:
         self.server = make_snapshot_server(config, host=self.host, token=token,
                                            on_chunk=self._on_serve_chunk if serve_fault else None)
         self.server.start()
-        # The next snapshot's memory, allocated ahead at the lowest priority (issue 11).
+        # The next snapshot's memory, allocated ahead on a background thread (issue 11; opt-in).
         self.reserve = SnapshotReserve() if config.snapshot_reserve else None
         self.transfer_urls = _gather_strings(self.server.url, self.ranks, self.control)
         self.abort = threading.Event()

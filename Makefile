@@ -47,7 +47,7 @@ system-deps-cluster:
 	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge shellcheck
 
 # The default tier keeps one real-process test per fault path (the protocol simulation visits
-# thousands of schedules of each); the slow tier (`make test-slow`, about 15 minutes) runs the
+# thousands of schedules of each); the slow tier (`make test-slow`, about 11 minutes) runs the
 # longer real-process variants: every all-reduce kill point, a source killed mid-transfer, a
 # SIGSTOPped group resumed, a catch-up that overflows its buffer, Slurm requeues, compiles.
 .PHONY: test-slow

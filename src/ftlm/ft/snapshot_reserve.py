@@ -4,31 +4,30 @@ Writing a snapshot into memory the process never touched costs far more than the
 the kernel allocates and zeroes every page on its first write (1 GiB into a new memfd: 0.6-0.9 s
 of CPU on a 2-core Xeon, against 0.15-0.22 s into pages that are there already). A source copies
 its snapshot while its step's forward and backward run, and its update waits for the copy, so
-that cost lands on every healthy group's step: it is much of why the rejoin stall grew with the
-state (issue 11). ``SnapshotReserve`` prepares one buffer of the state's size on a thread of its
-own while no peer needs a snapshot; ``snapshot_state(..., reserve=)`` takes it when one does, and
-the manager prepares the next one once that snapshot is released.
+that cost lands on the step every healthy group waits for (issue 11). ``SnapshotReserve``
+prepares one buffer of the state's size on a thread of its own while no peer needs a snapshot;
+``snapshot_state(..., reserve=)`` takes it when one does, and the manager prepares the next one
+once that snapshot is released.
 
 The thread runs at the training thread's priority and holds the interpreter lock only between
 system calls (``posix_fallocate``, ``madvise`` through ctypes and torch's fill release it). Not at
 nice 19: on busy cores a starved thread that asks for the interpreter lock makes the thread that
 holds it wait until the starved one has run (CPython's forced switching), and ``mmap``'s own
 ``MAP_POPULATE`` holds the lock throughout: a ticking thread of the process was 40-112 s late
-with the reserve made at nice 19 against two CPU hogs (at most 20 ms without it). So on a host
-whose cores are all busy the preparation costs training what it costs (0.6 s of CPU per GiB), at
-a moment when nobody waits for a rejoin; on a GPU host with idle cores it costs nothing.
+with the reserve made at nice 19 against two CPU hogs (at most 20 ms without it).
 
 A buffer is handed out once and never reused: the next one is new memory, so a transfer still
 reading an old snapshot never sees its bytes change (the chunk digests stay true).
 
-Memory: one host copy of the rank's replicated state (parameters and optimizer state), held
-while no peer recovers, and two while one pulls and the next is prepared (never more: a new one
-is prepared only once no snapshot is published). ``ft.snapshot_reserve = false`` allocates on
-demand, as by default (on where the host has idle cores: the preparation is then free, and
-on a box whose cores all train it only moves the CPU to another moment; the 82M rejoin stall on
-2 cores measured no better with it, BENCHMARKS transfer section). A reserve is not made where the memory available to this process (the host's,
-or its cgroup's limit in a container) is under twice its size: a reserve must never be what gets
-a pod OOM-killed; the process says so once and allocates on demand.
+Opt-in (``ft.snapshot_reserve = true``; off by default). Memory: one more host copy of the rank's
+replicated state (parameters and optimizer state) while no peer recovers; the reserve becomes
+the snapshot when one does, and the next is prepared only once no snapshot is published. The
+preparation costs 0.5-0.6 s of CPU per GiB: free on a host with idle cores (a GPU node), but on
+a box whose cores all train it only moves that CPU to a later step, and the 82M rejoin stall on
+2 cores measured no better with the reserve (BENCHMARKS, transfer section). No reserve is made
+where the memory available to this process (the host's, or its cgroup's limit in a container)
+is under twice its size: a reserve must never be what gets a pod OOM-killed; the process says so
+once and allocates on demand.
 
 Not responsible for: what goes into the buffer (``ftlm.ft.transport.snapshot_state``), or when a
 snapshot is released (the manager and the snapshot server decide).

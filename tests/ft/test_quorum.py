@@ -46,9 +46,9 @@ def rid(group: str) -> str:
 
 
 def ask(group: str, step: int = 0, at: float = 0.0, last: int = 0, failed: bool = False,
-        chain: str | None = None) -> MemberRequest:
+        chain: str | None = None, disk_checked: int = -1) -> MemberRequest:
     return MemberRequest(rid(group), group, step, last, failed, {"url": f"http://{group}"}, at,
-                         chain if chain is not None else CHAINS.get(step, GENESIS))
+                         chain if chain is not None else CHAINS.get(step, GENESIS), (), disk_checked)
 
 
 def prev_quorum(groups: list[str], quorum_id: int, step: int = 0) -> Quorum:
@@ -202,12 +202,21 @@ CASES = [
     ),
     Case(
         "previous_quorum_all_dead_new_groups_form_one_after_the_rollback",
-        [ask("g3", at=2.0), ask("g4", at=2.0)],
+        # (both looked for a checkpoint newer than their state and found none: disk_checked)
+        [ask("g3", at=2.0, disk_checked=1), ask("g4", at=2.0, disk_checked=1)],
         2.0,
         prev=["g0", "g1", "g2"],
         expect=["g3", "g4"],
         expect_id=6,
         reason="all 2 heartbeating groups asked",
+    ),
+    Case(
+        "previous_quorum_all_dead_the_rollback_waits_for_groups_behind_to_look_for_a_checkpoint",
+        [ask("g3", at=2.0, disk_checked=1), ask("g4", at=2.0)],
+        2.0,
+        prev=["g0", "g1", "g2"],
+        expect=None,
+        reason="waiting for the rollback",
     ),
     Case(
         "holders_of_the_head_gone_for_less_than_the_rollback_grace_are_awaited",
@@ -335,9 +344,13 @@ class Job:
         self.ids: list[int] = []
 
     def ask(self, now: float, groups: list[str], failed: tuple[str, ...] = ()) -> Quorum | None:
+        """Requests of ``groups``; one behind the head says it looked for a newer durable checkpoint
+        (``disk_checked``) and found none, as a member told so (``reload_due``) does."""
+        head = self.state.head[0] if self.state.head is not None else -1
         for g in groups:
             step, chain = self.held[g]
-            record_request(self.state, MemberRequest(rid(g), g, step, self.last[g], g in failed, {}, now, chain))
+            record_request(self.state, MemberRequest(rid(g), g, step, self.last[g], g in failed, {}, now, chain,
+                                                     (), head if step < head else -1))
         return self.tick(now)[0]
 
     def beat(self, now: float, groups: list[str]) -> None:
@@ -436,7 +449,7 @@ def test_a_rollback_never_jumps_forward_to_an_absurd_claim() -> None:
     for t in (0.3, 0.6, 0.9, 1.2, 1.5, 1.8):  # A died; a bogus member claims step 10**15
         job.beat(t, ["B"])
         record_heartbeat(job.state, Heartbeat("X:bogus", "X", t, 10**15, 0, "f" * 64))
-        job.tick(t)
+        job.ask(t, ["B"])
     assert [(r.from_step, r.to_step, r.holders) for r in job.restores] == [(1, 0, ("B",))]
 
 

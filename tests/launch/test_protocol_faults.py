@@ -69,12 +69,36 @@ def test_every_group_dead_resumes_from_the_newest_durable_checkpoint(tmp_path, d
     assert summary["steps_committed"] == 40
 
 
+def test_a_live_group_behind_loads_the_newest_checkpoint_before_the_rollback(tmp_path, demo_data):
+    """Session 8: g1 restarted behind the job and pulls g0's state over a slow link; g0 writes a
+    checkpoint meanwhile and dies while serving. g1, alive but behind, is told that no live group
+    holds the newest state, loads that checkpoint, and the job goes on from it: before, the
+    rollback went back to g1's older state although a newer checkpoint was on disk."""
+    # min_replicas=2: g0 waits for g1's next incarnation instead of racing to the end alone.
+    cfg = config(tmp_path / "run", demo_data, steps=40, ft={"min_replicas": 2},
+                 checkpoint={"every": 5, "keep": 3, "async_save": False})
+    # g0's first serve holds until g0 committed 8 more steps (a checkpoint among them), then it dies.
+    summary = LocalLauncher(cfg, groups=2, progress=False,
+                            faults={"g0": ["slow_serve,during_serve"], "g1": ["before_commit@2"]},
+                            extra_env={"FTLM_FAULT_STEPS": "8", "FTLM_FAULT_SECONDS": "60"}).run()
+    events = read_events(cfg.run.path / "events.jsonl")
+    reloaded = [e for e in events if e["kind"] == "checkpoint_reloaded"]
+    assert reloaded and reloaded[0]["group"] == "g1" and reloaded[0]["step"] > reloaded[0]["from_step"], \
+        _timeline(events)
+    for r in (e for e in events if e["kind"] == "restore"):  # none gives up a checkpoint on disk
+        newest = max(e["step"] for e in events if e["kind"] == "checkpoint_saved" and e["ts"] < r["ts"])
+        assert r["to_step"] >= newest, _timeline(events)
+    assert summary["replicas_identical"] and len(summary["state_hashes"]) == 2, summary["state_hashes"]
+    assert summary["data"]["duplicates"] == 0 and summary["data"]["gaps"] == 0, summary["data"]
+    assert summary["steps_committed"] == 40
+
+
 def _timeline(events: list[dict]) -> str:
     """What decided a rollback, for the failure message: who started where, who died and why,
     what each restore chose (seen once under load: (12, 0) before (12, 10), with nothing else
     kept; a live group still at step 0, restarted early and recovering, is one explanation)."""
     kinds = {"group_start", "member_dead", "failure_injected", "restore", "recovery_start",
-             "recovery_end", "checkpoint_saved", "checkpoint_rejected", "group_exit"}
+             "recovery_end", "checkpoint_saved", "checkpoint_rejected", "checkpoint_reloaded", "group_exit"}
     t0 = min((e["ts"] for e in events), default=0.0)
     return "\n".join(
         f"{e['ts'] - t0:8.3f} {e['kind']:<20} {e.get('group')} step={e.get('step')} "

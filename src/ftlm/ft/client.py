@@ -49,11 +49,15 @@ class CoordinatorUnavailable(CoordinatorError):
 
 
 class QuorumTimeout(CoordinatorError):
-    """No quorum including this group was issued within the requested time (HTTP 504)."""
+    """No quorum including this group was issued within the requested time (HTTP 504).
 
-    def __init__(self, reason: str) -> None:
+    ``reload``: the head's step when the coordinator answered early because no live group holds
+    it: a group behind it should load a newer durable checkpoint, if it has one, and ask again."""
+
+    def __init__(self, reason: str, reload: int | None = None) -> None:
         super().__init__(f"no quorum yet: {reason}")
         self.reason = reason
+        self.reload = reload
 
 
 # Errors that mean "no usable answer from the server" rather than "the server said no".
@@ -124,16 +128,19 @@ class CoordinatorClient:
         self._request("POST", "/v1/dead", body, self.timeout)
 
     def quorum(self, step: int, last_quorum_id: int, failed: bool, meta: dict[str, Any], timeout: float,
-               chain: str = GENESIS, watch: list[str] | tuple[str, ...] = ()) -> MemberQuorum:
+               chain: str = GENESIS, watch: list[str] | tuple[str, ...] = (),
+               disk_checked: int = -1) -> MemberQuorum:
         """Ask for the quorum of the next step, waiting up to ``timeout`` seconds (server caps at 60 s).
 
         Returns this member's answer (``ftlm.ft.quorum_answer``), which says which of the replica
         ids in ``watch`` are members. ``failed`` with the current quorum's id reports that its step
         failed here: the coordinator then declares dead the peers that stay silent.
+        ``disk_checked``: the head step for which this group looked for a newer durable
+        checkpoint, after a ``QuorumTimeout`` with ``reload``.
         Raises QuorumTimeout when none was issued in time, CoordinatorUnavailable when the server is
         unreachable, StaleIncarnation when this incarnation was replaced by a newer one.
         """
-        body = self.quorum_body(step, last_quorum_id, failed, meta, timeout, chain, watch)
+        body = self.quorum_body(step, last_quorum_id, failed, meta, timeout, chain, watch, disk_checked)
         # A quorum request is a heartbeat too (the coordinator records it as one): the heartbeat
         # thread skips a beat when one went out within its interval.
         self.last_request_at = time.monotonic()
@@ -145,13 +152,16 @@ class CoordinatorClient:
             raise CoordinatorError(f"coordinator at {self.url} sent a malformed quorum: {e}") from e
 
     def quorum_body(self, step: int, last_quorum_id: int, failed: bool, meta: dict[str, Any], timeout: float,
-                    chain: str = GENESIS, watch: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+                    chain: str = GENESIS, watch: list[str] | tuple[str, ...] = (),
+                    disk_checked: int = -1) -> dict[str, Any]:
         """The JSON body ``quorum`` sends (load tests send it over their own connections)."""
         body = {"group": self.group, "incarnation": self.incarnation, "step": step,
                 "last_quorum_id": last_quorum_id, "failed": failed, "meta": meta, "timeout": timeout,
                 "chain": chain}
         if watch:
             body["watch"] = list(watch)
+        if disk_checked >= 0:
+            body["disk_checked"] = disk_checked
         return body
 
     @property
@@ -222,7 +232,10 @@ class CoordinatorClient:
             return status, answer
         message = answer.get("error", "") if isinstance(answer, dict) else str(answer)
         if status == 504:
-            raise QuorumTimeout(str(answer.get("reason", message)))
+            body = answer if isinstance(answer, dict) else {}
+            reload = body.get("reload")
+            raise QuorumTimeout(str(body.get("reason", message)),
+                                reload if type(reload) is int and reload >= 0 else None)
         if status == 409:
             raise StaleIncarnation(message)
         if status == 401:

@@ -46,6 +46,7 @@ class QuorumBody:
     timeout: float
     chain: str
     watch: tuple[str, ...] = ()
+    disk_checked: int = -1
 
 
 @dataclass
@@ -205,7 +206,8 @@ def parse_heartbeat(body: Any) -> HeartbeatBody:
 
 
 def parse_quorum_request(body: Any) -> QuorumBody:
-    """``POST /v1/quorum``: {group, incarnation, step, last_quorum_id, failed, meta, timeout[, chain, watch]}."""
+    """``POST /v1/quorum``: {group, incarnation, step, last_quorum_id, failed, meta, timeout[, chain, watch,
+    disk_checked]}."""
     group, incarnation = _name_field(body, "group"), _name_field(body, "incarnation")
     step, last_quorum_id = _int_field(body, "step", 0), _int_field(body, "last_quorum_id", -1)
     failed, meta = _field(body, "failed"), _field(body, "meta")
@@ -214,8 +216,9 @@ def parse_quorum_request(body: Any) -> QuorumBody:
     if not isinstance(meta, dict):
         raise ValueError(f"meta must be a JSON object, got {type(meta).__name__}")
     timeout = _seconds_field(_field(body, "timeout"), "timeout", zero_ok=False)
+    disk_checked = _int_field(body, "disk_checked", -1) if "disk_checked" in body else -1
     return QuorumBody(group, incarnation, step, last_quorum_id, failed, meta, timeout, _chain_field(body),
-                      _watch_field(body))
+                      _watch_field(body), disk_checked)
 
 
 def _watch_field(body: dict[str, Any]) -> tuple[str, ...]:

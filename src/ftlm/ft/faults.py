@@ -3,7 +3,9 @@
 A group process started with ``FTLM_FAULT=<point>[@<step>]`` kills itself with SIGKILL (or stops
 itself with SIGSTOP when the point is prefixed ``hang:``) the first time it reaches that point at
 that step (any step when omitted). It writes a ``failure_injected`` event first, so the run can
-account for it. The launcher passes one entry per incarnation (``faults={"g1": [...]}``).
+account for it. The launcher passes one entry per incarnation (``faults={"g1": [...]}``); an
+entry may list several points separated by commas (``slow_serve,before_commit@12``), each firing
+once.
 
 ``slow_serve`` is not a crash but a slow link: the first time the group serves a chunk of state
 it holds the transfer until the group committed ``FTLM_FAULT_STEPS`` more steps (when set; at
@@ -80,5 +82,26 @@ class FaultPlan:
         os.kill(os.getpid(), signal.SIGSTOP if self.hang else signal.SIGKILL)
 
 
-def fault_from_env() -> FaultPlan | None:
-    return FaultPlan.parse(os.environ.get("FTLM_FAULT", ""))
+@dataclass
+class FaultSchedule:
+    """The fault points of one process (``FTLM_FAULT``, comma-separated), each firing once."""
+
+    plans: list[FaultPlan]
+
+    @classmethod
+    def parse(cls, text: str) -> FaultSchedule | None:
+        plans = [plan for part in text.split(",") if (plan := FaultPlan.parse(part.strip()))]
+        return cls(plans) if plans else None
+
+    @property
+    def points(self) -> frozenset[str]:
+        return frozenset(p.point for p in self.plans)
+
+    def maybe_fire(self, point: str, step: int, emit,
+                   committed: Callable[[], int] | None = None) -> None:
+        for plan in self.plans:
+            plan.maybe_fire(point, step, emit, committed)
+
+
+def fault_from_env() -> FaultSchedule | None:
+    return FaultSchedule.parse(os.environ.get("FTLM_FAULT", ""))

@@ -93,6 +93,9 @@ class GroupProtocol:
     failed or its replay was rejected, ``caught_up`` when it reached the head)."""
     known_head: int = 0
     """The highest step this group saw the job reach (reported in heartbeats)."""
+    disk_checked: int = -1
+    """The head step (held by no live group) for which this group looked for a newer durable
+    checkpoint since its last quorum (``reload_checked``); reported in its requests."""
     _pg_quorum: tuple[str, int] | None = None
     _suspect: str | None = None  # membership digest of a failed step's quorum, judged at the next quorum
     _served: set[tuple[str, int]] = field(default_factory=set)
@@ -111,7 +114,16 @@ class GroupProtocol:
         membership the answer reports (the answer does not list the members, issue 16)."""
         return {"step": self.step, "chain": self.chain, "last_quorum_id": self.quorum_id,
                 "failed": self.failed, "recover_request": self.recover_request,
-                "watch": sorted(self._serving)[:MAX_WATCH]}
+                "watch": sorted(self._serving)[:MAX_WATCH], "disk_checked": self.disk_checked}
+
+    def reload_due(self, head: int | None) -> bool:
+        """Whether a "no quorum yet" answer naming ``head`` (no live group holds it) asks this group
+        to look for a durable checkpoint newer than its state; if so, it will have looked by its
+        next request (which says so)."""
+        if head is None or head <= self.step or head == self.disk_checked:
+            return False
+        self.disk_checked = head
+        return True
 
     # -- an issued quorum ------------------------------------------------------------------------
     def on_quorum(self, q: AnyQuorum) -> Role:
@@ -130,6 +142,7 @@ class GroupProtocol:
         self.quorum = q
         self.quorum_id = q.quorum_id
         self.known_head = max(self.known_head, q.step, self.step)
+        self.disk_checked = -1
         self.failed, self.failure = False, ""
         me = self.replica_id
         recovering = q.is_recovering(me)

@@ -31,10 +31,10 @@ import torch.distributed as dist
 
 from ftlm.ft.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable, Heartbeater, QuorumTimeout
 from ftlm.ft.config import FTConfig
-from ftlm.ft.faults import FaultPlan
+from ftlm.ft.faults import FaultSchedule
 from ftlm.ft.group import GroupProtocol, Role, TooManyFailures
 from ftlm.ft.process_group import CollectiveError, ReconfigurablePG
-from ftlm.ft.protocol import Recovered, SnapshotFn, StepPlan, StopRequested
+from ftlm.ft.protocol import Recovered, ReloadCheckpoint, SnapshotFn, StepPlan, StopRequested
 from ftlm.ft.quorum_answer import MemberQuorum
 from ftlm.observe.logs import CONTEXT as LOG_CONTEXT
 from ftlm.observe.metrics import NullMetrics
@@ -80,7 +80,7 @@ class Manager:
 
     def __init__(self, config: FTConfig, group: str, incarnation: str, coordinator: str,
                  token: str = "", events: Any = None, device: torch.device | None = None,
-                 fault: FaultPlan | None = None, total_steps: int | None = None,
+                 fault: FaultSchedule | None = None, total_steps: int | None = None,
                  expected_groups: int = 0, metrics: Any = None):
         self.config = config
         self.token = token
@@ -113,7 +113,7 @@ class Manager:
         self._client_tls = client_context(config.tls_ca) if config.tls_ca else None
         # The serve fault points need a hook per chunk; without one, serving costs this process
         # nothing per chunk (a server process never calls back).
-        serve_fault = fault is not None and fault.point in ("during_serve", "slow_serve")
+        serve_fault = fault is not None and bool(fault.points & {"during_serve", "slow_serve"})
         self.server = make_snapshot_server(config, host=self.host, token=token,
                                            on_chunk=self._on_serve_chunk if serve_fault else None)
         self.server.start()
@@ -131,6 +131,7 @@ class Manager:
         self._answered = threading.Condition()  # a heartbeat answer arrived (leader)
         self._answered_at = time.monotonic()
         self._declared_dead = False  # the coordinator declared this incarnation dead this step
+        self._reload_hint: int | None = None  # a heartbeat answer's ``reload`` (no live holder of the head)
         self._allreduce_started = 0.0
         # Set from a signal handler: a plain flag (an Event's lock could deadlock there).
         self._stop_requested = False
@@ -175,6 +176,8 @@ class Manager:
         """Abort the collective in flight when a member of our quorum is reported dead."""
         q = self.quorum
         try:
+            hint = answer.get("reload")
+            self._reload_hint = hint if type(hint) is int else None
             if q is None or answer.get("rebuilding"):
                 return
             dead, aborted = answer.get("dead"), answer.get("dead_quorums")
@@ -221,8 +224,8 @@ class Manager:
                                   committed=lambda: self.proto.step)
 
     def _on_serve_chunk(self, step: int, index: int) -> None:
+        self._fire("slow_serve")  # (first: "slow_serve,during_serve" dies after the slow stretch)
         self._fire("during_serve")
-        self._fire("slow_serve")
 
     def fire(self, point: str) -> None:
         """Reach a named fault point that lives outside the manager (e.g. during replay)."""
@@ -257,13 +260,18 @@ class Manager:
                     f"(last reason: {reason}); is the coordinator running and are enough "
                     "groups up (ft.min_replicas)?")
             self._progress()  # asking is progress: a group waiting for others is not hung
+            if self.proto.reload_due(hint := self._reload_hint):
+                # Heard in a heartbeat answer: no live group holds the job's newest state.
+                raise ReloadCheckpoint(hint, f"no live group holds step {hint}")
             ask = self.proto.request()
             try:
                 return self.client.quorum(ask["step"], ask["last_quorum_id"], ask["failed"], self._meta(),
                                           timeout=min(remaining, STOP_POLL_SECONDS), chain=ask["chain"],
-                                          watch=ask["watch"])
+                                          watch=ask["watch"], disk_checked=ask["disk_checked"])
             except QuorumTimeout as e:
                 reason = e.reason
+                if self.proto.reload_due(e.reload):
+                    raise ReloadCheckpoint(e.reload, e.reason) from None
             except CoordinatorUnavailable as e:
                 reason = f"coordinator unavailable ({e})"
                 self.abort.wait(min(0.2, max(0.0, remaining)))
@@ -273,9 +281,12 @@ class Manager:
         if self.rank == 0:
             try:
                 q = self._request_quorum()
-            except (StopRequested, TooManyFailures) as e:
+            except (StopRequested, TooManyFailures, ReloadCheckpoint) as e:
                 # The other ranks wait for this answer: tell them, or they would hang in the broadcast.
-                _broadcast_json({"end": type(e).__name__, "why": str(e)}, self.ranks, self.control)
+                end = {"end": type(e).__name__, "why": str(e)}
+                if isinstance(e, ReloadCheckpoint):
+                    end["head"] = e.head
+                _broadcast_json(end, self.ranks, self.control)
                 raise
             with self._answered:  # a quorum answer is word from the coordinator, as a heartbeat's
                 self._answered_at = time.monotonic()
@@ -283,6 +294,8 @@ class Manager:
             return q
         got = _broadcast_json(None, self.ranks, self.control)
         if isinstance(got, dict) and "end" in got:
+            if got["end"] == "ReloadCheckpoint":
+                raise ReloadCheckpoint(got["head"], got["why"])
             raise (StopRequested if got["end"] == "StopRequested" else TooManyFailures)(got["why"])
         return MemberQuorum.from_json(got)
 
@@ -348,7 +361,7 @@ class Manager:
         if asked is not None:
             a_step, a_chain, answer = asked
             if (a_step, a_chain) == (step, chain):
-                q = answer.result()  # re-raises StopRequested, TooManyFailures
+                q = answer.result()  # re-raises StopRequested, TooManyFailures, ReloadCheckpoint
                 return q, time.monotonic() - t0
             try:  # asked for another state (not the trainer's order): drop that answer
                 answer.result()
@@ -534,9 +547,10 @@ class Manager:
                          seconds=time.monotonic() - fetch.started, nbytes=nbytes)
 
     def restart_recovery(self, reason: str) -> None:
-        log.warning("restarting recovery: %s", reason)
-        self.events.emit("recovery_end", step=self.proto.step, ok=False, error=reason)
+        """Drop the pull in flight, or the arrived snapshot being replayed (none: a no-op)."""
         if self._fetch is not None or self.proto.fetching:  # in flight, or arrived and replaying
+            log.warning("restarting recovery: %s", reason)
+            self.events.emit("recovery_end", step=self.proto.step, ok=False, error=reason)
             self._fetch = None  # an in-flight pull finishes on its own and is ignored
             self.proto.fetch_finished()
 

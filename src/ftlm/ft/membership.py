@@ -34,6 +34,8 @@ from ftlm.ft.quorum import (
     expire,
     record_heartbeat,
     record_request,
+    reload_due,
+    reload_hint,
     remove_member,
     withdraw_request,
 )
@@ -117,6 +119,8 @@ class Membership:
                                   "epoch": self.state.epoch, "rebuilding": self.state.head is None}
         if revived:
             answer["declared_dead"] = True
+        if (reload := reload_hint(now, self.state, self.options, hb.replica_id)) is not None:
+            answer["reload"] = reload  # no live group holds it: look for a newer checkpoint first
         if self.kill_requests:
             self.kill_requests = {r for r in self.kill_requests if r in self.state.heartbeats}  # forget gone ones
             if hb.replica_id in self.kill_requests:
@@ -178,6 +182,14 @@ class Membership:
         restores, waiting = advance_head(now, self.state, options)
         for r in restores:
             out.append(Event("restore", self._restore_fields(r)))
+        head, due = reload_due(now, self.state, options)
+        for req in due:
+            # Answered now, not at the end of its long-poll: the rollback grace is short.
+            withdraw_request(self.state, req)
+            out.append(Answer(req.replica_id, 504, {
+                "error": "quorum timeout", "reload": head,
+                "reason": (f"no live group holds step {head}: load a durable checkpoint newer than "
+                           f"step {req.step} if there is one, then ask again")}))
         quorum, reason = compute_quorum(now, self.state, options)
         self.reason = waiting if quorum is None and waiting else reason
         if quorum is None:

@@ -5,7 +5,8 @@ The trainer calls ``join`` once with its committed state, then once per step: ``
 ``allreduce`` (average gradients across participating groups), ``commit`` (may the update be
 applied?), and after a commit ``ask`` (request the next quorum while the update is applied). A recovering group also calls ``poll_recovery`` until the peer's snapshot has arrived
 and ``caught_up`` once its replay reached the head; at the last step ``finish`` serves late
-groups and leaves the job. ``NoFaultTolerance`` answers for a lone group at no cost, so the
+groups and leaves the job. ``start_step`` raises ``ReloadCheckpoint`` when the group should
+load a newer durable checkpoint before it asks again. ``NoFaultTolerance`` answers for a lone group at no cost, so the
 single-group path stays as fast as plain PyTorch.
 """
 
@@ -60,6 +61,17 @@ class Recovered:
 class StopRequested(Exception):
     """The group was asked to stop (SIGTERM: preemption, node drain) while waiting for a quorum:
     the trainer leaves the job at once instead of after ``ft.quorum_timeout``."""
+
+
+class ReloadCheckpoint(Exception):
+    """No live group holds the job's newest state (step ``head``), and this group is behind it:
+    before the coordinator rolls the job back to the newest state a live group holds, the
+    trainer loads the newest durable checkpoint if it is newer than its own state, then asks
+    again (``start_step`` with the state it holds then)."""
+
+    def __init__(self, head: int, reason: str) -> None:
+        super().__init__(reason)
+        self.head = head
 
 
 class FaultTolerance(Protocol):

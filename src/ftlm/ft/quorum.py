@@ -18,7 +18,9 @@ The rules that keep replicas identical:
 * participants of a quorum are exactly the candidates holding the head; everyone else recovers from
   one of them; a quorum is never issued while live groups hold the head but none of them asked;
 * when no live group has held the head for ``rollback_grace`` seconds, the job rolls back,
-  explicitly (a ``Restore`` the caller logs), to the newest state a live group holds;
+  explicitly (a ``Restore`` the caller logs), to the newest state a live group holds; before that,
+  members behind the head are told to load a newer durable checkpoint if they have one
+  (``reload_due``), and the rollback waits while they do;
 * after a coordinator restart nothing is decided until the members have reported for one
   ``rebuild_grace`` (or every expected group reported).
 
@@ -69,6 +71,8 @@ class MemberRequest:
     """Hash chain of the group's committed history at ``step``."""
     watch: tuple[str, ...] = ()
     """Replica ids whose membership the group wants to know (the joiners it serves)."""
+    disk_checked: int = -1
+    """The head step for which the group looked for a newer durable checkpoint (``reload_due``)."""
 
 
 @dataclass
@@ -111,6 +115,11 @@ class QuorumOptions:
     @property
     def rollback_seconds(self) -> float:
         return 2 * self.heartbeat_timeout if self.rollback_grace is None else self.rollback_grace
+
+    @property
+    def reload_seconds(self) -> float:
+        """How long a rollback waits for a member told to load a newer durable checkpoint."""
+        return max(self.progress_timeout, self.rollback_seconds)
 
 
 @dataclass
@@ -596,6 +605,9 @@ class CoordinatorState:
     top: int = 0  # the furthest step the head ever reached here (a rollback target cannot be beyond)
     epoch: str = ""  # this coordinator's start nonce, stamped on every quorum it issues
     suspicion: Suspicion | None = None  # members reported the current quorum's step failed
+    reloads: dict[str, float | None] = field(default_factory=dict)
+    """While no live member holds the head: members told to load a newer durable checkpoint ->
+    when they were first told, or None once they asked again saying they looked (done)."""
     index: _Index = field(default_factory=_Index, compare=False, repr=False)
     """Counts and heaps over ``heartbeats`` and ``pending`` (kept by the tables themselves)."""
 
@@ -660,8 +672,9 @@ def _steady(now: float, state: CoordinatorState, options: QuorumOptions) -> bool
             and not index.oldest_fresh_violation(now, options.heartbeat_timeout))
 
 
-def record_heartbeat(state: CoordinatorState, hb: Heartbeat) -> list[str]:
-    """Record a heartbeat; returns the older incarnations of its group that it replaced.
+def record_heartbeat(state: CoordinatorState, hb: Heartbeat, request: bool = False) -> list[str]:
+    """Record a heartbeat (``request``: the one a quorum request carries); returns the older
+    incarnations of its group that it replaced.
 
     Raises StaleIncarnation if ``hb`` comes from an incarnation that was itself replaced or retired.
     Claims are bounded by the caller's validation (``MAX_CLAIM``); they never move the head here.
@@ -669,6 +682,13 @@ def record_heartbeat(state: CoordinatorState, hb: Heartbeat) -> list[str]:
     replaced = _retire_other_incarnations(state, hb.replica_id, hb.group, hb.last_seen)
     if hb.progress_at is None:
         hb.progress_at = hb.last_seen
+    req = None if request else state.pending.get(hb.replica_id)
+    if req is not None and (hb.step, hb.chain) != (req.step, req.chain):
+        # While its request waits, a member holds what it asked with (its trainer waits for the
+        # answer; one that asked early is applying that very update). A heartbeat sent before the
+        # request can arrive after it: it must not take the claim back, which made the head look
+        # unheld for a moment (sim seed 14) or undid a reload just reported (seed 1703).
+        hb.step, hb.chain = req.step, req.chain
     state.heartbeats[hb.replica_id] = hb
     if state.head is None:
         # While rebuilding, members tell where the ids and the job stood; afterwards a claim above
@@ -689,8 +709,11 @@ def record_request(state: CoordinatorState, req: MemberRequest) -> list[str]:
     prior = state.heartbeats.get(req.replica_id)
     known_id = max(req.last_quorum_id, prior.quorum_id if prior else -1)
     replaced = record_heartbeat(state, Heartbeat(req.replica_id, req.group, req.asked_at, req.step, known_id,
-                                                 req.chain, req.asked_at, prior.known_head if prior else 0))
+                                                 req.chain, req.asked_at, prior.known_head if prior else 0),
+                                request=True)
     state.pending[req.replica_id] = req
+    if req.disk_checked >= 0 and req.disk_checked == _reload_target(state):
+        state.reloads[req.replica_id] = None  # it looked for a newer checkpoint (and loaded it, if any)
     if state.round_started is None:
         state.round_started = req.asked_at
     if req.failed:
@@ -846,6 +869,12 @@ def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
         if why:
             return [], why
         best = _best(claims)
+        if best[0] < state.known_head:
+            # As for a rollback below: members behind look for a newer durable checkpoint first.
+            waiting = _await_reloads(now, state, options, claims, state.known_head)
+            if waiting:
+                return [], waiting
+            best = _best(claims)
         _set_head(state, best, now)
         state.top = max(state.top, state.known_head)
         if best[0] < state.known_head:
@@ -865,6 +894,7 @@ def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
         return [], ""
     if state.head in claims.values():
         state.head_seen_at = now
+        state.reloads.clear()
         return [], ""
     if state.finished:
         return [], (f"the job finished at step {step} (its groups left); a group joining now has "
@@ -874,6 +904,9 @@ def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
     if left > 0:
         return [], (f"no live group holds the newest state (step {step}); rolling back to the "
                     f"newest state a live group holds in {left:.1f} s unless a holder returns")
+    waiting = _await_reloads(now, state, options, claims, step)
+    if waiting:
+        return [], waiting
     # Back to the newest state a live group holds, which may be a state of a branch an earlier
     # rollback abandoned (a durable checkpoint of it), but never beyond where the job ever got:
     # one step past the furthest head, whose commit of a quorum issued there may not have been
@@ -888,6 +921,28 @@ def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
                       f"held by {', '.join(holders)}")
     _set_head(state, target, now)
     return [restore], ""
+
+
+def _await_reloads(now: float, state: CoordinatorState, options: QuorumOptions,
+                   claims: dict[str, tuple[int, str]], step: int) -> str:
+    """Before a rollback from ``step``: why it must wait, or "" when it may go ahead.
+
+    Every live member behind ``step`` looks for a newer durable checkpoint first: it may be
+    about to hold a newer state than anyone does now (the newest checkpoint may even be the
+    head). One that joined during the grace, or never asked, is told now (its heartbeat answer or
+    request says ``reload``). The rollback waits until each asks again saying it looked
+    (``disk_checked``), at most ``reload_seconds`` from when it was told (a hung load is also
+    caught by ``progress_timeout``).
+    """
+    for r, c in claims.items():
+        if c[0] < step:
+            state.reloads.setdefault(r, now)
+    loading = sorted(state.heartbeats[r].group for r, told in state.reloads.items()
+                     if told is not None and r in claims and now - told < options.reload_seconds)
+    if not loading:
+        return ""
+    return (f"no live group holds the newest state (step {step}); waiting for {', '.join(loading)} "
+            "to look for a newer durable checkpoint before rolling back")
 
 
 def _advance_head_steady(now: float, state: CoordinatorState,
@@ -914,6 +969,8 @@ def _advance_head_steady(now: float, state: CoordinatorState,
         return [], ""
     if claims.get(state.head):
         state.head_seen_at = now
+        if state.reloads:
+            state.reloads.clear()
         return [], ""
     return None
 
@@ -923,6 +980,62 @@ def _set_head(state: CoordinatorState, head: tuple[int, str], now: float) -> Non
     state.head_quorums = []
     state.head_seen_at = now
     state.top = max(state.top, head[0])
+    state.reloads.clear()
+
+
+def reload_due(now: float, state: CoordinatorState, options: QuorumOptions) -> tuple[int, list[MemberRequest]]:
+    """The step no live member holds, and the pending requests to answer "load a durable
+    checkpoint newer than your state first" (call after ``advance_head``); marks them told.
+
+    While no live member holds the head (its holders died; the rollback grace runs), a member
+    behind it may find on disk a checkpoint newer than its own state: written by a holder after
+    this member started, or skipped because this member restarted from an older one. Loading it
+    before the grace ends keeps the rollback from giving up the steps in between (at best the
+    checkpoint is the head, and no rollback happens). A member asks again with ``disk_checked``
+    set to the head's step once it looked (with or without a newer checkpoint): it is not told
+    again for that head. One whose answer was lost is told again; the rollback waits for a
+    member at most ``reload_seconds`` from when it was first told.
+
+    A member that has not asked (starting, lagging, busy) hears it in its heartbeat answers
+    (``reload_hint``) and looks before it asks.
+    """
+    step = _unheld_head(now, state, options)
+    if step is None:
+        return -1, []
+    due = [req for req in state.pending.values() if req.step < step and req.disk_checked != step]
+    for req in due:
+        state.reloads.setdefault(req.replica_id, now)
+    return step, due
+
+
+def reload_hint(now: float, state: CoordinatorState, options: QuorumOptions, replica_id: str) -> int | None:
+    """The head's step for ``replica_id``'s heartbeat answer when it should look for a newer
+    durable checkpoint before it asks (see ``reload_due``); None otherwise."""
+    step = _unheld_head(now, state, options)
+    hb = state.heartbeats.get(replica_id)
+    if step is None or hb is None or hb.step >= step or state.reloads.get(replica_id, now) is None:
+        return None  # held, not behind, or it looked already
+    state.reloads.setdefault(replica_id, now)
+    return step
+
+
+def _unheld_head(now: float, state: CoordinatorState, options: QuorumOptions) -> int | None:
+    """The head's step once no live member has held it for a quarter of the rollback grace.
+
+    Not at once: a holder's heartbeat sent before its commit can arrive after its request of the
+    next step, and make the head look unheld for a moment (sim seed 14), which must not make a
+    member drop a pull in progress. Call after ``advance_head`` (which stamps ``head_seen_at``).
+    """
+    if state.head is None:  # a restarted coordinator waiting for reloads before it rolls back
+        return state.known_head if state.reloads else None
+    if state.finished or state.head_seen_at is None or now - state.head_seen_at < options.rollback_seconds / 4:
+        return None
+    return state.head[0]
+
+
+def _reload_target(state: CoordinatorState) -> int:
+    """The step members told to reload compare their state with (see ``_unheld_head``)."""
+    return state.head[0] if state.head is not None else state.known_head
 
 
 def classify(state: CoordinatorState, replica_id: str) -> str:

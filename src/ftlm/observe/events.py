@@ -42,6 +42,9 @@ Kinds used across ftlm and their fields:
   peer (``source``; ``recovery_end`` has ``ok`` and ``seconds``).
 * ``checkpoint_saved``: a durable checkpoint of ``step`` became valid (``path``, ``seconds``).
 * ``checkpoint_rejected``: a checkpoint failed verification and was skipped (``path``, ``reason``).
+* ``checkpoint_reloaded``: no live group held the job's newest state (``head``), so this group,
+  behind it, loaded the newer durable checkpoint of ``step`` (``from_step``, ``seconds``, ``chain``)
+  before the coordinator's rollback.
 * ``eval``: held-out loss after step ``step`` (``loss``, ``tokens``, ``seconds``).
 * ``coordinator_restart``: the coordinator came back and rebuilt its soft state.
 """
@@ -61,7 +64,8 @@ from ftlm.errors import DataError
 KINDS: tuple[str, ...] = (
     "run_start", "run_end", "group_start", "group_exit", "quorum", "commit", "step_failed",
     "failure_injected", "member_dead", "member_left", "recovery_start", "recovery_end",
-    "checkpoint_saved", "checkpoint_rejected", "coordinator_restart", "restore", "eval",
+    "checkpoint_saved", "checkpoint_rejected", "checkpoint_reloaded", "coordinator_restart", "restore",
+    "eval",
 )
 """Event kinds ftlm emits (documented above); ``emit`` accepts others for forward compatibility."""
 

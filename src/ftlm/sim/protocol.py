@@ -60,6 +60,13 @@ class SimConfig:
     latency: tuple[float, float] = (0.001, 0.02)
     step_seconds: tuple[float, float] = (0.02, 0.06)
     startup_seconds: tuple[float, float] = (0.2, 1.0)
+    reload_seconds: tuple[float, float] = (0.05, 1.5)
+    """Loading a newer durable checkpoint while no live group holds the head (the trainer's
+    ``_reload_checkpoint``): sometimes longer than what is left of the rollback grace."""
+    reload_checkpoints: bool = True
+    """Groups told that no live group holds the head look for a newer durable checkpoint; False:
+    they ignore it (as before session 8), so the coordinator waits ``reload_seconds`` for each
+    and then rolls back to a live state, perhaps older than the newest checkpoint."""
     checkpoint_every: int = 10
     drain_seconds: float = 10.0
     """How long a finished group keeps serving for the groups not yet up to date (the manager's
@@ -157,6 +164,8 @@ class Incarnation:
     stopping: bool = False  # SIGTERM: finish (or abort) the step, then leave
     left: bool = False  # told the coordinator it leaves; the process exits a moment later
     request_lost: bool = False  # its current quorum request or the answer to it was lost
+    reload_head: int | None = None  # told to reload while applying its update: done at its next step
+    reload_hint: int | None = None  # the last heartbeat answer's ``reload`` (``Manager._reload_hint``)
 
     @property
     def replica_id(self) -> str:
@@ -521,7 +530,10 @@ class Simulation:
         return result
 
     def on_heartbeat_answer(self, inc: Incarnation, answer: dict) -> None:
-        if not inc.running or answer.get("rebuilding") or inc.quorum is None:
+        if not inc.running:
+            return
+        inc.reload_hint = answer.get("reload")
+        if answer.get("rebuilding") or inc.quorum is None:
             return
         # As the manager: the answer names the quorums in flight that lost a member.
         if answer.get("epoch") == inc.quorum.epoch and inc.quorum.quorum_id in answer.get("dead_quorums", []):
@@ -545,7 +557,10 @@ class Simulation:
             return
         # ``Manager._answer``: the answer of the request sent right after the vote.
         inc.phase = "asking"
-        if inc.held is not None:
+        if inc.reload_head is not None:
+            head, inc.reload_head = inc.reload_head, None
+            self.reload(inc, head)
+        elif inc.held is not None:
             answer, inc.held = inc.held, None
             self.start_step(inc, answer)
         elif inc.poll_stopped:  # its long-poll ended on the stop request: StopRequested
@@ -585,10 +600,13 @@ class Simulation:
         if not inc.running or inc.hung_training or inc.request_seq != seq or not inc.polling or inc.left:
             return
         inc.proto.sync(inc.state.step, inc.state.chain)  # as Manager.start_step (or Manager.ask) does
+        if self.c.reload_checkpoints and inc.proto.reload_due(inc.reload_hint):  # as Manager._request_quorum
+            self.told_to_reload(inc, inc.reload_hint)
+            return
         fields = inc.proto.request()
         req = MemberRequest(inc.replica_id, inc.group, fields["step"], fields["last_quorum_id"], fields["failed"],
                             {"recover_request": fields["recover_request"]}, 0.0, fields["chain"],
-                            tuple(fields["watch"]))
+                            tuple(fields["watch"]), fields["disk_checked"])
         inc.request = req
         inc.asked_at = self.now  # a quorum request is a heartbeat: the next beat waits an interval
 
@@ -639,6 +657,10 @@ class Simulation:
         inc.request = None
         if answer.status == 409:
             self.die(inc, "stale incarnation")
+            return
+        if (answer.status == 504 and self.c.reload_checkpoints
+                and inc.proto.reload_due((answer.body or {}).get("reload"))):
+            self.told_to_reload(inc, answer.body["reload"])
             return
         if answer.status != 200:
             self.at(0.01, lambda: self.poll_ended(inc) if inc.polling and inc.request_seq == seq else None,
@@ -886,6 +908,48 @@ class Simulation:
             return
         self.next_step(inc)
 
+    def told_to_reload(self, inc: Incarnation, head: int) -> None:
+        """``Manager._request_quorum`` raises ReloadCheckpoint, which the trainer's step handles
+        (after the update, for a request sent early)."""
+        inc.polling = False
+        if inc.phase == "updating":
+            inc.reload_head = head
+        else:
+            self.reload(inc, head)
+
+    def reload(self, inc: Incarnation, head: int) -> None:
+        """The trainer's ``_reload_checkpoint``: no live group holds the head, so load the newest
+        durable checkpoint if it is newer than this group's state, dropping a pull in flight or a
+        snapshot being replayed; then ask again (saying it looked: ``disk_checked``)."""
+        newer = [s for s in self.disk if s > inc.state.step]
+        inc.phase = "reloading"
+        if not newer:
+            self.log(f"{inc.replica_id} finds no checkpoint newer than step {inc.state.step} (head {head})")
+            self.reload_done(inc)
+            return
+        pick = max(newer)
+        lo, hi = self.c.reload_seconds
+
+        def loaded() -> None:
+            if not inc.alive or inc.left or inc.phase != "reloading" or inc.hung_training:
+                return
+            before = inc.state.step
+            inc.state = _copy(self.disk[pick])
+            inc.catching, inc.buffer = False, {}
+            if inc.fetch is not None or inc.proto.fetching:
+                inc.fetch = None
+                inc.proto.fetch_finished()
+            self.log(f"{inc.replica_id} loaded the checkpoint of step {pick} (was at {before}, head {head})")
+            if not inc.running:
+                inc.update_pending = True  # SIGSTOPped while loading: it asks after SIGCONT
+                return
+            self.reload_done(inc)
+        self.at(self.rng.uniform(lo, hi), loaded, f"reload {inc.replica_id}")
+
+    def reload_done(self, inc: Incarnation) -> None:
+        inc.phase = "idle"
+        self.next_step(inc)
+
     # -- live recovery ---------------------------------------------------------------------------
     def start_fetch(self, inc: Incarnation, q: Quorum, source: str) -> None:
         if inc.catching:  # its pull arrived and is being replayed: a second one is wasted work
@@ -1023,6 +1087,9 @@ class Simulation:
                     if t.phase == "updating" and t.update_pending:
                         t.update_pending = False
                         self.update_done(t)
+                    elif t.phase == "reloading" and t.update_pending:
+                        t.update_pending = False
+                        self.reload_done(t)
                     elif t.phase == "asking" and not t.polling:
                         self.ask(t)
                     elif t.phase == "collective" and t.quorum is not None:

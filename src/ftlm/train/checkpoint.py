@@ -542,14 +542,15 @@ class Checkpointer:
                     pass
 
     # -- restoring -------------------------------------------------------------------------------
-    def restore_latest(self, state: TrainState) -> int | None:
-        """Load the newest intact checkpoint into ``state``; its step, or None if there is none.
+    def restore_latest(self, state: TrainState, newer_than: int = -1) -> int | None:
+        """Load the newest intact checkpoint of a step above ``newer_than`` into ``state``; its
+        step, or None if there is none (``state`` is then untouched).
 
         Checkpoints that fail verification are skipped (``on_rejected``) and moved aside. Raises
         ``CheckpointError`` for a checkpoint without a manifest, and for one that verifies but
         does not fit ``state`` (another model size).
         """
-        candidates = valid_checkpoints(self.root)
+        candidates = [(step, path) for step, path in valid_checkpoints(self.root) if step > newer_than]
         rejected = 0
         for step, path in reversed(candidates):
             checkpoint = self._verify_with_group(step, path)

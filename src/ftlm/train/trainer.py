@@ -30,7 +30,7 @@ from ftlm.errors import ConfigError, DataError
 from ftlm.errors import FtlmError
 from ftlm.ft.group import check_replay
 from ftlm.ft.history import extend_chain
-from ftlm.ft.protocol import FaultTolerance, NoFaultTolerance, Recovered, StepPlan, StopRequested
+from ftlm.ft.protocol import FaultTolerance, NoFaultTolerance, Recovered, ReloadCheckpoint, StepPlan, StopRequested
 from ftlm.model import Transformer, flops_per_token
 from ftlm.observe.events import EventLog, NullEvents, read_events
 from ftlm.observe.metrics import NullMetrics, TrainingMetrics, start_rank_metrics
@@ -310,7 +310,11 @@ class Trainer:
         """Run one step of the protocol; the state advances only if the step commits."""
         state, tc = self.state, self.config.train
         t0 = time.perf_counter()
-        plan = self.ft.start_step(state.step, state.chain, state.flat)
+        try:
+            plan = self.ft.start_step(state.step, state.chain, state.flat)
+        except ReloadCheckpoint as e:
+            self._reload_checkpoint(e)
+            return
         if plan.drain:
             self._drain_step(plan)
             return
@@ -408,6 +412,33 @@ class Trainer:
             self.events.emit("eval", step=state.step, loss=ev.loss,
                              tokens=state.cursor * self.tokens_per_sample, seconds=ev.seconds)
             self.metrics.on_eval(ev.loss)
+
+    def _reload_checkpoint(self, why: ReloadCheckpoint) -> None:
+        """Every group holding the job's newest state died: load the newest durable checkpoint if
+        it is newer than this group's state (a holder wrote it after this group started, or this
+        group restarted from an older one), so that the coordinator's rollback, which continues
+        from the newest state a live group holds, gives up no step that is on disk. The next
+        ``start_step`` asks with the state loaded (or the same one: nothing newer on disk)."""
+        before = self.state.step
+        if not self.config.checkpoint.resume:
+            log.info("no live group holds step %d; checkpoint.resume is off, so no checkpoint is "
+                     "loaded", why.head)
+            return
+        t0 = time.perf_counter()
+        step = self.checkpointer.restore_latest(self.state, newer_than=before)
+        if step is None:
+            log.info("no live group holds step %d and no checkpoint is newer than step %d",
+                     why.head, before)
+            return
+        seconds = time.perf_counter() - t0
+        log.warning("no live group holds step %d: loaded the checkpoint of step %d (was at step %d)",
+                    why.head, step, before)
+        # A pull in flight, or a snapshot being replayed, leads from an older state: dropped.
+        self._catching = None
+        self.catchup.clear()
+        self.ft.restart_recovery(f"loaded the durable checkpoint of step {step}")
+        self.events.emit("checkpoint_reloaded", step=step, from_step=before, head=why.head,
+                         seconds=seconds, chain=self.state.chain)
 
     def _catch_up_while_waiting(self, plan: StepPlan) -> None:
         """A recovering group's work while its zero contribution waits for the participants'

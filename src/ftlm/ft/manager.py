@@ -365,6 +365,8 @@ class Manager:
                 return q, time.monotonic() - t0
             try:  # asked for another state (not the trainer's order): drop that answer
                 answer.result()
+            except ReloadCheckpoint:
+                raise  # it says the group looked on disk (``disk_checked``): it must look now
             except Exception as e:  # noqa: BLE001 - a new request follows
                 log.warning("dropped the answer to an earlier quorum request: %s", e)
         self.proto.sync(step, chain)

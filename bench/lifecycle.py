@@ -25,16 +25,17 @@ processed (committed training tokens; for pairs and evaluation, the sampling tim
 It does not tune hyper-parameters by itself: ``--eval-split val`` scores every model on a
 validation set instead (training-split problems that no stage of any seed trains on), which is
 where settings are compared; the test split is for the table only (``--set test_seed=N``: a
-fresh draw of it that leaves out the first draw's problems). ``--workdir``/``--reuse`` keep the
-runs and take back the models, pairs and scores found there (refused when they were made with
-other settings), ``--only-seeds`` with ``--merge`` let seeds (or the DPO and GRPO stages, via
-``--stages``) run as separate processes, and ``--label`` names a variant's rows ("DPO, LABEL")
-so that rows of several settings merge into one table. It does not measure fault tolerance.
+fresh draw of it that leaves out the problems of the draws fixed before it, ``TEST_DRAWS``).
+``--workdir``/``--reuse`` keep the runs and take back the models, pairs and scores found there
+(refused when they were made with other settings), ``--only-seeds`` with ``--merge`` let seeds
+(or the DPO and GRPO stages, via ``--stages``) run as separate processes, and ``--label`` names
+a variant's rows ("DPO, LABEL") so that rows of several settings merge into one table. It does not measure fault tolerance.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -77,9 +78,14 @@ QUICK = {**FULL, "pretrain_steps": 20, "sft_steps": 10, "train_tasks": 100, "sft
          "grpo_tasks": 100, "max_new_tokens": 48}
 VAL_SEED = 4321
 """Seed of the validation draw (training split, problems of every training stage removed)."""
-FIRST_TEST = (1234, 1600)
-"""The test draw the tables up to 2026-12-01 05:19 UTC scored (seed, tasks; families add): a
-second setting was scored on it, so a draw of another ``test_seed`` leaves its problems out."""
+TEST_DRAWS = ((1234, 1600), (20261201, 1600), (20261202, 1600))
+"""The draws of the test split (``test_seed``, tasks; families add) in the order they were fixed:
+1234 the tables up to 2026-12-01 05:19 UTC scored (a second setting was scored on it); 20261201
+the fresh draw of the 08:18 table (fixed in e0cb123); 20261202 the pre-registered run whose
+seeds vary the SFT run (fixed before any score: bench/results/lifecycle/fresh20261202/). A draw
+leaves out the problems of every draw before it; a seed not listed leaves out all of them."""
+FIRST_TEST = TEST_DRAWS[0]
+"""The default draw, which leaves nothing out (the earlier tables' tasks)."""
 
 
 def _config(run_dir: Path, seed: int, **sections):
@@ -154,24 +160,34 @@ def training_problems(sizes: dict, seeds: int) -> set[tuple[str, str]]:
     return used
 
 
+def earlier_draws(test_seed: int) -> tuple[tuple[int, int], ...]:
+    """The test draws (seed, tasks) that the draw of ``test_seed`` leaves out: those of
+    ``TEST_DRAWS`` fixed before it, or all of them for a seed not listed."""
+    seeds = [seed for seed, _ in TEST_DRAWS]
+    return TEST_DRAWS[:seeds.index(test_seed)] if test_seed in seeds else TEST_DRAWS
+
+
+@functools.lru_cache(maxsize=16)  # a later draw draws every earlier one again
+def heldout_draw(families: str, n: int, test_seed: int) -> tuple:
+    """``n`` test-split tasks of ``families`` drawn with ``test_seed``, none of which an earlier
+    draw (``earlier_draws``, each of ``max(n, its tasks)`` tasks of the same families) holds.
+    The first draw is the plain ``generate`` list, so every listed draw stays what it was."""
+    from ftlm.tasks import generate
+    seen: set[tuple[str, str]] = set()
+    for seed, size in earlier_draws(test_seed):
+        seen |= {(t.family, t.key) for t in heldout_draw(families, max(n, size), seed)}
+    pool = generate(families, "test", n + len(seen), test_seed)
+    return tuple([t for t in pool if (t.family, t.key) not in seen][:n])
+
+
 def evaluation_tasks(sizes: dict, split: str, seeds: int) -> list:
     """The tasks every model is scored on: the suite's held-out split (``test``, what the table
-    reports), or a validation set for choosing hyper-parameters (``val``): training-split
-    problems that no training stage of any seed sees.
-
-    The test tasks are the draw of seed ``test_seed``; a seed other than the first draw's
-    (``FIRST_TEST``) gives a fresh draw: ``n`` test problems none of which the first draw of the
-    same families holds (its ``max(n, FIRST_TEST[1])`` tasks of seed ``FIRST_TEST[0]``)."""
+    reports: the ``heldout_draw`` of ``test_seed``), or a validation set for choosing
+    hyper-parameters (``val``): training-split problems that no training stage of any seed sees."""
     from ftlm.tasks import generate
     families, n = sizes["families"], sizes["heldout_tasks"]
-    seed = sizes.get("test_seed", FIRST_TEST[0])
-    if split == "test" and seed == FIRST_TEST[0]:
-        return generate(families, "test", n, seed)
     if split == "test":
-        seen = {(t.family, t.key) for t in
-                generate(families, "test", max(n, FIRST_TEST[1]), FIRST_TEST[0])}
-        pool = generate(families, "test", n + len(seen), seed)
-        return [t for t in pool if (t.family, t.key) not in seen][:n]
+        return list(heldout_draw(families, n, sizes.get("test_seed", FIRST_TEST[0])))
     used = training_problems(sizes, seeds)
     pool = generate(families, "train", 2 * n + len(used) // 4, VAL_SEED)
     return [t for t in pool if (t.family, t.key) not in used][:n]
@@ -577,10 +593,10 @@ def format_section(result: dict, flags: list[str]) -> str:
                  " (one process each); this text formatted from their JSON\n")
     z = {k: _fmt(v) if isinstance(v, float) else v for k, v in sizes.items()}
     test_seed = sizes.get("test_seed", FIRST_TEST[0])
+    left_out = " or ".join(f"the {size:,} tasks of seed {seed}"
+                           for seed, size in earlier_draws(test_seed))
     where = ("held-out: {n} tasks of the test split (no problem shared with training; seed "
-             f"{test_seed}" + ("" if test_seed == FIRST_TEST[0] else
-                               f", none of the {FIRST_TEST[1]:,} tasks of seed {FIRST_TEST[0]}")
-             + ")"
+             f"{test_seed}" + (f", none of {left_out}" if left_out else "") + ")"
              if result.get("split", "test") == "test" else
              "VALIDATION: {n} training-split tasks no stage trains on")
     body += (f"* Model: tiny (configs/tiny.toml), one group, 1 thread. Tasks: {z['families']} "

@@ -1,7 +1,8 @@
-"""The pure parts of bench/lifecycle.py. The held-out draws: the fresh test draw (``test_seed``)
-shares no problem with the first draw (seed 1234) nor with any training stage's tasks, and the
-first draw is the one the earlier tables scored. Merging a labelled variant's rows beside the
-plain ones, and the settings check of ``--reuse``. No model is trained or scored."""
+"""The pure parts of bench/lifecycle.py. The held-out draws: a fresh test draw (``test_seed``)
+shares no problem with the draws fixed before it (seed 1234, then 20261201) nor with any
+training stage's tasks, and the draws the earlier tables scored are unchanged. Merging a
+labelled variant's rows beside the plain ones, and the settings check of ``--reuse``. No model
+is trained or scored."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ if str(REPO_ROOT) not in sys.path:  # bench/ is a top-level package beside src/,
 
 import pytest
 
-from bench.lifecycle import (FIRST_TEST, FULL, STAGE_SIZES, _config, _post_sections,
-                             _saved_settings_differ, base_stage, evaluation_tasks, format_section,
-                             merge, training_problems, verdict)
+from bench.lifecycle import (FIRST_TEST, FULL, STAGE_SIZES, TEST_DRAWS, _config,
+                             _post_sections, _saved_settings_differ, base_stage, earlier_draws,
+                             evaluation_tasks, format_section, merge, training_problems, verdict)
 from ftlm.tasks import generate
 
 FRESH_SEED = 20261201  # the fresh draw of the 2026-12-01 confirmation (chosen before scoring it)
+PREREGISTERED_SEED = 20261202  # the draw of the run whose seeds vary the SFT run (the same)
 
 
 def _keys(tasks) -> set[tuple[str, str]]:
@@ -49,11 +51,50 @@ def test_fresh_draw_shares_no_problem_with_the_first_draw_nor_training() -> None
     assert not _keys(fresh) & _keys(evaluation_tasks(sizes, "val", 3))
 
 
-def test_a_fresh_draw_of_several_families_leaves_out_their_first_draw() -> None:
-    sizes = {**FULL, "families": "add,mod", "test_seed": 7, "heldout_tasks": 200}
-    fresh = evaluation_tasks(sizes, "test", 1)
-    assert len(fresh) == 200 and {t.family for t in fresh} == {"add", "mod"}
-    assert not _keys(fresh) & _keys(generate("add,mod", "test", FIRST_TEST[1], FIRST_TEST[0]))
+def test_the_fresh_draw_is_the_one_the_0818_table_scored() -> None:
+    # The draw as e0cb123 defined it (before the draws were a list): the first draw's problems
+    # taken out of a longer draw of seed 20261201. Listing later draws must not change it.
+    first = _keys(generate("add", "test", 1600, FIRST_TEST[0]))
+    pool = generate("add", "test", 1600 + len(first), FRESH_SEED)
+    as_scored = [t for t in pool if (t.family, t.key) not in first][:1600]
+    assert evaluation_tasks({**FULL, "test_seed": FRESH_SEED}, "test", 3) == as_scored
+    assert earlier_draws(FRESH_SEED) == (FIRST_TEST,)
+
+
+def test_preregistered_draw_shares_no_problem_with_earlier_draws_nor_training() -> None:
+    # The run of 2026-12-01 ~10:00 UTC: 3 seeds, each with its own SFT run (sft_seeds=3).
+    sizes = {**FULL, "test_seed": PREREGISTERED_SEED, "sft_seeds": 3}
+    draw = evaluation_tasks(sizes, "test", 3)
+    assert len(draw) == len(_keys(draw)) == 1600
+    assert all(t.split == "test" and t.family == "add" for t in draw)
+    assert earlier_draws(PREREGISTERED_SEED) == ((1234, 1600), (FRESH_SEED, 1600))
+    raw = _keys(generate(FULL["families"], "test", 1600, PREREGISTERED_SEED))
+    for seed in (FIRST_TEST[0], FRESH_SEED):
+        scored = _keys(evaluation_tasks({**FULL, "test_seed": seed}, "test", 3))
+        assert len(scored) == 1600 and not _keys(draw) & scored
+        assert raw & scored  # the same problem space: without the exclusion they would share
+    trained = training_problems(sizes, 3)
+    # Three SFT draws of 4,000 add,mod tasks (seeds 0, 1, 2), pairs and GRPO tasks of 3 seeds.
+    assert len(trained) > 3 * 4000 and not _keys(draw) & trained
+    assert not _keys(draw) & _keys(evaluation_tasks(sizes, "val", 3))
+
+
+def test_a_seed_not_listed_leaves_out_every_listed_draw() -> None:
+    assert earlier_draws(7) == TEST_DRAWS
+    draw = _keys(evaluation_tasks({**FULL, "test_seed": 7, "heldout_tasks": 400}, "test", 1))
+    assert len(draw) == 400
+    for seed, size in TEST_DRAWS:
+        assert not draw & _keys(evaluation_tasks({**FULL, "test_seed": seed}, "test", 1))
+
+
+def test_a_fresh_draw_of_several_families_leaves_out_their_listed_draws() -> None:
+    # (Not mod: its test split holds fewer problems than three draws of 1,600 tasks need.)
+    sizes = {**FULL, "families": "add,sort", "test_seed": 7, "heldout_tasks": 200}
+    fresh = _keys(evaluation_tasks(sizes, "test", 1))
+    assert len(fresh) == 200 and {family for family, _ in fresh} == {"add", "sort"}
+    assert not fresh & _keys(generate("add,sort", "test", FIRST_TEST[1], FIRST_TEST[0]))
+    for seed, _ in TEST_DRAWS:
+        assert not fresh & _keys(evaluation_tasks({**sizes, "test_seed": seed}, "test", 1))
 
 
 def _run(stages: dict[str, dict[int, list[int]]], **sizes) -> dict:

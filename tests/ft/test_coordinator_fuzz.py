@@ -40,7 +40,7 @@ VALID: dict[str, dict[str, Any]] = {
     "heartbeat": {"group": "g0", "incarnation": "a", "step": 0, "quorum_id": 0, "chain": GENESIS,
                   "progress_age": 0.0, "known_head": 0},
     "quorum": {"group": "g0", "incarnation": "a", "step": 0, "last_quorum_id": 0, "failed": False,
-               "meta": {"store": "127.0.0.1:1"}, "timeout": 0.001, "chain": GENESIS},
+               "meta": {"store": "127.0.0.1:1"}, "timeout": 0.001, "chain": GENESIS, "disk_checked": 0},
     "leave": {"group": "g0", "incarnation": "a", "reason": "finished"},
     "dead": {"group": "g0", "incarnation": "a", "reason": "process exited with status 1"},
     "kill": {"group": "g0"},

@@ -453,6 +453,30 @@ def test_a_rollback_never_jumps_forward_to_an_absurd_claim() -> None:
     assert [(r.from_step, r.to_step, r.holders) for r in job.restores] == [(1, 0, ("B",))]
 
 
+@pytest.mark.parametrize("claims,target", [
+    ({"A": (40, "x"), "B": (40, "x")}, 40),  # both groups restarted from the newest checkpoint
+    ({"A": (40, "x"), "B": (40, "x"), "C": (40, "y")}, 40),  # two of three
+    ({"A": (40, "x"), "B": (40, "y")}, None),  # no two agree: each is one member's word
+    ({"A": (40, "x"), "B": (40, "x"), "C": (30, "y"), "D": (30, "z")}, None),  # two of four: not most
+])
+def test_a_state_beyond_the_furthest_head_is_believed_only_when_most_live_groups_hold_it(
+        claims: dict[str, tuple[int, str]], target: int | None) -> None:
+    """A coordinator restarted after the job got further rebuilt from a group that restarted from
+    an older checkpoint (step 2); the groups that restarted next loaded the newest one (step 40):
+    refusing their state as beyond the furthest head was a livelock (sim seeds 10084, 10124)."""
+    o = QuorumOptions(min_replicas=1, join_timeout=JOIN, heartbeat_timeout=HB_TIMEOUT)
+    state = CoordinatorState(head=(2, "2" * 64), top=2, head_seen_at=0.0, started_at=0.0)
+    now = o.rollback_seconds + 0.1  # the holders of step 2 are gone, the grace is over
+    for g, (step, chain) in claims.items():
+        record_heartbeat(state, Heartbeat(rid(g), g, now, step, 0, chain * 64))
+    restores, reason = advance_head(now, state, o)
+    if target is None:
+        assert restores == [] and "or an older one" in reason and state.head == (2, "2" * 64)
+    else:
+        assert [(r.from_step, r.to_step) for r in restores] == [(2, target)]
+        assert state.head == (target, "x" * 64)
+
+
 def test_group_restored_from_a_checkpoint_behind_the_head_recovers_or_rolls_back() -> None:
     """Issue 10, defect 8: a group restored from an older checkpoint got 504 forever."""
     job = Job(["A", "B"])

@@ -205,6 +205,21 @@ def test_rollbacks_past_a_durable_checkpoint_are_counted_and_reported() -> None:
     assert "rollbacks to a state older than the newest durable checkpoint: " in format_report(report, config)
 
 
+# (seed, config): schedules of another job shape that found a bug.
+SHAPED = [
+    (10084, SimConfig(groups=4), "a coordinator restarted and rebuilt from a group restarted from an older "
+                                 "checkpoint; every group restarted next loaded the newest one, a state "
+                                 "beyond its furthest head it refused: a livelock"),
+    (10124, SimConfig(supervisor_reports="none"), "same as seed 10084, two groups of two"),
+]
+
+
+@pytest.mark.parametrize("seed,config,what", SHAPED, ids=[str(s) for s, _, _ in SHAPED])
+def test_shaped_regression_seeds(seed: int, config: SimConfig, what: str) -> None:
+    r = run(seed, config)
+    assert r.ok, f"{what}\n{r.error}"
+
+
 # Seeds where a rollback gave up a newer durable checkpoint before groups behind the head were
 # told to look for one (10-53), or where they were told too late: a group that booted during the
 # grace (135), a rollback decided by a restarted coordinator (1086), and others of 3,300 seeds.

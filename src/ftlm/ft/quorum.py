@@ -910,8 +910,17 @@ def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
     # Back to the newest state a live group holds, which may be a state of a branch an earlier
     # rollback abandoned (a durable checkpoint of it), but never beyond where the job ever got:
     # one step past the furthest head, whose commit of a quorum issued there may not have been
-    # reported before its holders died (sim seed 3368: refusing it was a livelock).
-    plausible = {r: c for r, c in claims.items() if c[0] <= max(step, state.top) + 1}
+    # reported before its holders died (sim seed 3368: refusing it was a livelock). Unless most
+    # live groups, two or more, hold that same state: a coordinator restarted after the job got
+    # further may have rebuilt from a group that restarted from an older checkpoint, and the
+    # groups that restart next load the newest one (seeds 10084, 10124: refusing it was a
+    # livelock); one member's word for a state beyond the furthest head is never enough.
+    groups: dict[tuple[int, str], set[str]] = {}
+    for r, c in claims.items():
+        groups.setdefault(c, set()).add(state.heartbeats[r].group)
+    live = len({state.heartbeats[r].group for r in claims})
+    plausible = {r: c for r, c in claims.items()
+                 if c[0] <= max(step, state.top) + 1 or 2 <= len(groups[c]) and 2 * len(groups[c]) > live}
     if not plausible:
         return [], f"no live group holds the newest state (step {step}) or an older one"
     target = _best(plausible)

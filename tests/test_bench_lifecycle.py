@@ -6,6 +6,7 @@ is trained or scored."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -28,9 +29,17 @@ def _keys(tasks) -> set[tuple[str, str]]:
     return {(t.family, t.key) for t in tasks}
 
 
-def test_the_default_test_draw_is_the_first_one() -> None:
-    assert FULL["test_seed"] == FIRST_TEST[0]
-    assert evaluation_tasks(FULL, "test", 3) == generate(FULL["families"], "test", 1600, 1234)
+def test_the_defaults_are_the_pre_registered_run_and_the_first_draw_is_unchanged() -> None:
+    # `make lifecycle` reproduces the table: the settings recorded before that run was scored.
+    registered = json.loads((REPO_ROOT / "bench/results/lifecycle/fresh20261202/dpo.json").read_text())["sizes"]
+    grpo = json.loads((REPO_ROOT / "bench/results/lifecycle/fresh20261202/grpo.json").read_text())["sizes"]
+    for key in ("test_seed", "sft_seeds", "pair_temperature", "dpo_steps", "dpo_lr", "sft_steps"):
+        assert FULL[key] == registered[key], key
+    for key in ("grpo_steps", "grpo_lr", "group_size", "grpo_batch"):
+        assert FULL[key] == grpo[key], key
+    assert FULL["test_seed"] == TEST_DRAWS[-1][0]
+    first = {**FULL, "test_seed": FIRST_TEST[0]}
+    assert evaluation_tasks(first, "test", 3) == generate(FULL["families"], "test", 1600, 1234)
 
 
 def test_fresh_draw_shares_no_problem_with_the_first_draw_nor_training() -> None:

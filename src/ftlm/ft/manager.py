@@ -290,6 +290,9 @@ class Manager:
                 raise
             with self._answered:  # a quorum answer is word from the coordinator, as a heartbeat's
                 self._answered_at = time.monotonic()
+            # Newer than the last heartbeat's "reload" (a group asking every step sends no
+            # heartbeats, so a stale one would make it look on disk at every step after a rollback).
+            self._reload_hint = None
             _broadcast_json(q.to_json(), self.ranks, self.control)
             return q
         got = _broadcast_json(None, self.ranks, self.control)

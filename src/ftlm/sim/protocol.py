@@ -376,7 +376,7 @@ class Simulation:
             self.spawn(inc.group, delay)
 
     def startup_watchdog(self, inc: Incarnation) -> None:
-        if inc.alive and not inc.registered:
+        if inc.alive and not inc.registered and not inc.left:  # (stopped while starting: it left at boot)
             if not inc.injected:
                 self.fail(f"{inc.replica_id} did not register within the start-up timeout without a fault")
             self.die(inc, "start-up timeout")
@@ -689,6 +689,7 @@ class Simulation:
         inc.quorum = q
         inc.abort_pending = False
         inc.progress_at = self.now
+        inc.reload_hint = None  # as the manager: a quorum is newer word than any heartbeat's "reload"
         me = inc.replica_id
         if role.participant_index is not None and (inc.state.step, inc.state.chain) != (q.step, q.chain):
             self.fail(f"{me} is a participant of quorum {q.quorum_id} at step {q.step} but holds step "
@@ -1153,14 +1154,16 @@ class Simulation:
         (no fault was injected into its process: one resumed after a SIGSTOP may still wait out
         an old all-reduce, seed 9124)
         and a live member holding the head (else the others may rightly wait: for a hung peer's
-        detection, a lagging peer, a lost request's poll timeout, a rollback). Their next quorum must come within
+        detection, a lagging peer or one loading a checkpoint, a lost request's poll timeout, a
+        rollback). Their next quorum must come within
         ``leave_bound`` (``check``)."""
         c = self.coordinator
         if c is None or c.state.head is None:
             return
         others = [g for g in self.groups.values() if g is not None and g is not leaver and g.alive and not g.left]
         healthy = {g.replica_id for g in others
-                   if g.running and not g.hung_training and g.registered and g.phase != "starting" and not g.injected
+                   if g.running and not g.hung_training and g.registered and g.phase not in ("starting", "reloading")
+                   and not g.injected
                    and not g.stopping and not (g.lag_once and not g.lagged) and not g.request_lost
                    and not (g.polling and g.request is None)  # (a lagging request not sent yet)
                    and g.replica_id in c.state.heartbeats}

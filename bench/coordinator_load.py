@@ -902,6 +902,20 @@ more than one core, neither of which a Python event loop on a 2-core VM shared w
 generator gives. Spreading the load generator over processes does not help here: the 2 cores are
 already shared by the coordinator and one generator process, and its share is the few ms above.
 
+Deferred evaluation (issue 16, fifth pass; 2026-12-01 10:36-10:40 UTC, Intel Xeon, 2 cores, load
+0.5-0.8). The coordinator used to re-evaluate (expire, move the head, decide the quorum) after
+every heartbeat and quorum request; a step's asks and the heartbeats around them arrive in
+bursts of hundreds, so it now records each message and evaluates once after the pass of the
+event loop that read them (`Coordinator._tick_soon`; the simulator and in-process callers still
+evaluate per message). In-process at 2,000 groups, evaluating once per 10-50 messages instead
+of after each cut the state machine's CPU time per message from 16-17 to 9-12 us (an ad-hoc
+measurement at load ~2; the table's us/message column still evaluates per message). End to end, `python -m bench.coordinator_load --groups 2000 --seconds
+30 --no-write`, each side in its own autogroup at nice -20/-5, the two code versions
+interleaved three times: quorum p50 149 / 135 / 130 ms and p99 216 / 179 / 192 ms with it,
+151 / 190 / 159 ms and 231 / 237 / 195 ms without; coordinator CPU 26-27% against 29-33%.
+About 15% off the median and the p99: the target (p99 < 100 ms at 2,000 groups) is still not
+met on this box.
+
 This pass (issue 16, fourth): (1) `--trace`: the coordinator process is started with bench-only
 patches that timestamp each quorum request and answer (the served code is unchanged) and the
 latency is cut into the four parts above. (2) The load generator: callbacks instead of a task per

@@ -310,3 +310,40 @@ def test_a_quorums_answers_go_out_in_the_order_its_members_asked() -> None:
     assert [name for name, _ in log] == order
     answers = [json.loads(data.split(b"\r\n\r\n", 1)[1]) for _, data in log]
     assert [a["rank"] for a in answers] == [3, 1, 0, 2] and {a["size"] for a in answers} == {4}
+
+
+def test_a_burst_of_asks_is_evaluated_once_after_the_loop_pass_that_read_it(monkeypatch) -> None:
+    """Issue 16: the coordinator records each message and decides once after the pass of its
+    event loop that read them, not after every message; the quorum still forms and every member
+    gets its answer."""
+    import asyncio
+
+    c = Coordinator(CoordinatorConfig(heartbeat_timeout=60.0, join_timeout=60.0, token=TOKEN, min_replicas=1,
+                                      expected_groups=4))
+    ticks = []
+    real = c.membership.tick
+    monkeypatch.setattr(c.membership, "tick", lambda now: ticks.append(now) or real(now))
+
+    async def burst() -> list:
+        hot, log = _HotEndpoints(c), []
+        conns = {}
+        for g in ("g0", "g1", "g2", "g3"):
+            conns[g] = HotPathProtocol(hot, lambda: None)  # type: ignore[arg-type, return-value]
+            conns[g].connection_made(_Recorder(g, log))  # type: ignore[arg-type]
+            conns[g].data_received(_request("/v1/heartbeat", _beat(g)))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        log.clear()
+        ticks.clear()
+        for g in conns:  # one pass of the loop reads all four asks
+            conns[g].data_received(_request("/v1/quorum", _ask(g, timeout=60.0)))
+        assert log == [] and ticks == []  # nothing decided yet
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        return log
+
+    log = asyncio.run(burst())
+    assert len(ticks) == 1
+    assert sorted(name for name, _ in log) == ["g0", "g1", "g2", "g3"]
+    answers = [json.loads(data.split(b"\r\n\r\n", 1)[1]) for _, data in log]
+    assert {a["size"] for a in answers} == {4}

@@ -103,8 +103,12 @@ class Membership:
         self._dead_quorums: list[int] = []
 
     # -- inputs ----------------------------------------------------------------------------------
-    def heartbeat(self, now: float, hb: Heartbeat) -> tuple[dict[str, Any], list[Output]]:
-        """Record a heartbeat; returns the answer body and the outputs. Raises StaleIncarnation."""
+    def heartbeat(self, now: float, hb: Heartbeat, tick: bool = True) -> tuple[dict[str, Any], list[Output]]:
+        """Record a heartbeat; returns the answer body and the outputs. Raises StaleIncarnation.
+
+        ``tick=False``: the caller re-evaluates (``tick``) soon itself, once for a burst of
+        messages (the coordinator: once per pass of its event loop); the answer then reflects the
+        last evaluation."""
         out: list[Output] = []
         # A member declared dead that speaks again (a pause that ended) is told so: its peers
         # failed the step it was in, so it must not commit that step (see Manager.commit).
@@ -113,7 +117,8 @@ class Membership:
         for old in record_heartbeat(self.state, hb):
             self._mark_dead(now, old, hb.group, REASON_REPLACED, out)
         self._gone_groups.discard(hb.group)
-        out += self.tick(now)
+        if tick or self.state.head is None:  # (while rebuilding: the answer says whether it still is)
+            out += self.tick(now)
         dead, aborted = self._dead_in_flight(now)
         answer: dict[str, Any] = {"quorum_id": self.state.quorum_id, "dead": dead, "dead_quorums": aborted,
                                   "epoch": self.state.epoch, "rebuilding": self.state.head is None}
@@ -127,13 +132,14 @@ class Membership:
                 answer["kill"] = True
         return answer, out
 
-    def request(self, now: float, req: MemberRequest) -> list[Output]:
-        """Record a quorum request; the asker is answered through an ``Answer`` output (maybe later)."""
+    def request(self, now: float, req: MemberRequest, tick: bool = True) -> list[Output]:
+        """Record a quorum request; the asker is answered through an ``Answer`` output (maybe later,
+        and with ``tick=False`` only from the caller's next ``tick``)."""
         out: list[Output] = []
         for old in record_request(self.state, req):
             self._mark_dead(now, old, req.group, REASON_REPLACED, out)
         self._gone_groups.discard(req.group)
-        return out + self.tick(now)
+        return out + self.tick(now) if tick else out
 
     def withdraw(self, req: MemberRequest) -> None:
         """The asker stopped waiting (timeout, disconnect): never issue it a quorum nobody receives."""

@@ -211,6 +211,11 @@ SHAPED = [
                                  "checkpoint; every group restarted next loaded the newest one, a state "
                                  "beyond its furthest head it refused: a livelock"),
     (10124, SimConfig(supervisor_reports="none"), "same as seed 10084, two groups of two"),
+    (10291, SimConfig(faults=("old_checkpoint", "crash", "hang_training", "coordinator_crash", "leave"),
+                      fault_mtbf=2.0),
+     "a wedged training thread's quorum request stayed pending in the simulator past its long-poll, so "
+     "its group was never declared hung nor restarted, and the only other group's newest checkpoint "
+     "stayed one member's word beyond a restarted coordinator's furthest head: a livelock"),
 ]
 
 

@@ -625,8 +625,16 @@ class Simulation:
                  f"{' (early)' if inc.phase == 'updating' else ''}")
 
         def poll_timeout() -> None:
-            if inc.running and inc.polling and inc.request_seq == seq and not inc.left:
+            if not inc.polling or inc.request_seq != seq or inc.left:
+                return
+            if inc.running and not inc.hung_training:
                 self.poll_ended(inc)
+            elif inc.request is not None and self.coordinator is not None:
+                # The coordinator answers 504 at the long-poll's deadline and forgets the request
+                # whatever the member's threads do: a wedged training thread asks no more, so it
+                # is no longer "waiting for a quorum" and progress_timeout can declare it hung
+                # (before, its request stayed pending forever here, and so did it: seed 10291).
+                self.coordinator.withdraw(inc.request)
         self.at(self.c.poll_timeout, poll_timeout, "poll timeout")
 
     def poll_ended(self, inc: Incarnation) -> None:

@@ -95,7 +95,7 @@ class GroupProtocol:
     """The highest step this group saw the job reach (reported in heartbeats)."""
     disk_checked: int = -1
     """The head step (held by no live group) for which this group looked for a newer durable
-    checkpoint since its last quorum (``reload_checked``); reported in its requests."""
+    checkpoint since its last quorum (``reload_due``); reported in its requests."""
     _pg_quorum: tuple[str, int] | None = None
     _suspect: str | None = None  # membership digest of a failed step's quorum, judged at the next quorum
     _served: set[tuple[str, int]] = field(default_factory=set)

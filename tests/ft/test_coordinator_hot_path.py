@@ -292,17 +292,24 @@ class _Recorder:
         return False
 
 
-def test_a_quorums_answers_go_out_in_the_order_its_members_asked() -> None:
-    """The member that asked first has waited longest: its answer is written first, whatever its
-    rank (in-process: the lean path's protocols over recording transports, no event loop)."""
-    c = Coordinator(CoordinatorConfig(heartbeat_timeout=60.0, join_timeout=60.0, token=TOKEN, min_replicas=1,
-                                      expected_groups=4))
+def _four_groups(c: Coordinator) -> tuple[dict[str, HotPathProtocol], list]:
+    """Four groups on the lean path's protocols over recording transports, each heartbeated once;
+    returns their connections and the log of what was written to them."""
     hot, log = _HotEndpoints(c), []
     conns = {}
     for g in ("g0", "g1", "g2", "g3"):
         conns[g] = HotPathProtocol(hot, lambda: None)  # type: ignore[arg-type, return-value]
         conns[g].connection_made(_Recorder(g, log))  # type: ignore[arg-type]
         conns[g].data_received(_request("/v1/heartbeat", _beat(g)))
+    return conns, log
+
+
+def test_a_quorums_answers_go_out_in_the_order_its_members_asked() -> None:
+    """The member that asked first has waited longest: its answer is written first, whatever its
+    rank (in-process: the lean path's protocols over recording transports, no event loop)."""
+    c = Coordinator(CoordinatorConfig(heartbeat_timeout=60.0, join_timeout=60.0, token=TOKEN, min_replicas=1,
+                                      expected_groups=4))
+    conns, log = _four_groups(c)
     log.clear()
     order = ["g3", "g1", "g0", "g2"]
     for g in order:
@@ -325,12 +332,7 @@ def test_a_burst_of_asks_is_evaluated_once_after_the_loop_pass_that_read_it(monk
     monkeypatch.setattr(c.membership, "tick", lambda now: ticks.append(now) or real(now))
 
     async def burst() -> list:
-        hot, log = _HotEndpoints(c), []
-        conns = {}
-        for g in ("g0", "g1", "g2", "g3"):
-            conns[g] = HotPathProtocol(hot, lambda: None)  # type: ignore[arg-type, return-value]
-            conns[g].connection_made(_Recorder(g, log))  # type: ignore[arg-type]
-            conns[g].data_received(_request("/v1/heartbeat", _beat(g)))
+        conns, log = _four_groups(c)
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         log.clear()

@@ -19,11 +19,13 @@ and ``GET /metrics`` included, as DESIGN.md section 9 asks; Prometheus sends it 
                       rebuilding[, reload]}: ``dead_quorums`` are the ids of the quorums in flight (of
                       ``epoch``) with a dead member, whose members abort their all-reduce; ``reload``
                       as in a quorum answer below, for a member behind the head that has not asked
-  POST /v1/quorum     {group, incarnation, step, last_quorum_id, failed, meta, timeout[, chain, watch]}
+  POST /v1/quorum     {group, incarnation, step, last_quorum_id, failed, meta, timeout[, chain, watch,
+                      disk_checked]}
                       -> 200 this member's answer (``ftlm.ft.quorum_answer``) | 504 {error, reason}
                       (with ``reload``: the head's step, which no live group holds: load a newer
-                      durable checkpoint, if any, and ask again) | 409 {error} (replaced incarnation). ``failed`` with ``last_quorum_id`` of the
-                      current quorum reports its step failed: peers silent since are declared dead
+                      durable checkpoint, if any, and ask again) | 409 {error} (replaced
+                      incarnation). ``failed`` with ``last_quorum_id`` of the current quorum
+                      reports its step failed: peers silent since are declared dead
                       after ``suspect_window`` (corroborated by their silence)
   POST /v1/leave, /v1/dead  {group, incarnation, reason}: a replica left on purpose / its process ended
   POST /v1/kill       {group} -> {replica_ids} | 404 {error}: marks the group's live replica; its

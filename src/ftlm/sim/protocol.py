@@ -211,7 +211,8 @@ class SimResult:
     """Graceful leaves whose liveness was judged (those in quiet times, ``watch_leave``)."""
     restores_past_checkpoint: int = 0
     """Rollbacks to a state older than the newest durable checkpoint at that moment (not a
-    violation: progress on disk the job gave up; see ``tests/sim``'s known-defect test)."""
+    violation: progress on disk the job gave up; ``tests/sim`` requires none where groups look on
+    disk first, and checks the count with ``reload_checkpoints=False``)."""
     steps_past_checkpoint: int = 0
     """Steps between those rollbacks' targets and the newest durable checkpoint, summed."""
 

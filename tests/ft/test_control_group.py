@@ -91,3 +91,34 @@ def test_the_ranks_of_a_group_share_one_incarnation(tmp_path) -> None:
     a, b = _run_pair(_MANAGER, tmp_path / "store")
     assert a["replica_id"] == b["replica_id"] and a["replica_id"].startswith("g0:")
     assert len(a["replica_id"]) > len("g0:") and a["urls"] == b["urls"]
+
+
+_RELOAD_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch.distributed as dist
+    rank, path = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=rank, world_size=2)
+    from ftlm.ft.manager import Manager
+    from ftlm.ft.protocol import ReloadCheckpoint
+
+    m = Manager.__new__(Manager)  # only what _next_quorum reads: the leader asks, the others follow
+    m.rank, m.ranks, m.control = rank, 2, None
+
+    def told(): raise ReloadCheckpoint(41, "no live group holds step 41")
+    m._request_quorum = told
+    try:
+        m._next_quorum()
+        got = {"raised": None}
+    except ReloadCheckpoint as e:
+        got = {"raised": type(e).__name__, "head": e.head, "why": str(e)}
+    print(json.dumps(got))
+    dist.destroy_process_group()
+""")
+
+
+def test_every_rank_of_a_group_is_told_to_reload_when_its_leader_is(tmp_path) -> None:
+    """A leader told that no live group holds the head raises ``ReloadCheckpoint``; the other
+    ranks, waiting for its quorum answer, raise it too (with the head), so every rank loads the
+    checkpoint together instead of hanging in the broadcast."""
+    results = _run_pair(_RELOAD_SCRIPT, tmp_path / "store")
+    assert results == [{"raised": "ReloadCheckpoint", "head": 41, "why": "no live group holds step 41"}] * 2

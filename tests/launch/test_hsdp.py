@@ -25,10 +25,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_fault_tolerance import check_invariants, commits_while_down, make_config, recovered  # noqa: E402
 
 
-def run_torchrun_like(config, ranks: int, timeout: float = 300) -> None:
-    """Start ``ranks`` processes of ``ftlm train`` with the torchrun environment (no FT)."""
-    path = config.run.path / "input.toml"
-    save_config(config, path)
+def start_torchrun_like(path: Path, ranks: int) -> list[subprocess.Popen]:
+    """Start ``ranks`` processes of ``ftlm train path`` with the torchrun environment (no FT)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -39,6 +37,14 @@ def run_torchrun_like(config, ranks: int, timeout: float = 300) -> None:
         env.pop("FTLM_COORDINATOR", None)
         procs.append(subprocess.Popen([sys.executable, "-m", "ftlm.cli", "train", str(path)],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    return procs
+
+
+def run_torchrun_like(config, ranks: int, timeout: float = 300) -> None:
+    """Run ``ranks`` processes of ``ftlm train`` with the torchrun environment (no FT) to the end."""
+    path = config.run.path / "input.toml"
+    save_config(config, path)
+    procs = start_torchrun_like(path, ranks)
     try:
         for p in procs:
             out, _ = p.communicate(timeout=timeout)
@@ -84,6 +90,63 @@ def test_hsdp_rank_killed_group_restarts_and_recovers_shard_by_shard(tmp_path, d
     check_invariants(summary, events, 2, steps=400)
     # Every rank's shard equals its peer's: the group hash is over both ranks' hashes.
     assert summary["state_hashes"]["g0"] == summary["state_hashes"]["g1"]
+
+
+def test_a_stop_request_reaching_one_rank_stops_its_whole_group_gracefully(tmp_path, demo_data):
+    """A preemption notice (SIGTERM) reaches the ranks of a group each at its own moment; here
+    only one rank gets it, mid-step (after its commit vote): rank 1 of g1's first incarnation,
+    then rank 0 of its second. A rank that stopped on its own left the other waiting in a
+    collective until the group was killed as hung (the slow Slurm USR2 test's rare hang): each
+    time the group must stop as one, leave the quorum, exit 0 and come back as a new
+    incarnation. ``min_replicas=2`` keeps g0 waiting for g1, so that its second incarnation
+    trains past step 15 too."""
+    steps = 40
+    config = make_config(tmp_path / "run", demo_data, steps=steps, ft={"min_replicas": 2})
+    summary = LocalLauncher(config, groups=2, ranks_per_group=2, progress=False,
+                            faults={"g1.r1": ["term:before_commit@5"],
+                                    "g1": ["", "term:before_commit@15"]}).run()
+    events = read_events(config.run.path / "events.jsonl")
+    exits = [e for e in events if e["kind"] == "group_exit" and e.get("target") == "g1"]
+    assert [(e["ok"], e.get("preempted")) for e in exits] == [(True, True)] * 2 + [(True, None)], exits
+    assert not [e for e in events if e["kind"] == "member_dead" and e.get("target") == "g1"]
+    left = [e for e in events if e["kind"] == "member_left" and e.get("target") == "g1"]
+    assert [e["reason"] for e in left] == ["stopped", "stopped", "finished"], left
+    # The signalled rank's step (it had voted) and at most one more, on both ranks together.
+    for signalled, stop in zip((5, 15), left):
+        last = max(e["step"] for e in events if e["kind"] == "commit" and e["group"] == "g1"
+                   and e["ts"] <= stop["ts"])
+        assert last in (signalled, signalled + 1), (signalled, last)
+    assert summary["restarts"]["g1"] == 2
+    check_invariants(summary, events, 2, steps=steps)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_without_fault_tolerance_a_sigterm_to_one_rank_stops_both(tmp_path, demo_data, rank):
+    """The same for one FSDP group of 2 ranks without fault tolerance (torchrun): the rank that
+    gets SIGTERM and its peer finish the same step, save the same model and exit 0."""
+    config = make_config(tmp_path / "fsdp", demo_data, steps=100000, batch_size=8)
+    path = config.run.path / "input.toml"
+    save_config(config, path)
+    events_path = config.run.path / "events.jsonl"
+    procs = start_torchrun_like(path, ranks=2)
+    try:
+        for _ in range(1200):  # bounded: 120 s
+            if events_path.is_file() and events_path.read_text().count('"commit"') >= 3:
+                break
+            assert all(p.poll() is None for p in procs), "a rank exited before training"
+            threading.Event().wait(0.1)
+        os.kill(procs[rank].pid, signal.SIGTERM)
+        outs = [p.communicate(timeout=90)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outs[rank][-2000:] + outs[1 - rank][-2000:]
+    events = read_events(events_path)
+    exits = [e for e in events if e["kind"] == "group_exit"]
+    assert exits and exits[-1]["ok"] and exits[-1]["step"] < 100000, exits
+    assert (config.run.path / "model.safetensors").is_file()
 
 
 @pytest.mark.slow

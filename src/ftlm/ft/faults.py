@@ -3,7 +3,9 @@
 A group process started with ``FTLM_FAULT=<point>[@<step>]`` kills itself with SIGKILL (or stops
 itself with SIGSTOP when the point is prefixed ``hang:``) the first time it reaches that point at
 that step (any step when omitted). It writes a ``failure_injected`` event first, so the run can
-account for it. The launcher passes one entry per incarnation (``faults={"g1": [...]}``); an
+account for it. Prefixed ``term:``, the process sends itself SIGTERM there and goes on: a stop
+request (a preemption notice) landing at that moment in that one rank, which is not a failure and
+logs no event (the group's ``member_left`` and ``group_exit`` record the stop). The launcher passes one entry per incarnation (``faults={"g1": [...]}``); an
 entry may list several points separated by commas (``slow_serve,before_commit@12``), each firing
 once.
 
@@ -15,6 +17,7 @@ spans several steps however fast or loaded the machine is (catch-up tests).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -23,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ftlm.errors import ConfigError
+
+log = logging.getLogger("ftlm.ft.faults")
 
 POINTS = (
     "before_allreduce",    # gradients computed, collective not entered
@@ -42,19 +47,24 @@ class FaultPlan:
     step: int | None
     hang: bool = False
     fired: bool = False
+    term: bool = False
 
     @classmethod
     def parse(cls, text: str) -> FaultPlan | None:
         if not text:
             return None
-        hang = text.startswith("hang:")
-        body = text[5:] if hang else text
+        hang, term = text.startswith("hang:"), text.startswith("term:")
+        body = text[5:] if hang or term else text
         point, _, step = body.partition("@")
+        if term and point == "slow_serve":
+            raise ConfigError(f"FTLM_FAULT={text!r}: slow_serve is a slow link, not a moment to "
+                              "stop at; give 'term:' one of the other points")
         if point not in POINTS:
             raise ConfigError(f"FTLM_FAULT={text!r}: unknown point {point!r}; valid: "
-                              f"{', '.join(POINTS)} (optionally '@STEP', prefix 'hang:' to SIGSTOP)")
+                              f"{', '.join(POINTS)} (optionally '@STEP', prefix 'hang:' to SIGSTOP, "
+                              "'term:' to send SIGTERM)")
         try:
-            return cls(point, int(step) if step else None, hang)
+            return cls(point, int(step) if step else None, hang, term=term)
         except ValueError:
             raise ConfigError(f"FTLM_FAULT={text!r}: step must be an integer") from None
 
@@ -77,6 +87,10 @@ class FaultPlan:
                 if steps and committed is not None and committed() >= step + steps:
                     break
                 pause.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+            return
+        if self.term:
+            log.warning("FTLM_FAULT: sending SIGTERM to this process at %s of step %d", point, step)
+            os.kill(os.getpid(), signal.SIGTERM)
             return
         emit("failure_injected", step=step, point=point, signal="SIGSTOP" if self.hang else "SIGKILL")
         os.kill(os.getpid(), signal.SIGSTOP if self.hang else signal.SIGKILL)

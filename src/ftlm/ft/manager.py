@@ -135,6 +135,7 @@ class Manager:
         self._allreduce_started = 0.0
         # Set from a signal handler: a plain flag (an Event's lock could deadlock there).
         self._stop_requested = False
+        self._closed = False
         # The request for the next step's quorum sent right after a commit (``ask``): the state
         # it asks for and the answer to come.
         self._asked: tuple[int, str, Future] | None = None
@@ -347,7 +348,11 @@ class Manager:
         collectives share the group's default process group with training (several ranks on
         gloo): the answer's broadcast must not interleave with the training thread's collectives.
         Returns whether the request went out: then the next step is owed to the quorum it gets."""
-        if self._asked is not None or self._stop_requested or (self.ranks > 1 and self.control is None):
+        # A stop request is this rank's own (each rank gets the signal at its own moment): in a
+        # group of several ranks the trainer asks only while none of them wants to stop, and a
+        # request that went out is ended on every rank by the leader's ``StopRequested``.
+        stopping = self._stop_requested if self.ranks == 1 else self._closed
+        if self._asked is not None or stopping or (self.ranks > 1 and self.control is None):
             return False
         self.proto.sync(step, chain)
         self._declared_dead = False
@@ -574,7 +579,7 @@ class Manager:
         quorum came within ``quorum_timeout``.
         """
         deadline = time.monotonic() + self.config.quorum_timeout
-        while time.monotonic() < deadline:
+        while True:
             try:
                 plan = self.start_step(step, chain, snapshot)
             except (TooManyFailures, StopRequested) as e:
@@ -586,6 +591,10 @@ class Manager:
             if q.recovering_count:  # someone is pulling from us: stay for as long as that takes
                 deadline = time.monotonic() + self.config.quorum_timeout
             self.abort.wait(0.25)
+            # The leader's clock decides for every rank (each start_step is a collective).
+            if not _broadcast_json(time.monotonic() < deadline if self.rank == 0 else None,
+                                   self.ranks, self.control):
+                break
         self.leave("finished")
 
     def leave(self, reason: str) -> None:
@@ -601,6 +610,7 @@ class Manager:
             log.warning("could not tell the coordinator that %s leaves: %s", self.replica_id, e)
 
     def close(self) -> None:
+        self._closed = True
         self._wait_snapshot()
         if self._asker is not None:  # a request in flight ends within STOP_POLL_SECONDS
             self._stop_requested = True

@@ -251,7 +251,8 @@ class Trainer:
         self._stalled = False  # a step failed since the last commit
         self._nonfinite = 0  # attempts in a row with a non-finite loss or gradient
         self._last_commit: float | None = None
-        self._stop = False
+        self._stop = False  # this rank was asked to stop (SIGTERM, Ctrl-C)
+        self._stop_agreed = False  # some rank of the group wanted to stop at a step's all-reduce
         self._asked_next = False  # the quorum of the next step was asked for (``ft.ask``)
         self._wall0 = time.time()  # when training started (``train.max_seconds``)
 
@@ -342,11 +343,17 @@ class Trainer:
         finite = bool(torch.isfinite(torch.stack([loss.float().reshape(()), *[n.float() for n in norms]])).all())
         loss_buf = torch.stack([torch.nan_to_num(loss.float(), nan=0.0, posinf=0.0, neginf=0.0),
                                 torch.tensor(0.0 if finite else 1.0, device=loss.device)])
+        stops = None
         if self.mesh is not None:  # the group's loss: FSDP already averaged the gradients
-            dist.all_reduce(loss_buf)
-            loss_buf /= self.ranks
+            # With it, which ranks want to stop: the group stops together (``_stopping``).
+            wants = torch.tensor([1.0 if self._stop or self._time_up() else 0.0], device=loss.device)
+            group_buf = torch.cat([loss_buf, wants])
+            dist.all_reduce(group_buf)
+            loss_buf, stops = group_buf[:2] / self.ranks, group_buf[2]
         self.ft.allreduce([loss_buf])  # and waits for the gradient buckets started above
         nonfinite = bool(loss_buf[1] > 0)
+        if stops is not None and bool(stops > 0):
+            self._stop_agreed = True
         if nonfinite:
             self.ft.fail_step("non-finite loss or gradient")
         with self.metrics.phase("vote"):
@@ -376,8 +383,7 @@ class Trainer:
         # The next quorum's round trip overlaps with the update below. Once it is asked for, the
         # group owes that quorum its next step, even if asked to stop meanwhile: a member that
         # left a quorum it was counted in would fail the others' step.
-        self._asked_next = (not self._stop and not self._time_up()
-                            and self.ft.ask(state.step + 1, chain))
+        self._asked_next = not self._stopping() and self.ft.ask(state.step + 1, chain)
         with self.metrics.phase("commit"):
             grad_norm = apply_update(self.params, state.optimizer, lr, tc.grad_clip)
         state.step += 1
@@ -504,7 +510,7 @@ class Trainer:
         # whole gradient, or the update) would make this group late for it.
         after = ((plan.step + 1, plan.quorum.next_chain()) if at_head and ok
                  else (self.state.step, self.state.chain))
-        self._asked_next = not self._stop and not self._time_up() and self.ft.ask(*after)
+        self._asked_next = not self._stopping() and self.ft.ask(*after)
         if at_head:
             # At this step's head: apply its average, if committed (the participants may still
             # have failed it after the all-reduce completed here, as for any participant).
@@ -618,9 +624,7 @@ class Trainer:
         bar = self._progress()
         self._wall0 = wall0
         try:
-            while self.state.step < self.config.train.steps and (not self._stop or self._asked_next):
-                if self._time_up() and not self._asked_next:
-                    break
+            while self.state.step < self.config.train.steps and (self._asked_next or not self._stopping()):
                 before = self.state.step
                 self._asked_next = False
                 self.step()
@@ -652,6 +656,18 @@ class Trainer:
         loss.backward()
         for p in self.params:
             p.grad = None
+
+    def _stopping(self) -> bool:
+        """Whether training ends after this step: a stop request (SIGTERM) or the end of
+        ``train.max_seconds``. A group of one rank decides on its own. The ranks of a larger group
+        each get the signal and read the clock at their own moment, and one that stopped alone
+        would leave the others waiting for it in a collective until a timeout killed the group:
+        they stop together, after the first step whose in-group all-reduce carried the wish of
+        any of them (a stop while the leader waits for a quorum ends that wait on every rank,
+        ``StopRequested``)."""
+        if self.ranks == 1:
+            return self._stop or self._time_up()
+        return self._stop_agreed
 
     def _time_up(self) -> bool:
         """``train.max_seconds`` of training have passed."""

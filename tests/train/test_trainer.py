@@ -231,3 +231,60 @@ def test_training_never_imports_the_composition_root_or_the_launchers() -> None:
     from ftlm.train.config import TrainerConfig
     assert {f.name for f in dataclasses.fields(TrainerConfig)} == {
         "run", "model", "data", "train", "checkpoint", "ft", "observe", "resolved"}
+
+
+_UNEVEN_WORKER = """
+import json, sys
+import torch, torch.distributed as dist
+rank, store, config_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+from ftlm.config import load_config
+from ftlm.train.trainer import Trainer
+t = Trainer.for_run(load_config(config_path), standalone=False)
+shards = [torch.zeros_like(p.to_local()) for p in t.params]
+mine = sum(g.numel() * g.element_size() for g in shards)
+full = []  # whether the buffer is full after each step a recovering group records
+for step in range(4):
+    t.catchup.record(step, shards, 0.1, 8)
+    full.append(t.catchup.overflowing)
+print(json.dumps({"mine": mine, "full": full, "limit": t.catchup.limit()}))
+t.loader.close()
+dist.destroy_process_group()
+"""
+
+
+def test_the_ranks_of_a_group_with_uneven_shards_bound_their_catchup_buffers_alike(tiny_config, tmp_path) -> None:
+    """A vocabulary of 1,025 rows splits 513 / 512 over two ranks, so rank 0's gradient shard is
+    the larger one. With a byte budget of three of rank 1's steps, rank 1 alone would hold three
+    steps and rank 0 two: when a catch-up lagged three steps, rank 0 would drop its recovery and
+    rank 1 not, and the two would wait in different collectives. Both hold two."""
+    from ftlm.config import save_config
+    from ftlm.train.trainer import build_model
+    probe = tiny_config(model={"vocab_size": 1025})
+    rows = [0, 0]
+    for p in build_model(probe.trainer_config(), torch.device("cpu")).parameters():  # FSDP2 splits dim 0 as torch.chunk
+        first = -(-p.shape[0] // 2)
+        for r, n in enumerate((first, p.shape[0] - first)):
+            rows[r] += n * (p.numel() // p.shape[0]) * p.element_size()
+    assert rows[0] > rows[1]
+    budget = 3 * rows[1] + 1  # three of rank 1's steps, two of rank 0's
+    config = tiny_config(model={"vocab_size": 1025}, ft={"catchup_max_bytes": budget,
+                                                           "catchup_max_steps": 64})
+    path = tmp_path / "run.toml"
+    save_config(config, path)
+    procs = [subprocess.Popen([sys.executable, "-c", _UNEVEN_WORKER, str(r), str(tmp_path / "store"),
+                               str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    got = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    assert [g["mine"] for g in got] == rows
+    assert [g["full"] for g in got] == [[False, False, True, True]] * 2, got
+    assert all("ft.catchup_max_bytes" in g["limit"] for g in got)

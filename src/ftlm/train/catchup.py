@@ -38,6 +38,15 @@ class CatchUpBuffer:
         self.max_steps = max_steps
         self.max_bytes = max_bytes
         self._updates: dict[int, BufferedUpdate] = {}
+        self._bytes_bound = False  # ``max_steps`` is what ``max_bytes`` holds (``fit_steps``)
+
+    def fit_steps(self, step_bytes: int) -> int:
+        """Bound the buffer by steps of ``step_bytes`` each (the largest of the group's ranks)
+        as well: every rank then overflows at the same step, whatever its own shard weighs.
+        Returns the steps it holds."""
+        if self.max_bytes is not None and self.max_bytes // max(step_bytes, 1) < self.max_steps:
+            self.max_steps, self._bytes_bound = self.max_bytes // max(step_bytes, 1), True
+        return self.max_steps
 
     def __len__(self) -> int:
         return len(self._updates)
@@ -49,7 +58,7 @@ class CatchUpBuffer:
 
     def limit(self) -> str:
         """The bound that ``overflowing`` checks, in words (for logs and events)."""
-        if self.max_bytes is not None and self.nbytes > self.max_bytes:
+        if self.max_bytes is not None and (self._bytes_bound or self.nbytes > self.max_bytes):
             return f"{self.max_bytes} bytes (ft.catchup_max_bytes)"
         return f"{self.max_steps} steps (ft.catchup_max_steps)"
 

@@ -265,18 +265,24 @@ class Trainer:
     # -- set-up ----------------------------------------------------------------------------------
     def _check_memory_budgets(self) -> None:
         """Refuse to start when one buffered catch-up step (a gradient shard of this rank) does
-        not fit in ``ft.catchup_max_bytes``: better now than when a peer fails."""
+        not fit in ``ft.catchup_max_bytes``: better now than when a peer fails.
+
+        The ranks of a sharded group may hold shards of different sizes (a dimension that does
+        not divide by the ranks): the buffer holds as many steps as the largest shard allows, on
+        every rank, so that all of them find it full at the same step (a rank that dropped its
+        recovery alone would leave the others waiting in a collective)."""
         if self.standalone:
             return
-        step_bytes = sum(_local(p).numel() * _local(p).element_size() for p in self.params)
+        mine = sum(_local(p).numel() * _local(p).element_size() for p in self.params)
+        step_bytes = _group_max(mine, self.device) if self.mesh is not None else mine
         budget = self.config.ft.catchup_max_bytes
         if step_bytes > budget:
             raise ConfigError(
-                f"ft.catchup_max_bytes={budget} cannot hold one step of this rank's gradient "
-                f"shard ({step_bytes} bytes, {step_bytes / 2**30:.2f} GiB); raise it to at least "
-                f"{step_bytes} x the steps a recovery may take (host memory per rank), or shard "
-                "the model over more ranks")
-        steps = min(self.config.ft.catchup_max_steps, budget // max(step_bytes, 1))
+                f"ft.catchup_max_bytes={budget} cannot hold one step of this group's largest "
+                f"gradient shard ({step_bytes} bytes, {step_bytes / 2**30:.2f} GiB); raise it to "
+                f"at least {step_bytes} x the steps a recovery may take (host memory per rank), "
+                "or shard the model over more ranks")
+        steps = self.catchup.fit_steps(step_bytes)
         log.info("catch-up buffer: up to %d steps of %.1f MiB (ft.catchup_max_steps=%d, "
                  "ft.catchup_max_bytes=%d)", steps, step_bytes / 2**20,
                  self.config.ft.catchup_max_steps, budget)
@@ -716,6 +722,14 @@ class Trainer:
         return _Progress(self.config, self.state.step, self.flops_per_token,
                          peak_flops(str(self.device), self.dtype) if show else 0.0,
                          quiet=self.rank != 0)
+
+
+def _group_max(value: int, device: torch.device) -> int:
+    """The largest ``value`` over the ranks of this replica group (a collective of the default
+    process group: every rank calls it, at the same point)."""
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def _main_thread() -> bool:

@@ -20,7 +20,10 @@ and printed as they come, so a long soak can be stopped and resumed: seeds alrea
 (for the same settings) are skipped. The table of every recorded run of these settings goes to
 BENCHMARKS.md.
 
-    python -m bench.soak [--quick] [--seeds K] [--first-seed S] [--mtbf SECONDS] [--steps N]
+    python -m bench.soak [--quick] [--seeds K] [--first-seed S] [--mtbf SECONDS] [--steps N] [--preempt]
+
+``--preempt`` adds preemptions to the chaos (``--chaos-preempt``: SIGTERM to every rank of a group,
+or to one rank alone, at any moment); its runs are recorded under their own settings and table.
 """
 
 from __future__ import annotations
@@ -51,10 +54,12 @@ class Settings:
     mtbf: float
     hang: bool = True
     coordinator: bool = True
+    preempt: bool = False
 
     def key(self) -> str:
         """Results of the same settings are comparable (and resumable)."""
-        return f"steps={self.steps} mtbf={self.mtbf:g} hang={self.hang} coord={self.coordinator}"
+        key = f"steps={self.steps} mtbf={self.mtbf:g} hang={self.hang} coord={self.coordinator}"
+        return key + (" preempt=True" if self.preempt else "")
 
 
 def layout(seed: int) -> tuple[int, int]:
@@ -128,6 +133,7 @@ def run_one(seed: int, settings: Settings, root: Path) -> dict:
            "--chaos-mtbf", str(settings.mtbf), "--chaos-seed", str(seed)]
     cmd += ["--chaos-hang"] if settings.hang else []
     cmd += ["--chaos-coordinator"] if settings.coordinator else []
+    cmd += ["--chaos-preempt"] if settings.preempt else []
     t0 = time.monotonic()
     with open(run_dir / "launch.log", "wb") as log:
         # Its own session: a run that overstays is stopped with every process it started.
@@ -195,6 +201,11 @@ def verdict(seed: int, groups: int, ranks: int, settings: Settings, code: int | 
                                and e.get("target_rank", 0) > 0),
         "at_startup": sum(1 for e in injected if e.get("registered") is False),
         "coordinator_kills": sum(1 for e in injected if e.get("target") == "coordinator"),
+        "preemptions": sum(1 for e in injected if e.get("signal") == "SIGTERM"),
+        "one_rank_preemptions": sum(1 for e in injected if e.get("signal") == "SIGTERM"
+                                    and e.get("target_rank", -1) >= 0),
+        "preempted_exits": sum(1 for e in _events(run_dir / "events.jsonl")
+                               if e["kind"] == "group_exit" and e.get("preempted")),
         "detected": summary.get("failures_detected"),
         "undetected": summary.get("failures_undetected"),
         "unexplained": summary.get("failures_unexplained"),
@@ -218,10 +229,12 @@ def load(results: Path, settings: Settings) -> dict[int, dict]:
     return out
 
 
-def row(r: dict) -> list[object]:
-    faults = r["kills"] + r["hangs"] + r["coordinator_kills"]
+def row(r: dict, preempt: bool = False) -> list[object]:
+    faults = r["kills"] + r["hangs"] + r["coordinator_kills"] + r.get("preemptions", 0)
+    preempted = ([r["preemptions"], r["one_rank_preemptions"], r["preempted_exits"]] if preempt
+                 else [])
     return [r["seed"], f"{r['groups']}x{r['ranks']}", r["wall_seconds"], faults, r["kills"],
-            r["hangs"], r["nonleader_hangs"], r["at_startup"], r["coordinator_kills"],
+            r["hangs"], r["nonleader_hangs"], r["at_startup"], r["coordinator_kills"], *preempted,
             r["detected"], r["unexplained"], r["restarts"], r["rollbacks"], r["hashes"], r["duplicates"], r["gaps"],
             r["crashes"], "pass" if r["ok"] else "FAIL: " + "; ".join(r["reasons"])[:200]]
 
@@ -230,22 +243,35 @@ HEADERS = ["seed", "groups x ranks", "wall s", "faults", "group kills", "group h
            "of which non-leader", "at start-up", "coordinator kills", "detected",
            "not injected", "restarts",
            "rollbacks", "final hashes", "duplicates", "gaps", "crashes", "result"]
+PREEMPT_HEADERS = ["preemptions", "of which one rank", "preempted exits"]
+"""With ``--preempt``: after ``coordinator kills``."""
+
+
+def headers(preempt: bool) -> list[str]:
+    at = HEADERS.index("coordinator kills") + 1
+    return HEADERS[:at] + (PREEMPT_HEADERS if preempt else []) + HEADERS[at:]
 
 
 def render(records: list[dict], settings: Settings, flags: list[str]) -> str:
     passed = sum(r["ok"] for r in records)
-    faults = sum(r["kills"] + r["hangs"] + r["coordinator_kills"] for r in records)
-    return (section_header("Soak: chaos runs of `ftlm launch local`", "bench.soak", flags)
+    faults = sum(r["kills"] + r["hangs"] + r["coordinator_kills"] + r.get("preemptions", 0)
+                 for r in records)
+    title = "Soak: chaos runs of `ftlm launch local`" + (", with preemptions" if settings.preempt else "")
+    preempt = (" `--chaos-preempt` (a third of the groups' failures are SIGTERMs, to every rank or, "
+               "one time in three with 2 ranks, to one rank alone: the group must leave gracefully, "
+               "exit 0 and come back; a preemption is not a failure to detect)" if settings.preempt else "")
+    return (section_header(title, "bench.soak", flags)
             + f"* Method: one `python -m ftlm.cli launch local` per seed with `--chaos-mtbf "
               f"{settings.mtbf:g}`{' --chaos-hang' if settings.hang else ''}"
-              f"{' --chaos-coordinator' if settings.coordinator else ''} and `--chaos-seed` = "
+              f"{' --chaos-coordinator' if settings.coordinator else ''}{preempt} and `--chaos-seed` = "
               f"seed, {settings.steps} steps of a 100k-parameter model on the demo data; seeds "
               f"alternate 3 groups x 1 rank and 2 groups x 2 ranks. A run passes when `launch "
               f"local` exits 0 (n identical final hashes for n groups, 0 duplicates, 0 gaps, "
               f"all steps committed), no group crashed or was taken for hung that chaos did "
               f"not hit, and every injected failure was detected.\n"
             + f"* Result: {passed} of {len(records)} run(s) passed; {faults} faults injected.\n\n"
-            + table(HEADERS, [row(r) for r in sorted(records, key=lambda r: r["seed"])]))
+            + table(headers(settings.preempt),
+                    [row(r, settings.preempt) for r in sorted(records, key=lambda r: r["seed"])]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,13 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", default=str(REPO_ROOT / "runs" / "soak" / "results.jsonl"),
                    help="JSON lines of finished runs: resumed from, appended to")
     p.add_argument("--fresh", action="store_true", help="rerun seeds already in --results")
+    p.add_argument("--preempt", action="store_true",
+                   help="chaos also preempts groups (--chaos-preempt); its own BENCHMARKS section")
     p.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
     seeds = args.seeds if args.seeds is not None else (2 if args.quick else 20)
     steps = args.steps if args.steps is not None else (300 if args.quick else 800)
     if seeds < 1 or steps < 1 or args.mtbf <= 0:
         p.error("--seeds, --steps and --mtbf must be positive")
-    settings = Settings(steps=steps, mtbf=args.mtbf)
+    settings = Settings(steps=steps, mtbf=args.mtbf, preempt=args.preempt)
     results = Path(args.results)
     results.parent.mkdir(parents=True, exist_ok=True)
     ensure_demo()
@@ -276,23 +304,24 @@ def main(argv: list[str] | None = None) -> int:
     wanted = range(args.first_seed, args.first_seed + seeds)
     print(f"soak: {len(wanted)} run(s), {settings.key()}; "
           f"{sum(s in done for s in wanted)} already recorded in {results}", flush=True)
-    print(" | ".join(HEADERS), flush=True)
+    print(" | ".join(headers(settings.preempt)), flush=True)
     for seed in wanted:
         if seed in done:
-            print(" | ".join(map(str, row(done[seed]))) + " (recorded)", flush=True)
+            print(" | ".join(map(str, row(done[seed], settings.preempt))) + " (recorded)", flush=True)
             continue
         record = run_one(seed, settings, results.parent)
         with open(results, "a") as f:
             f.write(json.dumps(record) + "\n")
         done[seed] = record
-        print(" | ".join(map(str, row(record))), flush=True)
+        print(" | ".join(map(str, row(record, settings.preempt))), flush=True)
     records = [done[s] for s in wanted]
     flags = (["--quick"] if args.quick else []) + [f"--seeds {seeds}", f"--steps {steps}",
                                                    f"--mtbf {args.mtbf:g}"]
+    flags += ["--preempt"] if args.preempt else []
     body = render(records, settings, flags)
     print(body)
     if not args.no_write:
-        write_section(SECTION, body)
+        write_section(SECTION + ("_preempt" if settings.preempt else ""), body)
     return 0 if all(r["ok"] for r in records) else 1
 
 

@@ -382,3 +382,25 @@ def test_coordinator_command_serves_with_the_token_and_appends_its_events(tmp_pa
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("world", ["1", "2"])
+def test_a_sigterm_during_set_up_ends_a_lone_rank_and_is_noted_by_a_rank_of_a_group(world, monkeypatch):
+    """A group of one rank exits at once (status 0: it has not joined). A rank of a larger group
+    must not leave its peers waiting in the set-up's collectives: it notes the request, which the
+    trainer takes over (``test_trainer``: it stops at its first step)."""
+    import signal
+
+    from ftlm.cli import _exit_on_sigterm_during_setup
+    monkeypatch.setenv("WORLD_SIZE", world)
+    exits: list[int] = []
+    monkeypatch.setattr("ftlm.cli.os._exit", exits.append)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        _exit_on_sigterm_during_setup()
+        handler = signal.getsignal(signal.SIGTERM)
+        assert handler.requested is False
+        handler(signal.SIGTERM, None)
+        assert (exits, handler.requested) == (([0], False) if world == "1" else ([], True))
+    finally:
+        signal.signal(signal.SIGTERM, before)

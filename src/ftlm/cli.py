@@ -58,10 +58,23 @@ def _init_group(config) -> None:
 
 def _exit_on_sigterm_during_setup() -> None:
     """Until the trainer takes over SIGTERM (it then leaves the quorum explicitly), a stop
-    request during set-up ends the process at once with status 0: it has not joined yet."""
+    request during set-up ends a group of one rank at once with status 0: it has not joined yet.
+
+    A rank of a larger group does not exit: its peers would wait for it in the set-up's
+    collectives until a timeout (a node drain signals the ranks of one node only). It notes the
+    request (``stop.requested``), and the trainer honours it from its first step, with its peers
+    (``Trainer.train``)."""
+    alone = int(os.environ.get("WORLD_SIZE", "1")) <= 1
+
     def stop(signum: int, _frame: Any) -> None:
-        print(f"ftlm train: stopped by signal {signum} during set-up", file=sys.stderr, flush=True)
-        os._exit(0)
+        if alone:
+            print(f"ftlm train: stopped by signal {signum} during set-up", file=sys.stderr, flush=True)
+            os._exit(0)
+            return  # (only where os._exit is replaced: tests)
+        print(f"ftlm train: signal {signum} during set-up; the group stops at its first step",
+              file=sys.stderr, flush=True)
+        stop.requested = True  # type: ignore[attr-defined]
+    stop.requested = False  # type: ignore[attr-defined]
     signal.signal(signal.SIGTERM, stop)
 
 
@@ -112,7 +125,8 @@ def cmd_launch_local(args: argparse.Namespace) -> int:
     summary = LocalLauncher(config, groups=args.groups, ranks_per_group=args.ranks_per_group,
                             chaos_mtbf=args.chaos_mtbf, chaos_hang=args.chaos_hang,
                             chaos_seed=args.chaos_seed,
-                            chaos_coordinator=args.chaos_coordinator).run()
+                            chaos_coordinator=args.chaos_coordinator,
+                            chaos_preempt=args.chaos_preempt).run()
     # The run proves fault-tolerant training only with n identical final states of n groups and
     # every sample trained exactly once.
     for problem in summary.get("problems", []):
@@ -226,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--chaos-coordinator", action="store_true",
                     help="chaos also SIGKILLs the coordinator process (one more target, drawn like "
                          "a group); the supervisor restarts it on the same port")
+    lp.add_argument("--chaos-preempt", action="store_true",
+                    help="make a third of the failures of groups preemptions (SIGTERM, to every rank "
+                         "or to one): the group leaves gracefully and the supervisor restarts it")
     lp.set_defaults(fn=cmd_launch_local)
     for target, what in (("k8s", "Kubernetes manifests (coordinator, JobSet / Jobs / TrainJob, monitoring)"),
                          ("slurm", "Slurm batch scripts (coordinator, one requeueable job per group, watcher)")):

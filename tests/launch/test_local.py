@@ -19,7 +19,7 @@ import pytest
 
 from ftlm.config import build_config
 from ftlm.errors import FtlmError
-from ftlm.launch.chaos import COORDINATOR, Chaos
+from ftlm.launch.chaos import ALL_RANKS, COORDINATOR, Chaos
 from ftlm.launch.console import ConsoleView
 from ftlm.launch.local import GroupProcess, LocalLauncher
 from ftlm.observe.events import EventLog, read_events
@@ -278,6 +278,33 @@ def test_group_stopped_by_sigterm_before_the_end_restarts_as_a_preempted_pod_wou
     assert launcher.fatal == "" and g.crash_times == []
 
 
+def test_chaos_preemption_signals_the_ranks_and_a_stop_during_set_up_is_a_preemption(launcher):
+    """A chaos SIGTERM reaches the chosen ranks (here every rank: a trap writes it down); a group
+    that then exits 0 before printing a result (stopped during its set-up, before it joined) comes
+    back as a preempted one, not as a crash."""
+    launcher.chaos = Chaos(mtbf=1.0, seed=0, preempt=True)
+    launcher.chaos.choose = lambda *a: SimpleNamespace(target="g1", rank=ALL_RANKS, signal="SIGTERM")
+    g = launcher.groups[1]
+    start(launcher, g, "trap 'echo got-term; exit 0' TERM; echo ready; while :; do sleep 0.05; done",
+          ranks=2)
+    for _ in range(200):  # bounded: 10 s for both shells to set their trap
+        if all("ready" in g.log(launcher.run_dir, r).read_text() for r in (0, 1)):
+            break
+        time.sleep(0.05)
+    launcher._inject(launcher.events, {"members": []})
+    assert g.terminated and g.cause == ""
+    wait_exit(g)
+    assert [p.returncode for p in g.procs] == [0, 0]
+    assert all("got-term" in g.log(launcher.run_dir, r).read_text() for r in (0, 1))
+    now = time.time()
+    launcher._reap(launcher.events, now)
+    (exit_event,) = kinds(launcher, "group_exit")
+    assert exit_event["ok"] is True and exit_event["preempted"] is True and exit_event["final_step"] is None
+    assert g.restart_at == pytest.approx(now + launcher.config.ft.restart_delay) and launcher.fatal == ""
+    (injected,) = kinds(launcher, "failure_injected")
+    assert injected["signal"] == "SIGTERM" and injected["target_rank"] == ALL_RANKS
+
+
 def test_group_that_reached_the_last_step_or_its_time_limit_finishes(launcher):
     g0, g1 = launcher.groups[:2]
     g0.incarnation = "inc0"
@@ -333,6 +360,29 @@ def test_chaos_draws_hang_non_leader_ranks_and_the_coordinator():
     assert all(plain.choose(["g0"], 2, True).signal == "SIGKILL" for _ in range(50))
     assert plain.choose([], 2, True) is None
     assert Chaos(mtbf=0.0, seed=0).next_gap() is None
+
+
+def test_chaos_preemptions_reach_every_rank_or_one_and_leave_older_schedules_alone():
+    chaos = Chaos(mtbf=1.0, seed=0, hang=True, preempt=True)
+    draws = [chaos.choose(["g0", "g1"], ranks=2, coordinator_up=True) for _ in range(600)]
+    terms = [f for f in draws if f.signal == "SIGTERM"]
+    assert 150 < len(terms) < 250  # a third of the failures of groups
+    assert {f.rank for f in terms} == {ALL_RANKS, 0, 1}
+    assert 90 < sum(f.rank == ALL_RANKS for f in terms) < 180  # two in three reach every rank
+    assert {f.signal for f in draws} == {"SIGKILL", "SIGSTOP", "SIGTERM"}
+    one_rank = Chaos(mtbf=1.0, seed=0, preempt=True)
+    assert {f.rank for f in (one_rank.choose(["g0"], 1, True) for _ in range(60))
+            if f.signal == "SIGTERM"} == {ALL_RANKS}
+    # Without preempt, the same seed draws what it drew before preemptions existed.
+    old = Chaos(mtbf=1.0, seed=5, hang=True, coordinator=True)
+    assert [(f.target, f.rank, f.signal) for f in (old.choose(["g0", "g1"], 2, True)
+                                                  for _ in range(10))] == EARLIER_SEED_5
+
+
+EARLIER_SEED_5 = [("coordinator", 0, "SIGKILL"), ("g1", 0, "SIGKILL"), ("g1", 0, "SIGKILL"),
+                  ("coordinator", 0, "SIGKILL"), ("g0", 0, "SIGKILL"), ("g1", 0, "SIGSTOP"),
+                  ("g1", 0, "SIGKILL"), ("g0", 1, "SIGKILL"), ("g1", 1, "SIGSTOP"), ("g0", 0, "SIGKILL")]
+"""Chaos(mtbf=1, seed=5, hang=True, coordinator=True)'s first ten draws before preemptions existed."""
 
 
 # -- the end of a run -----------------------------------------------------------------------------

@@ -332,6 +332,22 @@ def test_a_slow_link_is_not_a_failure_to_detect(runs):
     assert [f.how for f in failure_events(events)] == ["slowed"]
 
 
+def test_a_chaos_preemption_is_not_a_failure_to_detect(runs):
+    """Chaos SIGTERMs a group: it leaves and exits 0 (``preempted``); nothing is to be detected,
+    and its leave is not unexplained. Stalls still attribute the gap to it (``preempted``)."""
+    events = runs.steady_run(10, groups=("A", "B"))
+    events += [runs.event(1000.5, "failure_injected", "supervisor", -1, target="B", target_rank=-1,
+                          signal="SIGTERM", incarnation="b1"),
+               runs.event(1000.6, "member_left", "coordinator", -1, target="B", replica_id="B:b1",
+                          reason="stopped"),
+               runs.event(1000.9, "group_exit", "supervisor", -1, target="B", incarnation="b1",
+                          ok=True, preempted=True, final_step=6)]
+    summary = build_summary(events, wall_seconds=3.0, state_hashes={}, config={}, groups=["A", "B"])
+    assert (summary["failures_injected"], summary["failures_detected"], summary["failures_undetected"],
+            summary["failures_unexplained"]) == (0, 0, 0, 0)
+    assert [f.how for f in failure_events(events)] == ["preempted"]
+
+
 def test_crashes_are_exits_nobody_caused(runs):
     events = runs.steady_run(10, groups=("A", "B"))
     events += [runs.event(1000.5, "group_exit", "supervisor", -1, target="B", incarnation="b1",

@@ -135,6 +135,23 @@ def test_max_seconds_stops_early_and_still_summarises(tiny_config) -> None:
     assert (trainer.run_dir / "summary.json").is_file()
 
 
+def test_a_stop_noted_during_set_up_is_honoured_by_the_trainer(tiny_config) -> None:
+    """``ftlm.cli`` notes a SIGTERM that reached a rank of a group during its set-up on its
+    handler (``requested``); the trainer, taking SIGTERM over, stops as if signalled then."""
+    import signal
+
+    def noted(signum, frame):  # the set-up handler of a rank that got SIGTERM
+        pass
+    noted.requested = True
+    before = signal.signal(signal.SIGTERM, noted)
+    try:
+        trainer = Trainer.for_run(tiny_config(train={"steps": 1000}))
+        summary = trainer.train()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert summary["steps_committed"] == 0 and (trainer.run_dir / "model.safetensors").is_file()
+
+
 # -- bad input ----------------------------------------------------------------------------------
 
 def _refused(config, error: type[Exception]) -> str:

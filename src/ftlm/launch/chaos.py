@@ -2,8 +2,8 @@
 
 Responsible for: the draws of the failure schedule: exponentially distributed times between
 failures, the target (a replica group, or the coordinator when it is in the mix), the rank of a
-multi-rank group and the signal (SIGKILL, or SIGSTOP for a hang). The same seed gives the same
-draws.
+multi-rank group and the signal (SIGKILL, SIGSTOP for a hang, SIGTERM for a preemption). The same
+seed gives the same draws.
 
 Not responsible for: which groups may be hit right now (the supervisor passes the candidates:
 never the last up-to-date group, nothing once a group reached the last step), sending the signal,
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 COORDINATOR = "coordinator"
 """The target name of the coordinator process."""
+ALL_RANKS = -1
+"""``Fault.rank`` of a preemption that reaches every rank of the group."""
 
 
 @dataclass(frozen=True)
@@ -26,9 +28,9 @@ class Fault:
     target: str
     """A group name, or ``COORDINATOR``."""
     rank: int
-    """Rank of the group to signal (0 for the coordinator)."""
+    """Rank of the group to signal (0 for the coordinator); ``ALL_RANKS`` for every rank."""
     signal: str
-    """``SIGKILL`` (a crash) or ``SIGSTOP`` (a hang)."""
+    """``SIGKILL`` (a crash), ``SIGSTOP`` (a hang) or ``SIGTERM`` (a preemption notice)."""
 
 
 class Chaos:
@@ -37,12 +39,20 @@ class Chaos:
     ``hang``: half the failures of groups are SIGSTOPs, on any rank (a hung non-leader rank keeps
     its group's heartbeat alive: only the progress timeout catches it). ``coordinator``: the
     coordinator is one more target, drawn like a group (SIGKILL only: it holds only soft state).
+    ``preempt``: a third of the failures of groups are SIGTERMs instead, a spot reclaim or a
+    preemption at any moment (start-up, recovery, the end of the run included): to every rank of
+    the group at once as platforms send it, or, one time in three, to one rank alone (the ranks
+    of a real group get it each at its own moment; one rank is the extreme of that). The group
+    must leave gracefully and come back; it is not a failure. Without ``preempt`` the draws are
+    those of earlier versions (same seed, same schedule).
     """
 
-    def __init__(self, mtbf: float, seed: int, hang: bool = False, coordinator: bool = False):
+    def __init__(self, mtbf: float, seed: int, hang: bool = False, coordinator: bool = False,
+                 preempt: bool = False):
         self.mtbf = mtbf
         self.hang = hang
         self.coordinator = coordinator
+        self.preempt = preempt
         self.rng = random.Random(seed)
 
     def next_gap(self) -> float | None:
@@ -58,5 +68,8 @@ class Chaos:
         target = self.rng.choice(targets)
         if target == COORDINATOR:
             return Fault(COORDINATOR, 0, "SIGKILL")
+        if self.preempt and self.rng.random() < 1 / 3:
+            alone = ranks > 1 and self.rng.random() < 1 / 3
+            return Fault(target, self.rng.randrange(ranks) if alone else ALL_RANKS, "SIGTERM")
         hang = self.hang and self.rng.random() < 0.5
         return Fault(target, self.rng.randrange(ranks), "SIGSTOP" if hang else "SIGKILL")

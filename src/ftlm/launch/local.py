@@ -36,7 +36,7 @@ from pathlib import Path
 
 from ftlm.config import RunConfig, save_config
 from ftlm.errors import ConfigError, FtlmError
-from ftlm.launch.chaos import COORDINATOR, Chaos
+from ftlm.launch.chaos import ALL_RANKS, COORDINATOR, Chaos
 from ftlm.launch.console import ConsoleView
 from ftlm.launch.coordinator_process import (CoordinatorProcess, CoordinatorUnreachable,
                                              error_line)
@@ -62,6 +62,7 @@ class GroupProcess:
     finished: bool = False
     lost: bool = False  # died when every other group had finished: nobody to recover from
     stopped: bool = False  # a rank was SIGSTOPped by chaos, waiting to be detected and killed
+    terminated: bool = False  # chaos sent this incarnation SIGTERM (a preemption: it must leave)
     result: dict = field(default_factory=dict)
     registered: bool = False  # the current incarnation appeared in the coordinator's members
     first_step: int | None = None  # its step when it first appeared there
@@ -111,7 +112,9 @@ class LocalLauncher:
     """Runs a fault-tolerant job on this machine; ``run()`` returns the summary.
 
     ``chaos_coordinator`` puts the coordinator process in the chaos mix (one more target, drawn
-    like a group, always SIGKILL). ``run()`` raises ``FtlmError`` (after writing the summary) when
+    like a group, always SIGKILL); ``chaos_preempt`` makes a third of the groups' failures
+    preemptions (SIGTERM, see ``ftlm.launch.chaos``), after which the group must leave and come
+    back. ``run()`` raises ``FtlmError`` (after writing the summary) when
     a group cannot start or crash-loops, or the coordinator cannot be (re)started.
     """
 
@@ -120,7 +123,7 @@ class LocalLauncher:
 
     def __init__(self, config: RunConfig, groups: int, chaos_mtbf: float = 0.0,
                  chaos_hang: bool = False, chaos_seed: int = 0, chaos_coordinator: bool = False,
-                 faults: dict[str, list[str]] | None = None,
+                 chaos_preempt: bool = False, faults: dict[str, list[str]] | None = None,
                  start_delays: dict[str, float] | None = None, ranks_per_group: int = 1,
                  kill_hung: bool = True,
                  extra_env: dict[str, str] | None = None, progress: bool | None = None,
@@ -137,7 +140,8 @@ class LocalLauncher:
         self.n = groups
         self.ranks = ranks_per_group
         self.kill_hung = kill_hung  # off: a hung group stays stopped until someone resumes it
-        self.chaos = Chaos(chaos_mtbf, chaos_seed, hang=chaos_hang, coordinator=chaos_coordinator)
+        self.chaos = Chaos(chaos_mtbf, chaos_seed, hang=chaos_hang, coordinator=chaos_coordinator,
+                           preempt=chaos_preempt)
         # Named-point failures per group, one entry per incarnation (see ftlm.ft.faults).
         self.faults = faults or {}
         # Groups started this many seconds after the job's first committed step (late joiners).
@@ -181,7 +185,7 @@ class LocalLauncher:
         master_port = _free_port()
         cmd = [sys.executable, "-m", "ftlm.cli", self.command, str(config_file),
                "--set", "observe.progress=false"]
-        g.procs, g.log_offsets, g.cause = [], [], ""
+        g.procs, g.log_offsets, g.cause, g.terminated = [], [], "", False
         for rank in range(self.ranks):
             env = dict(os.environ)
             env.update({
@@ -404,12 +408,15 @@ class LocalLauncher:
             if not failed:
                 if all(c == 0 for c in codes):
                     results = self._results(g)
-                    if results is not None and self._stopped_early(g, results, now):
+                    if (results is None and g.terminated) or (
+                            results is not None and self._stopped_early(g, results, now)):
                         # Stopped from outside before the end (a SIGTERM: spot reclaim, drain):
                         # it left the quorum and exited 0; it comes back as a new incarnation,
                         # as a preempted pod or a requeued Slurm job does. Not a crash.
+                        # (No result: the SIGTERM came during its set-up, before it joined.)
                         events.emit("group_exit", step=-1, target=g.name, ok=True, preempted=True,
-                                    incarnation=g.incarnation, final_step=results["step"])
+                                    incarnation=g.incarnation,
+                                    final_step=results["step"] if results is not None else None)
                         g.restart_at = now + self.config.ft.restart_delay
                         continue
                     if results is not None:
@@ -572,6 +579,14 @@ class LocalLauncher:
         g = next(x for x in self.groups if x.name == fault.target)
         events.emit("failure_injected", step=-1, target=g.name, target_rank=fault.rank,
                     signal=fault.signal, incarnation=g.incarnation, registered=g.registered)
+        if fault.signal == "SIGTERM":  # a preemption, not a failure: the group must leave on its own
+            g.terminated = True
+            for p in (g.procs if fault.rank == ALL_RANKS else [g.procs[fault.rank]]):
+                try:
+                    p.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            return
         g.cause = "chaos"
         if fault.signal == "SIGSTOP":
             g.stopped = True

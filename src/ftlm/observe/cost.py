@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, fields
 
 from ftlm.errors import ConfigError
+from ftlm.observe.events import NOT_FAILURES
 
 STATES = ("training", "stalled", "recovering", "starting", "idle")
 """GPU-hour states of a run, in the order reports show them."""
@@ -134,8 +135,8 @@ def _group_seconds(events: list[dict], group: str, begin: float, end: float,
             close(ts, "recovering")
             state = "up"
         elif kind in _FAILURE_KINDS or (kind == "group_exit" and e.get("ok") is False):
-            if kind == "failure_injected" and (e.get("signal") or e.get("how")) == "none":
-                continue  # a slowdown, not a failure
+            if kind == "failure_injected" and (e.get("signal") or e.get("how")) in NOT_FAILURES:
+                continue  # a slowdown or a preemption (its leave and exit say the rest)
             close(ts, {"up": "stalled", "idle": "idle"}.get(state, state))
             state = "starting"
         elif kind == "member_left" or (kind == "group_exit" and e.get("ok") is True):

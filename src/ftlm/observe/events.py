@@ -31,7 +31,9 @@ Kinds used across ftlm and their fields:
   on), ``loss``, ``tokens`` (global tokens of the step), ``lr``, ``step_seconds``, ``chain`` (the
   history chain after the step, ``ftlm.ft.history``) and ``parent`` (the chain before it)).
 * ``step_failed``: a group voted not to commit step ``step`` (``quorum_id``, ``reason``).
-* ``failure_injected``: chaos killed, stopped or broke ``target`` (``how``).
+* ``failure_injected``: chaos killed, stopped or broke ``target`` (``signal`` or ``how``). Two are
+  not failures (``NOT_FAILURES``): ``signal`` ``none`` slowed a link, ``SIGTERM`` preempted the
+  group (it must leave and come back, ``group_exit`` with ``preempted``).
 * ``member_dead``: the coordinator declared ``target`` dead (``reason``: missed heartbeats, no
   progress while heartbeating, process exited, replaced by a new incarnation).
 * ``member_left``: ``target`` left the job on purpose (``reason``: finished, stopped).
@@ -68,6 +70,9 @@ KINDS: tuple[str, ...] = (
     "eval",
 )
 """Event kinds ftlm emits (documented above); ``emit`` accepts others for forward compatibility."""
+
+NOT_FAILURES = {"none": "slowed", "SIGTERM": "preempted"}
+"""``failure_injected`` signals that disturb a group without failing it, and their one word."""
 
 REQUIRED_FIELDS: tuple[str, ...] = ("ts", "kind", "group", "step")
 """Fields every line must carry (DESIGN.md section 10)."""

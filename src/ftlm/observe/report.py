@@ -12,6 +12,7 @@ import os
 import statistics
 from pathlib import Path
 
+from ftlm.observe.events import NOT_FAILURES
 from ftlm.observe.summary import (affected_group, commit_steps, detected_failures, failure_events,
                                   final_history)
 
@@ -136,6 +137,8 @@ def _per_group(summary: dict, events: list[dict]) -> list[str]:
         kind = event["kind"]
         if row is None or kind not in row:
             continue
+        if kind == "failure_injected" and (event.get("signal") or event.get("how")) in NOT_FAILURES:
+            continue  # a slowdown or a preemption
         if kind != "recovery_end" or event.get("ok") is True:
             row[kind] += 1
     deaths = {g: 0 for g in names}

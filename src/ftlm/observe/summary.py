@@ -36,7 +36,7 @@ from typing import Any
 
 from ftlm.errors import DataError
 from ftlm.observe.cost import cost_config_of, cost_summary, gpu_hours_by_state, gpus_per_group
-from ftlm.observe.events import jsonable
+from ftlm.observe.events import NOT_FAILURES, jsonable
 
 FAILURE_KINDS = ("failure_injected", "member_dead", "recovery_start")
 """Events that get an entry in ``stall_seconds`` (``member_killed``, ``group_exit`` and
@@ -118,7 +118,7 @@ def _how(event: dict) -> str:
     kind = event["kind"]
     if kind == "failure_injected":
         signal = event.get("signal") or event.get("how") or ""
-        return {"SIGSTOP": "hung", "none": "slowed"}.get(signal, "killed")
+        return {"SIGSTOP": "hung", **NOT_FAILURES}.get(signal, "killed")
     return {"member_dead": "died", "member_killed": "hung", "group_exit": "exited",
             "coordinator_restart": "restarted", "recovery_start": "rejoin"}.get(kind, kind)
 
@@ -263,7 +263,7 @@ def failure_ledger(events: list[dict]) -> FailureLedger:
         kind, ts = event["kind"], event["ts"]
         group, inc = affected_group(event), _incarnation(event)
         if kind == "failure_injected":
-            if (event.get("signal") or event.get("how")) == "none":
+            if (event.get("signal") or event.get("how")) in NOT_FAILURES:
                 continue
             fail = FailureEvent(ts=ts, kind=kind, group=group, how=_how(event))
             injected.append(fail)
@@ -312,12 +312,12 @@ def detected_failures(events: list[dict]) -> list[FailureEvent]:
 
 def failure_events(events: list[dict]) -> list[FailureEvent]:
     """Failures and rejoins in time order, one per fault: injected failures (and ``slow_serve``
-    slowdowns), ``recovery_start`` events, and the detected failures that were not injected
+    slowdowns and chaos preemptions), ``recovery_start`` events, and the detected failures that were not injected
     (a detection that follows an injection into its group is that injection, seen)."""
     ledger = failure_ledger(events)
-    slowed = [FailureEvent(ts=e["ts"], kind=e["kind"], group=affected_group(e), how="slowed")
+    slowed = [FailureEvent(ts=e["ts"], kind=e["kind"], group=affected_group(e), how=_how(e))
               for e in events if e["kind"] == "failure_injected"
-              and (e.get("signal") or e.get("how")) == "none"]
+              and (e.get("signal") or e.get("how")) in NOT_FAILURES]
     rejoins = [FailureEvent(ts=e["ts"], kind=e["kind"], group=affected_group(e), how="rejoin")
                for e in events if e["kind"] == "recovery_start"]
     return sorted(ledger.injected + ledger.unexplained + slowed + rejoins,

@@ -600,6 +600,8 @@ class Trainer:
         # From the first heartbeat on a SIGTERM (preemption, node drain) must end in an explicit
         # leave, never in a silent death the others detect only by timeout.
         old = signal.signal(signal.SIGTERM, self.request_stop) if _main_thread() else None
+        if getattr(old, "requested", False):  # a SIGTERM during the set-up (``ftlm.cli``)
+            self.request_stop()
         self.events.emit("group_start", step=self.state.step,
                          metrics_port=self.metrics_port)
         if not self.standalone:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ftlm.model.generate import sample
@@ -40,6 +41,11 @@ def rollout(model: nn.Module, prompt: list[int], n: int, max_new_tokens: int, en
 
     ``temperature == 0`` is greedy. The budget is ``max_new_tokens`` and the model's
     ``max_seq_len``. Sequences that ended keep receiving ``pad_id`` (not returned).
+
+    A model sharded over the ranks of a group (FSDP2) runs collectives in every forward pass, and
+    each rank samples its own prompts, which end after different numbers of tokens: a rank that
+    is done keeps running the model with its peers (its output unused, no draw taken) until every
+    rank is, so that all of them run the same number of passes.
     """
     max_len = model.cfg.max_seq_len if hasattr(model, "cfg") else len(prompt) + max_new_tokens
     steps = min(max_new_tokens, max_len - len(prompt))
@@ -47,18 +53,32 @@ def rollout(model: nn.Module, prompt: list[int], n: int, max_new_tokens: int, en
         raise ValueError(f"prompt of {len(prompt)} tokens leaves no room under max_seq_len={max_len}")
     tokens = torch.tensor([prompt] * n, dtype=torch.long, device=device)
     done = torch.zeros(n, dtype=torch.bool, device=device)
-    for _ in range(steps):
+    sharded = not _engine_ready(model) and dist.is_available() and dist.is_initialized() \
+        and dist.get_world_size() > 1
+    taken = 0
+    while True:
+        finished = taken >= steps or bool(done.all())
+        if (_all_ranks(finished, tokens.device) if sharded else finished):
+            break
         logits = model(tokens)[:, -1, :]
+        if finished:
+            continue  # a pass for the peers' collectives
         nxt = sample(logits, temperature, top_k or None, generator).to(tokens.device)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         tokens = torch.cat((tokens, nxt[:, None]), dim=1)
         done |= nxt == end_id
-        if bool(done.all()):
-            break
+        taken += 1
     out = []
     for row in tokens[:, len(prompt):].tolist():
         out.append(row[:row.index(end_id) + 1] if end_id in row else row)
     return out
+
+
+def _all_ranks(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on every rank of this process group (a collective)."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
 
 
 def _engine_ready(model: nn.Module) -> bool:

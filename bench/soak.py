@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -127,6 +128,8 @@ def run_one(seed: int, settings: Settings, root: Path) -> dict:
     """One chaos run of ``launch local``; returns its result record (see ``verdict``)."""
     groups, ranks = layout(seed)
     run_dir = root / f"seed-{seed:04d}"
+    # A fresh directory: a relaunch into an old one would resume from its checkpoints.
+    shutil.rmtree(run_dir, ignore_errors=True)
     config = write_config(run_dir, settings)
     cmd = [sys.executable, "-m", "ftlm.cli", "launch", "local", str(config),
            "--groups", str(groups), "--ranks-per-group", str(ranks),

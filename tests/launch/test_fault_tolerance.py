@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -24,6 +25,7 @@ from ftlm.config import build_config
 from ftlm.errors import FtlmError
 from ftlm.launch.local import LocalLauncher
 from ftlm.observe.events import read_events
+from ftlm.train.checkpoint_files import checkpoint_dir
 from ftlm.train.trainer import Trainer
 
 # Long enough that the healthy groups are still training when a killed group has restarted
@@ -267,3 +269,30 @@ def test_group_killed_near_the_end_restarts_and_finishes(tmp_path, demo_data):
     assert recovered(events, "g1"), "the restarted group never caught up"
     assert summary["final_steps"] == {"g0": steps, "g1": steps}
     check_invariants(summary, events, 2, steps=steps)
+
+
+def test_a_relaunch_resumes_from_the_checkpoint_and_proves_exactly_once_over_both(tmp_path, demo_data):
+    """Train more, or start again after the whole job was lost: a second ``launch local`` of the
+    same run directory resumes from its newest durable checkpoint. Its record used to start
+    afresh, so the summary found every step before the checkpoint missing and failed the run;
+    now it keeps the first launch's record, and the first launch's commits from the checkpoint
+    on, which the second redoes, leave the history as in a rollback."""
+    first = make_config(tmp_path / "run", demo_data, steps=25)
+    first.checkpoint.every = 10
+    LocalLauncher(first, groups=1, progress=False, coordinator_standby=False).run()
+    # As if the job had been lost before its final save: the newest checkpoint is step 20's, and
+    # the commits of steps 20-24 are redone.
+    final = checkpoint_dir(first.run.path / "checkpoints", 25)
+    assert (final / "COMPLETE").is_file()
+    shutil.rmtree(final)
+    more = make_config(tmp_path / "run", demo_data, steps=40)
+    more.checkpoint.every = 10
+    summary = LocalLauncher(more, groups=1, progress=False, coordinator_standby=False).run()
+    events = read_events(more.run.path / "events.jsonl")
+    starts = [e for e in events if e["kind"] == "run_start"]
+    assert [e.get("resume_from") for e in starts] == [None, 20], starts
+    (restore,) = [e for e in events if e["kind"] == "restore"]
+    assert (restore["to_step"], restore["from_step"], restore["source"]) == (20, 25, "checkpoint")
+    assert {e["step"] for e in events if e["kind"] == "group_start" and e["ts"] > starts[1]["ts"]} == {20}
+    check_invariants(summary, events, 1, steps=40)
+    assert summary["data"]["rolled_back_steps"] == 5

@@ -305,6 +305,33 @@ def test_chaos_preemption_signals_the_ranks_and_a_stop_during_set_up_is_a_preemp
     assert injected["signal"] == "SIGTERM" and injected["target_rank"] == ALL_RANKS
 
 
+def test_a_group_that_hangs_after_printing_its_result_is_killed_and_its_result_stands(launcher):
+    """Soak, seed 1 with preemptions: a group left the job, printed its result, and was then
+    SIGSTOPped while exiting (a teardown can hang as well); the supervisor skipped it as
+    "exiting" forever and the job waited out ft.give_up_seconds. Now it waits
+    cluster.grace_seconds, kills it, and takes the result it printed."""
+    g = launcher.groups[1]
+    g.incarnation = "inc0"
+    start(launcher, g, _result_line(g, 40) + "; kill -STOP $$")
+    for _ in range(200):  # bounded: 10 s for the result line
+        if launcher._has_result(g):
+            break
+        time.sleep(0.05)
+    now = time.time()
+    g.started = now - 10.0  # never seen registered (it joined and left between two polls)
+    launcher._watchdog({"members": [], "dead": []}, launcher.events, now)
+    assert g.running() and not kinds(launcher, "member_killed")  # exiting: given the grace
+    later = now + launcher.config.cluster.grace_seconds + 1
+    launcher._watchdog({"members": [], "dead": []}, launcher.events, later)
+    (killed,) = kinds(launcher, "member_killed")
+    assert "printed its result but did not exit" in killed["reason"]
+    wait_exit(g)
+    launcher._reap(launcher.events, later)
+    (exit_event,) = kinds(launcher, "group_exit")
+    assert exit_event["ok"] is True and exit_event["preempted"] is True and exit_event["final_step"] == 40
+    assert g.restart_at is not None and launcher.fatal == ""
+
+
 def test_group_that_reached_the_last_step_or_its_time_limit_finishes(launcher):
     g0, g1 = launcher.groups[:2]
     g0.incarnation = "inc0"

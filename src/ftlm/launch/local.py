@@ -43,6 +43,7 @@ from ftlm.launch.coordinator_process import (CoordinatorProcess, CoordinatorUnre
 from ftlm.observe.events import EventLog, read_events
 from ftlm.observe.report import format_summary, write_report
 from ftlm.observe.summary import build_summary, proof_problems, write_summary
+from ftlm.train.checkpoint_files import valid_checkpoints
 
 RESULT_PREFIX = "FTLM_RESULT "
 EXIT_USAGE = 2
@@ -70,6 +71,8 @@ class GroupProcess:
     absent_since: float | None = None  # registered, but missing from the members since then
     left_at: float | None = None  # the coordinator reported its leave (finished, preempted)
     killed: bool = False  # SIGKILL sent to this incarnation (it may still be exiting)
+    exiting_since: float | None = None  # when the supervisor first saw its final result
+    stuck_exit: bool = False  # killed because it did not exit after printing its result
     cause: str = ""  # why the current incarnation may die: "chaos", "hung", "fault", or ""
     crash_times: list[float] = field(default_factory=list)  # exits without progress
     log_offsets: list[int] = field(default_factory=list)  # where this incarnation's logs begin
@@ -168,9 +171,16 @@ class LocalLauncher:
     def _prepare_run_dir(self) -> Path:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
-        # A new job starts a new record; durable checkpoints are kept for resuming.
+        # A new job starts a new record; durable checkpoints are kept for resuming. A relaunch
+        # that will resume from one (to train more steps, or after the whole job was lost) keeps
+        # the record, so that the summary proves exactly-once over the whole history (``run``
+        # marks where it resumes).
+        ck = self.config.checkpoint
+        found = valid_checkpoints(Path(ck.dir) if ck.dir else self.run_dir / "checkpoints")
+        self._resume_step = found[-1][0] if ck.resume and found else None
         for name in ("events.jsonl", "summary.json", "report.md", "prometheus_targets.json"):
-            (self.run_dir / name).unlink(missing_ok=True)
+            if not (name == "events.jsonl" and self._resume_step is not None):
+                (self.run_dir / name).unlink(missing_ok=True)
         for log in (self.run_dir / "logs").glob("*.log"):
             log.unlink()
         self.config.ft.groups = self.n  # the coordinator's first quorum waits for all of them
@@ -216,8 +226,8 @@ class LocalLauncher:
             self._write_targets()
         g.started = time.time()
         g.restart_at = None
-        g.stopped = g.registered = g.progressed = g.killed = False
-        g.first_step = g.absent_since = g.left_at = None
+        g.stopped = g.registered = g.progressed = g.killed = g.stuck_exit = False
+        g.first_step = g.absent_since = g.left_at = g.exiting_since = None
 
     def _write_targets(self) -> None:
         """Prometheus file_sd targets of every rank's metrics endpoint (rewritten on restarts)."""
@@ -243,7 +253,8 @@ class LocalLauncher:
         # ranks_per_group: GPU-hours count every rank of a group (ftlm.observe.cost).
         events.emit("run_start", step=-1, groups=self.n, coordinator=url,
                     chaos_mtbf=self.chaos.mtbf, coordinator_pid=self.coordinator.pid,
-                    ranks_per_group=self.ranks)
+                    ranks_per_group=self.ranks, resume_from=self._resume_step)
+        self._mark_resume(events)
         wall0 = time.time()
         handlers = self._install_signals()
         view = ConsoleView(self.config.train.steps, self.groups, bool(self.progress))
@@ -405,6 +416,8 @@ class LocalLauncher:
                 continue
             codes = [p.poll() for p in g.procs]
             failed = [c for c in codes if c not in (None, 0)]
+            if g.stuck_exit and all(c is not None for c in codes) and self._results(g) is not None:
+                failed, codes = [], [0] * len(codes)  # its result stands: only its exit hung
             if not failed:
                 if all(c == 0 for c in codes):
                     results = self._results(g)
@@ -503,7 +516,10 @@ class LocalLauncher:
           training thread), or it never came back to a restarted coordinator;
         * it left the job (finished or preempted: no heartbeat is expected any more) but has not
           exited within ``cluster.grace_seconds``: saving the model, summarizing and stopping its
-          servers take longer than a heartbeat timeout for a large model or on a busy machine.
+          servers take longer than a heartbeat timeout for a large model or on a busy machine;
+        * any of these, but it printed its final result (it is exiting), and it still has not
+          exited ``cluster.grace_seconds`` later (a teardown that hangs): it is killed, and its
+          result stands (``_reap``).
 
         The quorum drops a dead group at once (the healthy groups do not wait); the grace of a few
         heartbeat timeouts lets a process that was only starved of CPU come back and rejoin.
@@ -525,7 +541,13 @@ class LocalLauncher:
             elif g.absent_since is not None and self._up_seconds(g.absent_since, now) > grace:
                 entry = dead.get(g.replica_id)
                 reason = f"declared dead: {entry['reason']}" if entry else "heartbeat lost"
-            if reason and not self._has_result(g):
+            if reason and self._has_result(g):  # exiting: bounded too (a teardown can hang)
+                g.exiting_since = g.exiting_since or now
+                if now - g.exiting_since <= self.config.cluster.grace_seconds:
+                    continue
+                reason, g.stuck_exit = (f"printed its result but did not exit within "
+                                        f"cluster.grace_seconds={self.config.cluster.grace_seconds} s"), True
+            if reason:
                 events.emit("member_killed", step=-1, target=g.name, incarnation=g.incarnation,
                             reason=reason, stopped=g.stopped)
                 g.cause = g.cause if g.cause == "chaos" else "hung"
@@ -640,10 +662,25 @@ class LocalLauncher:
             signal.signal(signal.SIGINT, handlers[0])
             signal.signal(signal.SIGTERM, handlers[1])
 
+    def _mark_resume(self, events: EventLog) -> None:
+        """Before any group starts: the earlier launches' commits from the checkpoint's step on
+        are redone by this one, so they leave the history, as in a rollback (a ``restore``)."""
+        step = self._resume_step
+        if step is None:
+            return
+        earlier = [e["step"] for e in read_events(self.run_dir / "events.jsonl")
+                   if e["kind"] == "commit" and isinstance(e.get("step"), int) and e["step"] >= step]
+        if earlier:
+            events.emit("restore", step=step, from_step=max(earlier) + 1, to_step=step, chain=None,
+                        holders=[], source="checkpoint",
+                        reason=f"relaunched: the groups resume from the durable checkpoint of step {step}")
+
     def _finish(self, events: EventLog, wall: float) -> dict:
         events.emit("run_end", step=-1, wall_seconds=wall)
         hashes = {g.name: g.result["state_hash"] for g in self.groups if g.result.get("state_hash")}
         recorded = read_events(self.run_dir / "events.jsonl")
+        if recorded:  # a resumed job's record starts with its first launch: measure from there
+            wall = max(wall, time.time() - min(e["ts"] for e in recorded))
         summary = build_summary(recorded, wall_seconds=wall, state_hashes=hashes,
                                 config=self.config.to_dict(), groups=[g.name for g in self.groups])
         summary["restarts"] = {g.name: g.restarts for g in self.groups}

@@ -53,41 +53,20 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ftlm.errors import CheckpointError
 from ftlm.observe.iostats import timed_io
+from ftlm.train.checkpoint_files import MARKER, checkpoint_dir, valid_checkpoints
+from ftlm.train.checkpoint_files import PREFIX as _PREFIX
 from ftlm.train.state import TrainState
 
 log = logging.getLogger(__name__)
 
-MARKER = "COMPLETE"
 MANIFEST = "MANIFEST.json"
 METADATA = ".metadata"  # DCP's name for its (pickled) global metadata file
 REJECTED_PREFIX = "rejected-"
-_PREFIX = "step-"
 _FORMAT = 1
 _MAX_MANIFEST_BYTES = 16 << 20
 _DCP_READS = (".distcp", ".metadata")  # what DCP's file-system reader opens in a checkpoint
 _HMAC_CONTEXT = b"ftlm checkpoint manifest v1\0"  # the token also signs other things: separate them
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-def checkpoint_dir(root: Path, step: int) -> Path:
-    return root / f"{_PREFIX}{step:08d}"
-
-
-def valid_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every checkpoint under ``root`` whose marker exists, oldest first.
-
-    Valid means complete, not verified: ``verify`` checks a checkpoint's contents.
-    """
-    if not root.is_dir():
-        return []
-    found = []
-    for path in root.iterdir():
-        if path.name.startswith(_PREFIX) and (path / MARKER).is_file():
-            try:
-                found.append((int(path.name[len(_PREFIX):]), path))
-            except ValueError:
-                continue
-    return sorted(found)
 
 
 # DCP warns from its background writer thread too, where a local catch_warnings cannot reach.

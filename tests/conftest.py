@@ -99,3 +99,31 @@ def tiny_config(tmp_path: Path, make_tiny_config):
         return make_tiny_config(run_dir or tmp_path / "run", **sections)
 
     return make
+
+
+@pytest.fixture
+def two_ranks(tmp_path: Path):
+    """Run a Python ``script`` as ranks 0 and 1 of one group: ``two_ranks(script, *args)`` starts
+    ``python -c script RANK STORE *args`` for each rank (STORE: a fresh ``FileStore`` path for
+    ``dist.init_process_group``), waits for both (bounded), asserts they exited 0 and returns
+    the JSON object each printed on its last line, in rank order."""
+    import json
+    import subprocess
+    import sys
+
+    def run(script: str, *args: str, timeout: float = 120) -> list[dict]:
+        store = tmp_path / f"store-{os.urandom(4).hex()}"
+        procs = [subprocess.Popen([sys.executable, "-c", script, str(rank), str(store), *args],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for rank in (0, 1)]
+        try:
+            outs = [p.communicate(timeout=timeout)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        assert [p.returncode for p in procs] == [0, 0], outs
+        return [json.loads(out.strip().splitlines()[-1]) for out in outs]
+
+    return run

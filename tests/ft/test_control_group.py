@@ -8,9 +8,6 @@ manager's control collectives must still work.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 
 _SCRIPT = textwrap.dedent("""
@@ -43,27 +40,8 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_pair(script: str, store) -> list[dict]:
-    """Run ``script`` as ranks 0 and 1 of one group; each prints one JSON line last."""
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(store)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in (0, 1)]
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=120)
-            assert p.returncode == 0, err[-2000:]
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return results
-
-
-def test_control_collectives_run_on_gloo_beside_an_nccl_data_group(tmp_path) -> None:
-    results = _run_pair(_SCRIPT, tmp_path / "store")
+def test_control_collectives_run_on_gloo_beside_an_nccl_data_group(two_ranks) -> None:
+    results = two_ranks(_SCRIPT)
     for r in results:
         assert r["backend"] == "gloo"
         assert r["quorum"] == {"quorum_id": 7}
@@ -86,9 +64,9 @@ _MANAGER = textwrap.dedent("""
 """)
 
 
-def test_the_ranks_of_a_group_share_one_incarnation(tmp_path) -> None:
+def test_the_ranks_of_a_group_share_one_incarnation(two_ranks) -> None:
     """Each rank drew its own incarnation id, so every rank but 0 was not in its own quorum."""
-    a, b = _run_pair(_MANAGER, tmp_path / "store")
+    a, b = two_ranks(_MANAGER)
     assert a["replica_id"] == b["replica_id"] and a["replica_id"].startswith("g0:")
     assert len(a["replica_id"]) > len("g0:") and a["urls"] == b["urls"]
 
@@ -116,9 +94,9 @@ _RELOAD_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_every_rank_of_a_group_is_told_to_reload_when_its_leader_is(tmp_path) -> None:
+def test_every_rank_of_a_group_is_told_to_reload_when_its_leader_is(two_ranks) -> None:
     """A leader told that no live group holds the head raises ``ReloadCheckpoint``; the other
     ranks, waiting for its quorum answer, raise it too (with the head), so every rank loads the
     checkpoint together instead of hanging in the broadcast."""
-    results = _run_pair(_RELOAD_SCRIPT, tmp_path / "store")
+    results = two_ranks(_RELOAD_SCRIPT)
     assert results == [{"raised": "ReloadCheckpoint", "head": 41, "why": "no live group holds step 41"}] * 2

@@ -9,9 +9,6 @@ next gathers unmatched: the group crashed (gloo: a size mismatch) or hung.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 
 _WORKER = textwrap.dedent("""
@@ -45,19 +42,8 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-def test_ranks_with_different_budgets_and_stops_run_the_model_alike(tmp_path) -> None:
-    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(r), str(tmp_path / "store")],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], outs
-    a, b = (json.loads(out.strip().splitlines()[-1]) for out in outs)
+def test_ranks_with_different_budgets_and_stops_run_the_model_alike(two_ranks) -> None:
+    a, b = two_ranks(_WORKER)
     assert a["passes"] == b["passes"] and a["total"] == 2 * a["passes"], (a, b)
     for rank in (a, b):  # the passes for the peer change nothing: the same draws as unsharded
         assert rank["got"] == rank["alone"]

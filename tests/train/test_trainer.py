@@ -271,7 +271,8 @@ dist.destroy_process_group()
 """
 
 
-def test_the_ranks_of_a_group_with_uneven_shards_bound_their_catchup_buffers_alike(tiny_config, tmp_path) -> None:
+def test_the_ranks_of_a_group_with_uneven_shards_bound_their_catchup_buffers_alike(tiny_config, tmp_path,
+                                                                                   two_ranks) -> None:
     """A vocabulary of 1,025 rows splits 513 / 512 over two ranks, so rank 0's gradient shard is
     the larger one. With a byte budget of three of rank 1's steps, rank 1 alone would hold three
     steps and rank 0 two: when a catch-up lagged three steps, rank 0 would drop its recovery and
@@ -290,18 +291,7 @@ def test_the_ranks_of_a_group_with_uneven_shards_bound_their_catchup_buffers_ali
                                                            "catchup_max_steps": 64})
     path = tmp_path / "run.toml"
     save_config(config, path)
-    procs = [subprocess.Popen([sys.executable, "-c", _UNEVEN_WORKER, str(r), str(tmp_path / "store"),
-                               str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in (0, 1)]
-    try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], outs
-    got = [json.loads(out.strip().splitlines()[-1]) for out in outs]
+    got = two_ranks(_UNEVEN_WORKER, str(path))
     assert [g["mine"] for g in got] == rows
     assert [g["full"] for g in got] == [[False, False, True, True]] * 2, got
     assert all("ft.catchup_max_bytes" in g["limit"] for g in got)

@@ -305,6 +305,28 @@ def test_chaos_preemption_signals_the_ranks_and_a_stop_during_set_up_is_a_preemp
     assert injected["signal"] == "SIGTERM" and injected["target_rank"] == ALL_RANKS
 
 
+def test_a_rank_the_preemption_signal_ended_itself_stopped_as_asked(launcher):
+    """Soak, seed 1 with preemptions: a second SIGTERM reached a rank on its way out, after the
+    trainer had given SIGTERM back (Python's own handling ends a process then), and its exit
+    -15 was counted as a crash. For a preempted incarnation that is a stop, as at start-up
+    before any handler is in place."""
+    launcher.chaos.choose = lambda *a: SimpleNamespace(target="g1", rank=ALL_RANKS, signal="SIGTERM")
+    g = launcher.groups[1]
+    g.incarnation = "inc0"
+    start(launcher, g, _result_line(g, 40) + "; exec sleep 30", ranks=2)  # no trap: SIGTERM ends it
+    for _ in range(200):  # bounded: 10 s for the result lines
+        if launcher._results(g) is not None:
+            break
+        time.sleep(0.05)
+    launcher._inject(launcher.events, {"members": []})
+    wait_exit(g)
+    assert [p.returncode for p in g.procs] == [-signal.SIGTERM] * 2
+    launcher._reap(launcher.events, time.time())
+    (exit_event,) = kinds(launcher, "group_exit")
+    assert exit_event["ok"] is True and exit_event["preempted"] is True and exit_event["final_step"] == 40
+    assert launcher.fatal == "" and g.restart_at is not None
+
+
 def test_a_group_that_hangs_after_printing_its_result_is_killed_and_its_result_stands(launcher):
     """Soak, seed 1 with preemptions: a group left the job, printed its result, and was then
     SIGSTOPped while exiting (a teardown can hang as well); the supervisor skipped it as

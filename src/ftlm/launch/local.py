@@ -415,6 +415,10 @@ class LocalLauncher:
             if not g.procs or g.finished or g.lost or g.restart_at is not None:
                 continue
             codes = [p.poll() for p in g.procs]
+            if g.terminated:
+                # Preempted: a rank that the SIGTERM ended itself (before the trainer took it
+                # over at start-up, or after it gave it back on its way out) stopped as asked.
+                codes = [0 if c == -signal.SIGTERM else c for c in codes]
             failed = [c for c in codes if c not in (None, 0)]
             if g.stuck_exit and all(c is not None for c in codes) and self._results(g) is not None:
                 failed, codes = [], [0] * len(codes)  # its result stands: only its exit hung

@@ -398,6 +398,21 @@ def test_gpu_hours_split_a_failed_group_into_stalled_starting_recovering_and_idl
     assert "cost" not in summary  # no prices configured
 
 
+def test_gpu_hours_leave_out_the_time_between_two_launches_of_a_resumed_job(runs):
+    """A relaunch appends to the record (``launch local`` resuming from a checkpoint): the hour
+    between the first launch's end and the second's start held no GPU."""
+    first = [runs.event(999.0, "run_start", "supervisor")] + runs.steady_run(11, groups=("A",), dt=0.36)
+    first.append(runs.event(1004.6, "run_end", "supervisor"))
+    second = [runs.event(4600.0, "run_start", "supervisor")] + [
+        runs.commit(4601.0 + 0.36 * k, "A", 11 + k, 4 * (11 + k), 4 * (12 + k)) for k in range(11)]
+    summary = build_summary(first + second, wall_seconds=3600.0, state_hashes={"A": "a" * 64},
+                            config={}, groups=["A"])
+    hours = {k: v * 3600 for k, v in summary["gpu_hours"].items()}
+    # 5.6 s of the first launch (start-up included), 4.6 s of the second, nothing in between.
+    assert hours["total"] == pytest.approx(5.6 + 4.6, abs=0.01)  # (hours are rounded to 1e-6)
+    assert hours["starting"] == pytest.approx(2 * (1.0 - 0.36), abs=0.01)  # each to its first step
+
+
 def test_cost_per_million_committed_tokens_on_demand_and_spot(runs):
     events = runs.steady_run(11, groups=("A",), dt=0.36)  # 3.6 s of one GPU: 0.001 GPU-hour
     summary = build_summary(events, wall_seconds=3.6, state_hashes={"A": "a" * 64},

@@ -102,20 +102,43 @@ def _about(event: dict) -> str:
     return _group(event.get("target") or event.get("group"))
 
 
+def _between_launches(events: list[dict]) -> list[tuple[float, float]]:
+    """``(run_end, next run_start)`` times of a record that several launches appended to (a
+    relaunch that resumed from a checkpoint): no GPU was held in between."""
+    gaps, ended = [], None
+    for e in events:
+        if e["kind"] == "run_end":
+            ended = e["ts"] if ended is None else max(ended, e["ts"])
+        elif e["kind"] == "run_start" and ended is not None:
+            gaps.append((ended, e["ts"]))
+            ended = None
+    return gaps
+
+
+def _held(since: float, until: float, gaps: list[tuple[float, float]]) -> float:
+    """Seconds of ``[since, until]`` outside ``gaps``."""
+    return until - since - sum(max(0.0, min(b, until) - max(a, since)) for a, b in gaps)
+
+
 def _group_seconds(events: list[dict], group: str, begin: float, end: float,
-                   median_step: float) -> dict[str, float]:
-    """Seconds ``group`` spent in each state between ``begin`` and ``end`` (events in time order)."""
+                   median_step: float, gaps: list[tuple[float, float]] = ()) -> dict[str, float]:
+    """Seconds ``group`` spent in each state between ``begin`` and ``end`` (events in time order),
+    leaving out ``gaps`` (between two launches)."""
     seconds = dict.fromkeys(STATES, 0.0)
     state, since = "starting", begin
 
     def close(ts: float, as_state: str) -> None:
         nonlocal since
         if ts > since:
-            seconds[as_state] += ts - since
+            seconds[as_state] += _held(since, ts, list(gaps))
             since = ts
 
     for e in events:
         kind, ts = e["kind"], e["ts"]
+        if kind == "run_start" and ts > begin:  # a relaunch: every group starts again
+            close(ts, {"up": "idle"}.get(state, state))
+            state = "starting"
+            continue
         if ts < begin or _about(e) != group:
             continue
         if kind == "commit":
@@ -149,16 +172,18 @@ def _group_seconds(events: list[dict], group: str, begin: float, end: float,
 def gpu_hours_by_state(events: list[dict], groups: list[str], gpus: int,
                        median_step: float) -> dict[str, float]:
     """GPU-hours of the run by state (``STATES``) plus ``total``, over ``groups`` of ``gpus``
-    GPUs each, from the job's start (``run_start``, else the first event) to its last event."""
+    GPUs each, from the job's start (``run_start``, else the first event) to its last event,
+    without the time between the launches of a resumed job (no GPU was held then)."""
     ordered = sorted(events, key=lambda e: e["ts"])
     if not ordered:
         return {**dict.fromkeys(STATES, 0.0), "total": 0.0}
     starts = [e["ts"] for e in ordered if e["kind"] == "run_start"]
     begin, end = (starts[0] if starts else ordered[0]["ts"]), ordered[-1]["ts"]
     names = list(groups) or sorted({_group(e["group"]) for e in ordered if e["kind"] == "commit"})
+    gaps = _between_launches(ordered)
     total = dict.fromkeys(STATES, 0.0)
     for name in names:
-        for state, s in _group_seconds(ordered, name, begin, end, median_step).items():
+        for state, s in _group_seconds(ordered, name, begin, end, median_step, gaps).items():
             total[state] += s
     hours = {state: round(s * gpus / 3600.0, 6) for state, s in total.items()}
     hours["total"] = round(sum(total.values()) * gpus / 3600.0, 6)

@@ -52,7 +52,7 @@ system-deps-cluster:
 # SIGSTOPped group resumed, a catch-up that overflows its buffer, Slurm requeues, compiles.
 .PHONY: test-slow
 test: setup system-deps system-deps-cluster
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" --durations=25
 
 test-slow: setup system-deps system-deps-cluster
 	$(BIN)/python -m pytest -q -m slow

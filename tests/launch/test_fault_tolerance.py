@@ -154,6 +154,9 @@ def test_source_killed_while_serving_state(tmp_path, demo_data):
     check_invariants(summary, events, 3, steps=LONG)
 
 
+@pytest.mark.slow  # 34 s; a hang at start-up is detected for real in the default tier
+# (test_group_hung_before_its_first_heartbeat_is_killed_and_restarts), a lost heartbeat by the
+# watchdog's tests (test_local.py), and hangs mid-step by tests/sim thousands of times
 def test_hung_group_is_detected_killed_and_rejoins(tmp_path, demo_data):
     summary, events = run_job(tmp_path, demo_data, groups=2, steps=LONG,
                               faults={"g1": ["hang:before_allreduce@10"]})
@@ -163,6 +166,7 @@ def test_hung_group_is_detected_killed_and_rejoins(tmp_path, demo_data):
     check_invariants(summary, events, 2, steps=LONG)
 
 
+@pytest.mark.slow  # 36 s; every rejoin of the default tier's kill tests is a late join
 def test_late_joiner_catches_up(tmp_path, demo_data):
     # g2 starts 1 s after the others' first committed step, so it joins a job under way.
     summary, events = run_job(tmp_path, demo_data, groups=3, start_delays={"g2": 1.0})

@@ -110,3 +110,21 @@ def test_grpo_under_chaos_ends_with_identical_replicas_and_exactly_once(tmp_path
     summary = run.launch("grpo", config, groups=3, chaos_mtbf=10.0, chaos_seed=12)
     _check_invariants(summary, config, 3)
     assert json.loads((config.run.path / "summary.json").read_text())["replicas_identical"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_grpo_in_a_group_of_two_ranks_samples_and_trains_to_the_end(tmp_path, demo_data) -> None:
+    """GRPO with the model sharded over 2 ranks (FSDP2): each rank samples its own prompt, whose
+    completions end at other tokens than its peer's; the ranks must still run the model the same
+    number of times (``ftlm.post.rollout``), or the group crashes on mismatched collectives."""
+    sft = _chaos_config(tmp_path, demo_data, "base", steps=2)
+    run.run("sft", sft)
+    config = _chaos_config(tmp_path, demo_data, "grpo", steps=12, heartbeat_timeout=2.0,
+                           group_size=2, max_new_tokens=12,
+                           train={"init_from": str(sft.run.path / "model.safetensors")})
+    summary = run.launch("grpo", config, groups=1, ranks_per_group=2)
+    events = read_events(config.run.path / "events.jsonl")
+    assert summary["problems"] == [] and summary["crashes"] == [], summary["problems"]
+    assert {e["step"] for e in events if e["kind"] == "commit"} == set(range(12))
+    assert summary["restarts"]["g0"] == 0

@@ -120,9 +120,12 @@ def test_grpo_in_a_group_of_two_ranks_samples_and_trains_to_the_end(tmp_path, de
     number of times (``ftlm.post.rollout``), or the group crashes on mismatched collectives."""
     sft = _chaos_config(tmp_path, demo_data, "base", steps=2)
     run.run("sft", sft)
+    # Completions run to the model's context (a near-random model rarely ends one): with the
+    # context at 64 tokens, each rank's budget is 64 minus its own prompt's length.
     config = _chaos_config(tmp_path, demo_data, "grpo", steps=12, heartbeat_timeout=2.0,
-                           group_size=2, max_new_tokens=12,
+                           group_size=2, max_new_tokens=60,
                            train={"init_from": str(sft.run.path / "model.safetensors")})
+    config.model.max_seq_len = config.data.seq_len = 64
     summary = run.launch("grpo", config, groups=1, ranks_per_group=2)
     events = read_events(config.run.path / "events.jsonl")
     assert summary["problems"] == [] and summary["crashes"] == [], summary["problems"]

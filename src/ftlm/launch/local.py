@@ -166,6 +166,7 @@ class LocalLauncher:
         self._declared_dead: set[str] = set()  # replica ids the coordinator lists as dead
         self._outages: list[tuple[float, float]] = []  # (from, to): the coordinator was down
         self._down_since: float | None = None  # it is down now, since then
+        self._resume_step: int | None = None  # the checkpoint step a relaunch resumes from
 
     # -- set-up ----------------------------------------------------------------------------------
     def _prepare_run_dir(self) -> Path:
@@ -683,7 +684,7 @@ class LocalLauncher:
         events.emit("run_end", step=-1, wall_seconds=wall)
         hashes = {g.name: g.result["state_hash"] for g in self.groups if g.result.get("state_hash")}
         recorded = read_events(self.run_dir / "events.jsonl")
-        if recorded:  # a resumed job's record starts with its first launch: measure from there
+        if recorded and self._resume_step is not None:  # the record starts with the first launch
             wall = max(wall, time.time() - min(e["ts"] for e in recorded))
         summary = build_summary(recorded, wall_seconds=wall, state_hashes=hashes,
                                 config=self.config.to_dict(), groups=[g.name for g in self.groups])

@@ -312,8 +312,9 @@ def detected_failures(events: list[dict]) -> list[FailureEvent]:
 
 def failure_events(events: list[dict]) -> list[FailureEvent]:
     """Failures and rejoins in time order, one per fault: injected failures (and ``slow_serve``
-    slowdowns and chaos preemptions), ``recovery_start`` events, and the detected failures that were not injected
-    (a detection that follows an injection into its group is that injection, seen)."""
+    slowdowns and chaos preemptions), ``recovery_start`` events, and the detected failures that
+    were not injected (a detection that follows an injection into its group is that injection,
+    seen)."""
     ledger = failure_ledger(events)
     slowed = [FailureEvent(ts=e["ts"], kind=e["kind"], group=affected_group(e), how=_how(e))
               for e in events if e["kind"] == "failure_injected"

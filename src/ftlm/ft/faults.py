@@ -5,9 +5,9 @@ itself with SIGSTOP when the point is prefixed ``hang:``) the first time it reac
 that step (any step when omitted). It writes a ``failure_injected`` event first, so the run can
 account for it. Prefixed ``term:``, the process sends itself SIGTERM there and goes on: a stop
 request (a preemption notice) landing at that moment in that one rank, which is not a failure and
-logs no event (the group's ``member_left`` and ``group_exit`` record the stop). The launcher passes one entry per incarnation (``faults={"g1": [...]}``); an
-entry may list several points separated by commas (``slow_serve,before_commit@12``), each firing
-once.
+logs no event (the group's ``member_left`` and ``group_exit`` record the stop). The launcher
+passes one entry per incarnation (``faults={"g1": [...]}``); an entry may list several points
+separated by commas (``slow_serve,before_commit@12``), each firing once.
 
 ``slow_serve`` is not a crash but a slow link: the first time the group serves a chunk of state
 it holds the transfer until the group committed ``FTLM_FAULT_STEPS`` more steps (when set; at

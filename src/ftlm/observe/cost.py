@@ -18,6 +18,7 @@ not simulate capacity (``ftlm.goodput`` does) and renders nothing.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from ftlm.errors import ConfigError
@@ -115,13 +116,13 @@ def _between_launches(events: list[dict]) -> list[tuple[float, float]]:
     return gaps
 
 
-def _held(since: float, until: float, gaps: list[tuple[float, float]]) -> float:
+def _held(since: float, until: float, gaps: Sequence[tuple[float, float]]) -> float:
     """Seconds of ``[since, until]`` outside ``gaps``."""
     return until - since - sum(max(0.0, min(b, until) - max(a, since)) for a, b in gaps)
 
 
 def _group_seconds(events: list[dict], group: str, begin: float, end: float,
-                   median_step: float, gaps: list[tuple[float, float]] = ()) -> dict[str, float]:
+                   median_step: float, gaps: Sequence[tuple[float, float]] = ()) -> dict[str, float]:
     """Seconds ``group`` spent in each state between ``begin`` and ``end`` (events in time order),
     leaving out ``gaps`` (between two launches)."""
     seconds = dict.fromkeys(STATES, 0.0)
@@ -130,7 +131,7 @@ def _group_seconds(events: list[dict], group: str, begin: float, end: float,
     def close(ts: float, as_state: str) -> None:
         nonlocal since
         if ts > since:
-            seconds[as_state] += _held(since, ts, list(gaps))
+            seconds[as_state] += _held(since, ts, gaps)
             since = ts
 
     for e in events:

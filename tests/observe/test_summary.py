@@ -348,6 +348,21 @@ def test_a_chaos_preemption_is_not_a_failure_to_detect(runs):
     assert [f.how for f in failure_events(events)] == ["preempted"]
 
 
+def test_a_kill_of_a_group_that_already_left_expects_no_detection(runs):
+    """Soak with preemptions, seed 22: chaos SIGKILLed a group a second after it had left the job
+    (preempted, on its way out); nothing could detect it, and it is not undetected."""
+    events = runs.steady_run(10, groups=("A", "B"))
+    events += [runs.event(1000.5, "member_left", "coordinator", -1, target="B", replica_id="B:b1",
+                          reason="stopped"),
+               runs.event(1000.8, "failure_injected", "supervisor", -1, target="B", target_rank=0,
+                          signal="SIGKILL", incarnation="b1"),
+               runs.event(1000.9, "group_exit", "supervisor", -1, target="B", incarnation="b1",
+                          ok=False, code=-9, cause="chaos")]
+    summary = build_summary(events, wall_seconds=3.0, state_hashes={}, config={}, groups=["A", "B"])
+    assert (summary["failures_injected"], summary["failures_undetected"],
+            summary["failures_unexplained"]) == (1, 0, 0)
+
+
 def test_crashes_are_exits_nobody_caused(runs):
     events = runs.steady_run(10, groups=("A", "B"))
     events += [runs.event(1000.5, "group_exit", "supervisor", -1, target="B", incarnation="b1",

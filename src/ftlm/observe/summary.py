@@ -244,7 +244,9 @@ def failure_ledger(events: list[dict]) -> FailureLedger:
     """Injected and detected failures, matched.
 
     ``injected``: the ``failure_injected`` events that kill or hang a process (a ``slow_serve``
-    link, signal ``none``, is a slowdown, not a failure). ``detected``: one entry per failed
+    link, signal ``none``, is a slowdown, and a SIGTERM a preemption: not failures); one that
+    hit an incarnation which had already left the job (a process on its way out) expects no
+    detection. ``detected``: one entry per failed
     incarnation (its first detection), or, for events that name no incarnation, per group and
     ``SAME_FAILURE_SECONDS``; the ``member_dead`` of an incarnation that ended cleanly
     (``group_exit`` with ``ok`` not false, or ``member_left``) is not a failure, and neither is
@@ -267,7 +269,8 @@ def failure_ledger(events: list[dict]) -> FailureLedger:
                 continue
             fail = FailureEvent(ts=ts, kind=kind, group=group, how=_how(event))
             injected.append(fail)
-            open_.setdefault(group, []).append((fail, inc))
+            if inc is None or (group, inc) not in counted:  # (one that left: nothing to detect)
+                open_.setdefault(group, []).append((fail, inc))
             continue
         if kind == "group_start":
             exited.discard(group)

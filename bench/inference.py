@@ -34,27 +34,32 @@ from ftlm.model import ModelConfig, Transformer, param_count
 
 SECTION = "inference"
 CPU_READING = (
-    "Reading: on a CPU both sides run the same matmuls, so the engine can gain only on per-step "
-    "overhead, and the ratio moves with the load of the shared box (ABAB medians damp it, they "
-    "do not remove it; a row like `small` at batch 1 far from its neighbours is a load spike "
-    "during its repetitions). The decode step here is the fused one (`kv.DecodeWeights`: "
-    "`wq|wk|wv` and `w1|w3` stacked once at engine start, queries and keys rotated in one "
-    "operation, `F.rms_norm`, attention over the filled part of the cache only and without a "
-    "mask when every row is at the same position, the drawn token's log-probability without a "
-    "full `log_softmax`). CPU time per decode step (`time.thread_time`, batch 8, 128-token "
-    "prompts, 64 new tokens, median of 5, 2026-12-01 02:36 UTC at load ~8): `tiny` 3.35 ms vs "
-    "`transformers` 4.39 ms (1.31x; the unfused step took 4.8-5.1 ms), `small` 16.1 vs 18.0 ms "
-    "(1.11x). Where the fused step's time goes (torch.profiler, 30 steps, batch 8): `small`: "
-    "matmuls 65%, attention (SDPA) 16%, everything else (cache writes, RMSNorm, rotary, SiLU, "
-    "sampling, dispatch) 19%; `tiny`: matmuls 34%, attention 17%, the rest 49%. `transformers` "
-    "runs the same matmuls and attention, so an engine with no overhead at all would reach "
-    "about 18.0 / (0.81 x 16.1) = 1.4x on `small` and about 2.5x on `tiny`. `torch.compile` of "
-    "the step (CPU inductor, static shapes at max_seq_len 256) with "
-    "`torch._inductor.config.freezing = True`: `tiny` 3.04 vs eager 3.88 ms per step (3.11 "
-    "without freezing: freezing adds nothing measurable), `small` 17.9 vs 20.5 ms: about 20% "
-    "less CPU per step, not 2x. The >= 2x of issue 13 needs a step whose overhead is far above "
-    "its matmuls; on a GPU, where a step is launch-bound, that is the case (its section is "
-    "`inference_gpu`, not yet measured: no GPU was lent to this project's sessions so far).")
+    "Reading: on a CPU both sides run the same matmuls over the same float32 weights, so the "
+    "engine can gain only on what surrounds them, and the ratio moves with the load of the shared "
+    "box (ABAB medians damp it, they do not remove it). The decode step here is the fused one "
+    "(`kv.DecodeWeights`: `wq|wk|wv` and `w1|w3` stacked once at engine start, queries and keys "
+    "rotated in one operation, `F.rms_norm`, attention over the filled part of the cache only "
+    "and without a mask when every row is at the same position, the drawn token's "
+    "log-probability without a full `log_softmax`). At batch 8 the step of `small` is bound by "
+    "reading its weights: its matmuls alone stream the 63 MB of weights at about the rate one "
+    "core copies memory (the table above), `transformers` reads the same bytes each step and "
+    "does the same attention, and an engine with no other cost at all would be about 2x faster "
+    "than `transformers` there, no more (the *bound* column). "
+    "`tiny` (5 MB of weights, resident in the caches) is bound by per-operator overhead instead "
+    "and has room, which is where the engine gains most. Tried on `small` and not kept "
+    "(2026-12-01, load ~1): weights stored transposed (`[in, out]`, `x @ w`) halve the time of "
+    "one matmul repeated on a matrix hot in the cache, but make the 33 matmuls of a step, which "
+    "stream every matrix from memory, slower (10.3 vs 9.0 ms); MKL-packed weights "
+    "(`torch.ops.mkl._mkl_linear`, what inductor's freezing uses) take 23% off those 33 "
+    "matmuls, only at the batch size they were packed for (others fall back to `F.linear`); "
+    "`torch.compile` of the step (CPU inductor, freezing on, session 8) about 20% less CPU per "
+    "step; the engine's own `compile=True` (static shapes at `max_seq_len`), on `tiny` at batch "
+    "8, was slower than eager (1.24-1.29x of `transformers` against 1.49-1.65x, three "
+    "interleaved runs). None of these makes 2x. The >= 2x of issue 13 needs a step whose cost is not its "
+    "weight reads: a GPU, where a small model's decode step is launch-bound (section "
+    "`inference_gpu`, not measured: no GPU was lent to this project's sessions), or weights in "
+    "bfloat16, a different arithmetic (compared with `transformers` in bfloat16, which then "
+    "reads the same halved bytes).")
 
 
 def target_table(rows: list[list[object]]) -> str:
@@ -147,6 +152,92 @@ def engine_vs_hf(model: Transformer, batches: list[int], prompt_len: int, new: i
     return rows
 
 
+def step_bound(model: Transformer, hf, batch: int, prompt_len: int, new: int, reps: int
+               ) -> list[object]:
+    """Where one decode step goes (CPU): CPU time (``time.thread_time``) of an engine step and of
+    a ``transformers`` decode step (its ``generate`` of ``new`` tokens minus that of 1, over
+    ``new - 1``), and of the step's matmuls alone: every decode weight once through ``F.linear``
+    with ``batch`` rows, as both sides do each step, and attention alone: each layer's
+    ``scaled_dot_product_attention`` of one query per row over the cache at its mean length
+    during the run. Both sides do that work, so transformers' step over it bounds the speed-up
+    of an engine with no other cost at all."""
+    import torch.nn.functional as F
+
+    from ftlm.infer import kv
+    w = kv.DecodeWeights.of(model)
+    mats = [m for i in range(model.cfg.n_layers)
+            for m in (w.wqkv[i], w.wo[i], w.w13[i], w.w2[i])] + [w.output]
+    rows = [torch.randn(batch, m.shape[1]) for m in mats]
+    weight_bytes = sum(m.numel() * m.element_size() for m in mats)
+    cfg = model.cfg
+    kv_heads, dim = cfg.n_kv_heads, cfg.head_dim
+    q = torch.randn(batch, kv_heads, cfg.n_heads // kv_heads, dim)
+    caches = [[torch.randn(batch, kv_heads, prompt_len + new // 2, dim) for _ in range(2)]
+              for _ in range(cfg.n_layers)]  # one per layer: read from memory, as in a step
+    prompts = torch.randint(0, model.cfg.vocab_size, (batch, prompt_len),
+                            generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+
+    def ours() -> float:
+        engine = Engine(model, max_batch=batch)
+        for p in prompts.tolist():
+            engine.add(p, params)
+        engine.step()  # prefill
+        times = []
+        while engine.has_work():
+            t = time.thread_time()
+            engine.step()
+            times.append(time.thread_time() - t)
+        return median(times)
+
+    @torch.no_grad()
+    def theirs() -> float:
+        kwargs = {"attention_mask": torch.ones_like(prompts), "do_sample": False,
+                  "use_cache": True, "pad_token_id": 0, "eos_token_id": None}
+        t = time.thread_time()
+        hf.generate(prompts, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        one = time.thread_time() - t
+        t = time.thread_time()
+        hf.generate(prompts, max_new_tokens=new, min_new_tokens=new, **kwargs)
+        return (time.thread_time() - t - one) / (new - 1)
+
+    def matmuls() -> float:
+        t = time.thread_time()
+        for x, m in zip(rows, mats):
+            F.linear(x, m)
+        return time.thread_time() - t
+
+    def attention() -> float:
+        t = time.thread_time()
+        for cache in caches:
+            F.scaled_dot_product_attention(q, *cache)
+        return time.thread_time() - t
+
+    ours(), theirs(), matmuls(), attention()  # warm-up
+    o, h, mm, att = [], [], [], []
+    for _ in range(reps):  # interleaved
+        o.append(ours())
+        h.append(theirs())
+        mm += [matmuls() for _ in range(10)]
+        att += [attention() for _ in range(10)]
+    o_s, h_s, mm_s, att_s = median(o), median(h), median(mm), median(att)
+    return [f"{o_s * 1e3:.2f}", f"{h_s * 1e3:.2f}", f"{h_s / o_s:.2f}x", f"{mm_s * 1e3:.2f}",
+            f"{weight_bytes / 1e6:.1f}", f"{weight_bytes / mm_s / 1e9:.1f}",
+            f"{att_s * 1e3:.2f}", f"{(mm_s + att_s) / o_s:.0%}", f"{h_s / (mm_s + att_s):.2f}x"]
+
+
+def copy_bandwidth(mib: int = 256, reps: int = 5) -> float:
+    """GB/s of one thread copying ``mib`` MiB (bytes read plus bytes written)."""
+    src = torch.empty(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    return 2 * mib * 2**20 / median(times) / 1e9
+
+
 async def _client(session, url: str, prompt: str, new: int) -> tuple[float, int]:
     body = {"model": "bench", "prompt": prompt, "max_tokens": new, "temperature": 0,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
@@ -226,12 +317,16 @@ def main(argv: list[str] | None = None) -> int:
     batches = [1, 8] if args.quick else [1, 8, 32]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     started = time.perf_counter()
-    rows, models = [], []
+    rows, models, bounds = [], [], []
     for size in sizes:
         cfg = ModelConfig(size=size, max_seq_len=min(ModelConfig(size=size).max_seq_len, 1024))
         models.append(Transformer(cfg).to(device, dtype).eval())
-        rows += engine_vs_hf(models[-1], batches, prompt_len, new, reps,
-                             f"{size} ({param_count(cfg) / 1e6:.2f}M)")
+        label = f"{size} ({param_count(cfg) / 1e6:.2f}M)"
+        rows += engine_vs_hf(models[-1], batches, prompt_len, new, reps, label)
+        if device.type == "cpu":
+            bounds.append([label, *step_bound(models[-1], hf_copy(models[-1]), 8, prompt_len,
+                                              new, max(reps, 3))])
+            print(f"{label} batch 8 step: {bounds[-1][1:]}", flush=True)
     model, size = models[0], sizes[0]
     serve = server_throughput(model, 4 if args.quick else 16, new)
     seconds = time.perf_counter() - started
@@ -253,7 +348,17 @@ def main(argv: list[str] | None = None) -> int:
             + table(["concurrent clients", "tokens each", "tokens", "wall s",
                      "aggregate tok/s", "median TTFT ms", "max TTFT ms"], [serve]))
     if device.type == "cpu":
-        body += "\n\n" + CPU_READING
+        body += ("\n\nWhere a batch-8 decode step goes (`step_bound`: CPU time per step, medians "
+                 "of interleaved repetitions; *matmuls alone*: every decode weight once through "
+                 "`F.linear` with 8 rows, as both sides do each step; *attention alone*: each "
+                 "layer's attention of one query per row over the cache at its mean length; "
+                 "*bound*: transformers' step over the two, the speed-up of an engine whose "
+                 "every other cost were zero). One thread copying 256 MiB on this machine: "
+                 f"{copy_bandwidth():.1f} GB/s (read plus write).\n\n"
+                 + table(["model", "ftlm step ms", "transformers step ms", "speed-up",
+                          "matmuls alone ms", "weights MB", "weights GB/s", "attention alone ms",
+                          "both, of ftlm's step", "bound"], bounds)
+                 + "\n\n" + CPU_READING)
     body += "\n\n" + target_table(rows)
     print(body)
     if not args.no_write:

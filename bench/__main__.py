@@ -17,7 +17,7 @@ import importlib
 # imported when they run (some import heavy optional dependencies).
 NAMES = ("train_throughput", "ft_overhead", "hsdp", "ft_vs_torchft", "soak", "convergence",
          "transfer", "coordinator_load", "coordinator_crash", "goodput", "inference", "lifecycle",
-         "test_time_scaling", "preemption", "serve_impact")
+         "test_time_scaling", "preemption", "serve_impact", "fault_matrix")
 # Those without a --quick size run only in a full `python -m bench`.
 NO_QUICK = {"coordinator_load"}
 

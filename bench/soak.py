@@ -169,19 +169,14 @@ def _events(path: Path) -> list[dict]:
     return out
 
 
-def verdict(seed: int, groups: int, ranks: int, settings: Settings, code: int | None,
-            wall: float, run_dir: Path) -> dict:
-    """The result record of one run: faults injected by kind, what the summary proves, pass/fail
-    with the reasons."""
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    injected = [e for e in _events(run_dir / "events.jsonl") if e["kind"] == "failure_injected"
-                and e.get("group") == "supervisor"]
-    hashes = summary.get("state_hashes") or {}
-    data = summary.get("data") or {}
+def launch_reasons(summary: dict, code: int | None, timeout_s: float) -> list[str]:
+    """Why a finished launch is not a pass (empty when it is): it overstayed (``code`` None) or
+    exited non-zero, left no summary, its summary's proof failed (hashes, duplicates, gaps, steps
+    committed), a healthy group crashed, an injected failure went undetected, or a failure was
+    detected that nobody injected."""
     reasons = []
     if code is None:
-        reasons.append(f"still running after {RUN_TIMEOUT_S:.0f} s")
+        reasons.append(f"still running after {timeout_s:.0f} s")
     elif code != 0:
         reasons.append(f"launch local exited {code}")
     if not summary:
@@ -194,6 +189,20 @@ def verdict(seed: int, groups: int, ranks: int, settings: Settings, code: int | 
     if summary.get("failures_unexplained"):
         reasons.append(f"{summary['failures_unexplained']} failure(s) nobody injected (a healthy "
                        "group crashed or was taken for hung)")
+    return reasons
+
+
+def verdict(seed: int, groups: int, ranks: int, settings: Settings, code: int | None,
+            wall: float, run_dir: Path) -> dict:
+    """The result record of one run: faults injected by kind, what the summary proves, pass/fail
+    with the reasons."""
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    injected = [e for e in _events(run_dir / "events.jsonl") if e["kind"] == "failure_injected"
+                and e.get("group") == "supervisor"]
+    hashes = summary.get("state_hashes") or {}
+    data = summary.get("data") or {}
+    reasons = launch_reasons(summary, code, RUN_TIMEOUT_S)
     return {
         "settings": settings.key(), "seed": seed, "groups": groups, "ranks": ranks,
         "wall_seconds": round(wall, 1), "exit": code,

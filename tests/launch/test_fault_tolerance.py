@@ -300,3 +300,29 @@ def test_a_relaunch_resumes_from_the_checkpoint_and_proves_exactly_once_over_bot
     assert {e["step"] for e in events if e["kind"] == "group_start" and e["ts"] > starts[1]["ts"]} == {20}
     check_invariants(summary, events, 1, steps=40)
     assert summary["data"]["rolled_back_steps"] == 5
+
+
+def test_the_last_holder_preempted_mid_transfer_saves_its_step_and_nobody_rolls_back(tmp_path, demo_data):
+    """g1 dies at step 10 and pulls from g0, whose serving is slowed; g0, the only group holding
+    the newest state, is preempted (SIGTERM) while it serves. It saves its committed step before
+    it leaves (``checkpoint.on_stop``), so the recovering g1, told that no live group holds the
+    newest state, loads that step from disk: no rollback (without the save the job went back to
+    the newest periodic checkpoint, here none: step 0, and redid everything; the fault matrix's
+    ``during_serve.r0.stop`` cell). ``min_replicas=2`` holds g0 at step 10 until g1 is back, so
+    the transfer happens early, whatever the machine's speed."""
+    steps = 100
+    config = make_config(tmp_path / "run", demo_data, steps=steps, ft={"min_replicas": 2})
+    config.checkpoint.every = 1000  # no periodic checkpoint before the end: only the stop's
+    summary = LocalLauncher(config, groups=2, progress=False,
+                            extra_env={"FTLM_FAULT_STEPS": "4", "FTLM_FAULT_SECONDS": "60"},
+                            faults={"g1": ["before_allreduce@10"],
+                                    "g0": ["slow_serve,term:during_serve"]}).run()
+    events = read_events(config.run.path / "events.jsonl")
+    (stop,) = [e for e in events if e["kind"] == "member_left" and e.get("target") == "g0"
+               and e.get("reason") == "stopped"]
+    stopped_at = max(e["step"] + 1 for e in events if e["kind"] == "commit" and e["group"] == "g0"
+                     and e["ts"] <= stop["ts"])
+    saved = [e["step"] for e in events if e["kind"] == "checkpoint_saved"]
+    assert saved[0] == stopped_at and stopped_at < steps, (stopped_at, saved)
+    assert summary["data"]["restores"] == 0, [e for e in events if e["kind"] == "restore"]
+    check_invariants(summary, events, 2, steps=steps)

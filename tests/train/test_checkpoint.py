@@ -496,6 +496,87 @@ def test_summary_after_resume_covers_the_whole_run(stop_resume) -> None:
     assert 0 < summary["ett"] <= 1.5, summary["ett"]
 
 
+def _stopped_after(trainer: Trainer, step: int) -> Trainer:
+    """``trainer`` with a stop request (the SIGTERM handler) right after its ``step``-th commit."""
+    step_once = trainer.step
+
+    def step_then_stop() -> None:
+        step_once()
+        if trainer.state.step == step:
+            trainer.request_stop()
+
+    trainer.step = step_then_stop
+    return trainer
+
+
+def test_a_stop_between_checkpoints_saves_the_committed_step_and_resumes_from_it(
+        make_tiny_config, tmp_path: Path) -> None:
+    """Stopped after step 6 with checkpoints every 4: the stop saves step 6 on the way out
+    (``checkpoint.on_stop``), so the resumed run redoes nothing and ends bitwise where an
+    uninterrupted run does; with ``on_stop`` off it resumes from step 4 and redoes 2 steps."""
+    sections = dict(train={"steps": 10, "warmup_steps": 3},
+                    checkpoint={"every": 4, "keep": 3, "async_save": True})
+    straight = Trainer.for_run(make_tiny_config(tmp_path / "a", **sections))
+    straight.train()
+
+    stopped = _stopped_after(Trainer.for_run(make_tiny_config(tmp_path / "b", **sections)), 6)
+    stopped.train()
+    assert stopped.state.step == 6
+    assert _steps_on_disk(stopped.run_dir / "checkpoints") == ["step-00000004", "step-00000006"]
+    resumed = Trainer.for_run(make_tiny_config(tmp_path / "b", **sections))
+    summary = resumed.train()
+    assert resumed.losses == straight.losses[6:]
+    assert resumed.state_hash() == straight.state_hash()
+    assert summary["data"]["restores"] == 0 and summary["steps_committed"] == 10
+
+    off = dict(sections, checkpoint={**sections["checkpoint"], "on_stop": False})
+    stopped = _stopped_after(Trainer.for_run(make_tiny_config(tmp_path / "c", **off)), 6)
+    stopped.train()
+    assert _steps_on_disk(stopped.run_dir / "checkpoints") == ["step-00000004"]
+    resumed = Trainer.for_run(make_tiny_config(tmp_path / "c", **off))
+    resumed.train()
+    assert resumed.losses == straight.losses[4:]
+
+
+def test_ctrl_c_saves_nothing_on_the_way_out(make_tiny_config, tmp_path: Path) -> None:
+    """Ctrl-C can land in the middle of an update, so unlike a stop request it saves nothing:
+    a resume starts from the last periodic checkpoint."""
+    config = make_tiny_config(tmp_path / "run", train={"steps": 10, "warmup_steps": 3},
+                              checkpoint={"every": 4, "keep": 2})
+    trainer = Trainer.for_run(config)
+    step_once = trainer.step
+
+    def step_then_interrupt() -> None:
+        step_once()
+        if trainer.state.step == 6:
+            raise KeyboardInterrupt
+
+    trainer.step = step_then_interrupt
+    trainer.train()
+    assert trainer.state.step == 6
+    assert _steps_on_disk(trainer.run_dir / "checkpoints") == ["step-00000004"]
+
+
+def test_a_stop_whose_checkpoint_fails_still_stops_cleanly(make_tiny_config, tmp_path: Path,
+                                                          monkeypatch) -> None:
+    """A save that fails on the way out (a full disk) is logged; the stop itself goes on and
+    the newest valid checkpoint stays the one before."""
+    config = make_tiny_config(tmp_path / "run", train={"steps": 10, "warmup_steps": 3},
+                              checkpoint={"every": 4, "keep": 2, "async_save": False})
+    trainer = _stopped_after(Trainer.for_run(config), 6)
+    real_save = trainer.checkpointer.save
+
+    def save(state) -> None:
+        if state.step == 6:
+            raise CheckpointError("writing checkpoint step-00000006 failed: No space left on device")
+        real_save(state)
+
+    monkeypatch.setattr(trainer.checkpointer, "save", save)
+    trainer.train()
+    assert trainer.state.step == 6
+    assert _steps_on_disk(trainer.run_dir / "checkpoints") == ["step-00000004"]
+
+
 def test_resume_false_ignores_existing_checkpoints(tiny_config, tmp_path: Path) -> None:
     first = Trainer.for_run(tiny_config(train={"steps": 4}, checkpoint={"every": 4}))
     first.train()

@@ -157,6 +157,13 @@ class CheckpointConfig:
     """Write in the background after a synchronous copy of the state."""
     resume: bool = True
     """Resume from the latest valid checkpoint in ``dir`` when one exists."""
+    on_stop: bool = True
+    """When training stops before its last step (SIGTERM, ``train.max_seconds``; not Ctrl-C,
+    which may land mid-update), the group that wrote the last step's checkpoints (its first
+    participant) saves the committed state on its way out, unless that step is on disk already:
+    a job preempted or stopped as a whole resumes where it stopped, not up to ``every`` steps
+    earlier. Synchronous: it must fit in the platform's grace period (a save cut short is never
+    valid; the job then resumes from the one before). Needs ``every`` > 0."""
 
     def __post_init__(self) -> None:
         for name in ("every", "keep"):

@@ -6,7 +6,8 @@ quorum rules of ``ftlm.ft.quorum``), each group's step protocol (``ftlm.ft.group
 and the catch-up check (``ftlm.ft.group.check_replay``): the same objects the aiohttp server and
 the manager drive in production. What is simulated: the network (latency, loss, reordering), the
 processes (start-up, crashes, hangs of a whole group or of its training thread only, graceful
-leaves on SIGTERM and the launcher that starts a group again), the all-reduce (which can complete
+leaves on SIGTERM, the checkpoint writer saving its step first, and the launcher that starts a
+group again), the all-reduce (which can complete
 for some members and fail for others), the state transfer (slow, failing, source dying mid-way),
 durable checkpoints, the local supervisor, and a group's model, reduced to what the invariants
 need: its step, history chain, data cursor and the sample ranges of its history. A group's loop
@@ -105,6 +106,11 @@ class SimConfig:
     leave_restart: float = 0.7
     """Probability that the launcher starts a group that left again (0.5-8 s later); otherwise
     it is gone for good, as long as another group remains."""
+    checkpoint_on_stop: bool = True
+    """``checkpoint.on_stop``: a group stopped by SIGTERM that was participant 0 of its last
+    committed step saves that step before it leaves (unless it is due, hence on disk)."""
+    stop_save_seconds: tuple[float, float] = (0.01, 0.3)
+    """How long that save takes (a crash meanwhile leaves nothing valid on disk)."""
     leave_bound: float = 0.5
     """Liveness of a graceful leave: every other healthy group gets a quorum without the leaver
     within this many simulated seconds of the leave reaching the coordinator (5 heartbeat
@@ -166,6 +172,7 @@ class Incarnation:
     request_lost: bool = False  # its current quorum request or the answer to it was lost
     reload_head: int | None = None  # told to reload while applying its update: done at its next step
     reload_hint: int | None = None  # the last heartbeat answer's ``reload`` (``Manager._reload_hint``)
+    writer: bool = False  # participant 0 of the last step it committed as a participant
 
     @property
     def replica_id(self) -> str:
@@ -350,6 +357,7 @@ class Simulation:
             if inc.lag_once and len(steps) > 1:  # restored from an older checkpoint on purpose
                 pick = steps[self.rng.randrange(len(steps) - 1)]
             inc.state = _copy(self.disk[pick])
+            inc.writer = False
         inc.proto.sync(inc.state.step, inc.state.chain)
         inc.phase = "idle"
         self.log(f"boot {inc.replica_id} at step {inc.state.step}")
@@ -754,12 +762,28 @@ class Simulation:
             self.fail(f"{inc.replica_id} finished at step {inc.state.step} with another state than the "
                       f"first group to finish (step {first.step})")
 
-    def leave(self, inc: Incarnation, reason: str) -> None:
+    def leave(self, inc: Incarnation, reason: str, saved: bool = False) -> None:
         """A graceful leave (SIGTERM, a finished ``train.max_seconds``): the trainer's loop ended,
         the manager stops its heartbeats and tells the coordinator (``Manager.leave``); the
         process exits 0 a moment later (it writes its model and summary first), and the
-        launcher may start the group again later (a spot node coming back)."""
-        if inc.left or not inc.alive:
+        launcher may start the group again later (a spot node coming back). With
+        ``checkpoint_on_stop`` the trainer's ``_leave_stopped`` saves the step first (``saved``:
+        done already); heartbeats go on meanwhile."""
+        if inc.left or not inc.alive or (inc.phase == "saving" and not saved):
+            return
+        if (not saved and reason == "stopped" and self.c.checkpoint_on_stop and inc.writer
+                and inc.state.step % self.c.checkpoint_every != 0):
+            inc.phase = "saving"
+            state = _copy(inc.state)
+            inc.progress_at = self.now
+
+            def saved_then_leave() -> None:
+                # (a process stopped or wedged meanwhile never finishes it: the hang is detected)
+                if inc.running and not inc.hung_training and not inc.left:
+                    self.disk[state.step] = state
+                    self.log(f"{inc.replica_id} saved step {state.step} before leaving")
+                    self.leave(inc, reason, saved=True)
+            self.at(self.rng.uniform(*self.c.stop_save_seconds), saved_then_leave, f"save {inc.replica_id}")
             return
         inc.left = True
         inc.polling = False
@@ -873,6 +897,7 @@ class Simulation:
             if (inc.proto.step, inc.proto.chain) != (inc.state.step, inc.state.chain):
                 self.fail(f"{inc.replica_id}: protocol and state disagree after a commit")
             self.remember(inc.state)
+            inc.writer = role.participant_index == 0
             self.last_commit = self.now
             self.log(f"{inc.replica_id} committed step {q.step} (quorum {q.quorum_id})")
             last = inc.state.step == self.c.steps
@@ -885,6 +910,7 @@ class Simulation:
             self.ask_early_and_update(inc)
             return
         if role.recovering:
+            inc.writer = False  # no checkpoint writer until it commits as a participant
             # As the trainer: at this step's head, apply its average if it committed here; else
             # keep the average for the replay. Then ask for the next quorum with the state this
             # step leaves, as the participants do (the bookkeeping overlaps with the request).
@@ -945,6 +971,7 @@ class Simulation:
                 return
             before = inc.state.step
             inc.state = _copy(self.disk[pick])
+            inc.writer = False
             inc.catching, inc.buffer = False, {}
             if inc.fetch is not None or inc.proto.fetching:
                 inc.fetch = None

@@ -162,8 +162,10 @@ class CheckpointConfig:
     which may land mid-update), the group that wrote the last step's checkpoints (its first
     participant) saves the committed state on its way out, unless that step is on disk already:
     a job preempted or stopped as a whole resumes where it stopped, not up to ``every`` steps
-    earlier. Synchronous: it must fit in the platform's grace period (a save cut short is never
-    valid; the job then resumes from the one before). Needs ``every`` > 0."""
+    earlier. Synchronous, before the group leaves: the other groups wait for it (they hold the
+    same state; at most ``ft.join_timeout`` when they are a majority without it), and it must
+    fit in the platform's grace period (a save cut short is never valid; the job then resumes
+    from the one before). Needs ``every`` > 0."""
 
     def __post_init__(self) -> None:
         for name in ("every", "keep"):

@@ -254,9 +254,9 @@ class Trainer:
         self._stop = False  # this rank was asked to stop (SIGTERM, Ctrl-C)
         self._stop_agreed = False  # some rank of the group wanted to stop at a step's all-reduce
         self._asked_next = False  # the quorum of the next step was asked for (``ft.ask``)
-        # Of the last step this group committed as a participant: (it was participant 0, it was
-        # the only participant). None before its first such step (or while recovering).
-        self._last_role: tuple[bool, bool] | None = None
+        # Whether this group was participant 0 (the checkpoint writer) of the last step it
+        # committed as a participant (False before its first such step and while recovering).
+        self._writer = False
         self._interrupted = False  # Ctrl-C: it may land mid-update, so nothing is saved after it
         self._wall0 = time.time()  # when training started (``train.max_seconds``)
 
@@ -399,7 +399,7 @@ class Trainer:
         state.step += 1
         state.cursor += samples
         state.chain = chain
-        self._last_role = (plan.participant_index == 0, plan.participants == 1)
+        self._writer = plan.participant_index == 0
         global_loss = float(loss_buf[0])
         self.losses.append(global_loss)
         seconds = time.perf_counter() - t0
@@ -452,7 +452,7 @@ class Trainer:
                     why.head, step, before)
         # A pull in flight, or a snapshot being replayed, leads from an older state: dropped.
         self._catching = None
-        self._last_role = None
+        self._writer = False
         self.catchup.clear()
         self.ft.restart_recovery(f"loaded the durable checkpoint of step {step}")
         self.events.emit("checkpoint_reloaded", step=step, from_step=before, head=why.head,
@@ -516,7 +516,7 @@ class Trainer:
     def _recovering_step(self, plan: StepPlan, ok: bool, grads: list[torch.Tensor], lr: float,
                          samples: int, global_loss: float) -> None:
         at_head = self._catching is not None and self.state.step == plan.step
-        self._last_role = None  # a recovering group is no checkpoint writer until it commits
+        self._writer = False  # a recovering group is no checkpoint writer until it commits
         # Ask for the next quorum now, as the participants do right after their vote, with the
         # state this step leaves (the head's successor once it caught up here): the next
         # quorum waits for every member of this one, and the bookkeeping below (a copy of the
@@ -656,25 +656,26 @@ class Trainer:
             self.loader.close()
 
     def _leave_stopped(self) -> None:
-        """Leave the job after a stop before the last step, saving the committed state on the
-        way (``checkpoint.on_stop``) when this group wrote its last step's checkpoints and that
-        step is not on disk (a step due for a checkpoint was saved when committed). Not after
-        Ctrl-C, which may have cut an update in half; a stop request or ``train.max_seconds``
-        ends the loop between steps (or in the quorum wait, before any change). As the only
-        participant it saves before it leaves: the groups still recovering, told then that no
-        live group holds the newest state, find it on disk instead of rolling back to an older
-        checkpoint. Otherwise it leaves first, so that nobody waits for the save: the others hold
-        the same state and go on from it. Every rank takes the same branch (the role comes from
-        the quorum, the step from the agreed stop): the save is a collective of the group."""
-        role, step = self._last_role, self.state.step
-        save = (role is not None and role[0] and not self._interrupted
-                and self.config.checkpoint.on_stop
-                and self.checkpointer.every > 0 and not self.checkpointer.due(step))
-        if save and role[1]:
+        """Leave the job after a stop before the last step, saving the committed state first
+        (``checkpoint.on_stop``) when this group wrote its last step's checkpoints and that step
+        is not on disk (a step due for a checkpoint was saved when committed). Not after Ctrl-C,
+        which may have cut an update in half; a stop request or ``train.max_seconds`` ends the
+        loop between steps (or in the quorum wait, before any change).
+
+        Before the leave, not after: until the coordinator hears of it this group is a live
+        member holding the newest state, so no rollback is decided meanwhile, and a group told
+        afterwards that no live group holds that state finds it on disk. Saved after the leave,
+        a rollback decided during the save would continue from an older checkpoint, and the
+        late save would leave a checkpoint of a history the job had given up (the protocol
+        simulation found that order's rollback). The others wait for the save: they hold the
+        same state, and their next quorum waits for this member (at most ``ft.join_timeout``
+        when they are a majority without it). Every rank takes the same branch (the role comes
+        from the quorum, the step from the agreed stop): the save is a collective of the group."""
+        step = self.state.step
+        if (self._writer and not self._interrupted and self.config.checkpoint.on_stop
+                and self.checkpointer.every > 0 and not self.checkpointer.due(step)):
             self._save_on_stop()
         self.ft.leave("stopped")
-        if save and not role[1]:
-            self._save_on_stop()
 
     def _save_on_stop(self) -> None:
         """Save the committed state now; a failure is logged, never raised (the stop goes on)."""

@@ -132,6 +132,15 @@ def verdict(cell: Cell, code: int | None, wall: float, run_dir: Path, steps: int
             "run_dir": str(run_dir)}
 
 
+def _commit() -> str:
+    """The short commit of the code under test ("?" outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, text=True,
+                              capture_output=True, timeout=10).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
 def run_one(cell: Cell, root: Path, steps: int) -> dict:
     run_dir = root / cell.name
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -153,29 +162,30 @@ def run_one(cell: Cell, root: Path, steps: int) -> dict:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             code = None
-    return verdict(cell, code, time.monotonic() - t0, run_dir, steps)
+    return {**verdict(cell, code, time.monotonic() - t0, run_dir, steps), "commit": _commit()}
 
 
 READING = (
     "Reading: *fired at step* is the struck process's step when its fault fired (a recovering "
     "group reports the step of the state it holds: it restarted from the durable checkpoint of "
     "step 50, then pulls the rest); a SIGTERM logs no event of its own, so a *stop* cell counts "
-    "as exercised by its group's preempted exit. Every *during_serve* cell rolls back once, "
-    "whatever the kind of fault: g1 was killed at step 10 and is still pulling from g0, so g0 is "
-    "the only group that holds the newest state, and when it goes (killed, hung, or leaving "
-    "gracefully on SIGTERM) the job continues from the newest durable checkpoint "
-    "(`checkpoint.every` 50), with the steps after it redone (a `restore`, exactly-once intact). "
-    "A preempted group does not write a checkpoint on its way out.")
+    "as exercised by its group's preempted exit; *code* is the commit the cell ran. In the "
+    "*during_serve* cells g1 was killed at step 10 and is still pulling from g0, so g0 is the only "
+    "group that holds the newest state: killed or hung there, it takes that state with it and the "
+    "job continues from the newest durable checkpoint (`checkpoint.every` 50), the steps after it "
+    "redone (a `restore`, exactly-once intact). Stopped by SIGTERM, it saves its step before it "
+    "leaves (`checkpoint.on_stop`, the checkpoint writer of its last step) and the recovering g1 "
+    "loads it from disk: no rollback (before that option, those cells rolled back once too).")
 
 
 HEADERS = ["point", "rank", "kind", "struck", "fired at step", "wall s", "restarts", "rollbacks",
-           "identical", "duplicates", "gaps", "result"]
+           "identical", "duplicates", "gaps", "code", "result"]
 
 
 def row(r: dict) -> list[object]:
     return [r["point"], r["rank"], r["kind"], r["target"], r["fired_at_step"], r["wall_seconds"],
             r["restarts"], r["rollbacks"], r["identical"], r["duplicates"], r["gaps"],
-            "pass" if r["ok"] else "FAIL: " + "; ".join(r["reasons"])[:200]]
+            r.get("commit", "?"), "pass" if r["ok"] else "FAIL: " + "; ".join(r["reasons"])[:200]]
 
 
 def main(argv: list[str] | None = None) -> int:

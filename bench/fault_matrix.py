@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -41,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.common import REPO_ROOT, ensure_demo, section_header, table, write_section
-from bench.soak import Settings, _events, launch_reasons, write_config
+from bench.soak import Settings, _events, launch_reasons, run_logged, write_config
 
 SECTION = "fault_matrix"
 STEADY = ("before_allreduce", "inside_allreduce", "after_allreduce", "before_commit")
@@ -148,20 +147,8 @@ def run_one(cell: Cell, root: Path, steps: int) -> dict:
     cmd = [sys.executable, "-m", "bench.fault_matrix", "--cell", cell.name,
            "--run-dir", str(run_dir), "--steps", str(steps)]
     t0 = time.monotonic()
-    with open(run_dir / "launch.log", "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO_ROOT,
-                                env=dict(os.environ, PYTHONPATH=f"{REPO_ROOT / 'src'}:{REPO_ROOT}"))
-        try:
-            code: int | None = proc.wait(timeout=CELL_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            code = None
+    code = run_logged(cmd, run_dir / "launch.log", CELL_TIMEOUT_S,
+                      dict(os.environ, PYTHONPATH=f"{REPO_ROOT / 'src'}:{REPO_ROOT}"), cwd=REPO_ROOT)
     return {**verdict(cell, code, time.monotonic() - t0, run_dir, steps), "commit": _commit()}
 
 

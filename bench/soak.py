@@ -138,13 +138,22 @@ def run_one(seed: int, settings: Settings, root: Path) -> dict:
     cmd += ["--chaos-coordinator"] if settings.coordinator else []
     cmd += ["--chaos-preempt"] if settings.preempt else []
     t0 = time.monotonic()
-    with open(run_dir / "launch.log", "wb") as log:
-        # Its own session: a run that overstays is stopped with every process it started.
+    code = run_logged(cmd, run_dir / "launch.log", RUN_TIMEOUT_S,
+                      dict(os.environ, PYTHONPATH=str(REPO_ROOT / "src")))
+    wall = time.monotonic() - t0
+    return verdict(seed, groups, ranks, settings, code, wall, run_dir)
+
+
+def run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict[str, str],
+               cwd: Path | None = None) -> int | None:
+    """Run ``cmd`` to its end, its output into ``log_path``; its exit status, or None when it
+    overstayed ``timeout_s``: it runs in a session of its own, so that every process it started
+    is then stopped with it (SIGTERM, SIGKILL a minute later)."""
+    with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                env=dict(os.environ, PYTHONPATH=str(REPO_ROOT / "src")))
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=env, cwd=cwd)
         try:
-            code = proc.wait(timeout=RUN_TIMEOUT_S)
+            return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -152,9 +161,7 @@ def run_one(seed: int, settings: Settings, root: Path) -> dict:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-            code = None
-    wall = time.monotonic() - t0
-    return verdict(seed, groups, ranks, settings, code, wall, run_dir)
+            return None
 
 
 def _events(path: Path) -> list[dict]:

@@ -164,8 +164,8 @@ class CheckpointConfig:
     a job preempted or stopped as a whole resumes where it stopped, not up to ``every`` steps
     earlier. Synchronous, before the group leaves: the other groups wait for it (they hold the
     same state; at most ``ft.join_timeout`` when they are a majority without it), and it must
-    fit in the platform's grace period (a save cut short is never valid; the job then resumes
-    from the one before). Needs ``every`` > 0."""
+    fit in the platform's grace period and in ``ft.progress_timeout`` (a save cut short is
+    never valid; the job then resumes from the one before). Needs ``every`` > 0."""
 
     def __post_init__(self) -> None:
         for name in ("every", "keep"):

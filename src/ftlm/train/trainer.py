@@ -669,12 +669,17 @@ class Trainer:
         late save would leave a checkpoint of a history the job had given up (the protocol
         simulation found that order's rollback). The others wait for the save: they hold the
         same state, and their next quorum waits for this member (at most ``ft.join_timeout``
-        when they are a majority without it). Every rank takes the same branch (the role comes
-        from the quorum, the step from the agreed stop): the save is a collective of the group."""
+        when they are a majority without it). Every rank takes the same branch: the role comes
+        from the quorum, the step from the agreed stop, and whether any rank was interrupted is
+        agreed (a collective) since the save itself is one."""
         step = self.state.step
-        if (self._writer and not self._interrupted and self.config.checkpoint.on_stop
-                and self.checkpointer.every > 0 and not self.checkpointer.due(step)):
-            self._save_on_stop()
+        save = (self._writer and self.config.checkpoint.on_stop and self.checkpointer.every > 0
+                and not self.checkpointer.due(step))
+        if save:
+            interrupted = (_group_max(int(self._interrupted), self.device) if self.ranks > 1
+                           else int(self._interrupted))
+            if not interrupted:
+                self._save_on_stop()
         self.ft.leave("stopped")
 
     def _save_on_stop(self) -> None:

@@ -7,10 +7,10 @@ and the catch-up check (``ftlm.ft.group.check_replay``): the same objects the ai
 the manager drive in production. What is simulated: the network (latency, loss, reordering), the
 processes (start-up, crashes, hangs of a whole group or of its training thread only, graceful
 leaves on SIGTERM, the checkpoint writer saving its step first, and the launcher that starts a
-group again), the all-reduce (which can complete
-for some members and fail for others), the state transfer (slow, failing, source dying mid-way),
-durable checkpoints, the local supervisor, and a group's model, reduced to what the invariants
-need: its step, history chain, data cursor and the sample ranges of its history. A group's loop
+group again), the all-reduce (which can complete for some members and fail for others), the
+state transfer (slow, failing, source dying mid-way), durable checkpoints, the local
+supervisor, and a group's model, reduced to what the invariants need: its step, history chain,
+data cursor and the sample ranges of its history. A group's loop
 follows the trainer's order of operations (``ftlm.train.trainer``): it asks for the next quorum
 right after its commit vote and applies its update while the request waits, owes that quorum's
 step even when asked to stop meanwhile, and, recovering, loads an arrived snapshot and replays

@@ -432,6 +432,19 @@ def test_failed_background_write_is_a_checkpoint_error_naming_the_path(
 
 # -- whole-trainer stop / resume ---------------------------------------------------------------
 
+def _stopped_after(trainer: Trainer, step: int) -> Trainer:
+    """``trainer`` with a stop request (the SIGTERM handler) right after its ``step``-th commit."""
+    step_once = trainer.step
+
+    def step_then_stop() -> None:
+        step_once()
+        if trainer.state.step == step:
+            trainer.request_stop()
+
+    trainer.step = step_then_stop
+    return trainer
+
+
 @pytest.fixture(scope="module")
 def stop_resume(make_tiny_config, tmp_path_factory):
     """Run A trains 12 steps straight; run B is stopped after step 8 and resumed by a new Trainer.
@@ -449,15 +462,7 @@ def stop_resume(make_tiny_config, tmp_path_factory):
     a = Trainer.for_run(make_tiny_config(root / "a", **sections))
     a.train()
 
-    b = Trainer.for_run(make_tiny_config(root / "b", **sections))
-    step_once = b.step
-
-    def step_then_stop_after_8() -> None:
-        step_once()
-        if b.state.step == 8:
-            b.request_stop()
-
-    b.step = step_then_stop_after_8
+    b = _stopped_after(Trainer.for_run(make_tiny_config(root / "b", **sections)), 8)
     b.train()
     at_stop = _steps_on_disk(b.run_dir / "checkpoints")
 
@@ -494,19 +499,6 @@ def test_summary_after_resume_covers_the_whole_run(stop_resume) -> None:
     assert summary["data"]["duplicates"] == summary["data"]["gaps"] == 0
     assert summary["final_loss"] == a.losses[-1]
     assert 0 < summary["ett"] <= 1.5, summary["ett"]
-
-
-def _stopped_after(trainer: Trainer, step: int) -> Trainer:
-    """``trainer`` with a stop request (the SIGTERM handler) right after its ``step``-th commit."""
-    step_once = trainer.step
-
-    def step_then_stop() -> None:
-        step_once()
-        if trainer.state.step == step:
-            trainer.request_stop()
-
-    trainer.step = step_then_stop
-    return trainer
 
 
 def test_a_stop_between_checkpoints_saves_the_committed_step_and_resumes_from_it(

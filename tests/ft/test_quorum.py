@@ -758,6 +758,41 @@ def test_the_index_follows_direct_writes_and_copies() -> None:
     assert not state.heartbeats and not state.index.hb_claims and not state.index.idle
 
 
+
+def test_the_deadline_bounds_answer_what_a_scan_answers() -> None:
+    """The heaps of heartbeat and progress deadlines hold lower bounds refreshed only when they
+    look overdue: after any mix of heartbeats (progress times that move back included), requests,
+    answers and removals, they say exactly what a pass over the tables says."""
+    import random
+
+    rng = random.Random(16)
+    for trial in range(40):
+        state = CoordinatorState(head=(0, GENESIS), started_at=0.0, head_seen_at=0.0)
+        index, now = state.index, 0.0
+        timeout, progress_timeout = rng.choice([0.5, 2.0]), rng.choice([1.0, 3.0])
+        for _ in range(300):
+            now += rng.expovariate(20.0)
+            rid = f"g{rng.randrange(6)}:a"
+            op = rng.random()
+            if op < 0.5:
+                hb = Heartbeat(rid, rid[:2], now, 0, progress_at=now - rng.choice([0.0, 0.0, 0.5, 2.5, 4.0]))
+                state.heartbeats[rid] = hb
+            elif op < 0.7 and rid in state.heartbeats:
+                state.pending[rid] = ask(rid[:2], at=now)
+            elif op < 0.85:
+                state.pending.pop(rid, None)
+            else:
+                state.heartbeats.pop(rid, None)
+                state.pending.pop(rid, None)
+            probe = now + rng.choice([0.0, 0.4, 1.0, 3.5])
+            stale = any(probe - hb.last_seen >= timeout for hb in state.heartbeats.values())
+            overdue = any(probe - quorum_module._progress_at(hb) > progress_timeout
+                          for r, hb in state.heartbeats.items() if r not in state.pending)
+            assert index.oldest_fresh_violation(probe, timeout) == stale, (trial, probe)
+            assert index.progress_overdue(probe, progress_timeout) == overdue, (trial, probe)
+            assert len(index.seen) <= 2 * len(state.heartbeats) + 12  # bounded: about one entry each
+
+
 # --------------------------------------- per-message work does not grow with the job (issue 16)
 
 

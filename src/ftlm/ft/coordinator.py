@@ -79,8 +79,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from ftlm.errors import ConfigError
 from ftlm.ft.config import CoordinatorConfig, is_loopback
 from ftlm.ft.connection_gate import AbuseLog, ConnectionGate, CountingLogger, fd_budget, loop_exception_handler
-from ftlm.ft.coordinator_requests import (HeartbeatBody, QuorumBody, decode_body, parse_heartbeat, parse_kill,
-                                          parse_member, parse_quorum_request)
+from ftlm.ft.coordinator_requests import (ClientBodies, HeartbeatBody, QuorumBody, decode_body, parse_heartbeat,
+                                          parse_kill, parse_member, parse_quorum_request)
 from ftlm.ft.dashboard import DashboardLog, member_state, render_page
 from ftlm.ft.hot_path import HOT_PATHS, HotPathProtocol, json_content_type
 from ftlm.ft.membership import MAX_DEAD_LISTED, Answer, Event, Issued, Membership, Output
@@ -205,8 +205,7 @@ class _HotEndpoints:
     def serve(self, path: str, raw: bytes, conn: HotPathProtocol) -> bool:
         coord = self.coord
         try:
-            body = decode_body(raw)
-            parsed = parse_heartbeat(body) if path == HOT_PATHS[0] else parse_quorum_request(body)
+            parsed = coord._bodies.heartbeat(raw) if path == HOT_PATHS[0] else coord._bodies.quorum(raw)
         except ValueError:
             return False  # aiohttp answers the 400 (and counts it)
         try:
@@ -238,6 +237,7 @@ class Coordinator:
                                      config.expected_groups, progress_timeout=config.progress_timeout,
                                      suspect_window=config.suspect_window)
         self._encoder = AnswerEncoder()
+        self._bodies = ClientBodies()  # the lean path's body decoding (issue 16)
         self.metrics = _Metrics()
         self.dashboard = DashboardLog()
         self.membership = Membership(self.options)

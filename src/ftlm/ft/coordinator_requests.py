@@ -23,7 +23,7 @@ from typing import Any
 from ftlm.ft.history import GENESIS, is_chain
 from ftlm.ft.quorum import MAX_CLAIM, MAX_WATCH
 
-__all__ = ["HeartbeatBody", "MemberBody", "QuorumBody", "decode_body", "parse_heartbeat",
+__all__ = ["ClientBodies", "HeartbeatBody", "MemberBody", "QuorumBody", "decode_body", "parse_heartbeat",
            "parse_kill", "parse_member", "parse_quorum_request"]
 
 MAX_DEPTH = 32
@@ -239,3 +239,107 @@ def parse_member(body: Any) -> MemberBody:
 def parse_kill(body: Any) -> str:
     """``POST /v1/kill``: {group}; returns the group."""
     return _name_field(body, "group")
+
+
+# ------------------------------------------------------------------ the client's own bodies, fast
+
+_F_NAME = rb"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
+_F_STEP = rb"0|[1-9][0-9]{0,15}"
+_F_ID = rb"-1|0|[1-9][0-9]{0,15}"
+_F_NUMBER = rb"-?(?:0|[1-9][0-9]{0,30})(?:\.[0-9]{1,30})?(?:[eE][-+]?[0-9]{1,3})?"
+_F_CHAIN = rb"[0-9a-f]{64}"
+_F_REPLICA = rb'"' + _F_NAME + rb":" + _F_NAME + rb'"'
+_FAST_QUORUM = re.compile(
+    rb'\{"group": "(' + _F_NAME + rb')", "incarnation": "(' + _F_NAME + rb')", "step": (' + _F_STEP
+    + rb'), "last_quorum_id": (' + _F_ID + rb'), "failed": (true|false), "meta": (\{.*\}), "timeout": ('
+    + _F_NUMBER + rb'), "chain": "(' + _F_CHAIN + rb')"(?:, "watch": \[((?:' + _F_REPLICA + rb'(?:, '
+    + _F_REPLICA + rb')*)?)\])?(?:, "disk_checked": (' + _F_ID + rb'))?\}', re.S)
+_FAST_HEARTBEAT = re.compile(
+    rb'\{"group": "(' + _F_NAME + rb')", "incarnation": "(' + _F_NAME + rb')", "step": (' + _F_STEP
+    + rb'), "quorum_id": (' + _F_ID + rb'), "chain": "(' + _F_CHAIN + rb')", "progress_age": ('
+    + _F_NUMBER + rb'), "known_head": (' + _F_STEP + rb')\}')
+
+
+class ClientBodies:
+    """Heartbeat and quorum bodies from bytes, fast for the bytes ``CoordinatorClient`` sends
+    (issue 16: the general strict decoding was about a fifth of the coordinator's time per
+    message at 2,000 groups).
+
+    The client's bodies are ``json.dumps`` of its dicts: the keys always in the same order, the
+    names and the chain plain ASCII. A body of exactly that form is cut by one compiled pattern;
+    its ``meta`` object is decoded strictly (``decode_body``) the first time its bytes are seen
+    and reused after (a group sends the same ``meta`` every step). Everything else (another key
+    order, spacing or escape, a value out of range, a body that is not JSON) takes the general
+    path, ``parse_*(decode_body(raw))``, which gives its answer or its error. So each body gets the
+    value, or the error, of the general path: a body the pattern accepts is a JSON object with
+    exactly those keys once each (the meta it encloses was decoded on its own and the pattern fixes
+    the rest), and the range checks below are the general path's. The meta dicts are shared by
+    the requests that sent the same bytes: read-only, as every request's fields.
+    """
+
+    META_CACHE = 4096
+    """Distinct meta objects kept (about one per group); the cache starts over beyond."""
+
+    def __init__(self) -> None:
+        self._meta: dict[bytes, dict[str, Any]] = {}
+
+    def quorum(self, raw: bytes) -> QuorumBody:
+        """``parse_quorum_request(decode_body(raw))``; ``ValueError`` as it."""
+        fast = self._quorum(raw)
+        return fast if fast is not None else parse_quorum_request(decode_body(raw))
+
+    def heartbeat(self, raw: bytes) -> HeartbeatBody:
+        """``parse_heartbeat(decode_body(raw))``; ``ValueError`` as it."""
+        fast = _heartbeat(raw)
+        return fast if fast is not None else parse_heartbeat(decode_body(raw))
+
+    def _quorum(self, raw: bytes) -> QuorumBody | None:
+        m = _FAST_QUORUM.fullmatch(raw)
+        if m is None:
+            return None
+        group, incarnation, step, last_id, failed, meta_raw, timeout, chain, watch, disk = m.groups()
+        step_n, last_n, seconds = int(step), int(last_id), float(timeout)
+        disk_n = int(disk) if disk is not None else -1
+        if step_n > MAX_CLAIM or last_n > MAX_CLAIM or disk_n > MAX_CLAIM or not 0 < seconds < MAX_TIMEOUT:
+            return None
+        meta = self._meta.get(meta_raw)
+        if meta is None:
+            meta = _meta_object(meta_raw)
+            if meta is None:
+                return None
+            if len(self._meta) >= self.META_CACHE:
+                self._meta.clear()
+            self._meta[meta_raw] = meta
+        replicas: tuple[str, ...] = ()
+        if watch:
+            names = watch.decode("ascii")[1:-1].split('", "')
+            if len(names) > MAX_WATCH:
+                return None
+            replicas = tuple(dict.fromkeys(names))
+        return QuorumBody(group.decode("ascii"), incarnation.decode("ascii"), step_n, last_n,
+                          failed == b"true", meta, seconds, chain.decode("ascii"), replicas, disk_n)
+
+
+def _heartbeat(raw: bytes) -> HeartbeatBody | None:
+    m = _FAST_HEARTBEAT.fullmatch(raw)
+    if m is None:
+        return None
+    group, incarnation, step, quorum_id, chain, age, known_head = m.groups()
+    step_n, id_n, age_s, head_n = int(step), int(quorum_id), float(age), int(known_head)
+    if step_n > MAX_CLAIM or id_n > MAX_CLAIM or head_n > MAX_CLAIM or not 0 <= age_s < MAX_TIMEOUT:
+        return None
+    return HeartbeatBody(group.decode("ascii"), incarnation.decode("ascii"), step_n, id_n,
+                         chain.decode("ascii"), age_s, head_n)
+
+
+def _meta_object(raw: bytes) -> dict[str, Any] | None:
+    """``raw`` strictly decoded if it is a JSON object that may sit one level down in a body."""
+    try:
+        meta = decode_body(raw)
+    except ValueError:
+        return None
+    if not isinstance(meta, dict):
+        return None
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH - 1 and _depth(meta) > MAX_DEPTH - 1:
+        return None
+    return meta

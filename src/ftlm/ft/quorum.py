@@ -304,6 +304,13 @@ class _Index:
     the table are dropped when they reach the top), and the previous quorum's members that are
     alive, and alive without a request, are counted. The decisions use these only when they are
     exact (``_steady``); otherwise they take the plain scan over the tables.
+
+    The two deadline heaps (``seen``: last heartbeat, ``progress``: last protocol progress) hold
+    one entry per replica, a lower bound of its time (``seen_low``/``progress_low`` name it): a
+    message that moves the time forward changes nothing in the heap, only an entry that reaches
+    the top looking overdue is refreshed from the table (a heap push per replica per timeout, not
+    two per message). A message that moves a time back (a reported progress age) pushes a lower
+    entry; the one it replaces is dropped when it reaches the top.
     """
 
     def __init__(self) -> None:
@@ -317,8 +324,10 @@ class _Index:
         self.pending_groups: dict[str, dict[str, None]] = {}
         self.idle: dict[str, None] = {}  # heartbeating replicas without a pending request
         self.orphans: set[str] = set()  # pending replicas without a heartbeat (only by direct writes)
-        self.seen: list[tuple[float, int, str, Any]] = []  # (last_seen, seq, rid, heartbeat)
-        self.progress: list[tuple[float, int, str, Any]] = []  # (progress_at, seq, rid, heartbeat)
+        self.seen: list[tuple[float, int, str]] = []  # (at most its last_seen, seq, rid)
+        self.seen_low: dict[str, float] = {}  # rid -> the time of its entry in ``seen``
+        self.progress: list[tuple[float, int, str]] = []  # (at most its progress time, seq, rid)
+        self.progress_low: dict[str, float] = {}  # rid -> the time of its entry in ``progress``
         self.asked: list[tuple[float, int, str, Any]] = []  # (asked_at, seq, rid, request)
         self.seq = itertools.count()
         self.prev: Quorum | None = None  # the quorum the prev_* counts are about
@@ -374,8 +383,8 @@ class _Index:
             else:
                 self.hb_version += 1
             self.hb_holders.setdefault((new.step, new.chain), {})[rid] = None
-            heapq.heappush(self.seen, (new.last_seen, seq, rid, new))
-            heapq.heappush(self.progress, (_progress_at(new), seq, rid, new))
+            _lower(self.seen, self.seen_low, rid, new.last_seen, seq)
+            _lower(self.progress, self.progress_low, rid, _progress_at(new), seq)
             if old is None:
                 self.orphans.discard(rid)
                 self._set_idle(rid, rid not in self.pending)
@@ -404,6 +413,8 @@ class _Index:
             self._unhold(rid, old)
             self.hb_version += 1
             self._set_idle(rid, False)
+            self.seen_low.pop(rid, None)  # its heap entries are dropped when they reach the top
+            self.progress_low.pop(rid, None)
             if rid in self.prev_ids:
                 self.prev_alive -= 1
             if rid in self.pending:
@@ -415,7 +426,7 @@ class _Index:
             if hb is not None:
                 self._set_idle(rid, True)
                 # Its progress deadline counts again now that it no longer waits for a quorum.
-                heapq.heappush(self.progress, (_progress_at(hb), next(self.seq), rid, hb))
+                _lower(self.progress, self.progress_low, rid, _progress_at(hb), next(self.seq))
         self._recheck(rid)
 
     def _unhold(self, rid: str, old: Any) -> None:
@@ -462,27 +473,42 @@ class _Index:
 
     def oldest_fresh_violation(self, now: float, timeout: float) -> bool:
         """Whether some heartbeat is ``timeout`` old or older (not fresh) at ``now``."""
-        heap = self.seen
+        heap, low = self.seen, self.seen_low
         while heap:
-            last_seen, _, rid, hb = heap[0]
-            if self.heartbeats.get(rid) is not hb:
-                heapq.heappop(heap)
+            at, _, rid = heap[0]
+            if now - at < timeout:
+                return False  # the oldest bound is fresh: so is everyone
+            if low.get(rid) != at:
+                heapq.heappop(heap)  # gone, or a lower entry replaced it
                 continue
-            return now - last_seen >= timeout
+            last_seen = self.heartbeats[rid].last_seen
+            if last_seen <= at:
+                return True
+            low[rid] = last_seen  # heard from since: refresh the bound
+            heapq.heapreplace(heap, (last_seen, next(self.seq), rid))
         return False
 
     def progress_overdue(self, now: float, timeout: float) -> bool:
         """Whether some replica not waiting for a quorum made no progress for over ``timeout``."""
-        heap = self.progress
+        heap, low = self.progress, self.progress_low
         if timeout <= 0:
             heap.clear()
+            low.clear()
             return False
         while heap:
-            at, _, rid, hb = heap[0]
-            if self.heartbeats.get(rid) is not hb or rid in self.pending or _progress_at(hb) != at:
-                heapq.heappop(heap)  # gone, waiting (pushed again when it stops waiting), or newer
+            at, _, rid = heap[0]
+            if now - at <= timeout:
+                return False  # the oldest bound is recent enough: so is everyone's progress
+            if low.get(rid) != at or rid in self.pending:
+                heapq.heappop(heap)  # gone, replaced, or waiting (its entry comes back when it stops)
+                if low.get(rid) == at:
+                    del low[rid]
                 continue
-            return now - at > timeout
+            progress_at = _progress_at(self.heartbeats[rid])
+            if progress_at <= at:
+                return True
+            low[rid] = progress_at  # progress since: refresh the bound
+            heapq.heapreplace(heap, (progress_at, next(self.seq), rid))
         return False
 
     def oldest_request(self) -> float | None:
@@ -510,6 +536,14 @@ class _Index:
                 info = self.head_info[key] = (extend_chain(chain, step, qid, parts), frozenset(parts))
             out.append(info)
         return out
+
+
+def _lower(heap: list[tuple[float, int, str]], low: dict[str, float], rid: str, at: float, seq: int) -> None:
+    """Keep a lower bound of ``rid``'s time ``at`` in ``heap`` (one push unless it has one)."""
+    bound = low.get(rid)
+    if bound is None or at < bound:
+        low[rid] = at
+        heapq.heappush(heap, (at, seq, rid))
 
 
 def _progress_at(hb: Heartbeat) -> float:

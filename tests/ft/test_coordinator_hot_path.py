@@ -349,3 +349,23 @@ def test_a_burst_of_asks_is_evaluated_once_after_the_loop_pass_that_read_it(monk
     assert sorted(name for name, _ in log) == ["g0", "g1", "g2", "g3"]
     answers = [json.loads(data.split(b"\r\n\r\n", 1)[1]) for _, data in log]
     assert {a["size"] for a in answers} == {4}
+
+
+@pytest.mark.parametrize("answer", [
+    {"quorum_id": 7, "dead": [], "dead_quorums": [], "epoch": "ab12", "rebuilding": False},
+    {"quorum_id": -1, "dead": [], "dead_quorums": [], "epoch": "x\"y\u00e9", "rebuilding": True},
+    {"quorum_id": 7, "dead": ["g1:a"], "dead_quorums": [6], "epoch": "ab12", "rebuilding": False},
+    {"quorum_id": 7, "dead": [], "dead_quorums": [], "epoch": None, "rebuilding": False},
+    {"quorum_id": 7, "dead": [], "dead_quorums": [], "epoch": "e", "rebuilding": False, "kill": True},
+    {"quorum_id": 7, "dead": [], "dead_quorums": [], "epoch": "e", "rebuilding": False, "declared_dead": True,
+     "reload": 40},
+    {"dead": [], "quorum_id": 7, "dead_quorums": [], "epoch": "e", "rebuilding": False},
+    {"quorum_id": True, "dead": [], "dead_quorums": [], "epoch": "e", "rebuilding": 0},
+])
+def test_a_heartbeats_answer_is_encoded_as_json_dumps_does(answer) -> None:
+    from ftlm.ft.coordinator import HeartbeatAnswerEncoder
+
+    encoder = HeartbeatAnswerEncoder()
+    for _ in range(2):  # the epoch's encoding is kept between answers
+        assert encoder.encode(answer) == json.dumps(answer).encode()
+    assert encoder.encode({**answer, "epoch": "other"}) == json.dumps({**answer, "epoch": "other"}).encode()

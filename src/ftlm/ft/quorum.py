@@ -37,7 +37,7 @@ import heapq
 import itertools
 import json
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -370,28 +370,40 @@ class _Index:
             self.prev_idle += 1 if idle else -1
 
     def added(self, table: _Table, rid: str, old: Any, new: Any) -> None:
-        claims, groups = (self.hb_claims, self.hb_groups) if table.is_heartbeats else (
+        is_heartbeats = table.is_heartbeats
+        claims, groups = (self.hb_claims, self.hb_groups) if is_heartbeats else (
             self.pending_claims, self.pending_groups)
-        if old is not None:
-            self._uncount(claims, groups, rid, old)
-        claims[(new.step, new.chain)] += 1
-        groups.setdefault(new.group, {})[rid] = None
-        seq = next(self.seq)
-        if table.is_heartbeats:
+        if old is not None and old.step == new.step and old.chain == new.chain and old.group == new.group:
+            # The same claim of the same group (most messages): the counts stand; the replica moves
+            # to the end of its group and of its claim's holders, as when it is counted anew.
+            members = groups[new.group]
+            del members[rid]
+            members[rid] = None
+            if is_heartbeats:
+                holders = self.hb_holders[(new.step, new.chain)]
+                del holders[rid]
+                holders[rid] = None
+        else:
             if old is not None:
-                self._unhold(rid, old)
-            else:
+                self._uncount(claims, groups, rid, old)
+            claims[(new.step, new.chain)] += 1
+            groups.setdefault(new.group, {})[rid] = None
+            if is_heartbeats:
+                if old is not None:
+                    self._unhold(rid, old)
+                self.hb_holders.setdefault((new.step, new.chain), {})[rid] = None
+        if is_heartbeats:
+            if old is None:
                 self.hb_version += 1
-            self.hb_holders.setdefault((new.step, new.chain), {})[rid] = None
-            _lower(self.seen, self.seen_low, rid, new.last_seen, seq)
-            _lower(self.progress, self.progress_low, rid, _progress_at(new), seq)
+            _lower(self.seen, self.seen_low, rid, new.last_seen, self.seq)
+            _lower(self.progress, self.progress_low, rid, _progress_at(new), self.seq)
             if old is None:
                 self.orphans.discard(rid)
                 self._set_idle(rid, rid not in self.pending)
                 if rid in self.prev_ids:
                     self.prev_alive += 1
         else:
-            heapq.heappush(self.asked, (new.asked_at, seq, rid, new))
+            heapq.heappush(self.asked, (new.asked_at, next(self.seq), rid, new))
             if old is None:
                 if rid not in self.heartbeats:
                     self.orphans.add(rid)
@@ -421,13 +433,15 @@ class _Index:
                 self.orphans.add(rid)
         else:
             self._uncount(self.pending_claims, self.pending_groups, rid, old)
-            self.orphans.discard(rid)
+            if self.orphans:
+                self.orphans.discard(rid)
             hb = self.heartbeats.get(rid)
             if hb is not None:
                 self._set_idle(rid, True)
                 # Its progress deadline counts again now that it no longer waits for a quorum.
-                _lower(self.progress, self.progress_low, rid, _progress_at(hb), next(self.seq))
-        self._recheck(rid)
+                _lower(self.progress, self.progress_low, rid, _progress_at(hb), self.seq)
+        if self.unsettled_key is not None:
+            self._recheck(rid)
 
     def _unhold(self, rid: str, old: Any) -> None:
         holders = self.hb_holders.get((old.step, old.chain))
@@ -538,12 +552,13 @@ class _Index:
         return out
 
 
-def _lower(heap: list[tuple[float, int, str]], low: dict[str, float], rid: str, at: float, seq: int) -> None:
+def _lower(heap: list[tuple[float, int, str]], low: dict[str, float], rid: str, at: float,
+           seq: Iterator[int]) -> None:
     """Keep a lower bound of ``rid``'s time ``at`` in ``heap`` (one push unless it has one)."""
     bound = low.get(rid)
     if bound is None or at < bound:
         low[rid] = at
-        heapq.heappush(heap, (at, seq, rid))
+        heapq.heappush(heap, (at, next(seq), rid))
 
 
 def _progress_at(hb: Heartbeat) -> float:
@@ -578,13 +593,21 @@ class _Table(dict):  # type: ignore[type-arg]
     _MISSING = object()
 
     def pop(self, rid: str, default: Any = _MISSING) -> Any:
-        if rid in self:
-            old = dict.__getitem__(self, rid)
-            del self[rid]
-            return old
-        if default is _Table._MISSING:
-            raise KeyError(rid)
-        return default
+        old = dict.pop(self, rid, _Table._MISSING)
+        if old is _Table._MISSING:
+            if default is _Table._MISSING:
+                raise KeyError(rid)
+            return default
+        self.index.removed(self, rid, old)
+        return old
+
+    def discard_all(self, rids: Iterable[str]) -> None:
+        """``pop(rid, None)`` for each of ``rids`` (a quorum's members leave the pending requests)."""
+        removed, missing = self.index.removed, _Table._MISSING
+        for rid in rids:
+            old = dict.pop(self, rid, missing)
+            if old is not missing:
+                removed(self, rid, old)
 
     def popitem(self) -> tuple[str, Any]:
         rid = next(reversed(self))
@@ -686,8 +709,12 @@ def _retire_other_incarnations(state: CoordinatorState, replica_id: str, group: 
             f"replica {replica_id} was replaced or declared hung; this process must exit"
         )
     index = state.index
-    old = [r for r in index.hb_groups.get(group, ()) if r != replica_id]
-    old += [r for r in index.pending_groups.get(group, ()) if r != replica_id and r not in old]
+    beating, asking = index.hb_groups.get(group), index.pending_groups.get(group)
+    if (not beating or (len(beating) == 1 and replica_id in beating)) and (
+            not asking or (len(asking) == 1 and replica_id in asking)):
+        return []  # the group's one incarnation (every message of a steady job)
+    old = [r for r in beating or () if r != replica_id]
+    old += [r for r in asking or () if r != replica_id and r not in old]
     for r in old:
         _retire(state, r, now)
     return old
@@ -849,8 +876,7 @@ def commit_quorum(state: CoordinatorState, quorum: Quorum) -> None:
     if state.head is not None and quorum.step == state.head[0]:
         state.head_quorums.append((quorum.quorum_id, list(quorum.participants)))
         del state.head_quorums[:-64]  # retries of one step: only recent ones can still commit
-    for r in quorum.replica_ids():
-        state.pending.pop(r, None)
+    state.pending.discard_all(quorum.replica_ids())
     _sync_round(state)
 
 

@@ -793,6 +793,38 @@ def test_the_deadline_bounds_answer_what_a_scan_answers() -> None:
             assert len(index.seen) <= 2 * len(state.heartbeats) + 12  # bounded: about one entry each
 
 
+
+def test_a_quorum_of_every_pending_request_leaves_the_index_as_one_removal_after_another() -> None:
+    """``discard_all`` of all the pending requests at once (a steady step) leaves the index in
+    the state that removing them one by one does: counts, idle order, orphans, deadlines."""
+    import random
+
+    rng = random.Random(7)
+    for trial in range(30):
+        state = CoordinatorState(head=(0, GENESIS), started_at=0.0, head_seen_at=0.0)
+        rids = [f"g{i}:a" for i in range(12)]
+        for i, rid in enumerate(rids):
+            if rng.random() < 0.8:
+                state.heartbeats[rid] = Heartbeat(rid, rid[:-2], 0.1 * i, rng.choice([0, 1]),
+                                                  progress_at=rng.choice([None, 0.01 * i]))
+            if rng.random() < 0.7:
+                state.pending[rid] = ask(rid[:-2], step=rng.choice([0, 1]), at=0.2 + 0.01 * i)
+        state.index.track_prev(Quorum(1, 0, [Member(r, r[:-2], 0, {}) for r in rids[::2]],
+                                      [r for r in rids[::2]], [], {}, 0.0, "test", GENESIS, "e"))
+        answered = list(state.pending)
+        rng.shuffle(answered)
+        one_by_one = copy.deepcopy(state)
+        for rid in answered:
+            one_by_one.pending.pop(rid, None)
+        state.pending.discard_all(answered)
+        a, b = state.index, one_by_one.index
+        assert dict(state.pending) == dict(one_by_one.pending) == {}
+        assert (a.pending_claims, a.pending_groups, list(a.idle), a.orphans, a.prev_idle, a.progress_low) == (
+            b.pending_claims, b.pending_groups, list(b.idle), b.orphans, b.prev_idle, b.progress_low), trial
+        assert sorted(e[0::2] for e in a.progress) == sorted(e[0::2] for e in b.progress)
+        assert a.oldest_request() is None and b.oldest_request() is None
+
+
 # --------------------------------------- per-message work does not grow with the job (issue 16)
 
 

@@ -443,6 +443,29 @@ class _Index:
         if self.unsettled_key is not None:
             self._recheck(rid)
 
+    def all_requests_answered(self, rids: list[str]) -> None:
+        """``removed`` of every pending request at once, in the order of ``rids`` (the table is
+        empty already): the same state as one ``removed`` after another (a test compares)."""
+        self.pending_claims.clear()
+        self.pending_groups.clear()
+        self.asked.clear()
+        if self.orphans:
+            self.orphans.difference_update(rids)
+        heartbeats, idle, prev_ids = self.heartbeats, self.idle, self.prev_ids
+        progress, progress_low, seq = self.progress, self.progress_low, self.seq
+        for rid in rids:
+            hb = heartbeats.get(rid)
+            if hb is None:
+                continue
+            if rid not in idle:
+                idle[rid] = None
+                if rid in prev_ids:
+                    self.prev_idle += 1
+            _lower(progress, progress_low, rid, _progress_at(hb), seq)
+        if self.unsettled_key is not None:
+            for rid in rids:
+                self._recheck(rid)
+
     def _unhold(self, rid: str, old: Any) -> None:
         holders = self.hb_holders.get((old.step, old.chain))
         if holders is not None:
@@ -601,8 +624,13 @@ class _Table(dict):  # type: ignore[type-arg]
         self.index.removed(self, rid, old)
         return old
 
-    def discard_all(self, rids: Iterable[str]) -> None:
-        """``pop(rid, None)`` for each of ``rids`` (a quorum's members leave the pending requests)."""
+    def discard_all(self, rids: list[str]) -> None:
+        """``pop(rid, None)`` for each of ``rids`` (a quorum's members leave the pending requests);
+        when they are all the requests (a steady step), at once."""
+        if not self.is_heartbeats and len(rids) == len(self) and all(r in self for r in rids):
+            dict.clear(self)
+            self.index.all_requests_answered(rids)
+            return
         removed, missing = self.index.removed, _Table._MISSING
         for rid in rids:
             old = dict.pop(self, rid, missing)

@@ -167,7 +167,7 @@ class CoordinatorUnderTest:
     """``ftlm coordinator --port 0`` in its own process; CPU and memory from /proc."""
 
     def __init__(self, groups: int, token: str, log_path: Path, heartbeat: float = HEARTBEAT_SECONDS,
-                 trace: Path | None = None) -> None:
+                 trace: Path | None = None, floor: bool = False) -> None:
         sets = [f"ft.groups={groups}", f"ft.heartbeat_interval={heartbeat}",
                 f"ft.heartbeat_timeout={HEARTBEAT_TIMEOUT}", "ft.join_timeout=5.0", "ft.min_replicas=1"]
         code = "import sys; from ftlm.cli import main; sys.exit(main())"
@@ -176,6 +176,8 @@ class CoordinatorUnderTest:
         cmd = [sys.executable, "-c", code, "coordinator", "--port", "0"]
         for s in sets:
             cmd += ["--set", s]
+        if floor:  # bench.coordinator_floor in its place: the least a server can do for this load
+            cmd = [sys.executable, "-m", "bench.coordinator_floor", str(groups)]
         env = {**os.environ, "FTLM_TOKEN": token}
         self.log_path = log_path
         self._log = open(log_path, "w")
@@ -708,7 +710,7 @@ def _start_profiler(pid: int, seconds: float, out: Path) -> subprocess.Popen | N
 
 
 def measure(groups: int, seconds: float, workdir: Path, profile: bool = False,
-            heartbeat: float = HEARTBEAT_SECONDS, trace: bool = False) -> Result:
+            heartbeat: float = HEARTBEAT_SECONDS, trace: bool = False, floor: bool = False) -> Result:
     """One run of ``groups`` groups for ``seconds`` seconds against a fresh coordinator; with
     ``trace``, the coordinator records its own times and the latency is decomposed (printed)."""
     token = "load-test-token"
@@ -716,7 +718,7 @@ def measure(groups: int, seconds: float, workdir: Path, profile: bool = False,
     if trace_path is not None and trace_path.exists():
         trace_path.unlink()
     coordinator = CoordinatorUnderTest(groups, token, workdir / f"coordinator-{groups}.log", heartbeat,
-                                       trace_path)
+                                       trace_path, floor)
     spy: subprocess.Popen | None = None
     profile_path = workdir / f"profile-{groups}.txt"
     marks: dict[str, tuple[float, float, float]] = {}
@@ -807,7 +809,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", action="store_true", help="timestamp each quorum request and answer in the "
                    "coordinator too and print where a request's latency goes (peers, socket, coordinator, "
                    "load generator)")
+    p.add_argument("--floor", action="store_true", help="serve the load with bench.coordinator_floor "
+                   "instead of ftlm coordinator (no JSON, no checks, no state machine): what one Python "
+                   "event loop can reach on this box; implies --no-write")
     args = p.parse_args(argv)
+    if args.floor and (args.trace or args.profile):
+        p.error("--floor measures the floor server: it takes neither --trace nor --profile")
     try:
         runs = [(int(n), float(hb) if hb else args.heartbeat_seconds)
                 for n, _, hb in (s.strip().partition("@") for s in args.sweep.split(",") if s.strip())]
@@ -826,11 +833,11 @@ def main(argv: list[str] | None = None) -> int:
     quiet_collector()  # the load generator's own collector pauses would count as latency
     results = []
     for n, hb in runs:
-        r = measure(n, args.seconds, workdir, args.profile, hb, args.trace)
+        r = measure(n, args.seconds, workdir, args.profile, hb, args.trace, args.floor)
         r.machine_us = state_machine_seconds_per_message(n) * 1e6
-        print(_describe(r), flush=True)
+        print(("floor server: " if args.floor else "") + _describe(r), flush=True)
         results.append(r)
-    if args.sweep and not args.no_write:
+    if args.sweep and not args.no_write and not args.floor:
         write(results, args.seconds, args.trace)
     return 0
 

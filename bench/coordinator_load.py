@@ -880,8 +880,10 @@ benchmark that sends the header lines `http.client` sends and the bodies `Coordi
 asyncio process (uvloop) on the same 2 cores as the coordinator; since this pass each group is
 driven by timer and protocol callbacks, not a task, and its request body is filled into a byte
 template instead of being built and JSON-encoded. An answer's time is taken when its last byte is
-read, in the protocol callback. Real groups are processes on other machines: the load generator's
-costs are not theirs, and the decomposition below says how much of each latency they are.
+read, in the protocol callback, and the answers read in one pass of its loop are all timed before
+any is handled (parsed, the next ask scheduled): a real group parses its own answer in its own
+process. Real groups are processes on other machines: the load generator's costs are not theirs,
+and the decomposition below says how much of each latency they are.
 
 How it was measured. The box has `sched_autogroup` on: every session gets an equal share of the 2
 cores whatever its processes' nice values, so the benchmark runs in a session of its own at

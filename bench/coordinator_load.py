@@ -888,43 +888,68 @@ and the decomposition below says how much of each latency they are.
 How it was measured. The box has `sched_autogroup` on: every session gets an equal share of the 2
 cores whatever its processes' nice values, so the benchmark runs in a session of its own at
 autogroup nice -20 and nice -5 (`setsid sh -c 'echo -20 > /proc/self/autogroup; exec nice -n -5
-python -m bench.coordinator_load --sweep ... --trace'`), one run at a time; other sessions kept the
-load average at 7-10. Latencies move by tens of ms between runs (2,000 groups, this pass: p99
-182-240 ms in six runs between 01:59 and 02:21 while its changes went in).
+python -m bench.coordinator_load --sweep ... --trace'`), one run at a time. The p99 at 2,000 groups
+is the worst step or two of 13 and moves by a factor of two between runs of the same code on a
+quiet box (sixth pass: 99-232 ms, p50 64-123 ms); compare versions only interleaved, several runs
+each.
 
-Target p99 < 100 ms at 2,000 groups: **not met on this box: p99 188 ms (p50 107 ms)** in the
-sweep, 182-240 ms in the other runs of this pass (206 ms in the last pass; 1,694 ms before the
-lean path). Met at 500 groups (p99 54 ms) and now at 1,000 (90 ms with 1 s heartbeats, 85 ms with
-1.5 s; 121-156 ms before this pass).
+Target p99 < 100 ms at 2,000 groups: **not met on this box**. Three interleaved 60 s runs of
+the code at the start of the sixth pass and at its end (19:10-19:18 UTC, load 0.3-0.5): p50 137 /
+158 / 137 -> 85 / 85 / 71 ms, p99 231 / 277 / 256 -> 196 / 161 / 146 ms, coordinator CPU 28-31%
+-> 18-21%; nine earlier runs of the changed code (18:28-18:52), p99 99-153 ms. The sweep ran in a slow spell
+of the box (its in-process state machine measured 20-26 us a message against the usual 13-15).
+Met at 500 groups (p99 29 ms) and at 1,000 (67 ms with 1 s heartbeats; 90 ms before this pass).
 
-Where the milliseconds go at 2,000 groups (the decomposition table, medians). A member's 107 ms:
-(1) 20 ms waiting for the other groups' asks: a step's 2,000 asks leave over 41 ms (median step),
-because each group asks 1 s (plus 0-10 ms) after its own answer, so the asks inherit the spread of
-the previous step's answers; the load generator wrote the step's last ask 1 ms after it meant to in
-the median step but up to 59 ms in its worst (its own loop busy), which is most of the 90 ms p99 of
-(1). (2) 55 ms: the last ask waits in the coordinator's socket while the coordinator is still
-reading the step's earlier asks and the heartbeats that came just before them (a group's heartbeat
-falls due 1 s after its previous ask, i.e. 0.1-0.3 s before its next one: the real `Heartbeater`
-does the same at one step a second). (3) 33 ms in the coordinator after it read the last ask: 18
-ms deciding (the state machine closes the round: 2,000 pending requests leave its index and 2,000
-answers are queued), then this member's place among the 2,000 answers, written over 30 ms (15 us
-each; 30-46 ms, 15-23 us, across the runs of this pass). (4) 1 ms (p99 8 ms) until the load
-generator reads the answer. So the load generator's share is (4) and the lateness in (1): a few ms
-in the median, up to ~60 ms in its worst steps; the coordinator's one thread is (2) and (3), about
-90 ms of the median.
+Where the milliseconds go at 2,000 groups (a traced run of this pass's code at 18:33 UTC, medians;
+p99 in brackets). A member's 74 ms (116): (1) 24 ms (51) waiting for the other groups' asks: a
+step's 2,000 asks leave over 47 ms, because each group asks 1 s (plus 0-10 ms) after its own
+answer, so the asks inherit the spread of the previous step's answers (26 ms of fan-out, then the
+load generator reading them). (2) 19 ms (46): the last ask waits in the coordinator's socket while
+the coordinator handles the step's earlier asks (23 us each, its own timestamps: more than the 23
+us between two asks). (3) 27 ms (55) in the coordinator after it read the last ask: 13 ms
+deciding (the round closes: 2,000 requests leave the index at once, the quorum is built and its
+2,000 answers queued), then this member's place among the 2,000 answers written over 26 ms (13 us
+each, about 8 of them the kernel's loopback send). (4) 4 ms (19) until the load generator reads
+the answer.
 
-The floor on this box. Per step the coordinator's thread does 2,000 quorum requests at 30 us each
-(its own timestamps, from bytes received to handling done: strict JSON 8 us, fields 3 us, the
-state machine 11-13 us, the rest HTTP framing, checks and the waiter), 18 ms of deciding, and
-2,000 answers at 15-23 us (a loopback `send` of one answer costs 7.7 us of kernel time measured
-alone on this box, the answer's Python about 5 us in-process): about 110-120 ms of single-thread
-work between a step's first ask and its last answer, plus whatever of the 2,000 heartbeats (27-35
-us each in-process) falls in that window; the first asker waits for nearly all of it. p99 < 100 ms
-at 2,000 groups needs that about halved: some 15 us a request with a state machine that alone costs
-11-13 us (so HTTP and JSON nearly free: a compiled parser), and the answers' writes spread over
-more than one core, neither of which a Python event loop on a 2-core VM shared with the load
-generator gives. Spreading the load generator over processes does not help here: the 2 cores are
-already shared by the coordinator and one generator process, and its share is the few ms above.
+The floor on this box (`--floor`: the same load against `bench.coordinator_floor`, a server on the
+same event loop that parses nothing, checks nothing and keeps no state: heartbeats answered at
+once with a fixed body, quorum requests held until all 2,000 asked and answered first asker
+first): p50 35-42 ms, p99 55-78 ms, 8-9% CPU, in two runs at 19:03 UTC (the coordinator: 18-20%).
+So one Python event loop sharing 2 cores with the load generator already spends half of the 100
+ms at p99 reading requests and writing answers; the coordinator's own work (the lean HTTP path's
+checks, the body, the state machine, the quorum and each member's answer) has to fit in the other
+half and takes 60-100 ms of it at p99. Its per-message cost is now 23 us for a quorum request
+(about 4 us body, 10-12 us state machine, the rest framing, checks and the long-poll) and about
+20 us for a heartbeat; the p99 target needs roughly half of that again, which in Python is about
+the state machine's indexing alone. What would meet it is a compiled hot path (framing, body and
+index, as torchft's Rust lighthouse) or a machine where the load generator does not share the
+coordinator's cores; neither is on this box.
+
+Sixth pass (issue 16; 2026-12-01 17:46-19:20 UTC, Intel Xeon, 2 cores, load 0.2-1.6). (1) The
+bodies `CoordinatorClient` sends are cut by one compiled pattern (`ClientBodies`; anything else,
+another key order or spacing, an escape, a value out of range, goes through the strict decoder
+as before, and a fuzz test checks that every body gets the value or the error of the strict
+path): a quorum request's body 9.1 -> 2.7 us, a heartbeat's 6.9 -> 2.6 us. (2) The deadline heaps
+of the index (last heartbeat, last progress) hold one lower bound per replica, refreshed only when
+it reaches the top looking overdue, instead of two entries pushed per message and popped later (a
+profile of 7 steps counted 84,000 heap pops). In-process, a step of 2,000 asks through the lean
+path over recording transports: 32 -> 20 us an ask, 33 -> 22 us a heartbeat; end to end, three
+interleaved 30 s runs: p50 105 / 126 / 134 -> 90 / 94 / 64 ms, p99 232 / 203 / 181 -> 150 / 148 /
+139 ms, coordinator CPU 25-27% -> 18-22%. (3) Heartbeats are answered after the quorum requests
+read in the same pass of the loop and the decision they lead to, in slices of 2 ms a pass, none
+waiting over 0.1 s (`Coordinator._queue_beat`): the last ask of a step no longer waits behind the
+heartbeats that fall just before the asks. Modest: three interleaved 60 s runs, p99 141 / 139 /
+215 ms answered inline against 133 / 115 / 151 ms queued, p50 about the same (70-79 ms). (4) A
+message from a group's one incarnation with an unchanged claim skips the incarnation scan and the
+claim counts; a quorum of every pending request clears them at once (a test compares the index
+with one removal after another); a heartbeat's usual answer is one bytes formatting (a test
+compares it with `json.dumps`): in-process 19 -> 15-16 us an ask, 21 -> 18 us a heartbeat. (5) The
+load generator times every answer read in a pass of its loop before handling any: the last answer
+of a step was read 22 ms after the coordinator wrote it (its loop parsing the ones before), 8-9 ms
+since. Tried and not kept: re-evaluating at most every 2 ms (p50 124 / 120 / 120 against 130 / 131
+/ 126 ms, p99 unchanged); answering heartbeats only in passes that read no quorum request (p99 153
+/ 185 / 127 ms against 135 / 103 / 116 with the slices).
 
 Deferred evaluation (issue 16, fifth pass; 2026-12-01 10:36-10:40 UTC, Intel Xeon, 2 cores, load
 0.5-0.8). The coordinator used to re-evaluate (expire, move the head, decide the quorum) after
@@ -940,7 +965,7 @@ interleaved three times: quorum p50 149 / 135 / 130 ms and p99 216 / 179 / 192 m
 About 15% off the median and the p99: the target (p99 < 100 ms at 2,000 groups) is still not
 met on this box.
 
-This pass (issue 16, fourth): (1) `--trace`: the coordinator process is started with bench-only
+Fourth pass (issue 16): (1) `--trace`: the coordinator process is started with bench-only
 patches that timestamp each quorum request and answer (the served code is unchanged) and the
 latency is cut into the four parts above. (2) The load generator: callbacks instead of a task per
 group, byte-template bodies (client CPU 12% at 2,000 groups, 16-17% before; the step's last ask
@@ -958,8 +983,8 @@ kept), uvloop, a collector that pauses less, the compact per-member answer.
 
 At 4,000 groups the coordinator is not what breaks first: `ftlm coordinator` admits at most 4,096
 connections (`ft.coordinator_max_connections`), and 4,000 real leaders need 8,000 (a quorum
-connection and a heartbeat connection each). The groups that got connections stepped at 0.79
-steps/s (p99 219 ms); the others were refused with 503 and retried (the errors column). A
+connection and a heartbeat connection each). The groups that got connections stepped (the row's
+latencies are theirs); the others were refused with 503 and retried (the errors column). A
 4,000-group job needs the cap raised: `--set ft.coordinator_max_connections=8192`.
 """
 

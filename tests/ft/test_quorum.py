@@ -825,6 +825,17 @@ def test_a_quorum_of_every_pending_request_leaves_the_index_as_one_removal_after
         assert a.oldest_request() is None and b.oldest_request() is None
 
 
+
+def test_discarding_some_pending_requests_leaves_the_others() -> None:
+    state = CoordinatorState(head=(0, GENESIS), started_at=0.0, head_seen_at=0.0)
+    for g in ("g0", "g1"):
+        state.heartbeats[f"{g}:a"] = Heartbeat(f"{g}:a", g, 0.0, 0)
+        state.pending[f"{g}:a"] = ask(g, at=0.1)
+    state.pending.discard_all(["g0:a", "g0:a"])  # as many ids as requests, not all of them
+    assert list(state.pending) == ["g1:a"] and state.index.pending_groups == {"g1": {"g1:a": None}}
+    assert state.index.oldest_request() == 0.1
+
+
 # --------------------------------------- per-message work does not grow with the job (issue 16)
 
 

@@ -627,7 +627,7 @@ class _Table(dict):  # type: ignore[type-arg]
     def discard_all(self, rids: list[str]) -> None:
         """``pop(rid, None)`` for each of ``rids`` (a quorum's members leave the pending requests);
         when they are all the requests (a steady step), at once."""
-        if not self.is_heartbeats and len(rids) == len(self) and all(r in self for r in rids):
+        if not self.is_heartbeats and len(rids) == len(self) and dict.keys(self) == set(rids):
             dict.clear(self)
             self.index.all_requests_answered(rids)
             return

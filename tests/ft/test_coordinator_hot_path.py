@@ -369,3 +369,38 @@ def test_a_heartbeats_answer_is_encoded_as_json_dumps_does(answer) -> None:
     for _ in range(2):  # the epoch's encoding is kept between answers
         assert encoder.encode(answer) == json.dumps(answer).encode()
     assert encoder.encode({**answer, "epoch": "other"}) == json.dumps({**answer, "epoch": "other"}).encode()
+
+
+def test_heartbeats_are_answered_after_the_asks_of_a_pass_but_never_starved() -> None:
+    """Issue 16: a heartbeat read in a pass of the loop is answered after the decision that
+    pass's asks queue; a decision always pending (asks in every pass) delays it at most
+    ``_beat_max_wait`` (0.1 s)."""
+    import asyncio
+
+    c = Coordinator(CoordinatorConfig(heartbeat_timeout=60.0, join_timeout=60.0, token=TOKEN, min_replicas=1,
+                                      expected_groups=4))
+
+    async def run() -> tuple[list, float]:
+        conns, log = _four_groups(c)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        log.clear()
+        real_tick, ticks = c._deferred_tick, []
+
+        def tick() -> None:
+            real_tick()
+            ticks.append(time.monotonic())
+            c._tick_soon()  # another decision is always due: as asks arriving in every pass
+        c._deferred_tick = tick  # type: ignore[method-assign]
+        c._tick_soon()
+        start = time.monotonic()
+        conns["g0"].data_received(_request("/v1/heartbeat", _beat("g0")))
+        deadline = start + 5.0
+        while not log and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        c._deferred_tick = real_tick  # type: ignore[method-assign]
+        return log, time.monotonic() - start
+
+    log, waited = asyncio.run(run())
+    assert [name for name, _ in log] == ["g0"] and b" 200 OK" in log[0][1]
+    assert 0.09 <= waited < 2.0  # held while decisions were due, answered once it had waited 0.1 s

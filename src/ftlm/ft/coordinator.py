@@ -699,14 +699,16 @@ class Coordinator:
 
     def _drain_beats(self) -> None:
         """Answer queued heartbeats for one slice (all that waited too long), after any decision
-        queued for this pass; queue the rest for the next pass of the loop."""
+        queued for this pass (unless the oldest waited too long); queue the rest for the next pass
+        of the loop."""
         self._beats_pending = False
         beats = self._beats
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        if loop is not None and self._tick_pending and beats:  # decide first
+        if loop is not None and self._tick_pending and beats and (
+                time.monotonic() - beats[0][0] < self._beat_max_wait):  # decide first
             self._beats_pending = True
             loop.call_soon(self._drain_beats)
             return

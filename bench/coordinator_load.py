@@ -888,29 +888,30 @@ and the decomposition below says how much of each latency they are.
 How it was measured. The box has `sched_autogroup` on: every session gets an equal share of the 2
 cores whatever its processes' nice values, so the benchmark runs in a session of its own at
 autogroup nice -20 and nice -5 (`setsid sh -c 'echo -20 > /proc/self/autogroup; exec nice -n -5
-python -m bench.coordinator_load --sweep ... --trace'`), one run at a time. The p99 at 2,000 groups
-is the worst step or two of 13 and moves by a factor of two between runs of the same code on a
-quiet box (sixth pass: 99-232 ms, p50 64-123 ms); compare versions only interleaved, several runs
-each.
+python -m bench.coordinator_load --sweep ... --trace'`), one run at a time. In 30 s at 2,000 groups
+the p99 is the worst step or two of 13 and moved by a factor of two between runs of the same code
+on a quiet box (sixth pass: 99-232 ms, p50 64-123 ms), so the sweep above runs 60 s a size (41
+steps at 2,000 groups); compare versions only interleaved, several runs each.
 
 Target p99 < 100 ms at 2,000 groups: **not met on this box**. Three interleaved 60 s runs of
 the code at the start of the sixth pass and at its end (19:10-19:18 UTC, load 0.3-0.5): p50 137 /
 158 / 137 -> 85 / 85 / 71 ms, p99 231 / 277 / 256 -> 196 / 161 / 146 ms, coordinator CPU 28-31%
--> 18-21%; nine earlier runs of the changed code (18:28-18:52), p99 99-153 ms. The sweep ran in a slow spell
-of the box (its in-process state machine measured 20-26 us a message against the usual 13-15).
-Met at 500 groups (p99 29 ms) and at 1,000 (67 ms with 1 s heartbeats; 90 ms before this pass).
+-> 18-21%; nine earlier runs of the changed code (18:28-18:52), p99 99-153 ms; the sweep above,
+p50 82 ms and p99 138 ms (86 / 133 ms with 1.5 s heartbeats). Met at 500 groups (p99 40 ms) and at
+1,000 (73 ms; 77 ms with 1.5 s heartbeats; 90 ms before this pass).
 
-Where the milliseconds go at 2,000 groups (a traced run of this pass's code at 18:33 UTC, medians;
-p99 in brackets). A member's 74 ms (116): (1) 24 ms (51) waiting for the other groups' asks: a
-step's 2,000 asks leave over 47 ms, because each group asks 1 s (plus 0-10 ms) after its own
-answer, so the asks inherit the spread of the previous step's answers (26 ms of fan-out, then the
-load generator reading them). (2) 19 ms (46): the last ask waits in the coordinator's socket while
-the coordinator handles the step's earlier asks (23 us each, its own timestamps: more than the 23
-us between two asks). (3) 27 ms (55) in the coordinator after it read the last ask: 13 ms
-deciding (the round closes: 2,000 requests leave the index at once, the quorum is built and its
-2,000 answers queued), then this member's place among the 2,000 answers written over 26 ms (13 us
-each, about 8 of them the kernel's loopback send). (4) 4 ms (19) until the load generator reads
-the answer.
+Where the milliseconds go at 2,000 groups (the sweep's decomposition row, medians; p99 in
+brackets). A member's 82 ms (138): (1) 29 ms (78) waiting for the other groups' asks: a step's
+2,000 asks leave over 59 ms (median step), because each group asks 1 s (plus 0-10 ms) after its
+own answer, so the asks inherit the spread of the previous step's answers (32 ms of fan-out, then
+the load generator reading them, its last one 14 ms later; its own loop wrote a step's last ask
+up to 57 ms late in the worst step). (2) 18 ms (79): the last ask waits in the coordinator's
+socket while the coordinator handles the step's earlier asks (27 us each, its own timestamps,
+against 29 us between two asks: a few heartbeats or a burst put it behind). (3) 26 ms (51) in the
+coordinator after it read the last ask: 12 ms deciding (the round closes: 2,000 requests leave
+the index at once, the quorum is built and its 2,000 answers queued), then this member's place
+among the 2,000 answers written over 32 ms (16 us each, about 8 of them the kernel's loopback
+send). (4) 5 ms (53) until the load generator reads the answer.
 
 The floor on this box (`--floor`: the same load against `bench.coordinator_floor`, a server on the
 same event loop that parses nothing, checks nothing and keeps no state: heartbeats answered at

@@ -445,6 +445,14 @@ def _stopped_after(trainer: Trainer, step: int) -> Trainer:
     return trainer
 
 
+def _stop_then_resume(make_config, run_dir: Path, sections: dict, after: int) -> tuple[Trainer, list[str], Trainer]:
+    """A run stopped after step ``after`` (as a preempted job), the checkpoints it left, and a new
+    ``Trainer`` on its run directory that will resume it (not trained yet)."""
+    stopped = _stopped_after(Trainer.for_run(make_config(run_dir, **sections)), after)
+    stopped.train()
+    return stopped, _steps_on_disk(stopped.run_dir / "checkpoints"), Trainer.for_run(make_config(run_dir, **sections))
+
+
 @pytest.fixture(scope="module")
 def stop_resume(make_tiny_config, tmp_path_factory):
     """Run A trains 12 steps straight; run B is stopped after step 8 and resumed by a new Trainer.
@@ -462,11 +470,7 @@ def stop_resume(make_tiny_config, tmp_path_factory):
     a = Trainer.for_run(make_tiny_config(root / "a", **sections))
     a.train()
 
-    b = _stopped_after(Trainer.for_run(make_tiny_config(root / "b", **sections)), 8)
-    b.train()
-    at_stop = _steps_on_disk(b.run_dir / "checkpoints")
-
-    resumed = Trainer.for_run(make_tiny_config(root / "b", **sections))
+    b, at_stop, resumed = _stop_then_resume(make_tiny_config, root / "b", sections, 8)
     return a, b, resumed, resumed.train(), at_stop
 
 
@@ -511,21 +515,17 @@ def test_a_stop_between_checkpoints_saves_the_committed_step_and_resumes_from_it
     straight = Trainer.for_run(make_tiny_config(tmp_path / "a", **sections))
     straight.train()
 
-    stopped = _stopped_after(Trainer.for_run(make_tiny_config(tmp_path / "b", **sections)), 6)
-    stopped.train()
+    stopped, at_stop, resumed = _stop_then_resume(make_tiny_config, tmp_path / "b", sections, 6)
     assert stopped.state.step == 6
-    assert _steps_on_disk(stopped.run_dir / "checkpoints") == ["step-00000004", "step-00000006"]
-    resumed = Trainer.for_run(make_tiny_config(tmp_path / "b", **sections))
+    assert at_stop == ["step-00000004", "step-00000006"]
     summary = resumed.train()
     assert resumed.losses == straight.losses[6:]
     assert resumed.state_hash() == straight.state_hash()
     assert summary["data"]["restores"] == 0 and summary["steps_committed"] == 10
 
     off = dict(sections, checkpoint={**sections["checkpoint"], "on_stop": False})
-    stopped = _stopped_after(Trainer.for_run(make_tiny_config(tmp_path / "c", **off)), 6)
-    stopped.train()
-    assert _steps_on_disk(stopped.run_dir / "checkpoints") == ["step-00000004"]
-    resumed = Trainer.for_run(make_tiny_config(tmp_path / "c", **off))
+    _, at_stop, resumed = _stop_then_resume(make_tiny_config, tmp_path / "c", off, 6)
+    assert at_stop == ["step-00000004"]
     resumed.train()
     assert resumed.losses == straight.losses[4:]
 

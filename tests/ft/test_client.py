@@ -245,3 +245,34 @@ def test_coordinator_with_an_unusable_certificate_is_a_config_error(tls_files, t
             coord.start()
     with pytest.raises(ConfigError, match="set both"):
         CoordinatorConfig(tls_cert=str(tls_files.cert))
+
+
+def test_a_look_on_disk_voided_by_a_departure_is_asked_again_over_http(start, client) -> None:
+    """A restarted coordinator: g1 (step 3) and g2 (step 5) say the job had reached step 9. g1 looks
+    on disk and finds nothing newer; then g2, newer, leaves (it may have saved step 5 on its way
+    out): g1's waiting request is answered ``reload`` again in ``reload_round`` 1, and its look of
+    round 1 lets the rollback go to step 5."""
+    coord = start(expected_groups=2, heartbeat_timeout=5.0, join_timeout=5.0)
+    c1, c2 = client(coord.url, "g1", "a"), client(coord.url, "g2", "a")
+    s3, s5 = "3" * 64, "5" * 64
+    c1.heartbeat(3, 0, s3, 0.0, 9)
+    c2.heartbeat(5, 0, s5, 0.0, 9)
+    for c, step, chain in ((c1, 3, s3), (c2, 5, s5)):
+        with pytest.raises(QuorumTimeout) as told:
+            c.quorum(step, 0, False, {}, timeout=2.0, chain=chain)
+        assert (told.value.reload, told.value.reload_round) == (9, 0)
+    got: dict[str, Any] = {}
+
+    def look_and_wait() -> None:  # looked (nothing newer than step 3): waits for the rollback
+        try:
+            c1.quorum(3, 0, False, {}, timeout=10.0, chain=s3, disk_checked=9)
+        except QuorumTimeout as e:
+            got["again"] = e
+    waiter = threading.Thread(target=look_and_wait)
+    waiter.start()
+    wait_until(lambda: "g1:a" in coord.call_in_loop(lambda: dict(coord.membership.state.pending)))
+    c2.leave("stopped")
+    waiter.join(10.0)
+    assert not waiter.is_alive() and (got["again"].reload, got["again"].reload_round) == (9, 1)
+    q = c1.quorum(5, 0, False, {}, timeout=5.0, chain=s5, disk_checked=9, disk_round=1)  # loaded step 5
+    assert (q.step, q.size) == (5, 1)

@@ -73,10 +73,12 @@ def _client(group: str, incarnation: str) -> CoordinatorClient:
 
 @EXAMPLES
 @given(group=names, incarnation=names, step=ints, last=ints, failed=st.booleans(), meta=metas,
-       timeout=seconds, chain=chains, watch=watches, disk=st.one_of(st.just(-1), ints), changes=edits)
+       timeout=seconds, chain=chains, watch=watches, disk=st.one_of(st.just(-1), ints),
+       disk_round=st.one_of(st.just(0), ints), changes=edits)
 def test_a_quorum_body_gets_the_value_or_error_of_the_strict_path(group, incarnation, step, last, failed, meta,
-                                                                   timeout, chain, watch, disk, changes) -> None:
-    body = _client(group, incarnation).quorum_body(step, last, failed, meta, timeout, chain, watch, disk)
+                                                                   timeout, chain, watch, disk, disk_round,
+                                                                   changes) -> None:
+    body = _client(group, incarnation).quorum_body(step, last, failed, meta, timeout, chain, watch, disk, disk_round)
     raw = _edited(json.dumps(body).encode("utf-8"), changes)
     bodies = ClientBodies()
     assert _outcome(bodies.quorum, raw) == _outcome(_strict_quorum, raw)
@@ -124,7 +126,7 @@ BOUNDARY_INTS = [-2, -1, 0, 1, MAX_CLAIM - 1, MAX_CLAIM, MAX_CLAIM + 1, 10**16, 
 BOUNDARY_SECONDS = [-1.0, -0.0, 0, 0.0, 1e-9, 1, 1e9 - 1, 1e9, 1e9 + 1, 1e308, 10**400]
 
 
-@pytest.mark.parametrize("field", ["step", "last_quorum_id", "disk_checked", "timeout"])
+@pytest.mark.parametrize("field", ["step", "last_quorum_id", "disk_checked", "disk_round", "timeout"])
 def test_a_quorum_field_at_its_bounds_is_judged_as_the_strict_path_does(field) -> None:
     values = BOUNDARY_SECONDS if field == "timeout" else BOUNDARY_INTS
     for value in values:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from ftlm.ft.client import CoordinatorClient
 from ftlm.ft.coordinator_requests import parse_quorum_request
 from ftlm.ft.group import GroupProtocol
 from ftlm.ft.history import GENESIS
@@ -132,3 +133,69 @@ def test_disk_checked_is_validated_at_the_door() -> None:
     for bad in (-2, "5", True, 2**60):
         with pytest.raises(ValueError, match="disk_checked"):
             parse_quorum_request({**body, "disk_checked": bad})
+
+
+def _rebuilt_with_two_behind() -> Membership:
+    """A restarted coordinator hears g1 at step 3 and g2 at step 5, both saying the job had reached
+    step 9: each is told to look on disk (``reload`` 9)."""
+    m = Membership(QuorumOptions(1, 0.5, HB_TIMEOUT, 2, rebuild_grace=0.0), epoch="e2")
+    m.heartbeat(0.0, Heartbeat("g1:b", "g1", 0.0, 3, 0, "3" * 64, known_head=9))
+    m.heartbeat(0.0, Heartbeat("g2:b", "g2", 0.0, 5, 0, "5" * 64, known_head=9))
+    assert reloads(ask(m, "g1", 0.1, 3, "3" * 64, inc="b")) == {"g1:b": 9}
+    assert reloads(ask(m, "g2", 0.1, 5, "5" * 64, inc="b")) == {"g2:b": 9}
+    return m
+
+
+def rounds(out: list) -> dict[str, int]:
+    return {o.replica_id: o.body.get("reload_round", 0) for o in out
+            if isinstance(o, Answer) and o.status == 504 and o.body and "reload" in o.body}
+
+
+def test_a_look_made_before_a_newer_holder_left_is_done_again() -> None:
+    # (ftlm sim check --groups 5, seed 30206: the groups behind looked, then the only holder of a
+    # newer state saved it on its way out; the rollback went past it to the older state.)
+    m = _rebuilt_with_two_behind()
+    out = ask(m, "g1", 0.2, 3, "3" * 64, disk_checked=9, inc="b")  # g1 looked: nothing newer than 3
+    assert restores(out) == [] and reloads(out) == {}  # g2 (at 5, newer) is still loading
+    out = m.leave(0.3, "g2:b", "g2", "stopped")  # g2 saved step 5 on its way out (checkpoint.on_stop)
+    assert restores(out) == [] and rounds(out) == {"g1:b": 1}  # g1 looks again, in round 1
+    # Its request sent before it heard (round 0) does not count as that look.
+    out = ask(m, "g1", 0.31, 3, "3" * 64, disk_checked=9, inc="b")
+    assert restores(out) == [] and rounds(out) == {"g1:b": 1}
+    answer = m.heartbeat(0.32, Heartbeat("g1:b", "g1", 0.32, 3, 0, "3" * 64))[0]  # (if it heartbeats)
+    assert (answer["reload"], answer["reload_round"]) == (9, 1)
+    # It loaded the checkpoint of step 5 and says it looked in round 1: the job goes on from 5.
+    out = m.request(0.4, MemberRequest("g1:b", "g1", 5, -1, False, {}, 0.4, "5" * 64, (), 9, 1))
+    assert restores(out) == [(9, 5)] and m.state.head == (5, "5" * 64)
+
+
+def test_a_departure_that_leaves_an_as_new_holder_voids_no_look() -> None:
+    m = _rebuilt_with_two_behind()
+    m.heartbeat(0.0, Heartbeat("g3:b", "g3", 0.0, 5, 0, "5" * 64, known_head=9))
+    assert reloads(ask(m, "g3", 0.1, 5, "5" * 64, inc="b")) == {"g3:b": 9}
+    ask(m, "g1", 0.2, 3, "3" * 64, disk_checked=9, inc="b")
+    ask(m, "g3", 0.2, 5, "5" * 64, disk_checked=9, inc="b")
+    out = m.leave(0.3, "g2:b", "g2", "stopped")  # g3 still holds step 5: nothing newer left
+    assert rounds(out) == {} and restores(out) == [(9, 5)]
+
+
+def test_group_protocol_looks_again_in_a_new_round() -> None:
+    p = GroupProtocol("g1:a", 3)
+    p.sync(4, "4" * 64)
+    assert p.reload_due(7) and (p.request()["disk_checked"], p.request()["disk_round"]) == (7, 0)
+    assert not p.reload_due(7, 0)
+    assert p.reload_due(7, 1) and p.request()["disk_round"] == 1
+    assert not p.reload_due(7, 1)
+
+
+def test_disk_round_is_validated_at_the_door_and_sent_only_when_above_zero() -> None:
+    body = {"group": "g1", "incarnation": "a", "step": 0, "last_quorum_id": -1, "failed": False,
+            "meta": {}, "timeout": 1.0, "disk_checked": 5}
+    assert parse_quorum_request(body).disk_round == 0
+    assert parse_quorum_request({**body, "disk_round": 2}).disk_round == 2
+    for bad in (-1, "2", False, 2**60):
+        with pytest.raises(ValueError, match="disk_round"):
+            parse_quorum_request({**body, "disk_round": bad})
+    client = CoordinatorClient("http://127.0.0.1:1", "g1", "a")
+    assert "disk_round" not in client.quorum_body(0, -1, False, {}, 1.0, disk_checked=5)
+    assert client.quorum_body(0, -1, False, {}, 1.0, disk_checked=5, disk_round=2)["disk_round"] == 2

@@ -248,3 +248,13 @@ def test_no_rollback_gives_up_a_newer_durable_checkpoint() -> None:
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     assert [r.restores_past_checkpoint for r in results] == [0] * len(results)
     assert sum(r.restores for r in results) >= len(results)  # every holder of the head did die
+
+
+def test_a_look_on_disk_made_before_the_last_newer_holder_saved_and_left_is_done_again() -> None:
+    """Seed 30206 of 5 groups: four groups behind the head looked on disk and found nothing newer;
+    then the only holder of a newer state (step 51) was preempted, saved it on its way out and
+    left. Their looks predated that save: the rollback went to step 50 with 51 on disk, until the
+    coordinator voided such looks (``reload_round``)."""
+    r = run(30206, SimConfig(groups=5))
+    assert r.ok, r.error
+    assert r.restores >= 1 and r.restores_past_checkpoint == 0, r

@@ -52,12 +52,22 @@ class QuorumTimeout(CoordinatorError):
     """No quorum including this group was issued within the requested time (HTTP 504).
 
     ``reload``: the head's step when the coordinator answered early because no live group holds
-    it: a group behind it should load a newer durable checkpoint, if it has one, and ask again."""
+    it: a group behind it should load a newer durable checkpoint, if it has one, and ask again;
+    ``reload_round``: above 0 when it looked already for that step and must look again."""
 
-    def __init__(self, reason: str, reload: int | None = None) -> None:
+    def __init__(self, reason: str, reload: int | None = None, reload_round: int = 0) -> None:
         super().__init__(f"no quorum yet: {reason}")
         self.reason = reason
         self.reload = reload
+        self.reload_round = reload_round
+
+
+def reload_word(answer: dict[str, Any]) -> tuple[int | None, int]:
+    """An answer's ``reload`` (the head's step, None without a valid one) and ``reload_round``
+    (0 without a valid one)."""
+    head, again = answer.get("reload"), answer.get("reload_round", 0)
+    return (head if type(head) is int and head >= 0 else None,
+            again if type(again) is int and again >= 0 else 0)
 
 
 # Errors that mean "no usable answer from the server" rather than "the server said no".
@@ -129,18 +139,18 @@ class CoordinatorClient:
 
     def quorum(self, step: int, last_quorum_id: int, failed: bool, meta: dict[str, Any], timeout: float,
                chain: str = GENESIS, watch: list[str] | tuple[str, ...] = (),
-               disk_checked: int = -1) -> MemberQuorum:
+               disk_checked: int = -1, disk_round: int = 0) -> MemberQuorum:
         """Ask for the quorum of the next step, waiting up to ``timeout`` seconds (server caps at 60 s).
 
         Returns this member's answer (``ftlm.ft.quorum_answer``), which says which of the replica
         ids in ``watch`` are members. ``failed`` with the current quorum's id reports that its step
         failed here: the coordinator then declares dead the peers that stay silent.
         ``disk_checked``: the head step for which this group looked for a newer durable
-        checkpoint, after a ``QuorumTimeout`` with ``reload``.
+        checkpoint, after a ``QuorumTimeout`` with ``reload``; ``disk_round``: its ``reload_round``.
         Raises QuorumTimeout when none was issued in time, CoordinatorUnavailable when the server is
         unreachable, StaleIncarnation when this incarnation was replaced by a newer one.
         """
-        body = self.quorum_body(step, last_quorum_id, failed, meta, timeout, chain, watch, disk_checked)
+        body = self.quorum_body(step, last_quorum_id, failed, meta, timeout, chain, watch, disk_checked, disk_round)
         # A quorum request is a heartbeat too (the coordinator records it as one): the heartbeat
         # thread skips a beat when one went out within its interval.
         self.last_request_at = time.monotonic()
@@ -153,7 +163,7 @@ class CoordinatorClient:
 
     def quorum_body(self, step: int, last_quorum_id: int, failed: bool, meta: dict[str, Any], timeout: float,
                     chain: str = GENESIS, watch: list[str] | tuple[str, ...] = (),
-                    disk_checked: int = -1) -> dict[str, Any]:
+                    disk_checked: int = -1, disk_round: int = 0) -> dict[str, Any]:
         """The JSON body ``quorum`` sends (load tests send it over their own connections)."""
         body = {"group": self.group, "incarnation": self.incarnation, "step": step,
                 "last_quorum_id": last_quorum_id, "failed": failed, "meta": meta, "timeout": timeout,
@@ -162,6 +172,8 @@ class CoordinatorClient:
             body["watch"] = list(watch)
         if disk_checked >= 0:
             body["disk_checked"] = disk_checked
+            if disk_round > 0:
+                body["disk_round"] = disk_round
         return body
 
     @property
@@ -233,9 +245,7 @@ class CoordinatorClient:
         message = answer.get("error", "") if isinstance(answer, dict) else str(answer)
         if status == 504:
             body = answer if isinstance(answer, dict) else {}
-            reload = body.get("reload")
-            raise QuorumTimeout(str(body.get("reason", message)),
-                                reload if type(reload) is int and reload >= 0 else None)
+            raise QuorumTimeout(str(body.get("reason", message)), *reload_word(body))
         if status == 409:
             raise StaleIncarnation(message)
         if status == 401:

@@ -16,14 +16,17 @@ Endpoints (all require ``Authorization: Bearer <token>`` when a token is configu
 and ``GET /metrics`` included, as DESIGN.md section 9 asks; Prometheus sends it with
 ``authorization: {credentials: ...}``):
   POST /v1/heartbeat  {group, incarnation, step, quorum_id} -> {quorum_id, dead, dead_quorums, epoch,
-                      rebuilding[, reload]}: ``dead_quorums`` are the ids of the quorums in flight (of
-                      ``epoch``) with a dead member, whose members abort their all-reduce; ``reload``
-                      as in a quorum answer below, for a member behind the head that has not asked
+                      rebuilding[, reload, reload_round]}: ``dead_quorums`` are the ids of the quorums
+                      in flight (of ``epoch``) with a dead member, whose members abort their
+                      all-reduce; ``reload`` as in a quorum answer below, for a member behind the
+                      head that has not asked
   POST /v1/quorum     {group, incarnation, step, last_quorum_id, failed, meta, timeout[, chain, watch,
-                      disk_checked]}
+                      disk_checked, disk_round]}
                       -> 200 this member's answer (``ftlm.ft.quorum_answer``) | 504 {error, reason}
                       (with ``reload``: the head's step, which no live group holds: load a newer
-                      durable checkpoint, if any, and ask again) | 409 {error} (replaced
+                      durable checkpoint, if any, and ask again with ``disk_checked``; and
+                      ``reload_round`` when it looked already but must look again, echoed as
+                      ``disk_round``) | 409 {error} (replaced
                       incarnation). ``failed`` with ``last_quorum_id`` of the current quorum
                       reports its step failed: peers silent since are declared dead
                       after ``suspect_window`` (corroborated by their silence)
@@ -904,7 +907,8 @@ class HeartbeatAnswerEncoder:
 
 def _member_request(body: QuorumBody, now: float) -> MemberRequest:
     return MemberRequest(f"{body.group}:{body.incarnation}", body.group, body.step, body.last_quorum_id,
-                         body.failed, body.meta, now, body.chain, body.watch, body.disk_checked)
+                         body.failed, body.meta, now, body.chain, body.watch, body.disk_checked,
+                         body.disk_round)
 
 
 def quiet_collector() -> None:

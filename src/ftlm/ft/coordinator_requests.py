@@ -47,6 +47,7 @@ class QuorumBody:
     chain: str
     watch: tuple[str, ...] = ()
     disk_checked: int = -1
+    disk_round: int = 0
 
 
 @dataclass
@@ -207,7 +208,7 @@ def parse_heartbeat(body: Any) -> HeartbeatBody:
 
 def parse_quorum_request(body: Any) -> QuorumBody:
     """``POST /v1/quorum``: {group, incarnation, step, last_quorum_id, failed, meta, timeout[, chain, watch,
-    disk_checked]}."""
+    disk_checked, disk_round]}."""
     group, incarnation = _name_field(body, "group"), _name_field(body, "incarnation")
     step, last_quorum_id = _int_field(body, "step", 0), _int_field(body, "last_quorum_id", -1)
     failed, meta = _field(body, "failed"), _field(body, "meta")
@@ -217,8 +218,9 @@ def parse_quorum_request(body: Any) -> QuorumBody:
         raise ValueError(f"meta must be a JSON object, got {type(meta).__name__}")
     timeout = _seconds_field(_field(body, "timeout"), "timeout", zero_ok=False)
     disk_checked = _int_field(body, "disk_checked", -1) if "disk_checked" in body else -1
+    disk_round = _int_field(body, "disk_round", 0) if "disk_round" in body else 0
     return QuorumBody(group, incarnation, step, last_quorum_id, failed, meta, timeout, _chain_field(body),
-                      _watch_field(body), disk_checked)
+                      _watch_field(body), disk_checked, disk_round)
 
 
 def _watch_field(body: dict[str, Any]) -> tuple[str, ...]:

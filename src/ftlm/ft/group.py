@@ -96,6 +96,9 @@ class GroupProtocol:
     disk_checked: int = -1
     """The head step (held by no live group) for which this group looked for a newer durable
     checkpoint since its last quorum (``reload_due``); reported in its requests."""
+    disk_round: int = 0
+    """The ``reload_round`` it looked in (the coordinator voids a look made before a newer state's
+    holder left: that holder may have saved it on its way out)."""
     _pg_quorum: tuple[str, int] | None = None
     _suspect: str | None = None  # membership digest of a failed step's quorum, judged at the next quorum
     _served: set[tuple[str, int]] = field(default_factory=set)
@@ -114,15 +117,16 @@ class GroupProtocol:
         membership the answer reports (the answer does not list the members, issue 16)."""
         return {"step": self.step, "chain": self.chain, "last_quorum_id": self.quorum_id,
                 "failed": self.failed, "recover_request": self.recover_request,
-                "watch": sorted(self._serving)[:MAX_WATCH], "disk_checked": self.disk_checked}
+                "watch": sorted(self._serving)[:MAX_WATCH], "disk_checked": self.disk_checked,
+                "disk_round": self.disk_round}
 
-    def reload_due(self, head: int | None) -> bool:
-        """Whether a "no quorum yet" answer naming ``head`` (no live group holds it) asks this group
-        to look for a durable checkpoint newer than its state; if so, it will have looked by its
-        next request (which says so)."""
-        if head is None or head <= self.step or head == self.disk_checked:
+    def reload_due(self, head: int | None, again: int = 0) -> bool:
+        """Whether a "no quorum yet" answer naming ``head`` (no live group holds it), in its round
+        ``again`` (``reload_round``), asks this group to look for a durable checkpoint newer than
+        its state; if so, it will have looked by its next request (which says so)."""
+        if head is None or head <= self.step or (head, again) == (self.disk_checked, self.disk_round):
             return False
-        self.disk_checked = head
+        self.disk_checked, self.disk_round = head, again
         return True
 
     # -- an issued quorum ------------------------------------------------------------------------
@@ -142,7 +146,7 @@ class GroupProtocol:
         self.quorum = q
         self.quorum_id = q.quorum_id
         self.known_head = max(self.known_head, q.step, self.step)
-        self.disk_checked = -1
+        self.disk_checked, self.disk_round = -1, 0
         self.failed, self.failure = False, ""
         me = self.replica_id
         recovering = q.is_recovering(me)

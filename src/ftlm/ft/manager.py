@@ -29,7 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ftlm.ft.client import CoordinatorClient, CoordinatorError, CoordinatorUnavailable, Heartbeater, QuorumTimeout
+from ftlm.ft.client import (CoordinatorClient, CoordinatorError, CoordinatorUnavailable, Heartbeater, QuorumTimeout,
+                            reload_word)
 from ftlm.ft.config import FTConfig
 from ftlm.ft.faults import FaultSchedule
 from ftlm.ft.group import GroupProtocol, Role, TooManyFailures
@@ -131,7 +132,8 @@ class Manager:
         self._answered = threading.Condition()  # a heartbeat answer arrived (leader)
         self._answered_at = time.monotonic()
         self._declared_dead = False  # the coordinator declared this incarnation dead this step
-        self._reload_hint: int | None = None  # a heartbeat answer's ``reload`` (no live holder of the head)
+        # A heartbeat answer's ``reload`` and ``reload_round`` (no live holder of the head).
+        self._reload_hint: tuple[int | None, int] = (None, 0)
         self._allreduce_started = 0.0
         # Set from a signal handler: a plain flag (an Event's lock could deadlock there).
         self._stop_requested = False
@@ -177,8 +179,7 @@ class Manager:
         """Abort the collective in flight when a member of our quorum is reported dead."""
         q = self.quorum
         try:
-            hint = answer.get("reload")
-            self._reload_hint = hint if type(hint) is int else None
+            self._reload_hint = reload_word(answer)
             if q is None or answer.get("rebuilding"):
                 return
             dead, aborted = answer.get("dead"), answer.get("dead_quorums")
@@ -261,17 +262,19 @@ class Manager:
                     f"(last reason: {reason}); is the coordinator running and are enough "
                     "groups up (ft.min_replicas)?")
             self._progress()  # asking is progress: a group waiting for others is not hung
-            if self.proto.reload_due(hint := self._reload_hint):
+            head, again = self._reload_hint
+            if head is not None and self.proto.reload_due(head, again):
                 # Heard in a heartbeat answer: no live group holds the job's newest state.
-                raise ReloadCheckpoint(hint, f"no live group holds step {hint}")
+                raise ReloadCheckpoint(head, f"no live group holds step {head}")
             ask = self.proto.request()
             try:
                 return self.client.quorum(ask["step"], ask["last_quorum_id"], ask["failed"], self._meta(),
                                           timeout=min(remaining, STOP_POLL_SECONDS), chain=ask["chain"],
-                                          watch=ask["watch"], disk_checked=ask["disk_checked"])
+                                          watch=ask["watch"], disk_checked=ask["disk_checked"],
+                                          disk_round=ask["disk_round"])
             except QuorumTimeout as e:
                 reason = e.reason
-                if self.proto.reload_due(e.reload):
+                if self.proto.reload_due(e.reload, e.reload_round):
                     raise ReloadCheckpoint(e.reload, e.reason) from None
             except CoordinatorUnavailable as e:
                 reason = f"coordinator unavailable ({e})"
@@ -293,7 +296,7 @@ class Manager:
                 self._answered_at = time.monotonic()
             # Newer than the last heartbeat's "reload" (a group asking every step sends no
             # heartbeats, so a stale one would make it look on disk at every step after a rollback).
-            self._reload_hint = None
+            self._reload_hint = (None, 0)
             _broadcast_json(q.to_json(), self.ranks, self.control)
             return q
         got = _broadcast_json(None, self.ranks, self.control)

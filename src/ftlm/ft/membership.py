@@ -36,6 +36,7 @@ from ftlm.ft.quorum import (
     record_request,
     reload_due,
     reload_hint,
+    reload_round,
     remove_member,
     withdraw_request,
 )
@@ -126,6 +127,8 @@ class Membership:
             answer["declared_dead"] = True
         if (reload := reload_hint(now, self.state, self.options, hb.replica_id)) is not None:
             answer["reload"] = reload  # no live group holds it: look for a newer checkpoint first
+            if again := reload_round(self.state, hb.replica_id):
+                answer["reload_round"] = again  # it looked, and must look again
         if self.kill_requests:
             self.kill_requests = {r for r in self.kill_requests if r in self.state.heartbeats}  # forget gone ones
             if hb.replica_id in self.kill_requests:
@@ -192,10 +195,12 @@ class Membership:
         for req in due:
             # Answered now, not at the end of its long-poll: the rollback grace is short.
             withdraw_request(self.state, req)
-            out.append(Answer(req.replica_id, 504, {
-                "error": "quorum timeout", "reload": head,
-                "reason": (f"no live group holds step {head}: load a durable checkpoint newer than "
-                           f"step {req.step} if there is one, then ask again")}))
+            body = {"error": "quorum timeout", "reload": head,
+                    "reason": (f"no live group holds step {head}: load a durable checkpoint newer than "
+                               f"step {req.step} if there is one, then ask again")}
+            if again := reload_round(self.state, req.replica_id):
+                body["reload_round"] = again
+            out.append(Answer(req.replica_id, 504, body))
         quorum, reason = compute_quorum(now, self.state, options)
         self.reason = waiting if quorum is None and waiting else reason
         if quorum is None:

@@ -73,6 +73,9 @@ class MemberRequest:
     """Replica ids whose membership the group wants to know (the joiners it serves)."""
     disk_checked: int = -1
     """The head step for which the group looked for a newer durable checkpoint (``reload_due``)."""
+    disk_round: int = 0
+    """Which telling of ``disk_checked`` it looked after (``reload_round``: 0 the first, one more
+    each time the coordinator voided its look, see ``_void_stale_looks``)."""
 
 
 @dataclass
@@ -693,6 +696,12 @@ class CoordinatorState:
     reloads: dict[str, float | None] = field(default_factory=dict)
     """While no live member holds the head: members told to load a newer durable checkpoint ->
     when they were first told, or None once they asked again saying they looked (done)."""
+    looked_below: dict[str, int] = field(default_factory=dict)
+    """Members that looked -> the newest live claim's step when they did (``_void_stale_looks``)."""
+    looked_high: int = -1
+    """At least the highest of ``looked_below`` (nothing to void while the newest claim is as new)."""
+    reload_rounds: dict[str, int] = field(default_factory=dict)
+    """Members whose look was voided -> how many times (the ``reload_round`` they are told)."""
     index: _Index = field(default_factory=_Index, compare=False, repr=False)
     """Counts and heaps over ``heartbeats`` and ``pending`` (kept by the tables themselves)."""
 
@@ -801,8 +810,11 @@ def record_request(state: CoordinatorState, req: MemberRequest) -> list[str]:
                                                  req.chain, req.asked_at, prior.known_head if prior else 0),
                                 request=True)
     state.pending[req.replica_id] = req
-    if req.disk_checked >= 0 and req.disk_checked == _reload_target(state):
+    if (req.disk_checked >= 0 and req.disk_checked == _reload_target(state)
+            and req.disk_round == state.reload_rounds.get(req.replica_id, 0)):
         state.reloads[req.replica_id] = None  # it looked for a newer checkpoint (and loaded it, if any)
+        state.looked_below[req.replica_id] = newest = _newest_claim(state)
+        state.looked_high = max(state.looked_high, newest)
     if state.round_started is None:
         state.round_started = req.asked_at
     if req.failed:
@@ -982,7 +994,7 @@ def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
         return [], ""
     if state.head in claims.values():
         state.head_seen_at = now
-        state.reloads.clear()
+        _end_reloads(state)
         return [], ""
     if state.finished:
         return [], (f"the job finished at step {step} (its groups left); a group joining now has "
@@ -1029,8 +1041,10 @@ def _await_reloads(now: float, state: CoordinatorState, options: QuorumOptions,
     head). One that joined during the grace, or never asked, is told now (its heartbeat answer or
     request says ``reload``). The rollback waits until each asks again saying it looked
     (``disk_checked``), at most ``reload_seconds`` from when it was told (a hung load is also
-    caught by ``progress_timeout``).
+    caught by ``progress_timeout``); a look that a departure made stale is done again
+    (``_void_stale_looks``).
     """
+    _void_stale_looks(now, state)
     for r, c in claims.items():
         if c[0] < step:
             state.reloads.setdefault(r, now)
@@ -1067,7 +1081,7 @@ def _advance_head_steady(now: float, state: CoordinatorState,
     if claims.get(state.head):
         state.head_seen_at = now
         if state.reloads:
-            state.reloads.clear()
+            _end_reloads(state)
         return [], ""
     return None
 
@@ -1077,7 +1091,15 @@ def _set_head(state: CoordinatorState, head: tuple[int, str], now: float) -> Non
     state.head_quorums = []
     state.head_seen_at = now
     state.top = max(state.top, head[0])
+    _end_reloads(state)
+
+
+def _end_reloads(state: CoordinatorState) -> None:
+    """A live member holds the head (again), or a new head was chosen: nobody is to look on disk."""
     state.reloads.clear()
+    state.looked_below.clear()
+    state.looked_high = -1
+    state.reload_rounds.clear()
 
 
 def reload_due(now: float, state: CoordinatorState, options: QuorumOptions) -> tuple[int, list[MemberRequest]]:
@@ -1099,7 +1121,10 @@ def reload_due(now: float, state: CoordinatorState, options: QuorumOptions) -> t
     step = _unheld_head(now, state, options)
     if step is None:
         return -1, []
-    due = [req for req in state.pending.values() if req.step < step and req.disk_checked != step]
+    _void_stale_looks(now, state)
+    rounds = state.reload_rounds
+    due = [req for req in state.pending.values()
+           if req.step < step and (req.disk_checked != step or req.disk_round != rounds.get(req.replica_id, 0))]
     for req in due:
         state.reloads.setdefault(req.replica_id, now)
     return step, due
@@ -1128,6 +1153,37 @@ def _unheld_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
     if state.finished or state.head_seen_at is None or now - state.head_seen_at < options.rollback_seconds / 4:
         return None
     return state.head[0]
+
+
+def _newest_claim(state: CoordinatorState) -> int:
+    """The step of the newest state a live member claims (-1 without members)."""
+    return max((step for step, _ in state.index.hb_claims), default=-1)
+
+
+def _void_stale_looks(now: float, state: CoordinatorState) -> None:
+    """Members that looked on disk while a live member held a newer state than any live member
+    holds now look again: the newer state's holder left or died since, and may have saved it on
+    its way out (``checkpoint.on_stop``: the participant 0 of its last step does, before it
+    leaves) after they looked (``ftlm sim check --groups 5``, seed 30206: they rolled back to step
+    50 with step 51 on disk). Each is told again with its ``reload_round`` one higher; a request
+    that says it looked in an earlier round (sent before it heard) does not count."""
+    if not state.looked_below:
+        return
+    newest = _newest_claim(state)
+    if newest >= state.looked_high:  # (cheap in the common case: nobody newer left)
+        return
+    stale = [r for r, below in state.looked_below.items() if below > newest]
+    state.looked_high = newest
+    for r in stale:
+        del state.looked_below[r]
+        if state.reloads.get(r, 0.0) is None:
+            state.reloads[r] = now
+            state.reload_rounds[r] = state.reload_rounds.get(r, 0) + 1
+
+
+def reload_round(state: CoordinatorState, replica_id: str) -> int:
+    """How many times ``replica_id``'s look on disk was voided (its answers' ``reload_round``)."""
+    return state.reload_rounds.get(replica_id, 0)
 
 
 def _reload_target(state: CoordinatorState) -> int:

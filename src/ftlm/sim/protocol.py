@@ -29,6 +29,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ftlm.ft.client import reload_word
 from ftlm.ft.group import GroupProtocol, TooManyFailures, check_replay
 from ftlm.ft.history import GENESIS, extend_chain
 from ftlm.ft.membership import Answer, Event, Issued, Membership
@@ -171,7 +172,7 @@ class Incarnation:
     left: bool = False  # told the coordinator it leaves; the process exits a moment later
     request_lost: bool = False  # its current quorum request or the answer to it was lost
     reload_head: int | None = None  # told to reload while applying its update: done at its next step
-    reload_hint: int | None = None  # the last heartbeat answer's ``reload`` (``Manager._reload_hint``)
+    reload_hint: tuple[int | None, int] = (None, 0)  # the last heartbeat answer's ``reload`` and round
     writer: bool = False  # participant 0 of the last step it committed as a participant
 
     @property
@@ -541,7 +542,7 @@ class Simulation:
     def on_heartbeat_answer(self, inc: Incarnation, answer: dict) -> None:
         if not inc.running:
             return
-        inc.reload_hint = answer.get("reload")
+        inc.reload_hint = reload_word(answer)
         if answer.get("rebuilding") or inc.quorum is None:
             return
         # As the manager: the answer names the quorums in flight that lost a member.
@@ -609,13 +610,14 @@ class Simulation:
         if not inc.running or inc.hung_training or inc.request_seq != seq or not inc.polling or inc.left:
             return
         inc.proto.sync(inc.state.step, inc.state.chain)  # as Manager.start_step (or Manager.ask) does
-        if self.c.reload_checkpoints and inc.proto.reload_due(inc.reload_hint):  # as Manager._request_quorum
-            self.told_to_reload(inc, inc.reload_hint)
+        head, again = inc.reload_hint
+        if self.c.reload_checkpoints and head is not None and inc.proto.reload_due(head, again):
+            self.told_to_reload(inc, head)  # as Manager._request_quorum
             return
         fields = inc.proto.request()
         req = MemberRequest(inc.replica_id, inc.group, fields["step"], fields["last_quorum_id"], fields["failed"],
                             {"recover_request": fields["recover_request"]}, 0.0, fields["chain"],
-                            tuple(fields["watch"]), fields["disk_checked"])
+                            tuple(fields["watch"]), fields["disk_checked"], fields["disk_round"])
         inc.request = req
         inc.asked_at = self.now  # a quorum request is a heartbeat: the next beat waits an interval
 
@@ -675,9 +677,9 @@ class Simulation:
         if answer.status == 409:
             self.die(inc, "stale incarnation")
             return
-        if (answer.status == 504 and self.c.reload_checkpoints
-                and inc.proto.reload_due((answer.body or {}).get("reload"))):
-            self.told_to_reload(inc, answer.body["reload"])
+        head, again = reload_word(answer.body or {})
+        if answer.status == 504 and self.c.reload_checkpoints and inc.proto.reload_due(head, again):
+            self.told_to_reload(inc, head)
             return
         if answer.status != 200:
             self.at(0.01, lambda: self.poll_ended(inc) if inc.polling and inc.request_seq == seq else None,
@@ -706,7 +708,7 @@ class Simulation:
         inc.quorum = q
         inc.abort_pending = False
         inc.progress_at = self.now
-        inc.reload_hint = None  # as the manager: a quorum is newer word than any heartbeat's "reload"
+        inc.reload_hint = (None, 0)  # as the manager: a quorum is newer word than any heartbeat's "reload"
         me = inc.replica_id
         if role.participant_index is not None and (inc.state.step, inc.state.chain) != (q.step, q.chain):
             self.fail(f"{me} is a participant of quorum {q.quorum_id} at step {q.step} but holds step "

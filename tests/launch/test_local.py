@@ -21,7 +21,7 @@ from ftlm.config import build_config
 from ftlm.errors import FtlmError
 from ftlm.launch.chaos import ALL_RANKS, COORDINATOR, Chaos
 from ftlm.launch.console import ConsoleView
-from ftlm.launch.local import GroupProcess, LocalLauncher
+from ftlm.launch.local import TEARDOWN_SECONDS, GroupProcess, LocalLauncher
 from ftlm.observe.events import EventLog, read_events
 
 
@@ -347,6 +347,39 @@ def test_a_group_that_hangs_after_printing_its_result_is_killed_and_its_result_s
     launcher._watchdog({"members": [], "dead": []}, launcher.events, later)
     (killed,) = kinds(launcher, "member_killed")
     assert "printed its result but did not exit" in killed["reason"]
+    wait_exit(g)
+    launcher._reap(launcher.events, later)
+    (exit_event,) = kinds(launcher, "group_exit")
+    assert exit_event["ok"] is True and exit_event["preempted"] is True and exit_event["final_step"] == 40
+    assert g.restart_at is not None and launcher.fatal == ""
+
+
+def test_a_group_that_left_and_printed_its_result_gets_only_the_teardown_to_exit(launcher):
+    """Soak seed 46 with preemptions: a group preempted at step 744 of 800 left the job, printed
+    its result and was SIGSTOPped on its way out; it was waited for cluster.grace_seconds after
+    its leave and again after its result (240 s), the others finished meanwhile and the job gave
+    up with a replica short of the last step. With every rank's result printed only its exit is
+    left: it is killed after TEARDOWN_SECONDS, its result stands and it restarts."""
+    g = launcher.groups[1]
+    g.incarnation = "inc0"
+    start(launcher, g, _result_line(g, 40) + "; kill -STOP $$")
+    for _ in range(200):  # bounded: 10 s for the result line
+        if launcher._results(g) is not None:
+            break
+        time.sleep(0.05)
+    t0 = time.time()
+    launcher._observe({"members": [member(g)], "dead": []}, t0)
+    launcher._observe({"members": [], "dead": [], "left": [{"replica_id": g.replica_id, "group": "g1",
+                                                            "reason": "stopped", "seconds_ago": 0.1}]}, t0 + 0.1)
+    launcher._watchdog({"members": [], "dead": []}, launcher.events, t0 + 0.2)
+    assert g.running() and not kinds(launcher, "member_killed")  # its teardown is bounded from here
+    launcher._watchdog({"members": [], "dead": []}, launcher.events, t0 + 0.2 + TEARDOWN_SECONDS - 0.5)
+    assert g.running()
+    later = t0 + 0.2 + TEARDOWN_SECONDS + 0.5  # far inside cluster.grace_seconds of its leave
+    assert later - t0 < launcher.config.cluster.grace_seconds
+    launcher._watchdog({"members": [], "dead": []}, launcher.events, later)
+    (killed,) = kinds(launcher, "member_killed")
+    assert killed["reason"] == f"left the job and printed its result but did not exit within {TEARDOWN_SECONDS:g} s"
     wait_exit(g)
     launcher._reap(launcher.events, later)
     (exit_event,) = kinds(launcher, "group_exit")

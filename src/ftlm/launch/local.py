@@ -46,6 +46,10 @@ from ftlm.observe.summary import build_summary, proof_problems, write_summary
 from ftlm.train.checkpoint_files import valid_checkpoints
 
 RESULT_PREFIX = "FTLM_RESULT "
+TEARDOWN_SECONDS = 10.0
+"""How long a group that left the job, every rank of which printed its final result, may take to
+exit before it is killed (its result stands): it has nothing left to do, and the other groups
+stay at the end of the job only ``ft.quorum_timeout`` for it to come back if it was preempted."""
 EXIT_USAGE = 2
 """Exit status of ``ftlm`` after its one-line ``FtlmError`` (bad config, missing data...)."""
 
@@ -522,6 +526,10 @@ class LocalLauncher:
         * it left the job (finished or preempted: no heartbeat is expected any more) but has not
           exited within ``cluster.grace_seconds``: saving the model, summarizing and stopping its
           servers take longer than a heartbeat timeout for a large model or on a busy machine;
+          once every rank printed its final result, though, nothing is left but the exit, which
+          gets ``TEARDOWN_SECONDS`` (soak seed 46 with preemptions: a preempted group SIGSTOPped
+          on its way out was waited for twice the grace, the others finished meanwhile, and the
+          job gave up with a replica short of the last step);
         * any of these, but it printed its final result (it is exiting), and it still has not
           exited ``cluster.grace_seconds`` later (a teardown that hangs): it is killed, and its
           result stands (``_reap``).
@@ -540,13 +548,18 @@ class LocalLauncher:
                 if self._up_seconds(g.started, now) > ft.startup_timeout:
                     reason = "start-up timeout"
             elif g.left_at is not None:
-                if now - g.left_at > self.config.cluster.grace_seconds:
+                if self._results(g) is not None:  # every rank printed its result: only the exit is left
+                    g.exiting_since = g.exiting_since or now
+                    if now - g.exiting_since > TEARDOWN_SECONDS:
+                        reason, g.stuck_exit = (f"left the job and printed its result but did not exit "
+                                                f"within {TEARDOWN_SECONDS:g} s"), True
+                elif now - g.left_at > self.config.cluster.grace_seconds:
                     reason = (f"did not exit within cluster.grace_seconds="
                               f"{self.config.cluster.grace_seconds} s of leaving the job")
             elif g.absent_since is not None and self._up_seconds(g.absent_since, now) > grace:
                 entry = dead.get(g.replica_id)
                 reason = f"declared dead: {entry['reason']}" if entry else "heartbeat lost"
-            if reason and self._has_result(g):  # exiting: bounded too (a teardown can hang)
+            if reason and not g.stuck_exit and self._has_result(g):  # exiting: bounded too (a teardown can hang)
                 g.exiting_since = g.exiting_since or now
                 if now - g.exiting_since <= self.config.cluster.grace_seconds:
                     continue

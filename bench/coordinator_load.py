@@ -29,6 +29,8 @@ another group names it dead, and the time until the first quorum without it is i
 ``--trace`` the coordinator process also timestamps each quorum request and answer (bench-only
 patches, ``traced_coordinator``) and each latency is cut into its parts (``decompose``): the
 other groups' asks, the coordinator's socket, deciding and fan-out, the load generator's read.
+``--pin`` runs the coordinator's process on one CPU and the load generator on the others (a
+coordinator with a core of its own, as on a host of its own).
 
 Not measured here: the real manager's step protocol (``tests/ft``, ``ftlm sim check``), TLS.
 """
@@ -167,7 +169,7 @@ class CoordinatorUnderTest:
     """``ftlm coordinator --port 0`` in its own process; CPU and memory from /proc."""
 
     def __init__(self, groups: int, token: str, log_path: Path, heartbeat: float = HEARTBEAT_SECONDS,
-                 trace: Path | None = None, floor: bool = False) -> None:
+                 trace: Path | None = None, floor: bool = False, cpus: set[int] | None = None) -> None:
         sets = [f"ft.groups={groups}", f"ft.heartbeat_interval={heartbeat}",
                 f"ft.heartbeat_timeout={HEARTBEAT_TIMEOUT}", "ft.join_timeout=5.0", "ft.min_replicas=1"]
         code = "import sys; from ftlm.cli import main; sys.exit(main())"
@@ -181,7 +183,10 @@ class CoordinatorUnderTest:
         env = {**os.environ, "FTLM_TOKEN": token}
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, env=env, text=True)
+        # ``cpus``: the coordinator's process (every thread it starts) runs on these CPUs only.
+        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, env=env, text=True,
+                                     preexec_fn=pin)
         self.url = self._wait_for_url()
 
     def _wait_for_url(self) -> str:
@@ -710,15 +715,24 @@ def _start_profiler(pid: int, seconds: float, out: Path) -> subprocess.Popen | N
 
 
 def measure(groups: int, seconds: float, workdir: Path, profile: bool = False,
-            heartbeat: float = HEARTBEAT_SECONDS, trace: bool = False, floor: bool = False) -> Result:
+            heartbeat: float = HEARTBEAT_SECONDS, trace: bool = False, floor: bool = False,
+            pin: bool = False) -> Result:
     """One run of ``groups`` groups for ``seconds`` seconds against a fresh coordinator; with
-    ``trace``, the coordinator records its own times and the latency is decomposed (printed)."""
+    ``trace``, the coordinator records its own times and the latency is decomposed (printed); with
+    ``pin``, the coordinator runs on the first CPU this process may use and the load generator on
+    the others (as a coordinator on a host of its own, serving groups on other hosts)."""
     token = "load-test-token"
     trace_path = workdir / f"trace-{groups}.json" if trace else None
     if trace_path is not None and trace_path.exists():
         trace_path.unlink()
+    allowed = os.sched_getaffinity(0)
+    if pin and len(allowed) < 2:
+        raise SystemExit("--pin needs two CPUs or more (one for the coordinator, the rest for the groups)")
+    first = min(allowed)
     coordinator = CoordinatorUnderTest(groups, token, workdir / f"coordinator-{groups}.log", heartbeat,
-                                       trace_path, floor)
+                                       trace_path, floor, {first} if pin else None)
+    if pin:
+        os.sched_setaffinity(0, allowed - {first})
     spy: subprocess.Popen | None = None
     profile_path = workdir / f"profile-{groups}.txt"
     marks: dict[str, tuple[float, float, float]] = {}
@@ -748,6 +762,7 @@ def measure(groups: int, seconds: float, workdir: Path, profile: bool = False,
         if spy is not None:
             spy.wait(30)
         coordinator.stop()
+        os.sched_setaffinity(0, allowed)
     if spy is not None and profile_path.exists():
         print(f"coordinator profile ({profile_path}):\n{profile_summary(profile_path)}", flush=True)
     (t0, c0, p0), (t1, c1, p1) = marks["begin"], marks["end"]
@@ -809,6 +824,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", action="store_true", help="timestamp each quorum request and answer in the "
                    "coordinator too and print where a request's latency goes (peers, socket, coordinator, "
                    "load generator)")
+    p.add_argument("--pin", action="store_true", help="run the coordinator on one CPU and the load "
+                   "generator on the others (default: both on every CPU, as the scheduler places them)")
     p.add_argument("--floor", action="store_true", help="serve the load with bench.coordinator_floor "
                    "instead of ftlm coordinator (no JSON, no checks, no state machine): what one Python "
                    "event loop can reach on this box; implies --no-write")
@@ -833,7 +850,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_collector()  # the load generator's own collector pauses would count as latency
     results = []
     for n, hb in runs:
-        r = measure(n, args.seconds, workdir, args.profile, hb, args.trace, args.floor)
+        r = measure(n, args.seconds, workdir, args.profile, hb, args.trace, args.floor, args.pin)
         r.machine_us = state_machine_seconds_per_message(n) * 1e6
         print(("floor server: " if args.floor else "") + _describe(r), flush=True)
         results.append(r)
@@ -923,9 +940,15 @@ checks, the body, the state machine, the quorum and each member's answer) has to
 half and takes 60-100 ms of it at p99. Its per-message cost is now 23 us for a quorum request
 (about 4 us body, 10-12 us state machine, the rest framing, checks and the long-poll) and about
 20 us for a heartbeat; the p99 target needs roughly half of that again, which in Python is about
-the state machine's indexing alone. What would meet it is a compiled hot path (framing, body and
-index, as torchft's Rust lighthouse) or a machine where the load generator does not share the
-coordinator's cores; neither is on this box.
+the state machine's indexing alone. A core of its own does not do it: with `--pin` (the
+coordinator's process on one CPU, the load generator on the other) two interleaved 45 s runs gave
+p50 77 / 90 ms and p99 106 / 128 ms against 76 / 82 and 104 / 148 ms unpinned (2026-12-01 21:13-21:17
+UTC, load 0.3-1.2), and heartbeats every 1.5 s instead of 1 s (no heartbeat in the steady state:
+half the messages, coordinator CPU 20% -> 12%) gave p99 128 / 114 ms against 143 / 113 ms
+(21:17-21:20). What bounds the latency is the coordinator's serial work per step, about 60 us a
+group (the ask, its share of the decision, its answer and the kernel's loopback send); meeting
+the target needs about half of that, which is a compiled hot path (framing, body and index, as
+torchft's Rust lighthouse), not on this box.
 
 Sixth pass (issue 16; 2026-12-01 17:46-19:20 UTC, Intel Xeon, 2 cores, load 0.2-1.6). (1) The
 bodies `CoordinatorClient` sends are cut by one compiled pattern (`ClientBodies`; anything else,

@@ -1,4 +1,5 @@
-"""The floor server of ``bench.coordinator_load --floor`` answers what the load generator asks."""
+"""The floor server of ``bench.coordinator_load --floor`` answers what the load generator asks; the
+load test pins the coordinator where asked (``--pin``)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,18 @@ def test_the_floor_server_answers_heartbeats_and_a_quorum_of_all_its_groups() ->
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_the_load_test_runs_the_coordinator_on_the_cpus_it_is_given(tmp_path) -> None:
+    """``bench.coordinator_load --pin``: every thread of the coordinator's process (its event loop
+    runs in one it starts) is on the given CPU."""
+    import os
+
+    from bench.coordinator_load import CoordinatorUnderTest
+    cpus = {min(os.sched_getaffinity(0))}
+    coordinator = CoordinatorUnderTest(2, "token-of-the-test", tmp_path / "coordinator.log", cpus=cpus)
+    try:
+        tasks = [int(t) for t in os.listdir(f"/proc/{coordinator.proc.pid}/task")]
+        assert len(tasks) > 1 and all(os.sched_getaffinity(t) == cpus for t in tasks)
+    finally:
+        coordinator.stop()

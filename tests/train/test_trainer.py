@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from ftlm.config import load_config
 from ftlm.data.tokenizer import train_tokenizer
 from ftlm.errors import ConfigError, DataError
+from ftlm.ft.protocol import NoFaultTolerance
 from ftlm.observe.events import read_events
 from ftlm.train.trainer import Trainer
 
@@ -126,6 +127,30 @@ def test_keyboard_interrupt_still_writes_the_summary(tiny_config) -> None:
     on_disk = json.loads((trainer.run_dir / "summary.json").read_text())
     assert on_disk["steps_committed"] == 3 and on_disk["data"]["gaps"] == 0
     assert (trainer.run_dir / "model.safetensors").is_file()
+
+
+class _BehindTheJob(NoFaultTolerance):
+    """A group whose last quorum was far ahead of its state (it was recovering, or restarted from
+    an older checkpoint) when it stopped."""
+
+    def head_step(self) -> int:
+        return 10**6
+
+
+def test_a_group_stopped_behind_the_job_leaves_the_jobs_model_alone(tiny_config) -> None:
+    """Every group of a job writes ``model.safetensors`` into the one run directory as it exits: a
+    straggler preempted while catching up, exiting after the groups that finished, replaced the
+    job's final weights with its older ones."""
+    finished = Trainer.for_run(tiny_config(train={"steps": 3}))
+    finished.train()  # at its head (a lone group): writes the model
+    path = finished.run_dir / "model.safetensors"
+    written = path.read_bytes()
+    straggler = Trainer.for_run(tiny_config(train={"steps": 1}, checkpoint={"resume": False}),
+                                ft=_BehindTheJob())
+    straggler.train()
+    assert straggler.state.step == 1 and path.read_bytes() == written
+    for t in (finished, straggler):
+        t.loader.close()
 
 
 def test_max_seconds_stops_early_and_still_summarises(tiny_config) -> None:

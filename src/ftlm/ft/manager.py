@@ -541,6 +541,12 @@ class Manager:
 
         threading.Thread(target=run, name="ftlm-fetch", daemon=True).start()
 
+    def head_step(self) -> int:
+        """The step of the last quorum this group was in (0 before any): a group whose state is
+        behind it (recovering, or restarted from an older checkpoint) does not hold the job's
+        newest state."""
+        return self.quorum.step if self.quorum is not None else 0
+
     def poll_recovery(self) -> Recovered | None:
         fetch = self._fetch
         # Every rank of the group loads its shard in the same step, or none does.

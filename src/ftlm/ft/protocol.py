@@ -90,6 +90,7 @@ class FaultTolerance(Protocol):
     def leave(self, reason: str) -> None: ...
     def fire(self, point: str) -> None: ...
     def request_stop(self) -> None: ...
+    def head_step(self) -> int: ...
     def close(self) -> None: ...
 
 
@@ -144,6 +145,11 @@ class NoFaultTolerance:
 
     def fire(self, point: str) -> None:
         return None
+
+    def head_step(self) -> int:
+        """The step of the last quorum this group was in (the job's head as it knows it); a lone
+        group is always at its own head."""
+        return 0
 
     def close(self) -> None:
         return None

@@ -753,7 +753,12 @@ class Trainer:
         return path
 
     def _finish(self, wall_seconds: float) -> dict:
-        self.save_model()
+        head = self.ft.head_step()
+        if self.state.step >= head:
+            self.save_model()
+        else:  # the job's model is a newer state's: a straggler must not replace it
+            log.info("not writing %s: this group stopped at step %d, behind the job's step %d (a group "
+                     "holding the newer state writes it)", self.run_dir / "model.safetensors", self.state.step, head)
         if not self.standalone or self.rank != 0:
             return {"state_hash": self.state_hash(), "step": self.state.step, "rank": self.rank}
         events = read_events(self.run_dir / "events.jsonl")

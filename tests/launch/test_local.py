@@ -22,6 +22,7 @@ from ftlm.errors import FtlmError
 from ftlm.launch.chaos import ALL_RANKS, COORDINATOR, Chaos
 from ftlm.launch.console import ConsoleView
 from ftlm.launch.local import TEARDOWN_SECONDS, GroupProcess, LocalLauncher
+from ftlm.train.checkpoint_files import MARKER, PREFIX
 from ftlm.observe.events import EventLog, read_events
 
 
@@ -490,6 +491,33 @@ def test_group_dying_after_every_other_group_left_is_lost_not_restarted(launcher
     launcher._restart_due(launcher.events, Path("config.toml"), "http://x", time.time())
     assert spawned == [] and g1.lost
     assert kinds(launcher, "group_lost")[0]["target"] == "g1"
+
+
+def test_group_dying_after_every_other_group_left_restarts_onto_the_final_checkpoint(launcher, monkeypatch):
+    """Soak seed 46 with preemptions: a group preempted near the end could not come back before the
+    others finished; it was lost, and the run failed a replica short. The last step is always made
+    durable: a new incarnation resumes there and trains nothing, so it is restarted. Not for a
+    checkpoint of an earlier step (it would train alone), nor with ``checkpoint.resume`` off."""
+    g0, g1, g2 = launcher.groups
+    spawned = []
+    monkeypatch.setattr(launcher, "_spawn", lambda g, *_: spawned.append(g.name))
+    for g in (g0, g2):
+        g.finished, g.result = True, {"step": 100, "state_hash": "h"}  # train.steps
+    root = launcher.run_dir / "checkpoints"
+    for step in (50, 100):
+        (root / f"{PREFIX}{step:08d}").mkdir(parents=True)
+    (root / f"{PREFIX}{50:08d}" / MARKER).write_text("{}")
+    g1.restart_at = time.time() - 1
+    launcher._restart_due(launcher.events, Path("config.toml"), "http://x", time.time())
+    assert spawned == [] and g1.lost  # step 100 is not complete (no marker): only step 50 is
+    (root / f"{PREFIX}{100:08d}" / MARKER).write_text("{}")
+    g1.lost, g1.restart_at = False, time.time() - 1
+    launcher._restart_due(launcher.events, Path("config.toml"), "http://x", time.time())
+    assert spawned == ["g1"] and not g1.lost
+    launcher.config.checkpoint.resume = False
+    g1.restart_at = time.time() - 1
+    launcher._restart_due(launcher.events, Path("config.toml"), "http://x", time.time())
+    assert spawned == ["g1"] and g1.lost
 
 
 # -- the console ----------------------------------------------------------------------------------

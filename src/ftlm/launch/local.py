@@ -577,15 +577,29 @@ class LocalLauncher:
                 continue
             others = [x for x in self.groups if x is not g]
             if (others and any(x.finished for x in others)
-                    and not any(x.running() or x.restart_at is not None for x in others)):
-                # Every other group finished and left: a new incarnation would have nobody to
-                # recover from and would train alone from scratch.
+                    and not any(x.running() or x.restart_at is not None for x in others)
+                    and not self._final_checkpoint(others)):
+                # Every other group finished and left, and the job's final state is not on disk:
+                # a new incarnation would have nobody to recover from and would train alone from
+                # an older checkpoint. (With the final checkpoint, the last step always made
+                # durable, it resumes at the end and finishes at once, as soak seed 46's
+                # preempted group could have.)
                 g.lost, g.restart_at = True, None
                 events.emit("group_lost", step=-1, target=g.name,
                             reason="died after every other group had finished")
                 continue
             g.restarts += 1
             self._spawn(g, config_file, url)
+
+    def _final_checkpoint(self, others: list[GroupProcess]) -> bool:
+        """Whether a group started now would resume at the job's final state and train nothing:
+        the finished groups reached ``train.steps`` (not their ``train.max_seconds``), a complete
+        checkpoint of that step is on disk, and ``checkpoint.resume`` is on."""
+        ck, final = self.config.checkpoint, self.config.train.steps
+        if not ck.resume or not any(x.finished and x.result.get("step") == final for x in others):
+            return False
+        root = Path(ck.dir) if ck.dir else self.run_dir / "checkpoints"
+        return any(step == final for step, _ in valid_checkpoints(root))
 
     def _has_result(self, g: GroupProcess) -> bool:
         """Whether the group's current incarnation has printed its final result (it is exiting)."""

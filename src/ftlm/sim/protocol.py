@@ -330,10 +330,12 @@ class Simulation:
     def spawn(self, group: str, delay: float) -> None:
         def start() -> None:
             others = [g for g in self.groups if g != group]
-            if self.finished and all(g in self.lost_groups or g in self.departed
-                                     or self.exited.get(g, self.now + 1) <= self.now for g in others):
+            if self.finished and self.c.steps not in self.disk and all(
+                    g in self.lost_groups or g in self.departed
+                    or self.exited.get(g, self.now + 1) <= self.now for g in others):
                 # As the local supervisor does: every other group finished and its process
-                # exited, so a new incarnation would have nobody to recover from.
+                # exited, and the final step is not on disk, so a new incarnation would have
+                # nobody to recover from. (With it, the new incarnation resumes at the end.)
                 self.lost_groups.add(group)
                 self.log(f"lost {group}: died after every other group had finished")
                 return

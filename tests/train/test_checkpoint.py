@@ -578,6 +578,20 @@ def test_resume_false_ignores_existing_checkpoints(tiny_config, tmp_path: Path) 
     assert again.losses == first.losses  # trained from scratch: the same four steps again
 
 
+def test_a_group_started_after_the_job_finished_resumes_at_its_end_and_trains_nothing(tiny_config) -> None:
+    """What ``launch local`` counts on when it restarts a group that died after every other group
+    finished (the final step is always made durable): it resumes there, trains no step, and
+    ends with the finished job's exact state."""
+    finished = Trainer.for_run(tiny_config(train={"steps": 5}, checkpoint={"every": 2}))
+    finished.train()
+    assert valid_checkpoints(finished.run_dir / "checkpoints")[-1][0] == 5  # not a due step: final
+    late = Trainer.for_run(tiny_config(train={"steps": 5}, checkpoint={"every": 2}))
+    late.train()
+    assert late.losses == [] and late.state.step == 5 and late.state_hash() == finished.state_hash()
+    for t in (finished, late):
+        t.loader.close()
+
+
 # -- sharded: FSDP2 over 2 ranks (gloo), each rank hashing its share ----------------------------
 
 _RANK_SCRIPT = r"""

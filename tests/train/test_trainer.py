@@ -22,7 +22,8 @@ from ftlm.data.tokenizer import train_tokenizer
 from ftlm.errors import ConfigError, DataError
 from ftlm.ft.protocol import NoFaultTolerance
 from ftlm.observe.events import read_events
-from ftlm.train.trainer import Trainer
+from ftlm.train.model_file import read_stamp
+from ftlm.train.trainer import Trainer, load_weights
 
 STEPS = 40
 BATCH = 4
@@ -151,6 +152,41 @@ def test_a_group_stopped_behind_the_job_leaves_the_jobs_model_alone(tiny_config)
     assert straggler.state.step == 1 and path.read_bytes() == written
     for t in (finished, straggler):
         t.loader.close()
+
+
+def test_a_group_that_knows_no_head_keeps_a_newer_model_written_while_it_ran(tiny_config) -> None:
+    """A group restarted from an older checkpoint and stopped before its first quorum knows no
+    head (``head_step`` 0): the file says which state it holds, and a newer one written by
+    another group since this group started is kept. A later run into the same directory (started
+    after that write) replaces it, whatever its step."""
+    straggler = Trainer.for_run(tiny_config(train={"steps": 1}, checkpoint={"resume": False}))
+    finished = Trainer.for_run(tiny_config(train={"steps": 3}))
+    finished.train()
+    path = finished.run_dir / "model.safetensors"
+    written = path.read_bytes()
+    assert read_stamp(path) is not None and (read_stamp(path).step, read_stamp(path).chain) == (
+        3, finished.state.chain)
+    straggler.train()
+    assert straggler.state.step == 1 and path.read_bytes() == written
+    assert not list(path.parent.glob(".model.safetensors.*"))  # its temporary file is gone
+    later = Trainer.for_run(tiny_config(train={"steps": 1}, checkpoint={"resume": False}))
+    later.train()
+    assert (read_stamp(path).step, read_stamp(path).chain) == (1, later.state.chain)
+    load_weights(later.model, path)  # still the weights file train.init_from takes
+    for t in (finished, straggler, later):
+        t.loader.close()
+
+
+def test_a_model_file_without_a_stamp_is_replaced(tiny_config, tmp_path) -> None:
+    """A model file of ``ftlm convert`` or an older ftlm (no stamp), or not a safetensors file at
+    all, holds no known state: the group's model replaces it."""
+    trainer = Trainer.for_run(tiny_config(train={"steps": 1}))
+    path = trainer.run_dir / "model.safetensors"
+    path.write_bytes(b"not a safetensors file")
+    assert read_stamp(path) is None
+    trainer.train()
+    assert read_stamp(path).step == 1
+    trainer.loader.close()
 
 
 def test_max_seconds_stops_early_and_still_summarises(tiny_config) -> None:

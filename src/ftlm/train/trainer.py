@@ -39,6 +39,7 @@ from ftlm.train.catchup import CatchUpBuffer, unflatten_into
 from ftlm.train.config import TrainerConfig
 from ftlm.train.checkpoint import CheckpointError, Checkpointer
 from ftlm.train.evaluate import build_evaluator
+from ftlm.train.model_file import MODEL_FILE, model_lock, newer_model, stamp_metadata
 from ftlm.train.grad_sync import GradientSync
 from ftlm.train.mfu import peak_flops
 from ftlm.train.objective import LanguageModeling, Objective, TrainData
@@ -180,6 +181,7 @@ class Trainer:
         and starts its own metrics. ``config`` holds only the sections training reads
         (``RunConfig.trainer_config()``, or ``Trainer.for_run``)."""
         self.config = config
+        self.started_at = time.time()  # a model file written since is another group's (model_file)
         self.ft = ft or NoFaultTolerance()
         self.group = group
         self.groups = groups
@@ -735,21 +737,33 @@ class Trainer:
         return state_digest(tensors, {"step": meta["step"], "cursor": meta["cursor"]})
 
     def save_model(self) -> Path:
-        """Write the model weights as ``model.safetensors`` in the run directory (atomically)."""
+        """Write the model weights as ``model.safetensors`` in the run directory (atomically),
+        stamped with the state they are (``ftlm.train.model_file``); a newer state that another
+        group of the job wrote while this one ran is kept."""
         from safetensors.torch import save_file, save_model
-        path = self.run_dir / "model.safetensors"
+        path = self.run_dir / MODEL_FILE
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        if self.mesh is None:
-            save_model(self.model, str(tmp))
-        else:  # gather the full weights (a collective), rank 0 writes them
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                                 get_model_state_dict)
-            full = get_model_state_dict(self.model, options=StateDictOptions(
-                full_state_dict=True, cpu_offload=True))
-            if self.rank != 0:
-                return path
-            save_file({k: v.clone().contiguous() for k, v in full.items()}, str(tmp))
-        os.replace(tmp, path)
+        meta = stamp_metadata(self.state.step, self.state.chain)
+        try:
+            if self.mesh is None:
+                save_model(self.model, str(tmp), metadata=meta)
+            else:  # gather the full weights (a collective), rank 0 writes them
+                from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                                     get_model_state_dict)
+                full = get_model_state_dict(self.model, options=StateDictOptions(
+                    full_state_dict=True, cpu_offload=True))
+                if self.rank != 0:
+                    return path
+                save_file({k: v.clone().contiguous() for k, v in full.items()}, str(tmp), metadata=meta)
+            with model_lock(self.run_dir):
+                newer = newer_model(path, self.state.step, self.started_at)
+                if newer is None:
+                    os.replace(tmp, path)
+                else:
+                    log.info("not writing %s: it holds step %d, written by another group since this one "
+                             "started; this group stopped at step %d", path, newer.step, self.state.step)
+        finally:
+            tmp.unlink(missing_ok=True)
         return path
 
     def _finish(self, wall_seconds: float) -> dict:
@@ -758,7 +772,7 @@ class Trainer:
             self.save_model()
         else:  # the job's model is a newer state's: a straggler must not replace it
             log.info("not writing %s: this group stopped at step %d, behind the job's step %d (a group "
-                     "holding the newer state writes it)", self.run_dir / "model.safetensors", self.state.step, head)
+                     "holding the newer state writes it)", self.run_dir / MODEL_FILE, self.state.step, head)
         if not self.standalone or self.rank != 0:
             return {"state_hash": self.state_hash(), "step": self.state.step, "rank": self.rank}
         events = read_events(self.run_dir / "events.jsonl")

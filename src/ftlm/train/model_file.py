@@ -1,0 +1,86 @@
+"""The run's final weights, ``RUN_DIR/model.safetensors``: which state they are, and who may
+replace them.
+
+Every group of a job writes the job's weights into the one run directory as it exits. A group
+that stops behind the job (recovering, or restarted from an older checkpoint and stopped before
+its first quorum) must not replace a newer state that a finished group wrote while it ran: the
+trainer skips the write when it knows the job's head (``FaultTolerance.head_step``), and the file
+itself says which state it holds (safetensors metadata ``ftlm.step``, ``ftlm.chain``,
+``ftlm.written_at``), so that a writer that knows no head yet keeps a newer state written
+during its own lifetime (``newer_model``). A file written before the writer started (an earlier
+run into the same directory, or an earlier launch of this job) is replaced as before: a new run
+with fewer steps still gets its own model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.safetensors"
+STEP_KEY, CHAIN_KEY, WRITTEN_KEY = "ftlm.step", "ftlm.chain", "ftlm.written_at"
+
+
+@dataclass(frozen=True)
+class ModelStamp:
+    """The state a model file holds: its committed step and chain, and when it was written
+    (seconds since the epoch, the writer's clock)."""
+    step: int
+    chain: str
+    written_at: float
+
+
+def stamp_metadata(step: int, chain: str) -> dict[str, str]:
+    """The safetensors metadata of a model file holding the state at ``step`` (``chain``),
+    written now."""
+    return {"format": "pt", STEP_KEY: str(step), CHAIN_KEY: chain, WRITTEN_KEY: repr(time.time())}
+
+
+def read_stamp(path: Path) -> ModelStamp | None:
+    """The stamp of the model file at ``path``; None when there is no file, it is not a
+    safetensors file, or it carries no stamp (written by ``ftlm convert`` or an older ftlm)."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        return ModelStamp(int(meta[STEP_KEY]), meta.get(CHAIN_KEY, ""), float(meta[WRITTEN_KEY]))
+    except (OSError, SafetensorError, KeyError, ValueError):
+        return None
+
+
+def newer_model(path: Path, step: int, since: float) -> ModelStamp | None:
+    """The stamp of the model file at ``path`` when it holds a state newer than ``step`` that was
+    written at or after ``since`` (by another group of the job while the caller ran); else None."""
+    stamp = read_stamp(path)
+    if stamp is not None and stamp.step > step and stamp.written_at >= since:
+        return stamp
+    return None
+
+
+@contextlib.contextmanager
+def model_lock(run_dir: Path) -> Iterator[None]:
+    """Hold the run directory's model lock (``.model.lock``, an advisory ``flock``): the check of
+    the file in place and its replacement are one step for the groups of the job. Where the
+    file system has no locks the two are done without it (the window is a few ms)."""
+    try:
+        fd = os.open(run_dir / ".model.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        log.warning("cannot open the model lock in %s (%s): writing the model without it", run_dir, e)
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            log.warning("cannot lock %s (%s): writing the model without it", run_dir / ".model.lock", e)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

@@ -397,6 +397,24 @@ def test_proof_problems_name_every_broken_invariant(runs):
         "8 sample(s) skipped", "only 3 of 10 steps committed"]
 
 
+def test_a_launchers_summary_checks_the_state_model_safetensors_holds(runs):
+    """``launch local`` records the model file's stamp (``model``) with each group's final step:
+    the file must hold the furthest group's state (a straggler that wrote last replaced it)."""
+    events = [runs.commit(1.0, "A", 0, 0, 8), runs.commit(1.0, "B", 0, 0, 8)]
+    summary = build_summary(events, wall_seconds=1.0, state_hashes={"A": "a" * 64, "B": "a" * 64},
+                            config={"train": {"steps": 1}}, groups=["A", "B"])
+    assert proof_problems(summary) == []  # no launcher's fields: nothing to check
+    summary["final_steps"] = {"A": 1, "B": 1}
+    summary["model"] = {"step": 1, "chain": "c"}
+    assert proof_problems(summary) == []
+    summary["model"] = {"step": 0, "chain": "c"}
+    assert proof_problems(summary) == ["model.safetensors holds step 0, not the job's final step 1"]
+    summary["model"] = None
+    assert proof_problems(summary) == ["model.safetensors is missing from the run directory, or says no state"]
+    summary["final_steps"] = {"A": None, "B": None}  # no group finished: the run failed elsewhere
+    assert proof_problems(summary) == []
+
+
 def test_gpu_hours_split_a_failed_group_into_stalled_starting_recovering_and_idle(runs):
     # failure_run: 3 groups from t=1000 to 1011.8; C killed at 1004.02, starts until 1007.02,
     # recovers until 1008.02, then commits no more; A and B wait 2.0 s instead of 0.1 s once.

@@ -189,6 +189,18 @@ def test_a_model_file_without_a_stamp_is_replaced(tiny_config, tmp_path) -> None
     trainer.loader.close()
 
 
+@pytest.mark.parametrize("content", [b"", b"\x05", (2**40).to_bytes(8, "little") + b"{}",
+                                     (9).to_bytes(8, "little") + b"not json!",
+                                     (2).to_bytes(8, "little") + b"[]",
+                                     (23).to_bytes(8, "little") + b'{"__metadata__": "x"}  ',
+                                     (40).to_bytes(8, "little") + b'{"__metadata__": {"ftlm.step": "x"}}    '])
+def test_a_damaged_model_file_holds_no_known_state(tmp_path, content) -> None:
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(content)
+    assert read_stamp(path) is None
+    assert read_stamp(tmp_path / "missing.safetensors") is None
+
+
 def test_max_seconds_stops_early_and_still_summarises(tiny_config) -> None:
     trainer = Trainer.for_run(tiny_config(train={"steps": 1000, "max_seconds": 1e-6}))
     summary = trainer.train()

@@ -44,6 +44,7 @@ from ftlm.observe.events import EventLog, read_events
 from ftlm.observe.report import format_summary, write_report
 from ftlm.observe.summary import build_summary, proof_problems, write_summary
 from ftlm.train.checkpoint_files import valid_checkpoints
+from ftlm.train.model_file import MODEL_FILE, read_stamp
 
 RESULT_PREFIX = "FTLM_RESULT "
 TEARDOWN_SECONDS = 10.0
@@ -718,6 +719,8 @@ class LocalLauncher:
         summary["restarts"] = {g.name: g.restarts for g in self.groups}
         summary["final_steps"] = {g.name: g.result.get("step") for g in self.groups}
         summary["lost_groups"] = [g.name for g in self.groups if g.lost]
+        stamp = read_stamp(self.run_dir / MODEL_FILE)
+        summary["model"] = {"step": stamp.step, "chain": stamp.chain} if stamp is not None else None
         summary["problems"] = ([self.fatal] if self.fatal else []) + proof_problems(summary)
         write_summary(self.run_dir / "summary.json", summary)
         write_report(self.run_dir, summary, recorded)

@@ -580,7 +580,8 @@ def replicas_identical(state_hashes: dict[str, str], groups: list[str]) -> bool:
 def proof_problems(summary: dict) -> list[str]:
     """Why the run does not prove fault-tolerant training correct (empty when it does): a group
     without a final state hash, groups whose hashes differ, samples trained twice or skipped,
-    groups disagreeing on a step, and a job that stopped short of ``train.steps``."""
+    groups disagreeing on a step, a job that stopped short of ``train.steps``, and (in a
+    launcher's summary) a ``model.safetensors`` that does not hold the furthest group's state."""
     problems = []
     groups, hashes = list(summary.get("groups") or []), summary.get("state_hashes") or {}
     missing = [g for g in groups if not hashes.get(g)]
@@ -601,6 +602,15 @@ def proof_problems(summary: dict) -> list[str]:
     target = train.get("steps") if isinstance(train, dict) else None
     if isinstance(target, int) and summary.get("steps_committed", 0) < target:
         problems.append(f"only {summary.get('steps_committed', 0)} of {target} steps committed")
+    # A launcher's summary names the state model.safetensors holds: the furthest group's.
+    finals = [s for s in (summary.get("final_steps") or {}).values() if type(s) is int]
+    if "model" in summary and finals:
+        model = summary["model"]
+        if not isinstance(model, dict):
+            problems.append("model.safetensors is missing from the run directory, or says no state")
+        elif model.get("step") != max(finals):
+            problems.append(f"model.safetensors holds step {model.get('step')}, not the job's final step "
+                            f"{max(finals)}")
     return problems
 
 

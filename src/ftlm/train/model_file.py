@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import time
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.safetensors"
 STEP_KEY, CHAIN_KEY, WRITTEN_KEY = "ftlm.step", "ftlm.chain", "ftlm.written_at"
+MAX_HEADER_BYTES = 100 * 2**20  # the safetensors format's own limit
 
 
 @dataclass(frozen=True)
@@ -46,13 +48,17 @@ def stamp_metadata(step: int, chain: str) -> dict[str, str]:
 
 def read_stamp(path: Path) -> ModelStamp | None:
     """The stamp of the model file at ``path``; None when there is no file, it is not a
-    safetensors file, or it carries no stamp (written by ``ftlm convert`` or an older ftlm)."""
-    from safetensors import SafetensorError, safe_open
+    safetensors file, or it carries no stamp (written by ``ftlm convert`` or an older ftlm).
+    Reads the header only (an 8-byte little-endian length, then that much JSON)."""
     try:
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-        return ModelStamp(int(meta[STEP_KEY]), meta.get(CHAIN_KEY, ""), float(meta[WRITTEN_KEY]))
-    except (OSError, SafetensorError, KeyError, ValueError):
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= MAX_HEADER_BYTES:
+                return None
+            header = json.loads(f.read(size))
+        meta = header["__metadata__"]
+        return ModelStamp(int(meta[STEP_KEY]), str(meta.get(CHAIN_KEY, "")), float(meta[WRITTEN_KEY]))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         return None
 
 

@@ -262,6 +262,73 @@ def test_a_restore_supersedes_only_commits_made_before_it(runs):
     assert [e["ts"] for e in history if e["kind"] == "commit" and e["step"] >= 2] == [1000.4, 1000.5]
 
 
+def _chained(runs, ts, group, step, start, end, chain, parent, participants=2):
+    return runs.commit(ts, group, step, start, end, participants=participants) | {"chain": chain, "parent": parent}
+
+
+def _chained_run(runs, steps, groups=("A", "B"), t0=1000.0, first=0, start=0):
+    """Commits of steps ``first..first+steps-1`` by ``groups``, 0.1 s and 8 samples a step from
+    ``start``; the state after step k is ``a{k+1}`` (``a0`` the first parent)."""
+    return [_chained(runs, t0 + 0.1 * k, g, first + k, start + 8 * k, start + 8 * k + 8, f"a{first + k + 1}",
+                     f"a{first + k}", len(groups))
+            for k in range(steps) for g in groups]
+
+
+def test_the_final_history_follows_the_chain_of_the_jobs_last_state(runs):
+    """With chains, the history is the commits the last state descends from: the rollback run of
+    ``_rollback_run``, each commit naming its state and its parent."""
+    events = _chained_run(runs, 10)
+    events.append(runs.event(1002.0, "restore", "coordinator", 6, from_step=10, to_step=6, chain="a6",
+                             reason="every holder of step 10 died", source="checkpoint"))
+    events += [_chained(runs, 1002.1 + 0.1 * k, "C", 6 + k, 48 + 4 * k, 52 + 4 * k, f"c{7 + k}",
+                        f"c{6 + k}" if k else "a6", 1) for k in range(6)]
+    assert data_accounting(events) == {"samples_committed": 72, "duplicates": 0, "gaps": 0,
+                                       "inconsistent_steps": [], "restores": 1, "rolled_back_steps": 4}
+
+
+def test_a_rollback_a_later_restore_undid_keeps_the_steps_it_had_dropped(runs):
+    """The coordinator gave up waiting for the holder of step 6 (loading it from disk) and rolled
+    back to step 5; once the holder said it had step 6, it went forward to it, and the job went on
+    from there. By restores alone, step 5's commit stayed dropped: 8 samples counted as skipped."""
+    events = _chained_run(runs, 6)
+    events.append(runs.event(1001.0, "restore", "coordinator", 5, from_step=6, to_step=5, chain="a5"))
+    events.append(runs.event(1001.1, "restore", "coordinator", 6, from_step=5, to_step=6, chain="a6"))
+    events += _chained_run(runs, 3, groups=("B",), t0=1001.2, first=6, start=48)
+    assert data_accounting(events) == {"samples_committed": 72, "duplicates": 0, "gaps": 0,
+                                       "inconsistent_steps": [], "restores": 2, "rolled_back_steps": 0}
+    legacy = [{k: v for k, v in e.items() if k not in ("chain", "parent")} for e in events]
+    assert data_accounting(legacy)["gaps"] == 8  # what the record said before chains were walked
+
+
+def test_a_step_a_group_committed_alone_before_it_died_is_not_in_the_history(runs):
+    """At step 4 A's all-reduce completed and B's failed; A committed and died before anyone heard
+    of its step 5; B took step 4 again alone, with its own half of the batch. No restore is
+    written, and the two commits of step 4 disagree: only B's is the job's."""
+    events = _chained_run(runs, 4)
+    events.append(_chained(runs, 1000.5, "A", 4, 32, 40, "x5", "a4"))
+    events += [_chained(runs, 1000.6, "B", 4, 32, 36, "b5", "a4", 1),
+               _chained(runs, 1000.7, "B", 5, 36, 40, "b6", "b5", 1)]
+    assert data_accounting(events) == {"samples_committed": 40, "duplicates": 0, "gaps": 0,
+                                       "inconsistent_steps": [], "restores": 0, "rolled_back_steps": 1}
+    legacy = [{k: v for k, v in e.items() if k not in ("chain", "parent")} for e in events]
+    assert data_accounting(legacy)["inconsistent_steps"] == [4]
+
+
+def test_a_rollback_after_the_last_commit_ends_the_history_at_its_state(runs):
+    events = _chained_run(runs, 6)
+    events.append(runs.event(1001.0, "restore", "coordinator", 3, from_step=6, to_step=3, chain="a3"))
+    history, rolled_back = final_history(events)
+    assert sorted({e["step"] for e in history if e["kind"] == "commit"}) == [0, 1, 2] and rolled_back == 3
+
+
+def test_a_broken_chain_leaves_the_steps_before_it_out_and_says_so(runs):
+    """A commit whose parent no commit made (a record missing events): the steps before it are
+    not proven, and show as skipped samples."""
+    events = _chained_run(runs, 3) + [_chained(runs, 1001.0, "A", 3, 24, 32, "a4", "unknown")]
+    data = data_accounting(events)
+    assert (data["samples_committed"], data["gaps"]) == (8, 24)
+
+
 def test_malformed_restore_is_a_data_error(runs):
     with pytest.raises(DataError, match="to_step"):
         final_history([runs.event(1.0, "restore", "coordinator", -1, from_step=3)])

@@ -166,9 +166,56 @@ def commit_steps(events: list[dict]) -> list[StepRecord]:
 
 
 def final_history(events: list[dict]) -> tuple[list[dict], int]:
-    """``(events, rolled_back_steps)``: the events without the commits a ``restore`` superseded
-    (commits of steps ``>= to_step`` made before the restore), and how many committed steps the
-    restores rolled back in all (each restore counts the distinct steps it superseded)."""
+    """``(events, rolled_back_steps)``: the events without the commits the job's final state does
+    not descend from, and how many committed steps those are.
+
+    Every commit event names the state it made (``chain``) and the one it extended (``parent``):
+    the final history is the commits met walking back from the job's latest state (the last
+    commit's chain, or the last restore's when a rollback came after it) along ``parent``
+    (``_chain_history``). A commit a rollback superseded is off it, and so is one a group made
+    alone before it died when the others continued from the step before (no restore is written
+    for that), while a state a rollback abandoned and a later restore went back to (a holder
+    that loaded it from disk after the coordinator gave up waiting for it) is on it again.
+    Records with a commit lacking those fields (written by an older ftlm) are taken by their
+    restores alone (``_restore_history``)."""
+    commits = [i for i, e in enumerate(events) if e["kind"] == "commit"]
+    for e in events:
+        if e["kind"] == "restore":
+            to_step = e.get("to_step")
+            if isinstance(to_step, bool) or not isinstance(to_step, int) or to_step < 0:
+                raise DataError(f"restore event at ts={e['ts']} has to_step={to_step!r}; "
+                                "expected a non-negative integer")
+    if commits and all(isinstance(events[i].get("chain"), str) and isinstance(events[i].get("parent"), str)
+                       for i in commits):
+        return _chain_history(events, commits)
+    return _restore_history(events)
+
+
+def _chain_history(events: list[dict], commits: list[int]) -> tuple[list[dict], int]:
+    by_chain: dict[str, list[int]] = {}
+    for i in commits:
+        by_chain.setdefault(events[i]["chain"], []).append(i)
+    head = None  # the chain of the job's latest state
+    for i in sorted(range(len(events)), key=lambda i: events[i]["ts"]):
+        e = events[i]
+        if e["kind"] == "commit" or (e["kind"] == "restore" and isinstance(e.get("chain"), str)):
+            head = e["chain"]
+    keep: set[int] = set()
+    walked: set[str] = set()
+    while head in by_chain and head not in walked:  # (a cycle can only come from a forged record)
+        walked.add(head)
+        found = by_chain[head]
+        keep.update(found)
+        head = events[found[0]]["parent"]
+    off = {(events[i]["step"], events[i]["chain"]) for i in commits if i not in keep}
+    if not off:
+        return list(events), 0
+    return [e for i, e in enumerate(events) if e["kind"] != "commit" or i in keep], len(off)
+
+
+def _restore_history(events: list[dict]) -> tuple[list[dict], int]:
+    """The commits a ``restore`` superseded (of steps ``>= to_step``, made before it) left out;
+    each restore counts the distinct steps it superseded."""
     live: dict[int, list[int]] = {}  # committed step -> indices of its live commit events
     dropped: set[int] = set()
     rolled_back = 0
@@ -178,11 +225,7 @@ def final_history(events: list[dict]) -> tuple[list[dict], int]:
         if event["kind"] == "commit":
             live.setdefault(event["step"], []).append(i)
         elif event["kind"] == "restore":
-            to_step = event.get("to_step")
-            if isinstance(to_step, bool) or not isinstance(to_step, int) or to_step < 0:
-                raise DataError(f"restore event at ts={event['ts']} has to_step={to_step!r}; "
-                                "expected a non-negative integer")
-            gone = [step for step in live if step >= to_step]
+            gone = [step for step in live if step >= event["to_step"]]
             rolled_back += len(gone)
             for step in gone:
                 dropped.update(live.pop(step))

@@ -35,6 +35,7 @@ from ftlm.ft.history import GENESIS, extend_chain
 from ftlm.ft.membership import Answer, Event, Issued, Membership
 from ftlm.ft.quorum import Heartbeat, MemberRequest, Quorum, QuorumOptions, StaleIncarnation
 from ftlm.ft.quorum_answer import AnswerEncoder, MemberQuorum
+from ftlm.observe.summary import data_accounting
 
 FAULTS = ("crash", "hang", "hang_resume", "hang_training", "crash_starting", "hang_starting", "coordinator_crash",
           "lag", "slow_transfer", "source_crash_mid_transfer", "bogus_claim", "partition_drop",
@@ -250,6 +251,9 @@ class Simulation:
         self.faults: dict[str, int] = {}
         self.restores = 0
         self.restores_past_checkpoint = self.steps_past_checkpoint = 0
+        # The job's record as events.jsonl would hold it (the trainer's commits, the coordinator's
+        # restores): at the end the summary's accounting of it must prove what happened.
+        self.record: list[dict] = []
         self.last_fault = 0.0
         self.max_issued_id: dict[str, int] = {}  # per coordinator epoch
         self.head: tuple[int, str] | None = None
@@ -444,6 +448,8 @@ class Simulation:
                         self.fail(f"the job finished at step {next(iter(self.finished.values())).step} "
                                   f"and was rolled back: {o.fields['reason']}")
                     self.restores += 1
+                    self.record.append({"ts": self.now, "kind": "restore", "group": "coordinator",
+                                        "step": o.fields["to_step"], **o.fields})
                     newest = max(self.disk, default=-1)
                     if o.fields["to_step"] < newest <= o.fields["from_step"]:
                         self.restores_past_checkpoint += 1
@@ -898,6 +904,7 @@ class Simulation:
             st = inc.state
             inc.state = State(st.step + 1, q.next_chain(), st.cursor + samples,
                               st.ranges + ((st.cursor, st.cursor + samples),))
+            self.record_commit(inc, q, st, inc.state)
             if (inc.proto.step, inc.proto.chain) != (inc.state.step, inc.state.chain):
                 self.fail(f"{inc.replica_id}: protocol and state disagree after a commit")
             self.remember(inc.state)
@@ -1064,8 +1071,9 @@ class Simulation:
         st = inc.state
         if committed:
             samples = len(q.participants) * self.c.batch
-            st = State(st.step + 1, q.next_chain(), st.cursor + samples,
-                       st.ranges + ((st.cursor, st.cursor + samples),))
+            before, st = st, State(st.step + 1, q.next_chain(), st.cursor + samples,
+                                   st.ranges + ((st.cursor, st.cursor + samples),))
+            self.record_commit(inc, q, before, st)
             inc.state = st
             self.remember(st)
         inc.proto.caught_up(st.step, st.chain)
@@ -1265,6 +1273,14 @@ class Simulation:
             self.fail(f"no liveness: {self.c.liveness_seconds:g} s after the last fault the job is at "
                       f"step {best} of {self.c.steps}")
 
+    def record_commit(self, inc: Incarnation, q: Quorum, before: State, after: State) -> None:
+        """The ``commit`` event the trainer writes (a participant's, or a recovering group's at the
+        head it caught up to): the step's global sample range, its chain and its parent."""
+        self.record.append({"ts": self.now, "kind": "commit", "group": inc.group, "step": q.step,
+                            "quorum_id": q.quorum_id, "participants": len(q.participants),
+                            "samples": [before.cursor, after.cursor], "tokens": after.cursor - before.cursor,
+                            "chain": after.chain, "parent": before.chain})
+
     def check_end(self) -> None:
         states = {g: (s.step, s.chain) for g, s in self.finished.items()}
         if len(set(states.values())) != 1:
@@ -1272,6 +1288,14 @@ class Simulation:
         (step, chain), = set(states.values())
         if step != self.c.steps:
             self.fail(f"groups finished at step {step}, not {self.c.steps}")
+        # The run's summary proves exactly-once from the record alone (ftlm.observe.summary): it
+        # must find what the states say, the final state's samples once each and nothing else.
+        final = next(iter(self.finished.values()))
+        data = data_accounting(self.record)
+        found = (data["samples_committed"], data["duplicates"], data["gaps"], data["inconsistent_steps"])
+        if found != (final.cursor, 0, 0, []):
+            self.fail(f"the record's accounting (samples, duplicates, gaps, inconsistent steps) is {found}; "
+                      f"the final state trained samples [0, {final.cursor}) once each")
 
 
 def _key(q: Quorum) -> tuple[str, int, int]:

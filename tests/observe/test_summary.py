@@ -321,6 +321,19 @@ def test_a_rollback_after_the_last_commit_ends_the_history_at_its_state(runs):
     assert sorted({e["step"] for e in history if e["kind"] == "commit"}) == [0, 1, 2] and rolled_back == 3
 
 
+def test_a_relaunch_from_an_older_checkpoint_ends_the_history_at_it_until_it_commits(runs):
+    """``launch local`` relaunched from the checkpoint of step 3 writes a restore without a chain
+    (it resumed from the state the commit of step 2 made); before its first commit the job's
+    history ends there, after it the new commits extend it."""
+    events = _chained_run(runs, 6)
+    events.append(runs.event(1001.0, "restore", "supervisor", 3, from_step=6, to_step=3, chain=None))
+    history, rolled_back = final_history(events)
+    assert sorted({e["step"] for e in history if e["kind"] == "commit"}) == [0, 1, 2] and rolled_back == 3
+    events.append(_chained(runs, 1001.1, "A", 3, 24, 32, "r4", "a3"))
+    history, rolled_back = final_history(events)
+    assert sorted({e["step"] for e in history if e["kind"] == "commit"}) == [0, 1, 2, 3] and rolled_back == 3
+
+
 def test_a_broken_chain_leaves_the_steps_before_it_out_and_says_so(runs):
     """A commit whose parent no commit made (a record missing events): the steps before it are
     not proven, and show as skipped samples."""

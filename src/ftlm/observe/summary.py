@@ -171,7 +171,7 @@ def final_history(events: list[dict]) -> tuple[list[dict], int]:
 
     Every commit event names the state it made (``chain``) and the one it extended (``parent``):
     the final history is the commits met walking back from the job's latest state (the last
-    commit's chain, or the last restore's when a rollback came after it) along ``parent``
+    commit's chain, or the last restore's when a rollback or a relaunch came after it) along ``parent``
     (``_chain_history``). A commit a rollback superseded is off it, and so is one a group made
     alone before it died when the others continued from the step before (no restore is written
     for that), while a state a rollback abandoned and a later restore went back to (a holder
@@ -195,11 +195,17 @@ def _chain_history(events: list[dict], commits: list[int]) -> tuple[list[dict], 
     by_chain: dict[str, list[int]] = {}
     for i in commits:
         by_chain.setdefault(events[i]["chain"], []).append(i)
-    head = None  # the chain of the job's latest state
+    head: str | None = None  # the chain of the job's latest state
+    made: dict[int, str] = {}  # step -> the chain of its latest commit so far
     for i in sorted(range(len(events)), key=lambda i: events[i]["ts"]):
         e = events[i]
-        if e["kind"] == "commit" or (e["kind"] == "restore" and isinstance(e.get("chain"), str)):
-            head = e["chain"]
+        if e["kind"] == "commit":
+            head = made[e["step"]] = e["chain"]
+        elif e["kind"] == "restore":
+            # A relaunch's restore names no chain: it resumed from the checkpoint of the state
+            # the commit of the step before made.
+            chain = e.get("chain")
+            head = chain if isinstance(chain, str) else made.get(e["to_step"] - 1)
     keep: set[int] = set()
     walked: set[str] = set()
     while head in by_chain and head not in walked:  # (a cycle can only come from a forged record)

@@ -219,11 +219,12 @@ class SimResult:
     leaves_judged: int = 0
     """Graceful leaves whose liveness was judged (those in quiet times, ``watch_leave``)."""
     restores_past_checkpoint: int = 0
-    """Rollbacks to a state older than the newest durable checkpoint at that moment (not a
-    violation: progress on disk the job gave up; ``tests/sim`` requires none where groups look on
-    disk first, and checks the count with ``reload_checkpoints=False``)."""
+    """Rollbacks to a state older than the newest durable checkpoint at that moment that the next
+    quorum acted on (one a later restore undid first gave nothing up). Not a violation: progress
+    on disk the job gave up; ``tests/sim`` requires none where groups look on disk first, and
+    checks the count with ``reload_checkpoints=False``."""
     steps_past_checkpoint: int = 0
-    """Steps between those rollbacks' targets and the newest durable checkpoint, summed."""
+    """Steps between those quorums' steps and the newest durable checkpoint, summed."""
 
 
 class Simulation:
@@ -251,6 +252,7 @@ class Simulation:
         self.faults: dict[str, int] = {}
         self.restores = 0
         self.restores_past_checkpoint = self.steps_past_checkpoint = 0
+        self.past_checkpoint: int | None = None  # the newest step on disk when a rollback went below it
         # The job's record as events.jsonl would hold it (the trainer's commits, the coordinator's
         # restores): at the end the summary's accounting of it must prove what happened.
         self.record: list[dict] = []
@@ -438,6 +440,11 @@ class Simulation:
                 q = o.quorum
                 if o.new_id:
                     self.log(f"quorum {q.quorum_id} step {q.step} P={q.participants} R={q.recovering}")
+                    if self.past_checkpoint is not None:  # the first quorum after a rollback past the disk
+                        newest, self.past_checkpoint = self.past_checkpoint, None
+                        if q.step < newest:
+                            self.restores_past_checkpoint += 1
+                            self.steps_past_checkpoint += newest - q.step
                 last = self.max_issued_id.get(q.epoch, -1)
                 if q.quorum_id < last:
                     self.fail(f"quorum id went back: {q.quorum_id} after {last}")
@@ -451,9 +458,8 @@ class Simulation:
                     self.record.append({"ts": self.now, "kind": "restore", "group": "coordinator",
                                         "step": o.fields["to_step"], **o.fields})
                     newest = max(self.disk, default=-1)
-                    if o.fields["to_step"] < newest <= o.fields["from_step"]:
-                        self.restores_past_checkpoint += 1
-                        self.steps_past_checkpoint += newest - o.fields["to_step"]
+                    # Counted when the next quorum acts on it (a later restore may undo it first).
+                    self.past_checkpoint = newest if o.fields["to_step"] < newest <= o.fields["from_step"] else None
                     self.leave_watches = []  # the others wait for a rollback, rightly
                     self.log(f"restore {o.fields['from_step']} -> {o.fields['to_step']}")
                     self.head = None  # an explicit rollback: the next head is judged afresh

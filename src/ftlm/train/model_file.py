@@ -7,7 +7,7 @@ its first quorum) must not replace a newer state that a finished group wrote whi
 trainer skips the write when it knows the job's head (``FaultTolerance.head_step``), and the file
 itself says which state it holds (safetensors metadata ``ftlm.step``, ``ftlm.chain``,
 ``ftlm.written_at``), so that a writer that knows no head yet keeps a newer state written
-during its own lifetime (``newer_model``). A file written before the writer started (an earlier
+during its own lifetime (``install_model``). A file written before the writer started (an earlier
 run into the same directory, or an earlier launch of this job) is replaced as before: a new run
 with fewer steps still gets its own model.
 """
@@ -69,6 +69,17 @@ def newer_model(path: Path, step: int, since: float) -> ModelStamp | None:
     if stamp is not None and stamp.step > step and stamp.written_at >= since:
         return stamp
     return None
+
+
+def install_model(tmp: Path, path: Path, step: int, since: float) -> ModelStamp | None:
+    """Move the model file written at ``tmp`` (the state at ``step``) to ``path``, unless ``path``
+    holds a newer state written at or after ``since``: then that state's stamp is returned and
+    ``tmp`` is left for the caller to remove. Under the run directory's model lock."""
+    with model_lock(path.parent):
+        newer = newer_model(path, step, since)
+        if newer is None:
+            os.replace(tmp, path)
+        return newer
 
 
 @contextlib.contextmanager

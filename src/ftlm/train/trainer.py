@@ -39,7 +39,7 @@ from ftlm.train.catchup import CatchUpBuffer, unflatten_into
 from ftlm.train.config import TrainerConfig
 from ftlm.train.checkpoint import CheckpointError, Checkpointer
 from ftlm.train.evaluate import build_evaluator
-from ftlm.train.model_file import MODEL_FILE, model_lock, newer_model, stamp_metadata
+from ftlm.train.model_file import MODEL_FILE, install_model, stamp_metadata
 from ftlm.train.grad_sync import GradientSync
 from ftlm.train.mfu import peak_flops
 from ftlm.train.objective import LanguageModeling, Objective, TrainData
@@ -755,13 +755,10 @@ class Trainer:
                 if self.rank != 0:
                     return path
                 save_file({k: v.clone().contiguous() for k, v in full.items()}, str(tmp), metadata=meta)
-            with model_lock(self.run_dir):
-                newer = newer_model(path, self.state.step, self.started_at)
-                if newer is None:
-                    os.replace(tmp, path)
-                else:
-                    log.info("not writing %s: it holds step %d, written by another group since this one "
-                             "started; this group stopped at step %d", path, newer.step, self.state.step)
+            newer = install_model(tmp, path, self.state.step, self.started_at)
+            if newer is not None:
+                log.info("not writing %s: it holds step %d, written by another group since this one "
+                         "started; this group stopped at step %d", path, newer.step, self.state.step)
         finally:
             tmp.unlink(missing_ok=True)
         return path

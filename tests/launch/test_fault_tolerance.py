@@ -254,6 +254,23 @@ def test_group_that_cannot_start_stops_the_launch_with_its_own_error(tmp_path):
     assert summary["problems"][0].startswith("group g")
 
 
+def test_a_job_that_diverges_in_every_group_stops_with_the_groups_error(tmp_path, demo_data):
+    """Every group's loss goes non-finite at step 1 (train.lr=1e30): each stops with the
+    divergence error (status 2). The launch used to restart them, they caught up from each other
+    and diverged again, for ever (38 restarts in 4 minutes); now it stops with that error."""
+    config = make_config(tmp_path / "run", demo_data, steps=40, lr=1e30, warmup_steps=0, grad_clip=0.0)
+    started = time.monotonic()
+    with pytest.raises(FtlmError, match=r"group g\d stopped with an error a restart repeats \(exit "
+                                         r"status 2; .*the loss or gradient was not finite in 3 "
+                                         r"attempts in a row at step 1 .*lower train.lr"):
+        LocalLauncher(config, groups=2, progress=False).run()
+    assert time.monotonic() - started < config.ft.give_up_seconds
+    events = read_events(config.run.path / "events.jsonl")
+    assert sum(e["kind"] == "group_exit" for e in events) <= 3  # at most one restart before it stops
+    summary = json.loads((config.run.path / "summary.json").read_text())
+    assert "stopped with an error a restart repeats" in summary["problems"][0]
+
+
 def test_crash_looping_group_stops_the_launch(tmp_path, demo_data):
     config = make_config(tmp_path / "run", demo_data, steps=20,
                          ft={"crash_loop_restarts": 3, "crash_loop_seconds": 60.0})

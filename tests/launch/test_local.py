@@ -242,6 +242,49 @@ def test_crash_loop_stops_the_launch_after_n_exits_without_progress(launcher):
     assert launcher.fatal.endswith("last exit status 1: Fatal Python error: attempt 2")
 
 
+_DIVERGED = ("echo 'ftlm: error: the loss or gradient was not finite in 3 attempts in a row at step 1'"
+             " >&2; exit 2")
+
+
+def test_status_2_from_registered_groups_twice_at_the_same_step_stops_the_launch(launcher):
+    """A 2-group run with train.lr=1e30 looped for minutes: every group stopped with the
+    divergence error, was restarted, caught up (progress, to the crash-loop rule), diverged
+    again. Two such exits with the job no further stop it with the group's own error."""
+    g0, g1 = launcher.groups[:2]
+    launcher._best = (1, 2)
+    start(launcher, g0, _DIVERGED)
+    g0.registered = g0.progressed = True
+    wait_exit(g0)
+    launcher._reap(launcher.events, time.time())
+    assert launcher.fatal == "" and g0.restart_at is not None  # one exit: restarted as before
+    start(launcher, g1, _DIVERGED)
+    g1.registered = g1.progressed = True
+    wait_exit(g1)
+    launcher._reap(launcher.events, time.time())
+    assert launcher.fatal == ("group g1 stopped with an error a restart repeats (exit status 2; "
+                              "group g0 did too, and the job is still at step 1): the loss or "
+                              "gradient was not finite in 3 attempts in a row at step 1")
+
+
+def test_status_2_again_after_the_job_moved_on_is_restarted(launcher):
+    g = launcher.groups[0]
+    for top in (10, 11, 30):  # one group, the job further each time: no loop
+        launcher._best = (top, 1)
+        start(launcher, g, _DIVERGED)
+        g.registered = g.progressed = True
+        wait_exit(g)
+        launcher._reap(launcher.events, time.time())
+        assert launcher.fatal == ""
+        g.restarts += 1
+    launcher._best = (30, 1)
+    start(launcher, g, _DIVERGED)  # the same group, the job no further: it would loop
+    g.registered = True
+    wait_exit(g)
+    launcher._reap(launcher.events, time.time())
+    assert launcher.fatal.startswith("group g0 stopped with an error a restart repeats (exit status 2; "
+                                     "it did too, and the job is still at step 30): the loss")
+
+
 def test_exits_caused_by_chaos_or_after_progress_are_not_a_crash_loop(launcher):
     g = launcher.groups[0]
     for i in range(5):

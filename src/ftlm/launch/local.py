@@ -9,7 +9,8 @@ last step (a SIGTERM, as a spot reclaim sends: it left the quorum and exited 0) 
 pod or a requeued Slurm job comes back; kills a group that is hung so that it restarts:
 one that never registered within ``ft.startup_timeout``, one whose heartbeat stopped, one the
 coordinator declared dead (it made no progress); stops the launch with the group's own error when
-a group cannot start (exit status 2 before registering) or crash-loops (``ft.crash_loop_*``);
+a group cannot start (exit status 2 before registering), crash-loops (``ft.crash_loop_*``), or
+groups stop with status 2 twice with the job no further (a diverged loss: restarts repeat it);
 optionally injects failures (``ftlm.launch.chaos``) until a group reaches the last step. At the
 end it waits until every group has exited with its final state (bounded by ``ft.give_up_seconds``
 without progress), restarting groups that die near the end (they recover from a finished group),
@@ -172,6 +173,7 @@ class LocalLauncher:
         self._outages: list[tuple[float, float]] = []  # (from, to): the coordinator was down
         self._down_since: float | None = None  # it is down now, since then
         self._resume_step: int | None = None  # the checkpoint step a relaunch resumes from
+        self._usage_exit: tuple[int, str] | None = None  # (job's top step, group): its last status-2 exit
 
     # -- set-up ----------------------------------------------------------------------------------
     def _prepare_run_dir(self) -> Path:
@@ -453,9 +455,11 @@ class LocalLauncher:
             # Any rank failing takes the whole group down; the group restarts as a new incarnation.
             g.kill()
             # A group the coordinator declared dead (no progress: a hung rank) may exit on its
-            # own when its heartbeat is refused: that is the hang, detected, not a crash.
+            # own when its heartbeat is refused: that is the hang, detected, not a crash. Status 2
+            # is the group's own error (its heartbeat stopped first), never a refused heartbeat.
             code = failed[0]
-            cause = g.cause or ("hung" if g.replica_id in self._declared_dead else "crash")
+            hung = g.replica_id in self._declared_dead and code != EXIT_USAGE
+            cause = g.cause or ("hung" if hung else "crash")
             events.emit("group_exit", step=-1, target=g.name, ok=False, code=code, cause=cause,
                         incarnation=g.incarnation)
             if os.environ.get("FTLM_SUPERVISOR_REPORTS", "1") != "0":  # 0: as on k8s/Slurm (bench.failure_stall)
@@ -476,11 +480,24 @@ class LocalLauncher:
     def _check_start(self, g: GroupProcess, code: int, now: float) -> None:
         """Stop the launch when a group cannot start: the CLI's one-line error (status 2) before
         it registered, or ``ft.crash_loop_restarts`` exits without progress within
-        ``ft.crash_loop_seconds``. Restarting either would fail the same way forever."""
+        ``ft.crash_loop_seconds``; or when groups stop with that error twice (any groups) and the
+        job did not get past the step it was at the first time (the loss stayed non-finite in
+        every group: each restart resumes, catches up or trains again up to that step and
+        diverges again, which the crash-loop rule counts as progress). Restarting would fail the
+        same way forever."""
         ft = self.config.ft
         if code == EXIT_USAGE and not g.registered:
             self.fatal = f"group {g.name} cannot start (exit status {code}): {self._why(g)}"
             return
+        if code == EXIT_USAGE:
+            top = max(self._best[0], self._best_step)
+            before, self._usage_exit = self._usage_exit, (top, g.name)
+            if before is not None and top <= before[0]:
+                first = "it" if before[1] == g.name else f"group {before[1]}"
+                self.fatal = (f"group {g.name} stopped with an error a restart repeats (exit status "
+                              f"{code}; {first} did too, and the job is still at step {top}): "
+                              f"{self._why(g)}")
+                return
         if g.progressed:
             return
         g.crash_times = [t for t in g.crash_times if now - t <= ft.crash_loop_seconds] + [now]

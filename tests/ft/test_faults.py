@@ -44,3 +44,22 @@ def test_term_sends_this_process_sigterm_once_and_goes_on(monkeypatch: pytest.Mo
     assert sent == [(os.getpid(), signal.SIGTERM)] and fired == []  # a stop request, not a failure
     with pytest.raises(ConfigError, match="slow_serve is a slow link"):
         FaultSchedule.parse("term:slow_serve")
+
+
+def test_nonfinite_conditions_hold_every_attempt_they_cover_and_kill_nothing(monkeypatch) -> None:
+    monkeypatch.setattr("ftlm.ft.faults.os.kill", lambda pid, sig: pytest.fail("a condition sent a signal"))
+    device = FaultSchedule.parse("nonfinite@5")
+    assert [device.nonfinite(step, 0, 4) for step in (3, 4, 5, 5, 6, 90)] == [False] * 2 + [True] * 4
+    assert FaultSchedule.parse("nonfinite").nonfinite(0, 0, 4)  # every step
+    data = FaultSchedule.parse("nonfinite_sample@29")
+    assert [data.nonfinite(3, a, a + 4) for a in (24, 25, 26, 29, 30)] == [False, False, True, True, False]
+    device.maybe_fire("before_commit", 6, lambda *a, **k: pytest.fail("a condition fired"))
+
+
+@pytest.mark.parametrize("text, why", [("hang:nonfinite@3", "no 'hang:' or 'term:'"),
+                                       ("term:nonfinite", "no 'hang:' or 'term:'"),
+                                       ("nonfinite_sample", "needs '@POSITION'"),
+                                       ("nonfinite@x", "must be an integer")])
+def test_a_misused_nonfinite_condition_says_how_to_write_it(text, why) -> None:
+    with pytest.raises(ConfigError, match=why):
+        FaultSchedule.parse(text)

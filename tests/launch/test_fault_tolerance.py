@@ -26,6 +26,7 @@ from ftlm.errors import FtlmError
 from ftlm.launch.local import LocalLauncher
 from ftlm.observe.events import read_events
 from ftlm.train.checkpoint_files import checkpoint_dir
+from ftlm.train.nonfinite import NONFINITE_LIMIT
 from ftlm.train.trainer import Trainer
 
 # Long enough that the healthy groups are still training when a killed group has restarted
@@ -117,6 +118,38 @@ def test_group_killed_at_allreduce_point_others_continue(tmp_path, demo_data, po
     assert recovered(events, "g1"), "the killed group never caught up"
     assert commits_while_down(events, "g1") > 0, "the healthy group stopped while g1 was down"
     check_invariants(summary, events, 2)
+
+
+def test_a_group_whose_device_turns_every_step_non_finite_stops_alone_and_the_job_finishes(tmp_path, demo_data):
+    """g1's loss is NaN from step 10 on (a faulty device; FTLM_FAULT=nonfinite@10). Every group
+    fails those attempts (nothing is applied), but only g1 was non-finite: g1 stops (status 1)
+    and restarts healthy, g0 goes on alone. Before, every group stopped the job ("lower
+    train.lr") after three attempts: one bad device ended the run."""
+    steps = 60
+    summary, events = run_job(tmp_path, demo_data, groups=2, steps=steps, faults={"g1": ["nonfinite@10"]})
+    failed = [e for e in events if e["kind"] == "step_failed" and e["reason"] == "non-finite loss or gradient"]
+    assert {e["step"] for e in failed} == {10} and len(failed) == 2 * NONFINITE_LIMIT, failed
+    assert all(len(e["nonfinite_samples"]) == 1 for e in failed)  # one slice: g1's
+    exits = [e for e in events if e["kind"] == "group_exit" and e.get("ok") is False]
+    assert [(e["target"], e["code"]) for e in exits] == [("g1", 1)]
+    assert commits_while_down(events, "g1") > 0, "g0 stopped with g1"
+    assert recovered(events, "g1"), "the restarted g1 never caught up"
+    check_invariants(summary, events, 2, steps=steps)
+
+
+def test_samples_that_break_training_stop_the_job_once_a_second_group_meets_them(tmp_path, demo_data):
+    """Position 29 gives a NaN loss in any group (FTLM_FAULT=nonfinite_sample@29 for every
+    incarnation): the first group to train it is taken for a faulty device and restarts, the
+    survivor meets the same samples and stops the job naming them."""
+    config = make_config(tmp_path / "run", demo_data, steps=40)
+    poison = ["nonfinite_sample@29"] * 6
+    with pytest.raises(FtlmError, match=r"stopped with an error a restart repeats \(exit status 2; "
+                                         r".*the samples at positions \[\d+, \d+\) made the loss or "
+                                         r"gradient non-finite here at step \d+ after positions .* did "
+                                         r"in another group: the data"):
+        LocalLauncher(config, groups=2, progress=False, faults={"g0": poison, "g1": poison}).run()
+    events = read_events(config.run.path / "events.jsonl")
+    assert all(e["step"] < 10 for e in events if e["kind"] == "commit")  # never past the samples
 
 
 def test_group_killed_while_receiving_state(tmp_path, demo_data):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ftlm.observe.events import read_events
-from ftlm.train.trainer import NONFINITE_LIMIT, Trainer, TrainingDiverged
+from ftlm.train.nonfinite import NONFINITE_LIMIT, TrainingDiverged
+from ftlm.train.trainer import Trainer
 
 
 def test_a_diverging_run_stops_with_a_clear_error_and_applies_nothing_non_finite(tiny_config) -> None:

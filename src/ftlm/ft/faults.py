@@ -13,6 +13,12 @@ separated by commas (``slow_serve,before_commit@12``), each firing once.
 it holds the transfer until the group committed ``FTLM_FAULT_STEPS`` more steps (when set; at
 most ``FTLM_FAULT_SECONDS``, default 3, otherwise exactly that long), so a recovering peer's pull
 spans several steps however fast or loaded the machine is (catch-up tests).
+
+Two entries are conditions, not moments, and kill nothing: ``nonfinite@STEP`` makes every attempt
+of this process from that step on non-finite (its loss and gradient count as NaN: a faulty
+device, every step when omitted), and ``nonfinite_sample@POSITION`` every attempt whose slice holds
+that global sample position (samples that break training: give it to every group and incarnation).
+The trainer asks ``FaultSchedule.nonfinite``; ``ftlm.train.nonfinite`` judges what follows.
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ POINTS = (
     "during_replay",       # a recovering group, after replaying its first buffered update
     "slow_serve",          # a source group: the first transfer it serves stalls (not a crash)
 )
+CONDITIONS = (
+    "nonfinite",           # from step STEP on (every step without one), this process's loss is NaN
+    "nonfinite_sample",    # a slice holding sample position POSITION gives a NaN loss (required)
+)
 
 
 @dataclass
@@ -59,10 +69,15 @@ class FaultPlan:
         if term and point == "slow_serve":
             raise ConfigError(f"FTLM_FAULT={text!r}: slow_serve is a slow link, not a moment to "
                               "stop at; give 'term:' one of the other points")
-        if point not in POINTS:
+        if point in CONDITIONS and (hang or term or (point == "nonfinite_sample" and not step)):
+            raise ConfigError(f"FTLM_FAULT={text!r}: {point} is a condition, not a moment: no "
+                              "'hang:' or 'term:'" + (", and it needs '@POSITION'"
+                                                      if point == "nonfinite_sample" else ""))
+        if point not in POINTS + CONDITIONS:
             raise ConfigError(f"FTLM_FAULT={text!r}: unknown point {point!r}; valid: "
                               f"{', '.join(POINTS)} (optionally '@STEP', prefix 'hang:' to SIGSTOP, "
-                              "'term:' to send SIGTERM)")
+                              "'term:' to send SIGTERM), or the conditions nonfinite[@STEP], "
+                              "nonfinite_sample@POSITION")
         try:
             return cls(point, int(step) if step else None, hang, term=term)
         except ValueError:
@@ -115,6 +130,22 @@ class FaultSchedule:
                    committed: Callable[[], int] | None = None) -> None:
         for plan in self.plans:
             plan.maybe_fire(point, step, emit, committed)
+
+    def nonfinite(self, step: int, start: int, stop: int) -> bool:
+        """Whether an attempt of ``step`` training sample positions ``[start, stop)`` is made
+        non-finite here (``CONDITIONS``); logged the first time."""
+        for plan in self.plans:
+            if plan.point == "nonfinite" and (plan.step is None or step >= plan.step):
+                hit = f"from step {plan.step or 0} on (a faulty device)"
+            elif plan.point == "nonfinite_sample" and start <= (plan.step or 0) < stop:
+                hit = f"for sample position {plan.step} (samples that break training)"
+            else:
+                continue
+            if not plan.fired:
+                plan.fired = True
+                log.warning("FTLM_FAULT: the loss of step %d counts as non-finite %s", step, hit)
+            return True
+        return False
 
 
 def fault_from_env() -> FaultSchedule | None:

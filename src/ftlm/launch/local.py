@@ -173,7 +173,8 @@ class LocalLauncher:
         self._outages: list[tuple[float, float]] = []  # (from, to): the coordinator was down
         self._down_since: float | None = None  # it is down now, since then
         self._resume_step: int | None = None  # the checkpoint step a relaunch resumes from
-        self._usage_exit: tuple[int, str] | None = None  # (job's top step, group): its last status-2 exit
+        self._usage_exit: tuple[int, str] | None = None  # (job's top step, group): the last status-2 exit
+        self._usage_errors: list[tuple[str, str]] = []  # (group, error) of the last distinct ones
 
     # -- set-up ----------------------------------------------------------------------------------
     def _prepare_run_dir(self) -> Path:
@@ -490,13 +491,18 @@ class LocalLauncher:
             self.fatal = f"group {g.name} cannot start (exit status {code}): {self._why(g)}"
             return
         if code == EXIT_USAGE:
-            top = max(self._best[0], self._best_step)
+            top, why = max(self._best[0], self._best_step), self._why(g)
             before, self._usage_exit = self._usage_exit, (top, g.name)
+            # An earlier error may say more than the last one: samples that broke training are
+            # named by the group that saw them break in another group first, while a group
+            # restarted since, alone, can only say its loss diverged.
+            earlier = [f"{name}: {line}" for name, line in self._usage_errors if line != why]
+            self._usage_errors = [(n, line) for n, line in self._usage_errors if line != why][-2:] + [(g.name, why)]
             if before is not None and top <= before[0]:
                 first = "it" if before[1] == g.name else f"group {before[1]}"
                 self.fatal = (f"group {g.name} stopped with an error a restart repeats (exit status "
                               f"{code}; {first} did too, and the job is still at step {top}): "
-                              f"{self._why(g)}")
+                              f"{why}" + "".join(f"; earlier, group {e}" for e in earlier))
                 return
         if g.progressed:
             return

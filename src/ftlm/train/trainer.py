@@ -27,7 +27,6 @@ from ftlm.data.loader import Loader, PackedDataset
 from ftlm.data.split import split_heldout
 from ftlm.data.tokenizer import Tokenizer
 from ftlm.errors import ConfigError, DataError
-from ftlm.errors import FtlmError
 from ftlm.ft.group import check_replay
 from ftlm.ft.history import extend_chain
 from ftlm.ft.protocol import FaultTolerance, NoFaultTolerance, Recovered, ReloadCheckpoint, StepPlan, StopRequested
@@ -40,6 +39,7 @@ from ftlm.train.config import TrainerConfig
 from ftlm.train.checkpoint import CheckpointError, Checkpointer
 from ftlm.train.evaluate import build_evaluator
 from ftlm.train.model_file import MODEL_FILE, install_model, stamp_metadata
+from ftlm.train.nonfinite import NonFiniteJudge
 from ftlm.train.grad_sync import GradientSync
 from ftlm.train.mfu import peak_flops
 from ftlm.train.objective import LanguageModeling, Objective, TrainData
@@ -51,15 +51,6 @@ from ftlm.ft.transport import state_digest
 
 
 log = logging.getLogger("ftlm.train")
-
-NONFINITE_LIMIT = 3
-"""Attempts in a row with a non-finite loss or gradient after which training stops: the data and
-the state are deterministic, so a retry sees the same numbers."""
-
-
-class TrainingDiverged(FtlmError):
-    """The loss or gradient stayed non-finite: training cannot continue from this state."""
-
 
 REPLAY_AT_LEAST = 2
 """Buffered updates a recovering group replays per step at least, even when its all-reduce
@@ -251,7 +242,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(config.model, config.data.seq_len)
         self.losses: list[float] = []
         self._stalled = False  # a step failed since the last commit
-        self._nonfinite = 0  # attempts in a row with a non-finite loss or gradient
+        self._nonfinite = NonFiniteJudge()  # whose fault a non-finite loss or gradient is
         self._last_commit: float | None = None
         self._stop = False  # this rank was asked to stop (SIGTERM, Ctrl-C)
         self._stop_agreed = False  # some rank of the group wanted to stop at a step's all-reduce
@@ -353,6 +344,8 @@ class Trainer:
         # The gradients are only read here; the averages are written back in ft.allreduce.
         norms = torch._foreach_norm(grads) if grads else []
         finite = bool(torch.isfinite(torch.stack([loss.float().reshape(()), *[n.float() for n in norms]])).all())
+        if plan.participating and self._device_fault(state.step, plan):
+            finite = False
         loss_buf = torch.stack([torch.nan_to_num(loss.float(), nan=0.0, posinf=0.0, neginf=0.0),
                                 torch.tensor(0.0 if finite else 1.0, device=loss.device)])
         stops = None
@@ -362,6 +355,12 @@ class Trainer:
             group_buf = torch.cat([loss_buf, wants])
             dist.all_reduce(group_buf)
             loss_buf, stops = group_buf[:2] / self.ranks, group_buf[2]
+        # One entry per participant: its group's flag, so that every group sees whose loss was
+        # not finite (``NonFiniteJudge``); a recovering group's entries are all zero.
+        origins = torch.zeros(plan.participants, device=loss.device)
+        if plan.participating:
+            origins[plan.participant_index] = loss_buf[1]
+        loss_buf = torch.cat([loss_buf, origins])
         self.ft.allreduce([loss_buf])  # and waits for the gradient buckets started above
         nonfinite = bool(loss_buf[1] > 0)
         if stops is not None and bool(stops > 0):
@@ -378,17 +377,21 @@ class Trainer:
         if not ok:
             self.state.optimizer.zero_grad(set_to_none=True)
             reason = "non-finite loss or gradient" if nonfinite else "collective or vote failed"
-            self.events.emit("step_failed", step=state.step, quorum_id=plan.quorum_id, reason=reason)
+            who = (loss_buf[2:] > 0).nonzero().flatten().tolist() if nonfinite else []
             self.metrics.on_step_failed()
             self._stalled = True
-            self._nonfinite = self._nonfinite + 1 if nonfinite else 0
-            if self._nonfinite >= NONFINITE_LIMIT:
-                raise TrainingDiverged(
-                    f"the loss or gradient was not finite in {self._nonfinite} attempts in a row at "
-                    f"step {state.step} (no update was applied); lower train.lr, raise "
-                    "train.warmup_steps or set train.grad_clip, then resume from a checkpoint")
+            # Which samples (global positions) the non-finite participants trained: a recovering
+            # group does not know (its own cursor is behind the step's).
+            known = who and plan.participating
+            self.events.emit("step_failed", step=state.step, quorum_id=plan.quorum_id, reason=reason,
+                             **({"nonfinite_samples": [[state.cursor + i * tc.batch_size,
+                                                        state.cursor + (i + 1) * tc.batch_size]
+                                                       for i in who]} if known else {}))
+            self._nonfinite.failed(state.step, who, plan.participants,
+                                   plan.participant_index if plan.participating else None,
+                                   state.cursor, tc.batch_size)
             return
-        self._nonfinite = 0
+        self._nonfinite.committed()
         start, parent = state.cursor, state.chain
         chain = (plan.quorum.next_chain() if plan.quorum is not None
                  else extend_chain(parent, plan.step, plan.quorum_id, [self.group]))
@@ -725,6 +728,18 @@ class Trainer:
         if self.ranks == 1:
             return self._stop or self._time_up()
         return self._stop_agreed
+
+    def _device_fault(self, step: int, plan: StepPlan) -> bool:
+        """Whether an injected fault makes this attempt non-finite: a faulty device
+        (``FTLM_FAULT=nonfinite@STEP``: every attempt from that step on) or samples that break
+        training (``nonfinite_sample@POSITION``: any slice holding that position), as
+        ``ftlm.ft.faults`` describes."""
+        fault = getattr(self.ft, "fault", None)
+        if fault is None:
+            return False
+        batch = self.config.train.batch_size
+        start = self.state.cursor + plan.participant_index * batch
+        return fault.nonfinite(step, start, start + batch)
 
     def _time_up(self) -> bool:
         """``train.max_seconds`` of training have passed."""

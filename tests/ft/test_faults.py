@@ -63,3 +63,12 @@ def test_nonfinite_conditions_hold_every_attempt_they_cover_and_kill_nothing(mon
 def test_a_misused_nonfinite_condition_says_how_to_write_it(text, why) -> None:
     with pytest.raises(ConfigError, match=why):
         FaultSchedule.parse(text)
+
+
+def test_allreduce_fails_holds_from_its_step_on(monkeypatch) -> None:
+    monkeypatch.setattr("ftlm.ft.faults.os.kill", lambda pid, sig: pytest.fail("a condition sent a signal"))
+    link = FaultSchedule.parse("allreduce_fails@12")
+    assert [link.allreduce_fails(s) for s in (11, 12, 12, 40)] == [False, True, True, True]
+    assert not link.nonfinite(40, 0, 4)
+    with pytest.raises(ConfigError, match="no 'hang:' or 'term:'"):
+        FaultSchedule.parse("term:allreduce_fails@3")

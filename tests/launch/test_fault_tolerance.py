@@ -352,6 +352,27 @@ def test_a_relaunch_resumes_from_the_checkpoint_and_proves_exactly_once_over_bot
     assert summary["data"]["rolled_back_steps"] == 5
 
 
+def test_groups_giving_up_on_a_bad_link_save_their_step_and_the_job_resumes_from_it(tmp_path, demo_data):
+    """g1's all-reduce fails from step 12 on (FTLM_FAULT=allreduce_fails@12: a bad link), so
+    every group's steps fail with the same members and every group gives up at the same quorum
+    (ft.max_consecutive_failures). The group that wrote the last step saves it on its way out, as
+    on a stop; restarted (g1 healthy now), the job resumes at step 12. Before, every holder of
+    step 12 was gone and the job went back to its newest periodic checkpoint (step 10 here; a
+    3-group run without one redid its 10 steps)."""
+    steps = 30
+    config = make_config(tmp_path / "run", demo_data, steps=steps, ft={"max_consecutive_failures": 4})
+    config.checkpoint.every = 10
+    summary = LocalLauncher(config, groups=2, progress=False, faults={"g1": ["allreduce_fails@12"]}).run()
+    events = read_events(config.run.path / "events.jsonl")
+    assert {e["step"] for e in events if e["kind"] == "step_failed"} == {12}
+    assert 12 in [e["step"] for e in events if e["kind"] == "checkpoint_saved"]
+    assert [e["to_step"] for e in events if e["kind"] == "restore"] in ([], [12]), "the job went back"
+    assert summary["data"]["rolled_back_steps"] == 0
+    # g0 gave up too (status 1, no fault of its own): listed as a crash, and nothing else is.
+    assert {c["group"] for c in summary["crashes"]} <= {"g0"}
+    check_invariants({**summary, "crashes": []}, events, 2, steps=steps)
+
+
 def test_the_last_holder_preempted_mid_transfer_saves_its_step_and_nobody_rolls_back(tmp_path, demo_data):
     """g1 dies at step 10 and pulls from g0, whose serving is slowed; g0, the only group holding
     the newest state, is preempted (SIGTERM) while it serves. It saves its committed step before

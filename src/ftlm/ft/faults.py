@@ -14,11 +14,13 @@ it holds the transfer until the group committed ``FTLM_FAULT_STEPS`` more steps 
 most ``FTLM_FAULT_SECONDS``, default 3, otherwise exactly that long), so a recovering peer's pull
 spans several steps however fast or loaded the machine is (catch-up tests).
 
-Two entries are conditions, not moments, and kill nothing: ``nonfinite@STEP`` makes every attempt
+Three entries are conditions, not moments, and kill nothing: ``nonfinite@STEP`` makes every attempt
 of this process from that step on non-finite (its loss and gradient count as NaN: a faulty
 device, every step when omitted), and ``nonfinite_sample@POSITION`` every attempt whose slice holds
 that global sample position (samples that break training: give it to every group and incarnation).
 The trainer asks ``FaultSchedule.nonfinite``; ``ftlm.train.nonfinite`` judges what follows.
+``allreduce_fails@STEP`` fails this process's cross-group all-reduce from that step on, as a bad
+link does: it aborts the process group, so every peer's all-reduce fails too.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ POINTS = (
 CONDITIONS = (
     "nonfinite",           # from step STEP on (every step without one), this process's loss is NaN
     "nonfinite_sample",    # a slice holding sample position POSITION gives a NaN loss (required)
+    "allreduce_fails",     # from step STEP on, this process's cross-group all-reduce fails (a bad link)
 )
 
 
@@ -130,6 +133,16 @@ class FaultSchedule:
                    committed: Callable[[], int] | None = None) -> None:
         for plan in self.plans:
             plan.maybe_fire(point, step, emit, committed)
+
+    def allreduce_fails(self, step: int) -> bool:
+        """Whether this process's cross-group all-reduce of ``step`` fails here (``CONDITIONS``)."""
+        for plan in self.plans:
+            if plan.point == "allreduce_fails" and (plan.step is None or step >= plan.step):
+                if not plan.fired:
+                    plan.fired = True
+                    log.warning("FTLM_FAULT: the all-reduce fails from step %d on (a bad link)", step)
+                return True
+        return False
 
     def nonfinite(self, step: int, start: int, stop: int) -> bool:
         """Whether an attempt of ``step`` training sample positions ``[start, stop)`` is made

@@ -443,6 +443,9 @@ class Manager:
             self._pending, self._allreduce_started = [], time.monotonic()
         if self.proto.failed:
             return
+        if self.fault is not None and self.fault.allreduce_fails(self.proto.step):
+            self._fail("FTLM_FAULT: the all-reduce failed (a bad link)")
+            return
         if len(self._pending) == 1:
             self._fire("inside_allreduce")
         participants = self.quorum.participant_count if self.quorum else 1

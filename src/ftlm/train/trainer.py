@@ -27,7 +27,7 @@ from ftlm.data.loader import Loader, PackedDataset
 from ftlm.data.split import split_heldout
 from ftlm.data.tokenizer import Tokenizer
 from ftlm.errors import ConfigError, DataError
-from ftlm.ft.group import check_replay
+from ftlm.ft.group import TooManyFailures, check_replay
 from ftlm.ft.history import extend_chain
 from ftlm.ft.protocol import FaultTolerance, NoFaultTolerance, Recovered, ReloadCheckpoint, StepPlan, StopRequested
 from ftlm.model import Transformer, flops_per_token
@@ -621,7 +621,11 @@ class Trainer:
         self.ft.join(self.state.step, self.state.chain)
         wall0 = time.time()
         try:
-            self._loop(wall0)
+            try:
+                self._loop(wall0)
+            except TooManyFailures:
+                self._save_giving_up()
+                raise
             if self.state.step >= tc.steps:
                 # Serve the groups still catching up, then leave the job (not a failure); a
                 # SIGTERM meanwhile ends the serving and still leaves.
@@ -677,15 +681,30 @@ class Trainer:
         when they are a majority without it). Every rank takes the same branch: the role comes
         from the quorum, the step from the agreed stop, and whether any rank was interrupted is
         agreed (a collective) since the save itself is one."""
-        step = self.state.step
-        save = (self._writer and self.config.checkpoint.on_stop and self.checkpointer.every > 0
-                and not self.checkpointer.due(step))
-        if save:
+        if self._saves_on_stop():
             interrupted = (_group_max(int(self._interrupted), self.device) if self.ranks > 1
                            else int(self._interrupted))
             if not interrupted:
                 self._save_on_stop()
         self.ft.leave("stopped")
+
+    def _saves_on_stop(self) -> bool:
+        """Whether this group saves its committed state on its way out: it wrote the last
+        step's checkpoints, ``checkpoint.on_stop`` is on and that step is not on disk already."""
+        return (self._writer and self.config.checkpoint.on_stop and self.checkpointer.every > 0
+                and not self.checkpointer.due(self.state.step))
+
+    def _save_giving_up(self) -> None:
+        """This group gives up (``ft.max_consecutive_failures`` steps failed with the same
+        members, or no quorum within ``ft.quorum_timeout``): save the committed state first, as
+        on a stop. Its peers give up at the same step when the failures are everyone's (one
+        group's bad link fails every group's all-reduce), and the job then resumes from here
+        instead of from its newest periodic checkpoint (a 3-group run lost its 10 steps). A
+        failed step applied nothing, so the state is the last commit's; every rank of the group
+        gives up at the same quorum (the leader's verdict is shared), so the save's collective
+        is everyone's."""
+        if self._saves_on_stop():
+            self._save_on_stop()
 
     def _save_on_stop(self) -> None:
         """Save the committed state now; a failure is logged, never raised (the stop goes on)."""

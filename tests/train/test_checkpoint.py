@@ -430,6 +430,38 @@ def test_failed_background_write_is_a_checkpoint_error_naming_the_path(
     assert not (checkpoint_dir(tmp_path, 1) / MANIFEST).exists()
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_periodic_save_is_recorded_and_training_goes_on(
+        make_tiny_config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool) -> None:
+    """A full disk at step 4's save: the error is logged and recorded (``checkpoint_failed``),
+    training goes on, step 8 saves again, and resuming finds step 8 (a group stopped for it
+    would restart, catch up and fail the same way at its next save). The write is faked: a real
+    full disk cannot be provoked portably."""
+    config = make_tiny_config(tmp_path / "run", train={"steps": 10, "warmup_steps": 3},
+                              checkpoint={"every": 4, "keep": 3, "async_save": async_save})
+    name = "async_save" if async_save else "save"
+    real = getattr(dcp, name)
+
+    def flaky(state_dict, checkpoint_id, **kwargs):
+        if checkpoint_id.endswith("step-00000004"):
+            if not async_save:
+                raise OSError(28, "No space left on device")
+            failed: Future = Future()
+            failed.set_exception(CheckpointException("write failed", {0: (OSError("No space left on device"), None)}))
+            return failed
+        return real(state_dict, checkpoint_id=checkpoint_id, **kwargs)
+
+    monkeypatch.setattr(dcp, name, flaky)
+    trainer = Trainer.for_run(config)
+    trainer.train()
+    assert trainer.state.step == 10
+    events = read_events(trainer.run_dir / "events.jsonl")
+    [failed] = [e for e in events if e["kind"] == "checkpoint_failed"]
+    assert "step-00000004" in failed["error"] and "No space left on device" in failed["error"]
+    assert [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [8, 10]
+    assert [step for step, _ in valid_checkpoints(trainer.run_dir / "checkpoints")] == [8, 10]
+
+
 # -- whole-trainer stop / resume ---------------------------------------------------------------
 
 def _stopped_after(trainer: Trainer, step: int) -> Trainer:

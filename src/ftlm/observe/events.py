@@ -44,6 +44,8 @@ Kinds used across ftlm and their fields:
   peer (``source``; ``recovery_end`` has ``ok`` and ``seconds``).
 * ``checkpoint_saved``: a durable checkpoint of ``step`` became valid (``path``, ``seconds``).
 * ``checkpoint_rejected``: a checkpoint failed verification and was skipped (``path``, ``reason``).
+* ``checkpoint_failed``: writing a durable checkpoint failed (``error``: a full disk, a lost
+  mount); training went on and the newest valid checkpoint stays.
 * ``checkpoint_reloaded``: no live group held the job's newest state (``head``), so this group,
   behind it, loaded the newer durable checkpoint of ``step`` (``from_step``, ``seconds``, ``chain``)
   before the coordinator's rollback.
@@ -66,7 +68,7 @@ from ftlm.errors import DataError
 KINDS: tuple[str, ...] = (
     "run_start", "run_end", "group_start", "group_exit", "quorum", "commit", "step_failed",
     "failure_injected", "member_dead", "member_left", "recovery_start", "recovery_end",
-    "checkpoint_saved", "checkpoint_rejected", "checkpoint_reloaded", "coordinator_restart", "restore",
+    "checkpoint_saved", "checkpoint_rejected", "checkpoint_failed", "checkpoint_reloaded", "coordinator_restart", "restore",
     "eval",
 )
 """Event kinds ftlm emits (documented above); ``emit`` accepts others for forward compatibility."""

@@ -437,23 +437,27 @@ class Checkpointer:
 
     # -- saving ----------------------------------------------------------------------------------
     def save(self, state: TrainState) -> None:
-        """Start saving ``state`` (at its current step); returns once the state has been copied."""
+        """Start saving ``state`` (at its current step); returns once the state has been copied.
+        Raises ``CheckpointError`` when this save (or the one in flight before it) failed."""
         self.wait()  # one save in flight at a time: bounded memory for staged copies
         path = checkpoint_dir(self.root, state.step)
-        if self.writer and path.exists():
-            shutil.rmtree(path)
-        path.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         step, cursor = state.step, state.cursor
-        if self.async_save:
-            written = _quiet(dcp.async_save, {"train": state}, checkpoint_id=str(path),
-                             process_group=self.process_group)
-            self._pending = (self._sealed_after(written, step, cursor, path), step, path, started)
-        else:
+        try:
+            if self.writer and path.exists():
+                shutil.rmtree(path)
+            path.mkdir(parents=True, exist_ok=True)
+            if self.async_save:
+                written = _quiet(dcp.async_save, {"train": state}, checkpoint_id=str(path),
+                                 process_group=self.process_group)
+                self._pending = (self._sealed_after(written, step, cursor, path), step, path, started)
+                return
             _quiet(dcp.save, {"train": state}, checkpoint_id=str(path),
                    process_group=self.process_group)
             self._seal(step, cursor, path)
-            self._finish(step, path, started)
+        except (Exception, CheckpointException) as e:  # a full disk, a lost mount: one message
+            raise CheckpointError(f"writing checkpoint {path} failed: {_reason(e)}") from e
+        self._finish(step, path, started)
 
     def poll(self) -> None:
         """Finish a background save that has completed (cheap; call once per step)."""

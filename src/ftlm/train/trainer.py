@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -423,12 +424,13 @@ class Trainer:
         self.metrics.on_commit(plan.step, global_loss, rank_tokens, seconds, lr, grad_norm,
                                data_wait_seconds=self.loader.wait_seconds)
         self.metrics.sample_memory()
-        self.checkpointer.poll()
+        self._checkpoint(self.checkpointer.poll)
         # The last step is always made durable: a group restarted after the others finished and
         # left resumes at the end instead of from an older checkpoint the job has moved past.
         final = state.step == tc.steps and self.checkpointer.every > 0
         if (self.checkpointer.due(state.step) or final) and plan.participant_index == 0:
-            self.checkpointer.save(state)
+            self._checkpoint(self.checkpointer.wait)  # a save in flight that failed: on its own
+            self._checkpoint(lambda: self.checkpointer.save(state))
         if self.evaluator.due(state.step):  # committed, participating: every rank of the group
             ev = self.evaluator.evaluate()
             self.events.emit("eval", step=state.step, loss=ev.loss,
@@ -591,6 +593,20 @@ class Trainer:
                          transfer_seconds=rec.seconds, chain=state.chain,
                          replay_seconds=replay_seconds)
 
+    def _checkpoint(self, action: Callable[[], None]) -> None:
+        """Start or finish a durable checkpoint; a failure (a full disk, a lost mount) is logged
+        and recorded (``checkpoint_failed``), never raised. The replicas hold the state, the
+        newest valid checkpoint stays, the next due step tries again, and the checkpoint-age
+        alert fires if none succeeds; a group stopped for it would restart, catch up and fail
+        the same way at the next save."""
+        try:
+            action()
+        except CheckpointError as e:
+            log.error("step %d: %s; training goes on (the replicas hold the state, the newest "
+                      "valid checkpoint is kept, the next due step tries again): free space or "
+                      "fix checkpoint.dir", self.state.step, e)
+            self.events.emit("checkpoint_failed", step=self.state.step, error=str(e))
+
     def _on_checkpoint_saved(self, step: int, path: Path, seconds: float) -> None:
         self.events.emit("checkpoint_saved", step=step, path=str(path), seconds=seconds)
         self.metrics.on_checkpoint(step, seconds, path)
@@ -661,7 +677,7 @@ class Trainer:
             self._stop = self._interrupted = True
         finally:
             bar.close()
-            self.checkpointer.wait()
+            self._checkpoint(self.checkpointer.wait)
             self.loader.close()
 
     def _leave_stopped(self) -> None:

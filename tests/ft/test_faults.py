@@ -54,6 +54,12 @@ def test_nonfinite_conditions_hold_every_attempt_they_cover_and_kill_nothing(mon
     data = FaultSchedule.parse("nonfinite_sample@29")
     assert [data.nonfinite(3, a, a + 4) for a in (24, 25, 26, 29, 30)] == [False, False, True, True, False]
     device.maybe_fire("before_commit", 6, lambda *a, **k: pytest.fail("a condition fired"))
+    recorded: list[tuple] = []
+    emit = lambda kind, **f: recorded.append((kind, f["step"], f["point"], f["how"]))  # noqa: E731
+    again = FaultSchedule.parse("nonfinite@5,nonfinite_sample@29")
+    for step, start in ((5, 0), (6, 4), (7, 28)):
+        assert again.nonfinite(step, start, start + 4, emit)
+    assert recorded == [("failure_injected", 5, "nonfinite", "nonfinite")]  # once; data is no failure
 
 
 @pytest.mark.parametrize("text, why", [("hang:nonfinite@3", "no 'hang:' or 'term:'"),

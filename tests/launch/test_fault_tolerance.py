@@ -126,14 +126,20 @@ def test_a_group_whose_device_turns_every_step_non_finite_stops_alone_and_the_jo
     and restarts healthy, g0 goes on alone. Before, every group stopped the job ("lower
     train.lr") after three attempts: one bad device ended the run."""
     steps = 60
-    summary, events = run_job(tmp_path, demo_data, groups=2, steps=steps, faults={"g1": ["nonfinite@10"]})
+    # (join_timeout: both groups in the first quorum, however far apart a loaded machine starts
+    # them; g1 alone at step 10 could not tell its device from a diverged run)
+    summary, events = run_job(tmp_path, demo_data, groups=2, steps=steps, ft={"join_timeout": 30.0},
+                              faults={"g1": ["nonfinite@10"]})
     failed = [e for e in events if e["kind"] == "step_failed" and e["reason"] == "non-finite loss or gradient"]
     assert {e["step"] for e in failed} == {10} and len(failed) == 2 * NONFINITE_LIMIT, failed
     assert all(len(e["nonfinite_samples"]) == 1 for e in failed)  # one slice: g1's
     exits = [e for e in events if e["kind"] == "group_exit" and e.get("ok") is False]
-    assert [(e["target"], e["code"]) for e in exits] == [("g1", 1)]
+    assert [e["target"] for e in exits] == ["g1"]  # (status 1; killed when its exit is slow)
+    log = (tmp_path / "run" / "logs" / "g1.log").read_text()
+    assert "ftlm: error: this group's loss or gradient was not finite in 3 attempts" in log
     assert commits_while_down(events, "g1") > 0, "g0 stopped with g1"
     assert recovered(events, "g1"), "the restarted g1 never caught up"
+    assert (summary["failures_injected"], summary["failures_detected"], summary["failures_undetected"]) == (1, 1, 0)
     check_invariants(summary, events, 2, steps=steps)
 
 
@@ -141,7 +147,7 @@ def test_samples_that_break_training_stop_the_job_once_a_second_group_meets_them
     """Position 29 gives a NaN loss in any group (FTLM_FAULT=nonfinite_sample@29 for every
     incarnation): the first group to train it is taken for a faulty device and restarts, the
     survivor meets the same samples and stops the job naming them."""
-    config = make_config(tmp_path / "run", demo_data, steps=40)
+    config = make_config(tmp_path / "run", demo_data, steps=40, ft={"join_timeout": 30.0})  # (both start)
     poison = ["nonfinite_sample@29"] * 6
     with pytest.raises(FtlmError, match=r"stopped with an error a restart repeats \(exit status 2; "
                                          r".*the samples at positions \[\d+, \d+\) made the loss or "
@@ -299,7 +305,8 @@ def test_a_job_that_diverges_in_every_group_stops_with_the_groups_error(tmp_path
         LocalLauncher(config, groups=2, progress=False).run()
     assert time.monotonic() - started < config.ft.give_up_seconds
     events = read_events(config.run.path / "events.jsonl")
-    assert sum(e["kind"] == "group_exit" for e in events) <= 3  # at most one restart before it stops
+    exits = [e for e in events if e["kind"] == "group_exit" and e["group"] == "supervisor"]
+    assert [e["code"] for e in exits] == [2, 2], exits  # not killed as hung first, however slow the exit
     summary = json.loads((config.run.path / "summary.json").read_text())
     assert "stopped with an error a restart repeats" in summary["problems"][0]
 
@@ -360,7 +367,8 @@ def test_groups_giving_up_on_a_bad_link_save_their_step_and_the_job_resumes_from
     step 12 was gone and the job went back to its newest periodic checkpoint (step 10 here; a
     3-group run without one redid its 10 steps)."""
     steps = 30
-    config = make_config(tmp_path / "run", demo_data, steps=steps, ft={"max_consecutive_failures": 4})
+    config = make_config(tmp_path / "run", demo_data, steps=steps,
+                         ft={"max_consecutive_failures": 4, "join_timeout": 30.0})  # (both start)
     config.checkpoint.every = 10
     summary = LocalLauncher(config, groups=2, progress=False, faults={"g1": ["allreduce_fails@12"]}).run()
     events = read_events(config.run.path / "events.jsonl")

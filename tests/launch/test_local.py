@@ -398,6 +398,34 @@ def test_a_group_that_hangs_after_printing_its_result_is_killed_and_its_result_s
     assert g.restart_at is not None and launcher.fatal == ""
 
 
+def test_a_group_exiting_on_its_own_error_is_not_killed_as_hung_within_the_teardown(launcher):
+    """A group that stopped on its own error (the divergence error, status 2) stops heartbeating
+    before its process ends; on a loaded machine the coordinator declared it dead and the
+    watchdog killed it (-9) before it exited, so its status (a restart repeats it) was lost and
+    the launch restarted it again and again. With its error line printed it gets TEARDOWN_SECONDS."""
+    g = launcher.groups[0]
+    start(launcher, g, "echo 'ftlm: error: the loss or gradient was not finite in 3 attempts' >&2; kill -STOP $$")
+    for _ in range(200):  # bounded: 10 s for the error line
+        if launcher._printed_error(g):
+            break
+        time.sleep(0.05)
+    t0 = time.time()
+    launcher._observe({"members": [member(g)], "dead": []}, t0)
+    launcher._observe({"members": [], "dead": []}, t0 + 0.1)  # its heartbeat ended
+    dead = {"members": [], "dead": [{"replica_id": g.replica_id, "reason": "heartbeat timeout"}]}
+    launcher._watchdog(dead, launcher.events, t0 + 5.0)  # past the grace of 3 heartbeat timeouts
+    assert g.running() and not kinds(launcher, "member_killed")
+    launcher._watchdog(dead, launcher.events, t0 + 5.0 + TEARDOWN_SECONDS + 0.5)
+    (killed,) = kinds(launcher, "member_killed")  # a teardown that hangs is still bounded
+    assert killed["reason"] == "declared dead: heartbeat timeout"
+    other = launcher.groups[1]
+    start(launcher, other)  # no error line: killed at the grace, as before
+    launcher._observe({"members": [member(other)], "dead": []}, t0)
+    launcher._observe({"members": [], "dead": []}, t0 + 0.1)
+    launcher._watchdog({"members": [], "dead": []}, launcher.events, t0 + 5.0)
+    assert len(kinds(launcher, "member_killed")) == 2
+
+
 def test_a_group_that_left_and_printed_its_result_gets_only_the_teardown_to_exit(launcher):
     """Soak seed 46 with preemptions: a group preempted at step 744 of 800 left the job, printed
     its result and was SIGSTOPped on its way out; it was waited for cluster.grace_seconds after

@@ -67,3 +67,18 @@ def test_a_recovering_group_remembers_nothing_and_a_finite_commit_resets_the_cou
     judge.failed(3, [], 3, 0, 24, B)  # a failure of another kind breaks the run too
     attempts(judge, NONFINITE_LIMIT - 1, [0], mine=0)
     assert judge.in_a_row == NONFINITE_LIMIT - 1
+
+
+def test_a_lone_participant_waits_for_a_member_catching_up_before_any_verdict() -> None:
+    """A group alone non-finite while another catches up from it: no divergence verdict (the
+    other would lose its source); once the other trains too, the comparison decides at once."""
+    sick = NonFiniteJudge()
+    for _ in range(2 * NONFINITE_LIMIT):
+        sick.failed(10, [0], 1, 0, 40, B, recovering=1)
+    with pytest.raises(NonFiniteReplica):
+        sick.failed(10, [0], 2, 0, 40, B)  # the other is a participant now, and finite
+    diverged = NonFiniteJudge()
+    for _ in range(NONFINITE_LIMIT):
+        diverged.failed(10, [0], 1, 0, 40, B, recovering=1)
+    with pytest.raises(TrainingDiverged):
+        diverged.failed(10, [0, 1], 2, 0, 40, B)  # both non-finite: the run

@@ -144,9 +144,11 @@ class FaultSchedule:
                 return True
         return False
 
-    def nonfinite(self, step: int, start: int, stop: int) -> bool:
+    def nonfinite(self, step: int, start: int, stop: int, emit=None) -> bool:
         """Whether an attempt of ``step`` training sample positions ``[start, stop)`` is made
-        non-finite here (``CONDITIONS``); logged the first time."""
+        non-finite here (``CONDITIONS``); logged the first time, and a faulty device is recorded
+        as an injected failure then (``emit``: its group must stop; samples that break training
+        are not a failure of the process)."""
         for plan in self.plans:
             if plan.point == "nonfinite" and (plan.step is None or step >= plan.step):
                 hit = f"from step {plan.step or 0} on (a faulty device)"
@@ -157,6 +159,8 @@ class FaultSchedule:
             if not plan.fired:
                 plan.fired = True
                 log.warning("FTLM_FAULT: the loss of step %d counts as non-finite %s", step, hit)
+                if emit is not None and plan.point == "nonfinite":
+                    emit("failure_injected", step=step, point="nonfinite", how="nonfinite")
             return True
         return False
 

@@ -233,6 +233,11 @@ class Manager:
         """Reach a named fault point that lives outside the manager (e.g. during replay)."""
         self._fire(point)
 
+    def nonfinite_fault(self, step: int, start: int, stop: int) -> bool:
+        """Whether an injected condition makes this attempt of ``step``, training sample
+        positions ``[start, stop)``, non-finite here (``ftlm.ft.faults``)."""
+        return self.fault is not None and self.fault.nonfinite(step, start, stop, self._fault_events.emit)
+
     def _fail(self, reason: str) -> None:
         if not self.proto.failed:
             log.warning("step %d failed in quorum %d: %s", self.proto.step, self.proto.quorum_id, reason)

@@ -78,6 +78,7 @@ class GroupProcess:
     left_at: float | None = None  # the coordinator reported its leave (finished, preempted)
     killed: bool = False  # SIGKILL sent to this incarnation (it may still be exiting)
     exiting_since: float | None = None  # when the supervisor first saw its final result
+    erring_since: float | None = None  # when it first saw a rank's own error line (it is exiting)
     stuck_exit: bool = False  # killed because it did not exit after printing its result
     cause: str = ""  # why the current incarnation may die: "chaos", "hung", "fault", or ""
     crash_times: list[float] = field(default_factory=list)  # exits without progress
@@ -236,7 +237,7 @@ class LocalLauncher:
         g.started = time.time()
         g.restart_at = None
         g.stopped = g.registered = g.progressed = g.killed = g.stuck_exit = False
-        g.first_step = g.absent_since = g.left_at = g.exiting_since = None
+        g.first_step = g.absent_since = g.left_at = g.exiting_since = g.erring_since = None
 
     def _write_targets(self) -> None:
         """Prometheus file_sd targets of every rank's metrics endpoint (rewritten on restarts)."""
@@ -583,6 +584,13 @@ class LocalLauncher:
             elif g.absent_since is not None and self._up_seconds(g.absent_since, now) > grace:
                 entry = dead.get(g.replica_id)
                 reason = f"declared dead: {entry['reason']}" if entry else "heartbeat lost"
+            if reason and not g.stuck_exit and self._printed_error(g):
+                # It stopped on an error of its own and is exiting (its heartbeat ended first):
+                # let it, so that its exit status says what it was (2: a restart repeats it),
+                # within TEARDOWN_SECONDS (on a loaded machine the teardown outlasted the grace).
+                g.erring_since = g.erring_since or now
+                if now - g.erring_since <= TEARDOWN_SECONDS:
+                    continue
             if reason and not g.stuck_exit and self._has_result(g):  # exiting: bounded too (a teardown can hang)
                 g.exiting_since = g.exiting_since or now
                 if now - g.exiting_since <= self.config.cluster.grace_seconds:
@@ -624,6 +632,19 @@ class LocalLauncher:
             return False
         root = Path(ck.dir) if ck.dir else self.run_dir / "checkpoints"
         return any(step == final for step, _ in valid_checkpoints(root))
+
+    def _printed_error(self, g: GroupProcess) -> bool:
+        """Whether a rank of the current incarnation printed the CLI's ``ftlm: error:`` line (it
+        stopped on its own error and is exiting). Reads the end of each log only."""
+        for rank, offset in enumerate(g.log_offsets):
+            try:
+                with open(g.log(self.run_dir, rank), "rb") as f:
+                    f.seek(max(offset, f.seek(0, os.SEEK_END) - 8192))
+                    if b"ftlm: error: " in f.read():
+                        return True
+            except OSError:
+                continue
+        return False
 
     def _has_result(self, g: GroupProcess) -> bool:
         """Whether the group's current incarnation has printed its final result (it is exiting)."""

@@ -118,7 +118,7 @@ def _how(event: dict) -> str:
     kind = event["kind"]
     if kind == "failure_injected":
         signal = event.get("signal") or event.get("how") or ""
-        return {"SIGSTOP": "hung", **NOT_FAILURES}.get(signal, "killed")
+        return {"SIGSTOP": "hung", "nonfinite": "non-finite", **NOT_FAILURES}.get(signal, "killed")
     return {"member_dead": "died", "member_killed": "hung", "group_exit": "exited",
             "coordinator_restart": "restarted", "recovery_start": "rejoin"}.get(kind, kind)
 

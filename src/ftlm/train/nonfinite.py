@@ -9,7 +9,8 @@ every group sees which participants were non-finite (the *origins*) and on which
 participant's slice is a fixed range of global positions at the step's cursor), and judges:
 
 * every participant non-finite, ``NONFINITE_LIMIT`` attempts in a row: the training diverged
-  (``TrainingDiverged``, exit status 2: a restart would diverge again) -- as before;
+  (``TrainingDiverged``, exit status 2: a restart would diverge again) -- as before, unless
+  members are catching up: a lone participant waits for them to train too;
 * only some, this group among them, ``NONFINITE_LIMIT`` attempts in a row: this group, or the
   samples of its slice. It stops as a fault (``NonFiniteReplica``, status 1) and is restarted
   on a fresh process (on a cluster, often another node); the others go on without it;
@@ -62,11 +63,12 @@ class NonFiniteJudge:
         self.in_a_row = 0
 
     def failed(self, step: int, origins: list[int], participants: int, mine: int | None,
-               cursor: int, batch_size: int) -> list[tuple[int, int]]:
+               cursor: int, batch_size: int, recovering: int = 0) -> list[tuple[int, int]]:
         """A failed attempt of ``step``: ``origins`` are the participant indices whose loss or
         gradient was not finite (empty: it failed for another reason), ``mine`` this group's
-        index (None: not a participant), ``cursor`` the step's first sample position. Returns
-        the origins' sample ranges; raises when this group must stop."""
+        index (None: not a participant), ``cursor`` the step's first sample position,
+        ``recovering`` the quorum's members catching up (no loss of their own yet). Returns the
+        origins' sample ranges; raises when this group must stop."""
         if not origins:
             self.in_a_row = 0
             return []
@@ -88,6 +90,10 @@ class NonFiniteJudge:
         if self.in_a_row < self.limit:
             return ranges
         if len(origins) >= participants:
+            if recovering:
+                # Nothing to compare with yet (a lone participant): a member catching up trains
+                # the next attempts too once it holds the state, and tells a device from the run.
+                return ranges
             raise TrainingDiverged(
                 f"the loss or gradient was not finite in {self.in_a_row} attempts in a row at "
                 f"step {step} (no update was applied); lower train.lr, raise "

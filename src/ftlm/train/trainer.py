@@ -390,7 +390,8 @@ class Trainer:
                                                        for i in who]} if known else {}))
             self._nonfinite.failed(state.step, who, plan.participants,
                                    plan.participant_index if plan.participating else None,
-                                   state.cursor, tc.batch_size)
+                                   state.cursor, tc.batch_size,
+                                   plan.quorum.recovering_count if plan.quorum is not None else 0)
             return
         self._nonfinite.committed()
         start, parent = state.cursor, state.chain
@@ -769,12 +770,9 @@ class Trainer:
         (``FTLM_FAULT=nonfinite@STEP``: every attempt from that step on) or samples that break
         training (``nonfinite_sample@POSITION``: any slice holding that position), as
         ``ftlm.ft.faults`` describes."""
-        fault = getattr(self.ft, "fault", None)
-        if fault is None:
-            return False
         batch = self.config.train.batch_size
         start = self.state.cursor + plan.participant_index * batch
-        return fault.nonfinite(step, start, start + batch)
+        return self.ft.nonfinite_fault(step, start, start + batch)
 
     def _time_up(self) -> bool:
         """``train.max_seconds`` of training have passed."""

@@ -143,6 +143,8 @@ def test_a_group_whose_device_turns_every_step_non_finite_stops_alone_and_the_jo
     check_invariants(summary, events, 2, steps=steps)
 
 
+# Slow tier (20 s): the judge's verdicts are in tests/train/test_nonfinite_judge.py.
+@pytest.mark.slow
 def test_samples_that_break_training_stop_the_job_once_a_second_group_meets_them(tmp_path, demo_data):
     """Position 29 gives a NaN loss in any group (FTLM_FAULT=nonfinite_sample@29 for every
     incarnation): the first group to train it is taken for a faulty device and restarts, the
@@ -359,6 +361,8 @@ def test_a_relaunch_resumes_from_the_checkpoint_and_proves_exactly_once_over_bot
     assert summary["data"]["rolled_back_steps"] == 5
 
 
+# Slow tier (16 s): the save itself is in tests/train/test_reload_checkpoint.py.
+@pytest.mark.slow
 def test_groups_giving_up_on_a_bad_link_save_their_step_and_the_job_resumes_from_it(tmp_path, demo_data):
     """g1's all-reduce fails from step 12 on (FTLM_FAULT=allreduce_fails@12: a bad link), so
     every group's steps fail with the same members and every group gives up at the same quorum

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from ftlm.ft.group import TooManyFailures
 from ftlm.ft.protocol import NoFaultTolerance, ReloadCheckpoint
 from ftlm.train.trainer import Trainer
 
@@ -81,3 +84,38 @@ def test_nothing_newer_on_disk_or_resume_off_leaves_the_state_alone(tiny_config,
     assert off.state.step == 0 and _events(tmp_path / "off", "checkpoint_reloaded") == []
     for t in (writer, ahead, off):
         t.loader.close()
+
+
+class GivesUpAt(NoFaultTolerance):
+    """A lone group whose ``start_step`` of step ``at`` raises ``TooManyFailures`` (its steps
+    kept failing with the same members, or no quorum came)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+
+    def start_step(self, step, chain, snapshot):
+        if step == self.at:
+            raise TooManyFailures("20 consecutive steps failed with the same members")
+        return super().start_step(step, chain, snapshot)
+
+
+def test_a_group_giving_up_saves_the_step_it_wrote_first(tiny_config, tmp_path) -> None:
+    """Every group gives up at the same quorum when one group's link is bad: the one that wrote
+    the last step saves it on its way out (as on a stop), so the job resumes there instead of at
+    its newest periodic checkpoint."""
+    ckpt = {"every": 4, "keep": 3, "async_save": False}
+    config = tiny_config(tmp_path / "run", train={"steps": 10}, checkpoint=ckpt)
+    trainer = Trainer.for_run(config, ft=GivesUpAt(7))
+    with pytest.raises(TooManyFailures):
+        trainer.train()
+    assert [e["step"] for e in _events(tmp_path / "run", "checkpoint_saved")] == [4, 7]
+    again = Trainer.for_run(tiny_config(tmp_path / "run", train={"steps": 10}, checkpoint=ckpt))
+    again.train()  # resumes at step 7
+    assert len(again.losses) == 3
+    # checkpoint.on_stop off: nothing but the periodic checkpoint.
+    other = Trainer.for_run(tiny_config(tmp_path / "off", train={"steps": 10},
+                                        checkpoint={**ckpt, "on_stop": False}), ft=GivesUpAt(7))
+    with pytest.raises(TooManyFailures):
+        other.train()
+    assert [e["step"] for e in _events(tmp_path / "off", "checkpoint_saved")] == [4]

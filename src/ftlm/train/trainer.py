@@ -383,7 +383,7 @@ class Trainer:
             self._stalled = True
             # Which samples (global positions) the non-finite participants trained: a recovering
             # group does not know (its own cursor is behind the step's).
-            known = who and plan.participating
+            known = bool(who) and plan.participating
             self.events.emit("step_failed", step=state.step, quorum_id=plan.quorum_id, reason=reason,
                              **({"nonfinite_samples": [[state.cursor + i * tc.batch_size,
                                                         state.cursor + (i + 1) * tc.batch_size]

@@ -108,3 +108,18 @@ def test_report_shows_gpu_hours_by_state_and_cost_when_priced(runs, tmp_path):
         assert re.search(rf"^\| {state} \| [0-9.e-]+ \| ", text, re.M), state
     assert "| spot | 2.5 USD |" in text
     assert "on-demand" not in text  # no on-demand price set
+
+
+def test_failed_checkpoint_saves_are_counted_and_flagged(runs, tmp_path):
+    """Training goes on when a durable checkpoint fails (a full disk): the end of the run says
+    so, on the console and in report.md, from the ``checkpoint_failed`` events."""
+    events = runs.steady_run(5, groups=("A",))
+    assert _summary(events)["checkpoints_failed"] == 0
+    assert "checkpoint" not in format_summary(_summary(events))
+    events.append({"ts": events[-1]["ts"], "kind": "checkpoint_failed", "group": "A", "step": 4,
+                   "error": "writing checkpoint step-00000004 failed: No space left on device"})
+    summary = _summary(events)
+    assert summary["checkpoints_failed"] == 1
+    assert "WARNING: 1 durable checkpoint save(s) failed" in format_summary(summary)
+    text = write_report(tmp_path, summary, events, plots=False).read_text()
+    assert "| checkpoint saves failed | 1 (see the checkpoint_failed events) |" in text

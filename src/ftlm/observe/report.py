@@ -91,6 +91,9 @@ def _headline(summary: dict) -> list[str]:
                                   "committed steps superseded)"])
     if summary.get("crashes"):
         rows.append(["group crashes", str(len(summary["crashes"]))])
+    if summary.get("checkpoints_failed"):
+        rows.append(["checkpoint saves failed", f"{summary['checkpoints_failed']} (see the "
+                                                "checkpoint_failed events)"])
     for problem in summary.get("problems") or []:
         rows.append(["PROBLEM", problem])
     return _table(["metric", "value"], rows)
@@ -241,4 +244,7 @@ def format_summary(summary: dict) -> str:
     if summary.get("failures_undetected"):
         lines.append(f"WARNING: {summary['failures_undetected']} injected failure(s) were never "
                      "detected")
+    if summary.get("checkpoints_failed"):
+        lines.append(f"WARNING: {summary['checkpoints_failed']} durable checkpoint save(s) failed "
+                     "(checkpoint_failed events in events.jsonl); training went on")
     return "\n".join(lines)

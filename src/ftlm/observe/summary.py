@@ -570,7 +570,8 @@ def build_summary(events: list[dict], *, wall_seconds: float, state_hashes: dict
     """Every field of ``summary.json`` (DESIGN.md section 10), plus ``median_step_seconds``,
     ``steady_tokens_per_second``, ``failures_undetected`` (injected failures nobody noticed),
     ``failures_unexplained`` (detected failures nobody injected: crashes, false hang alarms),
-    ``crashes`` (group processes that failed on their own), ``gpu_hours`` by state and ``cost``
+    ``crashes`` (group processes that failed on their own), ``checkpoints_failed`` (durable
+    checkpoint saves that failed; training went on), ``gpu_hours`` by state and ``cost``
     when ``config`` prices GPU-hours (``ftlm.observe.cost``) and ``problems`` (``proof_problems``).
 
     Commits a ``restore`` superseded are left out of every figure (``final_history``);
@@ -597,6 +598,7 @@ def build_summary(events: list[dict], *, wall_seconds: float, state_hashes: dict
                      "code": e.get("code")} for e in crashed_exits(events)],
         "recoveries": sum(1 for e in events
                           if e["kind"] == "recovery_end" and e.get("ok") is True),
+        "checkpoints_failed": sum(1 for e in events if e["kind"] == "checkpoint_failed"),
         "stall_seconds": [round(s, 3) for s in stall_seconds(events, median)],
         "final_loss": steps[-1].loss if steps else None,
         "final_eval_loss": final_eval_loss(events),

@@ -76,7 +76,7 @@ class NonFiniteJudge:
         if mine not in origins:
             self.in_a_row = 0
             if mine is not None:  # (a recovering group's cursor is not the step's)
-                self._elsewhere.extend(ranges)
+                self._elsewhere.extend(r for r in ranges if r not in self._elsewhere)
             return ranges
         start, stop = cursor + mine * batch_size, cursor + (mine + 1) * batch_size
         seen = [(a, b) for a, b in self._elsewhere if a < stop and start < b]

@@ -30,7 +30,9 @@ Kinds used across ftlm and their fields:
   (``[start, end)``, the *global* sample range of the step, which every committing group agrees
   on), ``loss``, ``tokens`` (global tokens of the step), ``lr``, ``step_seconds``, ``chain`` (the
   history chain after the step, ``ftlm.ft.history``) and ``parent`` (the chain before it)).
-* ``step_failed``: a group voted not to commit step ``step`` (``quorum_id``, ``reason``).
+* ``step_failed``: a group voted not to commit step ``step`` (``quorum_id``, ``reason``; for a
+  non-finite loss or gradient, ``nonfinite_samples``: the ``[start, end)`` sample positions of the
+  participants whose loss or gradient was not finite).
 * ``failure_injected``: chaos killed, stopped or broke ``target`` (``signal`` or ``how``). Two are
   not failures (``NOT_FAILURES``): ``signal`` ``none`` slowed a link, ``SIGTERM`` preempted the
   group (it must leave and come back, ``group_exit`` with ``preempted``).

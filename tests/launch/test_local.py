@@ -424,6 +424,17 @@ def test_a_group_exiting_on_its_own_error_is_not_killed_as_hung_within_the_teard
     launcher._observe({"members": [], "dead": []}, t0 + 0.1)
     launcher._watchdog({"members": [], "dead": []}, launcher.events, t0 + 5.0)
     assert len(kinds(launcher, "member_killed")) == 2
+    # Two ranks, one printed its error and the other did not (it hangs, the first may be stuck
+    # on it in its teardown): killed at the grace, as before.
+    third = launcher.groups[2]
+    start(launcher, third, ranks=2)
+    with open(third.log(launcher.run_dir, 0), "ab") as f:  # rank 0's error; rank 1 says nothing
+        f.write(b"ftlm: error: declared hung\n")
+    assert not launcher._printed_error(third)
+    launcher._observe({"members": [member(third)], "dead": []}, t0)
+    launcher._observe({"members": [], "dead": []}, t0 + 0.1)
+    launcher._watchdog({"members": [], "dead": []}, launcher.events, t0 + 5.0)
+    assert len(kinds(launcher, "member_killed")) == 3
 
 
 def test_a_group_that_left_and_printed_its_result_gets_only_the_teardown_to_exit(launcher):

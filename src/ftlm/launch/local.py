@@ -78,7 +78,7 @@ class GroupProcess:
     left_at: float | None = None  # the coordinator reported its leave (finished, preempted)
     killed: bool = False  # SIGKILL sent to this incarnation (it may still be exiting)
     exiting_since: float | None = None  # when the supervisor first saw its final result
-    erring_since: float | None = None  # when it first saw a rank's own error line (it is exiting)
+    erring_since: float | None = None  # when it first saw every rank's own error line (exiting)
     stuck_exit: bool = False  # killed because it did not exit after printing its result
     cause: str = ""  # why the current incarnation may die: "chaos", "hung", "fault", or ""
     crash_times: list[float] = field(default_factory=list)  # exits without progress
@@ -585,9 +585,10 @@ class LocalLauncher:
                 entry = dead.get(g.replica_id)
                 reason = f"declared dead: {entry['reason']}" if entry else "heartbeat lost"
             if reason and not g.stuck_exit and self._printed_error(g):
-                # It stopped on an error of its own and is exiting (its heartbeat ended first):
-                # let it, so that its exit status says what it was (2: a restart repeats it),
-                # within TEARDOWN_SECONDS (on a loaded machine the teardown outlasted the grace).
+                # Every rank stopped on an error of its own and is exiting (the heartbeat ended
+                # first): let it, so that its exit status says what it was (2: a restart repeats
+                # it), within TEARDOWN_SECONDS (on a loaded machine the teardown outlasted the
+                # grace).
                 g.erring_since = g.erring_since or now
                 if now - g.erring_since <= TEARDOWN_SECONDS:
                     continue
@@ -634,17 +635,21 @@ class LocalLauncher:
         return any(step == final for step, _ in valid_checkpoints(root))
 
     def _printed_error(self, g: GroupProcess) -> bool:
-        """Whether a rank of the current incarnation printed the CLI's ``ftlm: error:`` line (it
-        stopped on its own error and is exiting). Reads the end of each log only."""
+        """Whether every rank of the current incarnation printed the CLI's ``ftlm: error:`` line:
+        the group stopped on its own error (every rank raises it) and nothing is left but the
+        exits. Not when some rank did not: the others may be stuck on a hung one, which must be
+        killed at the grace as before. Reads the end of each log only."""
+        if not g.log_offsets:
+            return False
         for rank, offset in enumerate(g.log_offsets):
             try:
                 with open(g.log(self.run_dir, rank), "rb") as f:
                     f.seek(max(offset, f.seek(0, os.SEEK_END) - 8192))
-                    if b"ftlm: error: " in f.read():
-                        return True
+                    if b"ftlm: error: " not in f.read():
+                        return False
             except OSError:
-                continue
-        return False
+                return False
+        return True
 
     def _has_result(self, g: GroupProcess) -> bool:
         """Whether the group's current incarnation has printed its final result (it is exiting)."""

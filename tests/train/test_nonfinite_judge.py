@@ -82,3 +82,73 @@ def test_a_lone_participant_waits_for_a_member_catching_up_before_any_verdict() 
         diverged.failed(10, [0], 1, 0, 40, B, recovering=1)
     with pytest.raises(TrainingDiverged):
         diverged.failed(10, [0, 1], 2, 0, 40, B)  # both non-finite: the run
+
+
+# -- a seeded search: many jobs, the non-finite loss following a device or the data -------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def _run_job(groups: int, poison_at: int | None, sick: int | None, rejoin_after: int,
+             steps: int = 12) -> list[tuple[str, str]]:
+    """A job of ``groups`` groups (participants in name order, slices of B positions from the
+    step's cursor) whose loss is non-finite for the ``sick`` group (a device) or for any slice
+    holding position ``poison_at`` (the data). Every group judges the flags all see; a group
+    that raises leaves, misses ``rejoin_after`` attempts (at least one: its peers detect its exit
+    and try without it before a restart is back) and comes back with a fresh judge, a good
+    device and the job's state. Returns the verdicts, (group, exception name), in order."""
+    judges = {g: NonFiniteJudge() for g in range(groups)}
+    away: dict[int, int] = {}  # group -> attempts until it is back
+    verdicts: list[tuple[str, str]] = []
+    step = cursor = 0
+    for _ in range(200):
+        if step == steps:
+            break
+        for g in list(away):
+            away[g] -= 1
+            if away[g] <= 0:
+                del away[g]
+                judges[g] = NonFiniteJudge()
+        members = sorted(judges)
+        origins = [i for i, g in enumerate(members)
+                   if g == sick or (poison_at is not None and cursor + i * B <= poison_at < cursor + (i + 1) * B)]
+        if not origins:
+            for j in judges.values():
+                j.committed()
+            step, cursor = step + 1, cursor + len(members) * B
+            continue
+        for i, g in enumerate(members):
+            try:
+                judges[g].failed(step, origins, len(members), i, cursor, B)
+            except (NonFiniteReplica, TrainingDiverged) as e:
+                verdicts.append((str(g), type(e).__name__))
+                del judges[g]
+                if isinstance(e, NonFiniteReplica):
+                    away[g] = rejoin_after + 1  # (counted down before the next attempt)
+                if g == sick:
+                    sick = None  # restarted on a good device
+        if not judges and not away:
+            break
+        if verdicts and verdicts[-1][1] == "TrainingDiverged":
+            break  # the launch stops on the verdict (twice, in launch local)
+    return verdicts
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(groups=st.integers(2, 6), sick=st.integers(0, 5), rejoin=st.integers(1, 8))
+def test_a_faulty_device_stops_its_group_alone_in_any_job(groups, sick, rejoin) -> None:
+    sick %= groups
+    verdicts = _run_job(groups, None, sick, rejoin)
+    assert verdicts == [(str(sick), "NonFiniteReplica")]  # nobody else, and not the run
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(groups=st.integers(2, 6), poison=st.integers(0, 80), rejoin=st.integers(1, 8))
+def test_samples_that_break_training_end_the_job_as_the_data_in_any_job(groups, poison, rejoin) -> None:
+    verdicts = _run_job(groups, poison, None, rejoin, steps=40)
+    kinds = [kind for _, kind in verdicts]
+    # At most one group is taken for a faulty device, then a group that saw the samples break
+    # elsewhere names them: the job ends on the data, never runs past the samples.
+    assert kinds[-1:] == ["TrainingDiverged"], verdicts
+    assert kinds.count("NonFiniteReplica") <= 1, verdicts

@@ -39,7 +39,7 @@ from ftlm.config import RunConfig, save_config
 from ftlm.errors import ConfigError, FtlmError
 from ftlm.launch.chaos import ALL_RANKS, COORDINATOR, Chaos
 from ftlm.launch.console import ConsoleView
-from ftlm.launch.coordinator_process import (CoordinatorProcess, CoordinatorUnreachable,
+from ftlm.launch.coordinator_process import (ERROR_PREFIX, CoordinatorProcess, CoordinatorUnreachable,
                                              error_line)
 from ftlm.observe.events import EventLog, read_events
 from ftlm.observe.report import format_summary, write_report
@@ -518,14 +518,8 @@ class LocalLauncher:
         """The group's own error line from this incarnation's logs (a rank's ``ftlm: error:``
         line first, else rank 0's last line)."""
         for rank, offset in enumerate(g.log_offsets):
-            log = g.log(self.run_dir, rank)
-            try:
-                with open(log, "rb") as f:
-                    f.seek(offset)
-                    if b"ftlm: error: " in f.read():
-                        return error_line(log, offset)
-            except OSError:
-                continue
+            if self._said_error(g, rank):
+                return error_line(g.log(self.run_dir, rank), offset)
         line = error_line(g.log(self.run_dir), g.log_offsets[0] if g.log_offsets else 0)
         return line or f"no output; see {g.log(self.run_dir)}"
 
@@ -639,17 +633,21 @@ class LocalLauncher:
         the group stopped on its own error (every rank raises it) and nothing is left but the
         exits. Not when some rank did not: the others may be stuck on a hung one, which must be
         killed at the grace as before. Reads the end of each log only."""
-        if not g.log_offsets:
+        return bool(g.log_offsets) and all(self._said_error(g, rank, tail=8192)
+                                           for rank in range(len(g.log_offsets)))
+
+    def _said_error(self, g: GroupProcess, rank: int, tail: int | None = None) -> bool:
+        """Whether ``rank``'s log holds the CLI's error line since this incarnation began (in
+        its last ``tail`` bytes only, when given: it is the last thing a rank prints)."""
+        offset = g.log_offsets[rank]
+        try:
+            with open(g.log(self.run_dir, rank), "rb") as f:
+                if tail is not None:
+                    offset = max(offset, f.seek(0, os.SEEK_END) - tail)
+                f.seek(offset)
+                return ERROR_PREFIX.encode() in f.read()
+        except OSError:
             return False
-        for rank, offset in enumerate(g.log_offsets):
-            try:
-                with open(g.log(self.run_dir, rank), "rb") as f:
-                    f.seek(max(offset, f.seek(0, os.SEEK_END) - 8192))
-                    if b"ftlm: error: " not in f.read():
-                        return False
-            except OSError:
-                return False
-        return True
 
     def _has_result(self, g: GroupProcess) -> bool:
         """Whether the group's current incarnation has printed its final result (it is exiting)."""

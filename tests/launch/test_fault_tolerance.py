@@ -361,6 +361,55 @@ def test_a_relaunch_resumes_from_the_checkpoint_and_proves_exactly_once_over_bot
     assert summary["data"]["rolled_back_steps"] == 5
 
 
+def test_the_group_whose_link_fails_every_step_is_found_and_restarted_while_the_others_train(tmp_path, demo_data):
+    """g1's all-reduce fails from step 8 on (FTLM_FAULT=allreduce_fails@8: a bad link). Every
+    attempt with g1 fails for all three groups; after ft.probe_after_failures of them the
+    coordinator tries without one group at a time, the attempt without g1 commits, the next step
+    with g1 fails again, and g1 is retired (its process exits, status 1) and restarted healthy;
+    it catches up and finishes. Before, every group gave up after ft.max_consecutive_failures
+    attempts, together, and the job restarted whole."""
+    steps = 30
+    config = make_config(tmp_path / "run", demo_data, steps=steps, ft={"join_timeout": 30.0})  # (all start)
+    summary = LocalLauncher(config, groups=3, progress=False, faults={"g1": ["allreduce_fails@8"]}).run()
+    events = read_events(config.run.path / "events.jsonl")
+    retired = [e for e in events if e["kind"] == "member_dead" and "committed without it" in e["reason"]]
+    assert [(e["target"], e["step"]) for e in retired] == [("g1", 9)], retired
+    probes = [e["reason"].split("trying without ")[1].split()[0] for e in events
+              if e["kind"] == "quorum" and e["reason"].startswith("probe:")]
+    assert probes == ["g0", "g1"], probes
+    exits = [e for e in events if e["kind"] == "group_exit" and e.get("target") == "g1" and e.get("ok") is False]
+    assert [(e["code"], e["cause"]) for e in exits] == [(1, "fault")] and summary["restarts"]["g1"] == 1
+    assert (summary["failures_injected"], summary["failures_detected"], summary["failures_undetected"]) == (1, 1, 0)
+    assert summary["data"]["rolled_back_steps"] == 0
+    check_invariants(summary, events, 3, steps=steps)
+
+
+@pytest.mark.slow
+def test_a_group_whose_link_stays_bad_is_retired_three_times_and_then_left_out(tmp_path, demo_data):
+    """g1's link fails every step in its first three processes (the node's link stays bad):
+    each is retired (a group retired before is tried without first), and after the third the
+    launch stops starting g1 (``RETIRED_IN_A_ROW``, a ``group_lost``); g0 and g2 finish the job
+    with identical replicas. (90 s: three processes of g1 must join while the others train.)"""
+    steps = 1000  # long enough for three processes of g1 to join while g0 and g2 train
+    config = make_config(tmp_path / "run", demo_data, steps=steps, ft={"join_timeout": 30.0})
+    bad = ["allreduce_fails@5", "allreduce_fails", "allreduce_fails"]
+    summary = LocalLauncher(config, groups=3, progress=False, faults={"g1": bad}).run()
+    events = read_events(config.run.path / "events.jsonl")
+    retired = [e for e in events if e["kind"] == "member_dead" and "committed without it" in e["reason"]]
+    assert [e["target"] for e in retired] == ["g1"] * 3, retired
+    probes = [e["reason"].split("trying without ")[1].split()[0] for e in events
+              if e["kind"] == "quorum" and e["reason"].startswith("probe:")]
+    assert probes == ["g0", "g1", "g1", "g1"], probes
+    (lost,) = [e for e in events if e["kind"] == "group_lost"]
+    assert lost["target"] == "g1" and "retired its last 3 processes in a row" in lost["reason"]
+    assert summary["lost_groups"] == ["g1"] and summary["restarts"]["g1"] == 2
+    assert summary["final_steps"] == {"g0": steps, "g1": None, "g2": steps}
+    hashes = summary["state_hashes"]
+    assert set(hashes) == {"g0", "g2"} and hashes["g0"] == hashes["g2"]
+    assert summary["data"]["duplicates"] == summary["data"]["gaps"] == 0
+    assert summary["problems"] == ["no final state from g1 (it did not finish)"]  # (honest: 2 of 3)
+
+
 # Slow tier (16 s): the save itself is in tests/train/test_reload_checkpoint.py.
 @pytest.mark.slow
 def test_groups_giving_up_on_a_bad_link_save_their_step_and_the_job_resumes_from_it(tmp_path, demo_data):

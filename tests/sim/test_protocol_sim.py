@@ -17,6 +17,9 @@ from ftlm.sim.protocol import FAULTS, SimConfig, Simulation, run
 
 CI_SEEDS = 800  # with faults at the end of each job (1000 before them, in the same time)
 CI_STEPS = 100
+EARLIER = tuple(f for f in FAULTS if f != "bad_link")
+"""The fault kinds before ``bad_link`` (session 15): the seeds below were found with them, and a
+seed's schedule depends on the kinds it chooses from, so they replay their schedules with these."""
 
 # Seeds that found bugs while the protocol was built; each must hold every invariant forever.
 REGRESSIONS = [
@@ -70,7 +73,7 @@ def test_hundreds_of_seeded_jobs_hold_every_invariant() -> None:
 
 @pytest.mark.parametrize("seed,steps,what", REGRESSIONS, ids=[str(s) for s, _, _ in REGRESSIONS])
 def test_regression_seeds(seed: int, steps: int, what: str) -> None:
-    result = run(seed, SimConfig(steps=steps))
+    result = run(seed, SimConfig(steps=steps, faults=EARLIER))
     assert result.ok, f"{what}: {result.error}\n" + "\n".join(result.trace)
 
 
@@ -94,6 +97,49 @@ def test_graceful_leaves_never_make_the_others_wait() -> None:
     report = check(60, config, jobs=2)
     assert report.ok, format_report(report, config)
     assert report.faults["leave"] > 60 and report.leaves_judged > 30  # the liveness bound was applied
+
+
+def test_the_group_with_a_bad_link_is_found_and_only_it() -> None:
+    """Bad links (a process whose every all-reduce with a peer fails; now and then its group's
+    next process too), densely, in jobs of four groups: the coordinator's search retires the
+    group that has one, never a healthy one in quiet times (``check_conviction``), and the job
+    keeps committing (every 30 simulated s at least); with other faults striking meanwhile,
+    too."""
+    config = SimConfig(groups=4, steps=100, faults=("bad_link",), fault_mtbf=2.0)
+    report = check(80, config, jobs=2)
+    assert report.ok, format_report(report, config)
+    assert report.faults["bad_link"] > 80 and report.convictions >= report.faults["bad_link"]
+    assert report.wrong_convictions == 0
+    mixed = SimConfig(groups=4, steps=100, faults=("bad_link", "crash", "hang_resume", "leave"), fault_mtbf=3.0)
+    report = check(60, mixed, jobs=2)
+    assert report.ok, format_report(report, mixed)
+    assert report.convictions > 0
+
+
+def test_without_the_search_a_bad_link_stalls_the_job_and_a_wrong_verdict_is_caught() -> None:
+    """The simulator can fail: with the search off, a bad link fails every step until the
+    groups give up (a stall past the progress bound); a coordinator that retires the wrong
+    member (the first suspect left out, whatever happened) is flagged."""
+    off = SimConfig(groups=4, steps=100, faults=("bad_link",), fault_mtbf=2.0, probe_after=0)
+    errors = [run(seed, off).error for seed in range(5)]
+    assert any("no step committed for 30 simulated s" in e for e in errors), errors
+
+    real = sim_protocol.Simulation.check_conviction
+
+    def wrong(self: Simulation, replica_id: str) -> None:
+        at, rid, probe = self.coordinator.convictions[-1]
+        healthy = next((g for g in self.groups.values() if g is not None and g.alive and not g.bad_link), None)
+        if healthy is not None and (at, rid) == (self.now, replica_id):
+            self.coordinator.convictions[-1] = (at, healthy.replica_id, probe)  # blame a healthy one
+            replica_id = healthy.replica_id
+        real(self, replica_id)
+    sim_protocol.Simulation.check_conviction = wrong  # type: ignore[method-assign]
+    try:
+        quiet = SimConfig(groups=4, steps=100, faults=("bad_link",), fault_mtbf=2.0, loss=0.0)  # (no excuse)
+        errors = [run(seed, quiet).error for seed in range(5)]
+    finally:
+        sim_protocol.Simulation.check_conviction = real  # type: ignore[method-assign]
+    assert any("was retired for failing step" in e and "its link is good" in e for e in errors), errors
 
 
 def test_groups_ask_early_and_catch_up_while_the_all_reduce_waits() -> None:
@@ -198,7 +244,7 @@ def test_rollbacks_past_a_durable_checkpoint_are_counted_and_reported() -> None:
     # Groups that ignore the coordinator's "reload" (as before session 8): the coordinator waits
     # ``reload_seconds`` for them, then rolls back to the newest live state although a newer
     # checkpoint is on disk (9 of 200 seeds; none when they look, as in production).
-    config = SimConfig(reload_checkpoints=False)
+    config = SimConfig(reload_checkpoints=False, faults=EARLIER)
     r = run(124, config)
     assert r.ok and r.restores_past_checkpoint >= 1 and r.steps_past_checkpoint >= 50, r
     report = check(1, config, start=124)
@@ -207,10 +253,10 @@ def test_rollbacks_past_a_durable_checkpoint_are_counted_and_reported() -> None:
 
 # (seed, config): schedules of another job shape that found a bug.
 SHAPED = [
-    (10084, SimConfig(groups=4), "a coordinator restarted and rebuilt from a group restarted from an older "
+    (10084, SimConfig(groups=4, faults=EARLIER), "a coordinator restarted and rebuilt from a group restarted from an older "
                                  "checkpoint; every group restarted next loaded the newest one, a state "
                                  "beyond its furthest head it refused: a livelock"),
-    (10124, SimConfig(supervisor_reports="none"), "same as seed 10084, two groups of two"),
+    (10124, SimConfig(supervisor_reports="none", faults=EARLIER), "same as seed 10084, two groups of two"),
     (10291, SimConfig(faults=("old_checkpoint", "crash", "hang_training", "coordinator_crash", "leave"),
                       fault_mtbf=2.0),
      "a wedged training thread's quorum request stayed pending in the simulator past its long-poll, so "
@@ -244,7 +290,7 @@ PAST_CHECKPOINT = (10, 11, 14, 25, 26, 53, 135, 201, 568, 1086, 1703)
 
 
 def test_no_rollback_gives_up_a_newer_durable_checkpoint() -> None:
-    results = [run(seed) for seed in PAST_CHECKPOINT]
+    results = [run(seed, SimConfig(faults=EARLIER)) for seed in PAST_CHECKPOINT]
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     assert [r.restores_past_checkpoint for r in results] == [0] * len(results)
     assert sum(r.restores for r in results) >= len(results)  # every holder of the head did die
@@ -255,6 +301,6 @@ def test_a_look_on_disk_made_before_the_last_newer_holder_saved_and_left_is_done
     then the only holder of a newer state (step 51) was preempted, saved it on its way out and
     left. Their looks predated that save: the rollback went to step 50 with 51 on disk, until the
     coordinator voided such looks (``reload_round``)."""
-    r = run(30206, SimConfig(groups=5))
+    r = run(30206, SimConfig(groups=5, faults=EARLIER))
     assert r.ok, r.error
     assert r.restores >= 1 and r.restores_past_checkpoint == 0, r

@@ -58,6 +58,10 @@ class CoordinatorConfig:
     suspect_window: float = 0.0
     """Seconds after a member reports its quorum's step failed within which the other members
     must be heard from, or be declared dead (no supervisor needed); 0: off, below heartbeat_timeout."""
+    probe_after_failures: int = 3
+    """Failed attempts of one step by the same three or more groups after which the coordinator
+    tries the step without one group at a time, to find the group whose link (or device) fails
+    every step it takes part in, and retires it (it is restarted); 0: never (``ft.probe_after_failures``)."""
     read_timeout: float = 5.0
     """Seconds a client may take to send a whole request (headers, then body) and the longest an
     idle connection stays open; slower clients are disconnected (slowloris)."""
@@ -95,6 +99,9 @@ class CoordinatorConfig:
         if self.suspect_window >= self.heartbeat_timeout:
             raise ConfigError(f"{s}.suspect_window={self.suspect_window!r} must be below {s}.heartbeat_timeout="
                               f"{self.heartbeat_timeout!r} (0 turns it off)")
+        paf = self.probe_after_failures
+        if not isinstance(paf, int) or isinstance(paf, bool) or paf < 0:
+            raise ConfigError(f"{s}.probe_after_failures={paf!r} must be an integer >= 0 (0: never probe)")
         mrb = self.max_request_bytes
         if not isinstance(mrb, int) or isinstance(mrb, bool) or mrb < 1024:
             raise ConfigError(f"{s}.max_request_bytes={mrb!r} must be an integer >= 1024")
@@ -169,6 +176,13 @@ class FTConfig:
     """Seconds without any committed step after which the local launcher ends the job."""
     max_consecutive_failures: int = 20
     """Failed steps in a row after which a group exits with an error."""
+    probe_after_failures: int | None = None
+    """Failed attempts of one step by the same three or more groups after which the coordinator
+    retries it without one group at a time (that group waits) to find the group that fails every
+    step it takes part in (a bad link, a faulty device), and retires that group: its process
+    exits and is restarted; a group found so before is tried without first. 0: never (every
+    group then gives up after ``max_consecutive_failures``). Must be below
+    ``max_consecutive_failures``; unset: 3, or one below ``max_consecutive_failures``."""
     lr_policy: str = "sqrt"
     """LR scaling with P of N groups participating: none, linear (P/N) or sqrt (sqrt(P/N))."""
     catchup_max_steps: int = 64
@@ -257,6 +271,15 @@ class FTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"{s}.{name}={value!r} must be an integer >= {low}")
+        if self.probe_after_failures is None:
+            self.probe_after_failures = min(3, self.max_consecutive_failures - 1)
+        paf = self.probe_after_failures
+        if not isinstance(paf, int) or isinstance(paf, bool) or paf < 0:
+            raise ConfigError(f"{s}.probe_after_failures={paf!r} must be an integer >= 0 (0: never probe)")
+        if paf and paf >= self.max_consecutive_failures:
+            raise ConfigError(f"{s}.probe_after_failures={paf} must be below {s}.max_consecutive_failures="
+                              f"{self.max_consecutive_failures}: the groups would give up before the "
+                              "coordinator looks for the one that fails the steps (0 turns probing off)")
         if not isinstance(self.snapshot_reserve, bool):
             raise ConfigError(f"{s}.snapshot_reserve={self.snapshot_reserve!r} must be true or "
                               "false")
@@ -316,6 +339,7 @@ class FTConfig:
                                  heartbeat_timeout=self.heartbeat_timeout,
                                  progress_timeout=self.progress_timeout,
                                  suspect_window=self.suspect_window,
+                                 probe_after_failures=self.probe_after_failures or 0,
                                  token=token or self.read_token(), insecure=insecure,
                                  tls_cert=self.tls_cert, tls_key=self.tls_key,
                                  max_connections=self.coordinator_max_connections)

@@ -26,8 +26,8 @@ and ``GET /metrics`` included, as DESIGN.md section 9 asks; Prometheus sends it 
                       (with ``reload``: the head's step, which no live group holds: load a newer
                       durable checkpoint, if any, and ask again with ``disk_checked``; and
                       ``reload_round`` when it looked already but must look again, echoed as
-                      ``disk_round``) | 409 {error} (replaced
-                      incarnation). ``failed`` with ``last_quorum_id`` of the current quorum
+                      ``disk_round``) | 409 {error} (replaced incarnation, or one retired
+                      because attempts without it committed, ``quorum.Probe``). ``failed`` with ``last_quorum_id`` of the current quorum
                       reports its step failed: peers silent since are declared dead
                       after ``suspect_window`` (corroborated by their silence)
   POST /v1/leave, /v1/dead  {group, incarnation, reason}: a replica left on purpose / its process ended
@@ -244,7 +244,8 @@ class Coordinator:
         self.events = events if events is not None else _NoEvents()
         self.options = QuorumOptions(config.min_replicas, config.join_timeout, config.heartbeat_timeout,
                                      config.expected_groups, progress_timeout=config.progress_timeout,
-                                     suspect_window=config.suspect_window)
+                                     suspect_window=config.suspect_window,
+                                     probe_after=config.probe_after_failures)
         self._encoder = AnswerEncoder()
         self._bodies = ClientBodies()  # the lean path's body decoding (issue 16)
         self._beat_json = HeartbeatAnswerEncoder()

@@ -19,8 +19,9 @@ of this process from that step on non-finite (its loss and gradient count as NaN
 device, every step when omitted), and ``nonfinite_sample@POSITION`` every attempt whose slice holds
 that global sample position (samples that break training: give it to every group and incarnation).
 The trainer asks ``FaultSchedule.nonfinite``; ``ftlm.train.nonfinite`` judges what follows.
-``allreduce_fails@STEP`` fails this process's cross-group all-reduce from that step on, as a bad
-link does: it aborts the process group, so every peer's all-reduce fails too.
+``allreduce_fails@STEP`` fails this process's cross-group all-reduce from that step on whenever
+it has a peer, as a bad link does: it aborts the process group, so every peer's all-reduce fails
+too, and the coordinator must find the group (``ftlm.ft.quorum.Probe``).
 """
 
 from __future__ import annotations
@@ -134,13 +135,17 @@ class FaultSchedule:
         for plan in self.plans:
             plan.maybe_fire(point, step, emit, committed)
 
-    def allreduce_fails(self, step: int) -> bool:
-        """Whether this process's cross-group all-reduce of ``step`` fails here (``CONDITIONS``)."""
+    def allreduce_fails(self, step: int, emit=None) -> bool:
+        """Whether this process's cross-group all-reduce of ``step`` fails here (``CONDITIONS``);
+        logged and recorded as an injected failure (``emit``) the first time: the coordinator
+        must find its group (``ftlm.ft.quorum.Probe``)."""
         for plan in self.plans:
             if plan.point == "allreduce_fails" and (plan.step is None or step >= plan.step):
                 if not plan.fired:
                     plan.fired = True
                     log.warning("FTLM_FAULT: the all-reduce fails from step %d on (a bad link)", step)
+                    if emit is not None:
+                        emit("failure_injected", step=step, point="allreduce_fails", how="bad_link")
                 return True
         return False
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ftlm.ft.client import (CoordinatorClient, CoordinatorError, CoordinatorUnavailable, Heartbeater, QuorumTimeout,
-                            reload_word)
+                            StaleIncarnation, reload_word)
 from ftlm.ft.config import FTConfig
 from ftlm.ft.faults import FaultSchedule
 from ftlm.ft.group import GroupProtocol, Role, TooManyFailures
@@ -290,7 +290,7 @@ class Manager:
         if self.rank == 0:
             try:
                 q = self._request_quorum()
-            except (StopRequested, TooManyFailures, ReloadCheckpoint) as e:
+            except (StopRequested, TooManyFailures, ReloadCheckpoint, StaleIncarnation) as e:
                 # The other ranks wait for this answer: tell them, or they would hang in the broadcast.
                 end = {"end": type(e).__name__, "why": str(e)}
                 if isinstance(e, ReloadCheckpoint):
@@ -308,7 +308,8 @@ class Manager:
         if isinstance(got, dict) and "end" in got:
             if got["end"] == "ReloadCheckpoint":
                 raise ReloadCheckpoint(got["head"], got["why"])
-            raise (StopRequested if got["end"] == "StopRequested" else TooManyFailures)(got["why"])
+            ends = {"StopRequested": StopRequested, "StaleIncarnation": StaleIncarnation}
+            raise ends.get(got["end"], TooManyFailures)(got["why"])
         return MemberQuorum.from_json(got)
 
     def _publish_in_background(self, snapshot: SnapshotFn, step: int) -> None:
@@ -448,7 +449,8 @@ class Manager:
             self._pending, self._allreduce_started = [], time.monotonic()
         if self.proto.failed:
             return
-        if self.fault is not None and self.fault.allreduce_fails(self.proto.step):
+        if (self.fault is not None and self.quorum is not None and self.quorum.size > 1
+                and self.fault.allreduce_fails(self.proto.step, self._fault_events.emit)):  # (alone: no link used)
             self._fail("FTLM_FAULT: the all-reduce failed (a bad link)")
             return
         if len(self._pending) == 1:

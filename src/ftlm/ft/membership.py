@@ -24,6 +24,7 @@ from ftlm.ft.quorum import (
     CoordinatorState,
     Heartbeat,
     MemberRequest,
+    Probe,
     Quorum,
     QuorumOptions,
     Restore,
@@ -31,6 +32,7 @@ from ftlm.ft.quorum import (
     advance_head,
     commit_quorum,
     compute_quorum,
+    convict,
     expire,
     record_heartbeat,
     record_request,
@@ -98,6 +100,9 @@ class Membership:
         self._gone_groups: set[str] = set()  # left on purpose, not back since
         self._options_less_gone: tuple[QuorumOptions, QuorumOptions] | None = None  # (options, less gone)
         self.kill_requests: set[str] = set()
+        # (time, replica id, the probe that found it) of members retired for failing every step
+        # they took part in (``quorum.Probe``), the newest MAX_DEAD_LISTED
+        self.convictions: deque[tuple[float, str, Probe]] = deque(maxlen=MAX_DEAD_LISTED)
         self._last_emitted_id: int | None = None
         self._dead_peers_key: tuple[Any, ...] | None = None
         self._dead_peers: list[str] = []
@@ -191,6 +196,8 @@ class Membership:
         restores, waiting = advance_head(now, self.state, options)
         for r in restores:
             out.append(Event("restore", self._restore_fields(r)))
+        if (guilty := convict(self.state)) is not None:
+            self._retire_guilty(now, guilty[0], guilty[1], guilty[2], out)
         head, due = reload_due(now, self.state, options)
         for req in due:
             # Answered now, not at the end of its long-poll: the rollback grace is short.
@@ -312,6 +319,21 @@ class Membership:
             out.append(Answer(replica_id, 409, {"error": f"{replica_id} was {reason}; this process must exit"}))
         else:
             out.append(Answer(replica_id, 504, {"error": "quorum timeout", "reason": f"{replica_id}: {reason}"}))
+
+    def _retire_guilty(self, now: float, replica_id: str, why: str, probe: Probe, out: list[Output]) -> None:
+        """Attempts with ``replica_id`` failed, one without it committed, and the next step's with
+        it failed again (``quorum.convict``): retire it, so that its process exits (and is
+        restarted) instead of failing the next steps too."""
+        hb = self.state.heartbeats.get(replica_id)
+        group = hb.group if hb is not None else replica_id.split(":", 1)[0]
+        if not remove_member(self.state, replica_id, now, why=f"was retired: {why}"):
+            return  # it died or left meanwhile
+        self.dead.append((now, replica_id, group, why))
+        self.convictions.append((now, replica_id, probe))
+        out.append(Event("member_dead", {"group": group, "replica_id": replica_id, "reason": why,
+                                         "step": probe.step}))
+        out.append(Answer(replica_id, 409, {"error": f"{replica_id} was retired: {why}; this process "
+                                                      "must exit (its supervisor starts it again)"}))
 
     def _restore_fields(self, r: Restore) -> dict[str, Any]:
         return {"step": r.to_step, "from_step": r.from_step, "to_step": r.to_step, "chain": r.chain,

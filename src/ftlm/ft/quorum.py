@@ -110,6 +110,9 @@ class QuorumOptions:
     """Seconds after a member of the current quorum reports its step failed within which every
     other member must be heard from (a heartbeat or a request), or be declared dead; 0: off (only
     ``heartbeat_timeout`` expires a member). A report alone never expires a member that speaks."""
+    probe_after: int = 0
+    """Failed attempts of one step by the same three or more members after which each next attempt
+    leaves one member out, to find the one that makes the step fail (``Probe``); 0: never."""
 
     @property
     def rebuild_seconds(self) -> float:
@@ -151,6 +154,9 @@ class Quorum:
     reason: str = ""
     chain: str = GENESIS  # the head's chain: what participants hold and recovering members reach
     epoch: str = ""  # the issuing coordinator's start nonce: (epoch, id) names a process group
+    left_out: str = ""
+    """The member whose request this attempt left waiting (a ``Probe``); the coordinator's own
+    bookkeeping, not sent to members."""
 
     def participant_index(self, replica_id: str) -> int | None:
         """Position of ``replica_id`` among the participants (its data slice), None if it is not one."""
@@ -675,6 +681,47 @@ class Suspicion:
 
 
 @dataclass
+class Probe:
+    """Failed attempts of the head's step, and the search for the member that makes them fail.
+
+    A gray failure that ends no process (a bad link, a faulty device) fails every attempt its
+    group takes part in with a peer, and every group would give up together
+    (``ft.max_consecutive_failures``). If one member does that, it is among the members of every
+    failed attempt since it joined: ``suspects`` (an earlier attempt may have failed for another
+    reason). After ``QuorumOptions.probe_after`` failed attempts, each next attempt leaves one
+    suspect out, its request waiting (``_leave_out``); an attempt that fails without it clears
+    it, the first that commits accuses it, and a failed attempt of the next step with it convicts
+    it (``convict``): it is retired, its process exits and is restarted. An attempt whose members
+    are not all in the next one, each saying it failed, clears no suspect (the one missing or
+    silent about it, dead, hung, slow or never told, may be what failed it; the suspects not left
+    out yet go first then); with no suspect left, the search goes over everyone once more (a lost
+    message may have failed the attempt that would have committed), then the evidence starts over
+    (more than one cause), ``MAX_PROBE_ROUNDS``. A group convicted before is left out first (a
+    node whose link stays bad is found at once)."""
+
+    step: int
+    suspects: frozenset[str]  # members of every failed attempt counted here since they joined
+    seen: frozenset[str]  # members of any of them
+    since: float  # when the first of them was issued
+    failed: int = 1  # failed attempts counted here
+    rounds: int = 0  # times every suspect was cleared and the search began again over everyone
+    tried: frozenset[str] = frozenset()  # left out in this search (first the others)
+    accused: str = ""  # an attempt without it committed; ``step`` is the next one, which judges it
+    cleared_at: int = -1  # (accused) the step that committed without it
+
+
+FAILS_ITS_STEPS = "fails the steps it takes part in"
+"""Ends the reason a member is retired for by ``convict`` (a launcher reads it in the error line
+of the process that exits, ``ftlm.launch.local``)."""
+
+MAX_PROBE_ROUNDS = 2
+"""Searches over every member (each cleared when an attempt without it failed too: a lost message
+may fail the attempt that would have committed) before the evidence starts over, with
+``probe_after`` attempts of every member (which count toward each group's own
+``max_consecutive_failures``, so that more than one cause ends in the groups giving up)."""
+
+
+@dataclass
 class CoordinatorState:
     """Everything the coordinator knows; soft state, rebuilt from traffic after a restart."""
 
@@ -684,6 +731,7 @@ class CoordinatorState:
     quorum_id: int = 0  # the highest quorum id issued or reported; the next change issues id + 1
     round_started: float | None = None  # when the oldest pending request arrived
     retired: dict[str, float] = field(default_factory=dict)  # replaced or hung replica id -> when
+    retired_why: dict[str, str] = field(default_factory=dict)  # retired for another reason -> which
     head: tuple[int, str] | None = None  # (step, chain) of the authoritative committed state
     head_quorums: list[tuple[int, list[str]]] = field(default_factory=list)  # issued at the head step
     head_seen_at: float | None = None  # when a live member last held the head
@@ -702,6 +750,9 @@ class CoordinatorState:
     """At least the highest of ``looked_below`` (nothing to void while the newest claim is as new)."""
     reload_rounds: dict[str, int] = field(default_factory=dict)
     """Members whose look was voided -> how many times (the ``reload_round`` they are told)."""
+    probe: Probe | None = None  # attempts of the head's step by the same members failed
+    convicted: dict[str, int] = field(default_factory=dict)
+    """Groups convicted of failing the steps they take part in (``convict``) -> how many times."""
     index: _Index = field(default_factory=_Index, compare=False, repr=False)
     """Counts and heaps over ``heartbeats`` and ``pending`` (kept by the tables themselves)."""
 
@@ -732,19 +783,22 @@ def _is_fresh(now: float, state: CoordinatorState, replica_id: str, options: Quo
     return hb is not None and now - hb.last_seen < options.heartbeat_timeout
 
 
-def _retire(state: CoordinatorState, replica_id: str, now: float) -> None:
+def _retire(state: CoordinatorState, replica_id: str, now: float, why: str = "") -> None:
     state.heartbeats.pop(replica_id, None)
     state.pending.pop(replica_id, None)
     state.retired[replica_id] = now
     while len(state.retired) > _MAX_RETIRED:
         state.retired.pop(next(iter(state.retired)))  # dicts keep insertion order: oldest first
+    if why:
+        state.retired_why[replica_id] = why
+        while len(state.retired_why) > _MAX_RETIRED:
+            state.retired_why.pop(next(iter(state.retired_why)))
 
 
 def _retire_other_incarnations(state: CoordinatorState, replica_id: str, group: str, now: float) -> list[str]:
     if replica_id in state.retired:
-        raise StaleIncarnation(
-            f"replica {replica_id} was replaced or declared hung; this process must exit"
-        )
+        why = state.retired_why.get(replica_id, "was replaced or declared hung")
+        raise StaleIncarnation(f"replica {replica_id} {why}; this process must exit")
     index = state.index
     beating, asking = index.hb_groups.get(group), index.pending_groups.get(group)
     if (not beating or (len(beating) == 1 and replica_id in beating)) and (
@@ -890,11 +944,12 @@ def _nobody_due(now: float, state: CoordinatorState, options: QuorumOptions) -> 
 
 
 def remove_member(state: CoordinatorState, replica_id: str, now: float, retire: bool = True,
-                  finished: bool = False) -> bool:
+                  finished: bool = False, why: str = "") -> bool:
     """Drop a replica that left or whose process ended; returns whether it was known.
 
-    ``retire`` refuses the incarnation from then on (its process is gone or told to go);
-    ``finished``: it left having completed the job at the head, which is then never rolled back.
+    ``retire`` refuses the incarnation from then on (its process is gone or told to go; ``why``
+    is what its refused messages are told, after "replica <id> "); ``finished``: it left having
+    completed the job at the head, which is then never rolled back.
     """
     known = replica_id in state.heartbeats or replica_id in state.pending
     hb = state.heartbeats.get(replica_id)
@@ -903,13 +958,14 @@ def remove_member(state: CoordinatorState, replica_id: str, now: float, retire: 
     state.heartbeats.pop(replica_id, None)
     state.pending.pop(replica_id, None)
     if retire:
-        _retire(state, replica_id, now)
+        _retire(state, replica_id, now, why)
     _sync_round(state)
     return known
 
 
 def commit_quorum(state: CoordinatorState, quorum: Quorum) -> None:
     """Record ``quorum`` as issued: its members' requests are answered and a new round begins."""
+    _count_attempt(state, quorum)
     state.prev_quorum = quorum
     state.suspicion = None  # a new quorum formed: whoever it left out is no longer waited for
     state.quorum_id = max(state.quorum_id, quorum.quorum_id)
@@ -918,6 +974,138 @@ def commit_quorum(state: CoordinatorState, quorum: Quorum) -> None:
         del state.head_quorums[:-64]  # retries of one step: only recent ones can still commit
     state.pending.discard_all(quorum.replica_ids())
     _sync_round(state)
+
+
+def _whole_set(q: Quorum) -> frozenset[str]:
+    """The members ``q`` was meant to have: its own, and the one it left out."""
+    ids = frozenset(q.replica_ids())
+    return ids | {q.left_out} if q.left_out else ids
+
+
+def _evidence(state: CoordinatorState, whole: frozenset[str]) -> Probe | None:
+    """``state.probe`` once the previous quorum's attempt of the head's step is counted, the next
+    attempt being meant for ``whole``: failed when one of its members asks again saying so (the
+    requests are still pending). None when there is nothing to go on. Never mutates ``state``.
+
+    If one of its members is not in the next attempt (it died, left, hangs or was slow to ask), or
+    does not say it failed that attempt (it never got its answer: a lost message), it may be what
+    failed it: the failure clears no suspect then (a probe that left the culprit out, failed by a
+    peer's hang, would clear the culprit)."""
+    prev, probe = state.prev_quorum, state.probe
+    if (prev is None or state.head is None
+            or (prev.step, prev.chain, prev.epoch) != (state.head[0], state.head[1], state.epoch)):
+        return None  # a new step (or a new coordinator): nothing failed yet
+    if probe is not None and probe.accused:
+        probe = None  # (``convict`` judges the accused; a new search starts afresh)
+    if not _reported_failed(state, prev):
+        # Nobody says that attempt failed: a member's answer was lost, or the job's end (finished
+        # groups answer quorums at the last step while late joiners catch up).
+        return probe if probe is not None and probe.step == prev.step else None
+    members = frozenset(prev.replica_ids())
+    certain = _whole_set(prev) <= whole and _reported_failed(state, prev, every=True)
+    if probe is None or probe.step != prev.step:
+        return Probe(prev.step, members, members, prev.issued_at) if certain else None
+    seen = probe.seen | members
+    tried = probe.tried | {prev.left_out} if prev.left_out else probe.tried
+    newcomers = members - probe.seen
+    if not certain:
+        return Probe(prev.step, probe.suspects | newcomers, seen, probe.since, probe.failed + 1,
+                     probe.rounds, tried)
+    suspects = (probe.suspects & members) | newcomers
+    if not suspects:  # no single member was in every failed attempt (or a message was lost)
+        if probe.rounds + 1 >= MAX_PROBE_ROUNDS:
+            return None  # start over
+        return Probe(prev.step, whole, seen, probe.since, probe.failed + 1, probe.rounds + 1)
+    return Probe(prev.step, suspects, seen, probe.since, probe.failed + 1, probe.rounds, tried)
+
+
+def _count_attempt(state: CoordinatorState, quorum: Quorum) -> None:
+    """Keep ``state.probe`` as ``quorum`` is issued (``_evidence``); a no-op on a new step with no
+    probe, as in a steady job."""
+    probe, prev = state.probe, state.prev_quorum
+    if probe is not None and probe.accused:
+        if prev is None or prev.step != probe.step:
+            return  # the first attempt of the accused member's step: it judges (``convict``)
+        probe = state.probe = None  # an attempt of it ended without a verdict: search afresh
+    if probe is None and (prev is None or prev.step != quorum.step):
+        return
+    state.probe = _evidence(state, _whole_set(quorum))
+
+
+def _leave_out(state: CoordinatorState, options: QuorumOptions, candidates: dict[str, MemberRequest],
+               holders: set[str]) -> tuple[str, str]:
+    """The member the next attempt of the head's step leaves out, and why; ("", "") for none.
+
+    A suspect, once ``probe_after`` attempts failed (``Probe``), when at least three take part
+    (of two, either alone commits: that tells nothing) and the others are enough for
+    ``min_replicas``. The only holder of the head is never left out (the others recover from it);
+    if it is the one, the search ends without a verdict. Never mutates ``state``."""
+    prev = state.prev_quorum
+    if (options.probe_after <= 0 or prev is None or state.head is None or prev.step != state.head[0]
+            or len(candidates) < 3 or len(candidates) - 1 < options.min_replicas):
+        return "", ""
+    probe = _evidence(state, frozenset(candidates))
+    if probe is None or probe.failed < options.probe_after or any(
+            r not in candidates and r in state.heartbeats for r in probe.suspects):
+        return "", ""  # (a live suspect is not asking: an attempt without it and another tells nothing)
+    groups = {r: candidates[r].group for r in probe.suspects if r in candidates}
+    order = sorted(groups, key=lambda r: (r in probe.tried, groups[r] not in state.convicted, groups[r], r))
+    out = next((r for r in order if holders != {r}), "")
+    if not out:
+        return "", ""
+    named = ", ".join(groups[r] for r in order[:MISSING_NAMED]) + (" ..." if len(order) > MISSING_NAMED else "")
+    return out, (f"probe: {_plural(probe.failed, 'attempt')} of step {probe.step} failed, each with "
+                 f"{named}; trying without {groups[out]} (its request waits)")
+
+
+def convict(state: CoordinatorState) -> tuple[str, str, Probe] | None:
+    """The member to retire for failing the steps it takes part in, why, and the probe that found
+    it; None otherwise. Call after ``advance_head``; the caller retires the member.
+
+    Two steps: once the head moved past an attempt that left a suspect out, through it, the
+    suspect is *accused*: it takes part in the next step again (behind by one, it recovers). If
+    an attempt of that step with it and only those who committed without it fails too, every
+    member saying so, it is convicted: failed with it, committed without it, failed with it
+    again. If that step commits, it is cleared: whatever failed the attempts passed (a peer's
+    hang, a burst of lost messages), and a healthy group is not restarted."""
+    prev, probe = state.prev_quorum, state.probe
+    if probe is None or prev is None or state.head is None:
+        return None
+    if not probe.accused:
+        if (prev.left_out and state.head == (prev.step + 1, prev.next_chain())
+                and not any(r != prev.left_out and r in state.heartbeats and not prev.present(r)
+                            for r in probe.suspects)):
+            # ``seen``: who committed without it (the verdict counts only their word)
+            state.probe = Probe(state.head[0], frozenset({prev.left_out}), frozenset(prev.replica_ids()),
+                                probe.since, probe.failed, accused=prev.left_out, cleared_at=prev.step)
+        return None
+    accused = probe.accused
+    if state.head[0] != probe.step:
+        state.probe = None  # the step after committed (or the job went back): no verdict
+        return None
+    if prev.step != probe.step or not prev.present(accused):
+        return None
+    if not (frozenset(prev.replica_ids()) - {accused} <= probe.seen and _reported_failed(state, prev, every=True)):
+        # Not a verdict: someone else joined (its link may be the bad one), or a member does not
+        # say the attempt failed (it never got its answer); the next attempt of the step judges.
+        return None
+    state.probe = None
+    hb = state.heartbeats.get(accused)
+    group = hb.group if hb is not None else accused.split(":", 1)[0]
+    state.convicted[group] = state.convicted.get(group, 0) + 1
+    while len(state.convicted) > _MAX_RETIRED:
+        state.convicted.pop(next(iter(state.convicted)))
+    return accused, (f"step {probe.cleared_at} failed in {_plural(probe.failed, 'attempt')} with this "
+                     f"group taking part and committed without it, and step {probe.step} failed with "
+                     f"it again: its link to the others (or its device) {FAILS_ITS_STEPS}"), probe
+
+
+def _reported_failed(state: CoordinatorState, q: Quorum, every: bool = False) -> bool:
+    """Whether a member of ``q`` (``every`` member) asks again saying that ``q``'s attempt failed."""
+    pending = state.pending
+    said = ((req := pending.get(r)) is not None and req.failed and req.last_quorum_id == q.quorum_id
+            for r in q.replica_ids())
+    return all(said) if every else any(said)
 
 
 def _plural(n: int, word: str) -> str:
@@ -1238,7 +1426,7 @@ def compute_quorum(now: float, state: CoordinatorState, options: QuorumOptions) 
         joiners = len(candidates) - len(prev_alive)
         extra = f" (+{_plural(joiners, 'joiner')})" if joiners else ""
         reason = f"fast path: all {_plural(len(prev_alive), 'healthy member')} of quorum {prev.quorum_id} asked{extra}"
-        return _build(now, state, candidates, up, reason), reason
+        return _build(now, state, options, candidates, up, reason), reason
 
     # A live participant of a quorum issued at this very step that has not asked again may have
     # committed it: a quorum without it could commit the same step differently (a fork).
@@ -1260,7 +1448,7 @@ def compute_quorum(now: float, state: CoordinatorState, options: QuorumOptions) 
                       f"groups asked; join timeout in {left:.1f} s")
     if len(asked_groups) == len(alive_groups):
         reason = f"all {_plural(len(alive_groups), 'heartbeating group')} asked"
-        return _build(now, state, candidates, up, reason), reason
+        return _build(now, state, options, candidates, up, reason), reason
     if 2 * len(asked_groups) <= len(alive_groups):
         return None, f"{len(asked_groups)} of {len(alive_groups)} heartbeating groups asked: not a majority"
     asked = set(asked_groups)
@@ -1270,7 +1458,7 @@ def compute_quorum(now: float, state: CoordinatorState, options: QuorumOptions) 
             f"waiting for {missing} (asked {len(asked_groups)} of {len(alive_groups)}); join timeout in {left:.1f} s"
         )
     reason = f"join timeout passed: {len(asked_groups)} of {len(alive_groups)} heartbeating groups asked, not {missing}"
-    return _build(now, state, candidates, up, reason), reason
+    return _build(now, state, options, candidates, up, reason), reason
 
 
 MISSING_NAMED = 20
@@ -1302,7 +1490,7 @@ def _compute_quorum_steady(now: float, state: CoordinatorState,
 
     def build(reason: str) -> Quorum:
         up = [r for r, req in pending.items() if (req.step, req.chain) == state.head]
-        return _build(now, state, dict(pending), up, reason)
+        return _build(now, state, options, dict(pending), up, reason)
 
     if prev is not None and index.prev_alive and not index.prev_idle:
         joiners = len(pending) - index.prev_alive
@@ -1340,10 +1528,15 @@ def _compute_quorum_steady(now: float, state: CoordinatorState,
     return build(reason), reason
 
 
-def _build(now: float, state: CoordinatorState, candidates: dict[str, MemberRequest], up: Iterable[str],
-           reason: str) -> Quorum:
+def _build(now: float, state: CoordinatorState, options: QuorumOptions, candidates: dict[str, MemberRequest],
+           up: Iterable[str], reason: str) -> Quorum:
     assert state.head is not None
     holders = set(up)
+    out, why = _leave_out(state, options, candidates, holders)
+    if out:
+        candidates = {r: req for r, req in candidates.items() if r != out}
+        holders.discard(out)
+        reason = why
     reqs = sorted(candidates.values(), key=lambda q: (q.group, q.replica_id))
     members = [Member(q.replica_id, q.group, q.step, q.meta, q.watch) for q in reqs]
     participants = [m.replica_id for m in members if m.replica_id in holders]
@@ -1359,7 +1552,7 @@ def _build(now: float, state: CoordinatorState, candidates: dict[str, MemberRequ
     failed = any(q.failed for q in reqs)
     quorum_id = base if ordinary and not failed else base + 1
     return Quorum(quorum_id, state.head[0], members, participants, recovering, sources, now, reason,
-                  state.head[1], state.epoch)
+                  state.head[1], state.epoch, out)
 
 
 def withdraw_request(state: CoordinatorState, req: MemberRequest) -> bool:

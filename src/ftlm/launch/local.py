@@ -8,7 +8,9 @@ the death to the coordinator (``POST /v1/dead``); restarts a group stopped from 
 last step (a SIGTERM, as a spot reclaim sends: it left the quorum and exited 0) as a preempted
 pod or a requeued Slurm job comes back; kills a group that is hung so that it restarts:
 one that never registered within ``ft.startup_timeout``, one whose heartbeat stopped, one the
-coordinator declared dead (it made no progress); stops the launch with the group's own error when
+coordinator declared dead (it made no progress); stops starting a group whose last three processes
+the coordinator retired for failing every step they took part in (``RETIRED_IN_A_ROW``: a bad
+link or device stays bad, the job goes on without it); stops the launch with the group's own error when
 a group cannot start (exit status 2 before registering), crash-loops (``ft.crash_loop_*``), or
 groups stop with status 2 twice with the job no further (a diverged loss: restarts repeat it);
 optionally injects failures (``ftlm.launch.chaos``) until a group reaches the last step. At the
@@ -37,6 +39,7 @@ from pathlib import Path
 
 from ftlm.config import RunConfig, save_config
 from ftlm.errors import ConfigError, FtlmError
+from ftlm.ft.quorum import FAILS_ITS_STEPS
 from ftlm.launch.chaos import ALL_RANKS, COORDINATOR, Chaos
 from ftlm.launch.console import ConsoleView
 from ftlm.launch.coordinator_process import (ERROR_PREFIX, CoordinatorProcess, CoordinatorUnreachable,
@@ -54,6 +57,10 @@ exit before it is killed (its result stands): it has nothing left to do, and the
 stay at the end of the job only ``ft.quorum_timeout`` for it to come back if it was preempted."""
 EXIT_USAGE = 2
 """Exit status of ``ftlm`` after its one-line ``FtlmError`` (bad config, missing data...)."""
+RETIRED_IN_A_ROW = 3
+"""Processes of one group in a row that the coordinator retired for failing the steps they took
+part in (``ftlm.ft.quorum.Probe``) after which the group is not started again: its node's link
+(or device) stays bad, and every new process would cost the others a few failed attempts."""
 
 
 @dataclass
@@ -67,7 +74,9 @@ class GroupProcess:
     restarts: int = 0
     restart_at: float | None = None
     finished: bool = False
-    lost: bool = False  # died when every other group had finished: nobody to recover from
+    lost: bool = False  # not started again: died when every other group had finished (nobody
+    # to recover from), or retired by the coordinator RETIRED_IN_A_ROW times in a row
+    retired_in_a_row: int = 0  # its last incarnations' exits that the coordinator asked for
     stopped: bool = False  # a rank was SIGSTOPped by chaos, waiting to be detected and killed
     terminated: bool = False  # chaos sent this incarnation SIGTERM (a preemption: it must leave)
     result: dict = field(default_factory=dict)
@@ -461,12 +470,25 @@ class LocalLauncher:
             # is the group's own error (its heartbeat stopped first), never a refused heartbeat.
             code = failed[0]
             hung = g.replica_id in self._declared_dead and code != EXIT_USAGE
-            cause = g.cause or ("hung" if hung else "crash")
+            # Retired by the coordinator: attempts of a step without it committed where attempts
+            # with it failed (a bad link or device, ``ftlm.ft.quorum.Probe``).
+            retired = code != EXIT_USAGE and FAILS_ITS_STEPS in self._why(g)
+            cause = g.cause or ("retired" if retired else "hung" if hung else "crash")
             events.emit("group_exit", step=-1, target=g.name, ok=False, code=code, cause=cause,
                         incarnation=g.incarnation)
             if os.environ.get("FTLM_SUPERVISOR_REPORTS", "1") != "0":  # 0: as on k8s/Slurm (bench.failure_stall)
                 self.coordinator.report_dead(g.name, g.incarnation, f"process exited with status {code}")
-            if cause not in ("chaos", "hung"):
+            g.retired_in_a_row = g.retired_in_a_row + 1 if retired else 0
+            if g.retired_in_a_row >= RETIRED_IN_A_ROW:
+                # Its node's link (or device) stays bad: the job goes on without it.
+                g.lost, g.restart_at = True, None
+                reason = (f"the coordinator retired its last {g.retired_in_a_row} processes in a row: "
+                          f"{self._why(g)}; not started again (fix its node, then launch again to "
+                          "resume with every group)")
+                events.emit("group_lost", step=-1, target=g.name, reason=reason)
+                print(f"ftlm launch: WARNING: group {g.name} {reason}", file=sys.stderr, flush=True)
+                continue
+            if cause not in ("chaos", "hung") and not retired:
                 self._check_start(g, code, now)
             g.restart_at = now + self.config.ft.restart_delay
 

@@ -37,7 +37,9 @@ Kinds used across ftlm and their fields:
   not failures (``NOT_FAILURES``): ``signal`` ``none`` slowed a link, ``SIGTERM`` preempted the
   group (it must leave and come back, ``group_exit`` with ``preempted``).
 * ``member_dead``: the coordinator declared ``target`` dead (``reason``: missed heartbeats, no
-  progress while heartbeating, process exited, replaced by a new incarnation).
+  progress while heartbeating, process exited, replaced by a new incarnation, or retired because
+  attempts of ``step - 1`` failed with it and committed without it and ``step`` failed with it
+  again: a bad link or device, ``ftlm.ft.quorum.Probe``).
 * ``member_left``: ``target`` left the job on purpose (``reason``: finished, stopped).
 * ``restore``: an explicit rollback: no live group held the newest committed state, so the job
   continues from ``to_step`` (``from_step``, ``holders``, ``reason``, ``source``). Commits of steps
@@ -53,6 +55,8 @@ Kinds used across ftlm and their fields:
   before the coordinator's rollback.
 * ``eval``: held-out loss after step ``step`` (``loss``, ``tokens``, ``seconds``).
 * ``coordinator_restart``: the coordinator came back and rebuilt its soft state.
+* ``group_lost``: the local launcher stops starting ``target`` (``reason``: it died after every
+  other group had finished, or the coordinator retired its last three processes in a row).
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ KINDS: tuple[str, ...] = (
     "run_start", "run_end", "group_start", "group_exit", "quorum", "commit", "step_failed",
     "failure_injected", "member_dead", "member_left", "recovery_start", "recovery_end",
     "checkpoint_saved", "checkpoint_rejected", "checkpoint_failed", "checkpoint_reloaded", "coordinator_restart", "restore",
-    "eval",
+    "eval", "group_lost",
 )
 """Event kinds ftlm emits (documented above); ``emit`` accepts others for forward compatibility."""
 

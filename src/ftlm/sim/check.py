@@ -29,6 +29,8 @@ class CheckReport:
     restores_past_checkpoint: int = 0
     steps_past_checkpoint: int = 0
     leaves_judged: int = 0
+    convictions: int = 0
+    wrong_convictions: int = 0
     simulated_seconds: float = 0.0
     wall_seconds: float = 0.0
 
@@ -60,6 +62,8 @@ def check(seeds: int, config: SimConfig, start: int = 0, jobs: int = 1, progress
             report.restores_past_checkpoint += r.restores_past_checkpoint
             report.steps_past_checkpoint += r.steps_past_checkpoint
             report.leaves_judged += r.leaves_judged
+            report.convictions += r.convictions
+            report.wrong_convictions += r.wrong_convictions
             report.simulated_seconds += r.seconds
             if not r.ok:
                 report.failures.append(r)
@@ -95,6 +99,10 @@ def format_report(report: CheckReport, config: SimConfig, show: int = 3) -> str:
         lines.append(f"rollbacks to a state older than the newest durable checkpoint: "
                      f"{report.restores_past_checkpoint} of {report.restores} "
                      f"({report.steps_past_checkpoint} steps on disk given up)")
+    if report.convictions:
+        lines.append(f"groups retired for failing every step they took part in: {report.convictions} "
+                     f"({report.wrong_convictions} with a good link, each after another fault or a "
+                     f"lost message)")
     for r in report.failures[:show]:
         lines.append("")
         lines.append(f"VIOLATION {r.error}")

@@ -39,8 +39,14 @@ from ftlm.observe.summary import data_accounting
 
 FAULTS = ("crash", "hang", "hang_resume", "hang_training", "crash_starting", "hang_starting", "coordinator_crash",
           "lag", "slow_transfer", "source_crash_mid_transfer", "bogus_claim", "partition_drop",
-          "old_checkpoint", "leave")
-"""Kinds of fault the simulator injects (a seed picks which, where and when)."""
+          "old_checkpoint", "leave", "bad_link")
+"""Kinds of fault the simulator injects (a seed picks which, where and when). ``bad_link``: every
+all-reduce the struck process takes part in with a peer fails (for every member, at once or at
+the timeout) until the process exits; now and then its group's next process has one too (the
+node's link): the coordinator must find the group (``quorum.Probe``). One at a time (with two,
+no single member's absence helps), and only while three or more groups are in the job (it heals
+when groups leave for good below that): two cannot tell whose link is bad, and both give up
+after ``max_consecutive_failures`` (which the 30 s progress bound does not allow for)."""
 
 
 @dataclass
@@ -91,6 +97,11 @@ class SimConfig:
     restart_delay: float = 0.3
     startup_timeout: float = 5.0
     max_consecutive_failures: int = 50
+    probe_after: int = 3
+    """``ft.probe_after_failures``: failed attempts of a step by the same members before the
+    coordinator tries without one member at a time (0: never)."""
+    sticky_link: float = 0.3
+    """Probability that a group whose process had a bad link starts its next process with one too."""
     liveness_seconds: float = 120.0
     """After the last fault, the job must finish within this many simulated seconds."""
     progress_seconds: float = 30.0
@@ -175,6 +186,7 @@ class Incarnation:
     reload_head: int | None = None  # told to reload while applying its update: done at its next step
     reload_hint: tuple[int | None, int] = (None, 0)  # the last heartbeat answer's ``reload`` and round
     writer: bool = False  # participant 0 of the last step it committed as a participant
+    bad_link: bool = False  # every all-reduce it takes part in with a peer fails
 
     @property
     def replica_id(self) -> str:
@@ -225,6 +237,11 @@ class SimResult:
     checks the count with ``reload_checkpoints=False``."""
     steps_past_checkpoint: int = 0
     """Steps between those quorums' steps and the newest durable checkpoint, summed."""
+    convictions: int = 0
+    """Groups the coordinator retired for failing every step they took part in (``quorum.Probe``)."""
+    wrong_convictions: int = 0
+    """Of those, groups whose link was good (allowed only after another fault or a lost message
+    may have failed the same attempts: ``check_conviction``)."""
 
 
 class Simulation:
@@ -239,7 +256,7 @@ class Simulation:
         self._seq = 0
         self.options = QuorumOptions(1, self.c.join_timeout, self.c.heartbeat_timeout, self.c.groups,
                                      progress_timeout=self.c.progress_timeout,
-                                     suspect_window=self.c.suspect_window)
+                                     suspect_window=self.c.suspect_window, probe_after=self.c.probe_after)
         self.reports_deaths = {"all": True, "none": False}.get(self.c.supervisor_reports, seed % 2 == 1)
         self.encoder = AnswerEncoder()
         self.coordinator: Membership | None = Membership(self.options, self._epoch())
@@ -276,6 +293,9 @@ class Simulation:
         self.leave_watches: list[LeaveWatch] = []
         self.leaves_judged = 0
         self.lost_answers: set[tuple[str, int, int, str]] = set()  # (epoch, quorum id, step, replica id)
+        self.sticky_links: set[str] = set()  # groups whose next process starts with a bad link
+        self.disturbed_at = float("-inf")  # the last fault other than a bad link that struck
+        self.convictions = self.wrong_convictions = 0  # see SimResult
 
     def _epoch(self) -> str:
         return f"e{self.rng.getrandbits(32):08x}"
@@ -326,7 +346,8 @@ class Simulation:
             return SimResult(self.seed, True, self.c.steps, self.faults, self.restores, self.now,
                              leaves_judged=self.leaves_judged,
                              restores_past_checkpoint=self.restores_past_checkpoint,
-                             steps_past_checkpoint=self.steps_past_checkpoint)
+                             steps_past_checkpoint=self.steps_past_checkpoint,
+                             convictions=self.convictions, wrong_convictions=self.wrong_convictions)
         except Violation as e:
             return SimResult(self.seed, False, self.c.steps, self.faults, self.restores, self.now, str(e),
                              list(self.trace), self.leaves_judged, self.restores_past_checkpoint,
@@ -350,6 +371,10 @@ class Simulation:
                 f"{group}:i{self._inc_seq}", self.c.max_consecutive_failures, self.c.steps), State(),
                 started_at=self.now)
             self.groups[group] = inc
+            if group in self.sticky_links:
+                self.sticky_links.discard(group)
+                inc.bad_link = inc.injected = True
+                self.log(f"spawn {inc.replica_id} (its link is still bad)")
             self.log(f"spawn {inc.replica_id}")
             lo, hi = self.c.startup_seconds
             self.at(self.rng.uniform(lo, hi), lambda: self.boot(inc), f"boot {inc.replica_id}")
@@ -378,6 +403,8 @@ class Simulation:
             return
         inc.alive = False
         self.log(f"exit {inc.replica_id}: {why}")
+        if inc.bad_link and self.rng.random() < self.c.sticky_link:
+            self.sticky_links.add(inc.group)
         # Its connections reset: peers inside an all-reduce with it fail at once (transport error).
         for other in self.groups.values():
             if (other is not None and other is not inc and other.phase == "collective" and other.quorum is not None
@@ -450,6 +477,8 @@ class Simulation:
                     self.fail(f"quorum id went back: {q.quorum_id} after {last}")
                 self.max_issued_id[q.epoch] = q.quorum_id
             elif isinstance(o, Event):
+                if o.kind == "member_dead" and self.coordinator is not None and self.coordinator.convictions:
+                    self.check_conviction(o.fields["replica_id"])
                 if o.kind == "restore":
                     if self.finished:
                         self.fail(f"the job finished at step {next(iter(self.finished.values())).step} "
@@ -464,6 +493,22 @@ class Simulation:
                     self.log(f"restore {o.fields['from_step']} -> {o.fields['to_step']}")
                     self.head = None  # an explicit rollback: the next head is judged afresh
         self.check_head()
+
+    def check_conviction(self, replica_id: str) -> None:
+        """A member retired for failing the steps it took part in must be one with a bad link,
+        unless another fault or a lost message may have failed those attempts too."""
+        assert self.coordinator is not None
+        at, rid, probe = self.coordinator.convictions[-1]
+        if (at, rid) != (self.now, replica_id):
+            return
+        self.convictions += 1
+        inc = self.groups.get(rid.split(":")[0])
+        bad = inc is not None and inc.replica_id == rid and inc.bad_link
+        self.wrong_convictions += not bad
+        self.log(f"convicted {rid} ({'bad link' if bad else 'no bad link'}) of failing step {probe.step}")
+        if not bad and max(self.disturbed_at, self.last_loss) < probe.since:
+            self.fail(f"{rid} was retired for failing step {probe.step} but its link is good, and no "
+                      f"other fault struck since its attempts began failing ({probe.since:.3f})")
 
     def check_head(self) -> None:
         """The coordinator's head moves forward one step at a time, or back only by a restore."""
@@ -855,6 +900,11 @@ class Simulation:
             self.fail(f"two different quorums share id {q.quorum_id} at step {q.step}")
         index = q.participant_index(inc.replica_id)
         coll.entered[inc.replica_id] = (index, inc.state.step, inc.state.chain)
+        if q.size > 1 and any(self.bad_link(r) for r in q.replica_ids()):
+            # A bad link: the transport fails, at once (a reset) or when the operation times out.
+            delay = self.latency() if self.rng.random() < 0.5 else self.c.allreduce_timeout
+            self.at(delay, lambda: self.link_failed(inc, q), "bad link")
+            return
         if coll.done:
             self.at(self.latency(), lambda: self.outcome(inc, q, False), "late to collective")
             return
@@ -870,6 +920,22 @@ class Simulation:
                 self.at(self.latency(), lambda m=member, ok=ok: self.outcome(m, m.quorum, ok), f"allreduce {rid}")
             return
         self.at(self.c.allreduce_timeout, lambda: self.collective_timeout(inc, q, coll), "allreduce timeout")
+
+    def bad_link(self, replica_id: str) -> bool:
+        inc = self.groups.get(replica_id.split(":")[0])
+        if inc is None or inc.replica_id != replica_id or not inc.alive or not inc.bad_link:
+            return False
+        if len(self.groups) - len(self.departed | self.lost_groups | set(self.finished)) < 3:
+            # The model's premise is gone: two groups cannot tell whose link is bad (FAULTS).
+            inc.bad_link = False
+            self.sticky_links.discard(inc.group)
+            self.log(f"the bad link of {replica_id} heals: fewer than three groups are left")
+            return False
+        return True
+
+    def link_failed(self, inc: Incarnation, q: Quorum) -> None:
+        if inc.running and inc.phase == "collective" and inc.quorum is q:
+            self.abort(inc, "connection reset (a bad link)")
 
     def peer_reset(self, inc: Incarnation, q: Quorum) -> None:
         if inc.running and inc.phase == "collective" and inc.quorum is q:
@@ -1103,8 +1169,13 @@ class Simulation:
             self.strike(self.rng.choice(kinds))
 
     def strike(self, kind: str) -> None:
+        if kind == "bad_link" and (self.c.groups < 3 or self.sticky_links or any(
+                g is not None and g.alive and g.bad_link for g in self.groups.values())):
+            return  # one bad link at a time, and two groups cannot tell whose it is (see FAULTS)
         self.faults[kind] = self.faults.get(kind, 0) + 1
         self.last_fault = self.now
+        if kind != "bad_link":
+            self.disturbed_at = self.now
         self.leave_watches = []  # another fault may delay anyone: a leave is judged in quiet times
         live = [g for g in self.groups.values() if g is not None and g.alive and not g.hung and not g.left]
         target = self.rng.choice(live) if live else None
@@ -1182,6 +1253,8 @@ class Simulation:
             target.injected = True
         elif kind == "leave":
             self.stop(target)
+        elif kind == "bad_link":
+            target.injected = target.bad_link = True
         elif kind == "partition_drop":
             target.injected = True
             self.loss = 0.5

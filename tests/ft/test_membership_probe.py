@@ -1,0 +1,323 @@
+"""Finding the group that fails every step it takes part in (a bad link, a faulty device): the
+coordinator's probe (``ftlm.ft.quorum.Probe``), driven through its state machine with a hand-driven
+clock and groups whose attempts fail exactly when a bad member takes part with a peer."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ftlm.errors import ConfigError
+from ftlm.ft.config import CoordinatorConfig, FTConfig
+from ftlm.ft.history import GENESIS
+from ftlm.ft.membership import Answer, Event, Issued, Membership
+from ftlm.ft.quorum import Heartbeat, MemberRequest, Quorum, QuorumOptions, StaleIncarnation
+
+
+class Job:
+    """``n`` groups; an attempt fails for all its members when one of ``bad`` takes part with at
+    least one other member (a bad link: alone, a group has nobody to talk to)."""
+
+    def __init__(self, n: int, bad: set[str], probe_after: int = 3, min_replicas: int = 1,
+                 expected: int | None = None) -> None:
+        self.m = Membership(QuorumOptions(min_replicas, 2.0, 30.0, n if expected is None else expected, rebuild_grace=0.0,
+                                          probe_after=probe_after), epoch="e")
+        self.bad = bad
+        self.now = 0.0
+        self.inc = {f"g{i}": "a" for i in range(n)}
+        self.state = {g: (0, GENESIS) for g in self.inc}  # committed (step, chain)
+        self.last_id = {g: -1 for g in self.inc}
+        self.failed = {g: False for g in self.inc}
+        self.retired: list[tuple[str, str]] = []  # (replica id, error)
+        self.gone: set[str] = set()  # groups whose process exited
+        self.quorums: list[Quorum] = []
+        self.events: list[Event] = []
+        for g in self.inc:
+            self.m.heartbeat(self.now, Heartbeat(self.rid(g), g, self.now, 0))
+
+    def rid(self, g: str) -> str:
+        return f"{g}:{self.inc[g]}"
+
+    def ask(self, g: str) -> list:
+        self.now += 0.01
+        step, chain = self.state[g]
+        req = MemberRequest(self.rid(g), g, step, self.last_id[g], self.failed[g], {}, self.now, chain)
+        return self.feed(self.m.request(self.now, req))
+
+    def feed(self, outputs: list) -> list[Quorum]:
+        issued = []
+        for o in outputs:
+            if isinstance(o, Issued):
+                issued.append(o.quorum)
+                self.quorums.append(o.quorum)
+            elif isinstance(o, Event):
+                self.events.append(o)
+            elif isinstance(o, Answer) and o.status == 409:
+                self.retired.append((o.replica_id, o.body["error"]))
+                self.gone.add(o.replica_id.split(":")[0])  # its process exits
+        return issued
+
+    def stall(self, q: Quorum, failed: bool = True, told: set[str] | None = None) -> list[str]:
+        """The attempt of ``q`` neither commits nor fails by a bad link: its members (those
+        ``told`` of it; all by default) ask again saying whether it failed; returns the members."""
+        members = [r.split(":")[0] for r in q.replica_ids()]
+        for g in members:
+            if told is None or g in told:
+                self.last_id[g] = q.quorum_id
+            self.failed[g] = failed
+        return members
+
+    def run(self, q: Quorum) -> list[str]:
+        """The attempt of ``q``: every member fails or commits; returns the members."""
+        members = [r.split(":")[0] for r in q.replica_ids()]
+        fails = len(members) > 1 and any(g in self.bad for g in members)
+        for g in members:
+            self.last_id[g] = q.quorum_id
+            self.failed[g] = fails
+            if not fails:
+                self.state[g] = (q.step + 1, q.next_chain())
+        return members
+
+    def steps(self, attempts: int, issued: list[Quorum] | None = None) -> None:
+        """Every group asks (or ``issued`` was); each issued quorum runs and its members ask again."""
+        if issued is None:
+            issued = [q for g in sorted(self.inc) if g not in self.gone for q in self.ask(g)]
+        for _ in range(attempts):
+            if not issued:
+                return
+            q = issued.pop(0)
+            for g in self.run(q):
+                if g not in self.gone:
+                    issued += self.ask(g)
+
+    def restart(self, g: str, inc: str) -> None:
+        """``g``'s new incarnation, having caught up with the head."""
+        self.inc[g] = inc
+        self.gone.discard(g)
+        self.state[g] = self.m.state.head
+        self.failed[g] = False
+        self.m.heartbeat(self.now, Heartbeat(self.rid(g), g, self.now, self.m.state.head[0], chain=self.m.state.head[1]))
+
+
+def failed_attempts(job: Job) -> int:
+    return sum(1 for q in job.quorums if any(r.split(":")[0] in job.bad for r in q.replica_ids())
+               and q.size > 1)
+
+
+def test_the_group_with_the_bad_link_is_found_and_retired_and_the_others_go_on() -> None:
+    job = Job(4, bad={"g2"})
+    job.steps(30)
+    assert [r for r, _ in job.retired] == ["g2:a"]
+    error = job.retired[0][1]
+    assert "attempts without it" not in error and "committed without it" in error and "must exit" in error
+    dead = [e for e in job.events if e.kind == "member_dead"]
+    assert [e.fields["replica_id"] for e in dead] == ["g2:a"]
+    # three failed attempts of the whole set, then one without each member in turn until g2's
+    probes = [q for q in job.quorums if q.left_out]
+    assert [q.left_out for q in probes] == ["g0:a", "g1:a", "g2:a"]
+    assert "trying without g0" in probes[0].reason
+    assert failed_attempts(job) == 3 + 2 + 1  # and the attempt of step 1 with g2 again (accused)
+    # the others trained on without it: well past the step that failed
+    assert job.m.state.head[0] > 10
+    assert "g2:a" not in job.m.state.heartbeats
+    with pytest.raises(StaleIncarnation, match="committed without it"):
+        job.m.request(job.now, MemberRequest("g2:a", "g2", 0, -1, False, {}, job.now, GENESIS))
+
+
+def test_failures_that_pass_by_themselves_convict_nobody() -> None:
+    """Three attempts fail for a passing reason (a peer's hang, a burst of lost messages); the
+    first one without g0 commits, which only accuses g0: the next step with it commits too, and
+    g0 is cleared, not restarted."""
+    job = Job(4, bad=set())
+    failures = {"left": 3}
+    run = job.run
+
+    def flaky(q: Quorum) -> list[str]:
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            return job.stall(q)
+        return run(q)
+    job.run = flaky
+    job.steps(20)
+    assert job.retired == [] and [q.left_out for q in job.quorums if q.left_out] == ["g0:a"]
+    assert job.m.state.probe is None and job.m.state.head[0] > 5
+
+
+def test_a_group_convicted_before_is_left_out_first() -> None:
+    job = Job(4, bad={"g3"})
+    job.steps(40)
+    assert [r for r, _ in job.retired] == ["g3:a"]
+    first = failed_attempts(job)
+    assert first == 3 + 3 + 1  # g0, g1, g2 left out in vain first; then g3 accused, convicted
+    job.restart("g3", "b")  # its link is still bad
+    job.quorums.clear()
+    job.steps(40)
+    assert [r for r, _ in job.retired] == ["g3:a", "g3:b"]
+    assert failed_attempts(job) == 3 + 1  # not 7: its history orders the search
+    assert [q.left_out for q in job.quorums if q.left_out] == ["g3:b"]
+
+
+def test_two_groups_are_never_probed_and_probing_can_be_turned_off() -> None:
+    """Two groups cannot tell whose link is bad (either alone commits): attempts go on with both
+    (the groups give up after ``max_consecutive_failures``); ``probe_after=0`` turns it off."""
+    for job in (Job(2, bad={"g1"}), Job(4, bad={"g1"}, probe_after=0)):
+        job.steps(20)
+        assert job.retired == [] and not any(q.left_out for q in job.quorums)
+        assert job.m.state.head[0] == 0
+
+
+def test_no_probe_while_steps_commit_or_who_takes_part_changes() -> None:
+    job = Job(3, bad=set())
+    job.steps(50)
+    assert not any(q.left_out for q in job.quorums) and job.m.state.head[0] >= 40
+    assert job.m.state.probe is None
+
+
+def test_attempts_nobody_reports_failed_are_no_evidence() -> None:
+    """Quorums issued again at the same step without a reported failure (the job's end, where
+    finished groups answer quorums at the last step while late joiners catch up; a lost answer)
+    never start a search."""
+    job = Job(4, bad=set())
+
+    job.run = lambda q: job.stall(q, failed=False)
+    job.steps(20)
+    assert len(job.quorums) > 15 and {q.step for q in job.quorums} == {0}
+    assert not any(q.left_out for q in job.quorums) and job.m.state.probe is None
+
+
+def test_min_replicas_bounds_who_may_be_left_out() -> None:
+    job = Job(3, bad={"g1"}, min_replicas=3)
+    job.steps(20)
+    assert job.retired == [] and not any(q.left_out for q in job.quorums)
+
+
+def test_two_bad_groups_leave_no_suspect_and_the_search_starts_over() -> None:
+    """No single member's absence helps: each failed attempt without one clears it; with no
+    suspect left the search begins again over everyone (a lost message may have failed the
+    attempt that would have committed), and after two searches the evidence starts over with
+    three attempts of every member (which count toward each group's own
+    ``max_consecutive_failures``: the groups give up in the end, as before); nobody is retired."""
+    job = Job(4, bad={"g1", "g2"})
+    job.steps(40)
+    assert job.retired == [] and job.m.state.head[0] == 0
+    pattern = "".join(q.left_out[:2] or "--" for q in job.quorums)
+    assert pattern.startswith("------g0g1g2g3g0g1g2g3------g0g1g2g3g0g1g2g3"), pattern
+
+
+def test_a_lost_answer_that_fails_the_attempt_without_the_bad_group_clears_nobody() -> None:
+    """g1 never gets the answer of the attempt without g2 (lost): g0 times out and says the
+    attempt failed, g1 cannot; that clears nobody, and the next attempt leaves g2 out again."""
+    job = Job(3, bad={"g2"})
+    lost = {"once": True}
+    run = job.run
+
+    def run_losing(q: Quorum) -> list[str]:
+        if q.left_out == "g2:a" and lost.pop("once", False):
+            return job.stall(q, told={"g0"})
+        return run(q)
+    job.run = run_losing
+    job.steps(20)
+    assert [r for r, _ in job.retired] == ["g2:a"]
+    assert [q.left_out for q in job.quorums if q.left_out] == ["g0:a", "g1:a", "g2:a", "g2:a"]
+
+
+def test_evidence_survives_a_joiner_and_ends_with_a_departure() -> None:
+    """Attempts of two groups (nobody to leave out) fail with g1 in each; a third group joins:
+    three attempts failed already, so the first attempt with it leaves one out (the joiner is a
+    suspect too: the earlier attempts may have failed for another reason). An attempt a member
+    died in clears no suspect (its death may be what failed it)."""
+    job = Job(3, bad={"g1"}, expected=2)
+    job.gone.add("g2")  # g2 is not there yet
+    job.m.report_dead(job.now, "g2:a", "g2", "not started")
+    job.steps(8)
+    assert job.retired == [] and not any(q.left_out for q in job.quorums)
+    probe = job.m.state.probe
+    assert probe is not None and probe.suspects == {"g0:a", "g1:a"} and probe.failed >= 3
+    job.restart("g2", "b")
+    job.quorums.clear()
+    job.steps(10)
+    assert [q.left_out for q in job.quorums if q.left_out] == ["g0:a", "g1:a"]
+    assert [r for r, _ in job.retired] == ["g1:a"]
+    assert job.m.state.head[0] > 1
+
+    # the other way round: an attempt of g0 and g2 failed for another reason (a lost message),
+    # then g1 joins with a bad link: it is a suspect from its first failed attempt on
+    job = Job(3, bad=set(), expected=2)
+    job.gone.add("g1")
+    job.m.report_dead(job.now, "g1:a", "g1", "not started")
+    job.bad = {"g0", "g2"}  # (both: the attempt fails)
+    job.steps(1)
+    job.bad = {"g1"}
+    job.restart("g1", "b")
+    job.quorums.clear()
+    job.steps(12)
+    assert [r for r, _ in job.retired] == ["g1:b"]
+
+    job = Job(4, bad={"g1"})
+    job.steps(2)  # two attempts ran and failed; the third is issued
+    assert job.m.state.probe is not None and job.m.state.probe.failed == 2
+    job.gone.add("g3")  # it dies in the third attempt, which fails: the fourth is without it
+    job.feed(job.m.report_dead(job.now, "g3:a", "g3", "SIGKILL"))
+    issued = [q for g in job.run(job.quorums[-1]) if g not in job.gone for q in job.ask(g)]
+    assert len(issued) == 1 and issued[0].left_out == "g0:a"  # three failed: the search begins
+    probe = job.m.state.probe
+    assert probe is not None and probe.failed == 3 and probe.suspects >= {"g0:a", "g1:a", "g2:a"}
+    job.steps(8, issued)
+    assert [q.left_out for q in job.quorums if q.left_out] == ["g0:a", "g1:a"]
+    assert [r for r, _ in job.retired] == ["g1:a"]
+
+
+def test_an_attempt_failed_by_a_member_that_hangs_clears_nobody() -> None:
+    """The attempt without the culprit fails because another member hangs (it does not ask
+    again): that clears no suspect, and the suspects not left out yet go first."""
+    job = Job(4, bad={"g2"})
+    hang = {"once": True}
+    run = job.run
+
+    def run_hanging(q: Quorum) -> list[str]:
+        if q.left_out == "g2:a" and hang.pop("once", False):
+            job.gone.add("g3")  # g3 hangs in it: it never asks again, the attempt times out
+            return job.stall(q)
+        return run(q)
+    job.run = run_hanging
+    job.steps(6)
+    assert job.gone == {"g3"} and job.retired == []
+    job.feed(job.m.report_dead(job.now, "g3:a", "g3", "declared dead"))  # g3 is gone for good
+    job.steps(10)
+    assert [r for r, _ in job.retired] == ["g2:a"]
+    left = [q.left_out for q in job.quorums if q.left_out]
+    assert left[:3] == ["g0:a", "g1:a", "g2:a"] and left[-1] == "g2:a", left
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_seeded_jobs_convict_exactly_the_bad_group(seed: int) -> None:
+    """Any size from 3 to 9 groups, any bad group, any threshold, a bad link that starts at any
+    step: the bad group (and only it) is retired after at most ``probe_after`` + n failed
+    attempts (n - 1 probes at most, and the one that convicts it), and the job keeps committing."""
+    rng = random.Random(seed)
+    n = rng.randint(3, 9)
+    probe_after = rng.randint(1, 5)
+    bad = f"g{rng.randrange(n)}"
+    job = Job(n, bad=set(), probe_after=probe_after)
+    job.steps(rng.randint(0, 3 * n))
+    job.bad = {bad}
+    job.quorums.clear()
+    job.steps(20 * n)
+    assert [r.split(":")[0] for r, _ in job.retired] == [bad]
+    assert failed_attempts(job) <= probe_after + n
+    head = job.m.state.head[0]
+    job.steps(5 * n)
+    assert job.m.state.head[0] > head
+
+
+def test_probe_after_failures_is_validated() -> None:
+    assert CoordinatorConfig().probe_after_failures == 3
+    assert FTConfig().coordinator_config().probe_after_failures == 3
+    with pytest.raises(ConfigError, match="probe_after_failures"):
+        CoordinatorConfig(probe_after_failures=-1)
+    with pytest.raises(ConfigError, match="below ft.max_consecutive_failures"):
+        FTConfig(probe_after_failures=20, max_consecutive_failures=20)
+    assert FTConfig(probe_after_failures=0).coordinator_config().probe_after_failures == 0
+    assert FTConfig(max_consecutive_failures=2).probe_after_failures == 1  # unset: below it
+    assert FTConfig(max_consecutive_failures=1).probe_after_failures == 0

@@ -106,12 +106,12 @@ def test_the_group_with_a_bad_link_is_found_and_only_it() -> None:
     keeps committing (every 30 simulated s at least); with other faults striking meanwhile,
     too."""
     config = SimConfig(groups=4, steps=100, faults=("bad_link",), fault_mtbf=2.0)
-    report = check(80, config, jobs=2)
+    report = check(40, config, jobs=2)
     assert report.ok, format_report(report, config)
-    assert report.faults["bad_link"] > 80 and report.convictions >= report.faults["bad_link"]
+    assert report.faults["bad_link"] > 40 and report.convictions >= report.faults["bad_link"]
     assert report.wrong_convictions == 0
     mixed = SimConfig(groups=4, steps=100, faults=("bad_link", "crash", "hang_resume", "leave"), fault_mtbf=3.0)
-    report = check(60, mixed, jobs=2)
+    report = check(30, mixed, jobs=2)
     assert report.ok, format_report(report, mixed)
     assert report.convictions > 0
 

@@ -59,9 +59,10 @@ class CoordinatorConfig:
     """Seconds after a member reports its quorum's step failed within which the other members
     must be heard from, or be declared dead (no supervisor needed); 0: off, below heartbeat_timeout."""
     probe_after_failures: int = 3
-    """Failed attempts of one step by the same three or more groups after which the coordinator
-    tries the step without one group at a time, to find the group whose link (or device) fails
-    every step it takes part in, and retires it (it is restarted); 0: never (``ft.probe_after_failures``)."""
+    """Failed attempts of one step by three or more groups after which the coordinator tries the
+    step without half the suspected groups at a time, to find the group whose link (or device)
+    fails every step it takes part in, and retires it (it is restarted); 0: never
+    (``ft.probe_after_failures``)."""
     read_timeout: float = 5.0
     """Seconds a client may take to send a whole request (headers, then body) and the longest an
     idle connection stays open; slower clients are disconnected (slowloris)."""
@@ -177,8 +178,8 @@ class FTConfig:
     max_consecutive_failures: int = 20
     """Failed steps in a row after which a group exits with an error."""
     probe_after_failures: int | None = None
-    """Failed attempts of one step by the same three or more groups after which the coordinator
-    retries it without one group at a time (that group waits) to find the group that fails every
+    """Failed attempts of one step by three or more groups after which the coordinator retries it
+    without half the suspected groups at a time (they wait) to find the group that fails every
     step it takes part in (a bad link, a faulty device), and retires that group: its process
     exits and is restarted; a group found so before is tried without first. 0: never (every
     group then gives up after ``max_consecutive_failures``). Must be below

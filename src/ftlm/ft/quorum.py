@@ -111,8 +111,8 @@ class QuorumOptions:
     other member must be heard from (a heartbeat or a request), or be declared dead; 0: off (only
     ``heartbeat_timeout`` expires a member). A report alone never expires a member that speaks."""
     probe_after: int = 0
-    """Failed attempts of one step by the same three or more members after which each next attempt
-    leaves one member out, to find the one that makes the step fail (``Probe``); 0: never."""
+    """Failed attempts of one step by three or more members after which each next attempt leaves
+    half the suspects out, to find the one that makes the step fail (``Probe``); 0: never."""
 
     @property
     def rebuild_seconds(self) -> float:
@@ -154,8 +154,8 @@ class Quorum:
     reason: str = ""
     chain: str = GENESIS  # the head's chain: what participants hold and recovering members reach
     epoch: str = ""  # the issuing coordinator's start nonce: (epoch, id) names a process group
-    left_out: str = ""
-    """The member whose request this attempt left waiting (a ``Probe``); the coordinator's own
+    left_out: tuple[str, ...] = ()
+    """The members whose requests this attempt left waiting (a ``Probe``); the coordinator's own
     bookkeeping, not sent to members."""
 
     def participant_index(self, replica_id: str) -> int | None:
@@ -688,10 +688,12 @@ class Probe:
     group takes part in with a peer, and every group would give up together
     (``ft.max_consecutive_failures``). If one member does that, it is among the members of every
     failed attempt since it joined: ``suspects`` (an earlier attempt may have failed for another
-    reason). After ``QuorumOptions.probe_after`` failed attempts, each next attempt leaves one
-    suspect out, its request waiting (``_leave_out``); an attempt that fails without it clears
-    it, the first that commits accuses it, and a failed attempt of the next step with it convicts
-    it (``convict``): it is retired, its process exits and is restarted. An attempt whose members
+    reason). After ``QuorumOptions.probe_after`` failed attempts, each next attempt leaves half
+    the suspects out, their requests waiting (``_leave_out``); an attempt that fails without them
+    clears them, one that commits narrows the search to them (the next step's attempts, one step
+    behind, they recover), and once one suspect is left, the attempt without it that commits
+    accuses it, and a failed attempt of the next step with it convicts it (``convict``): it is
+    retired, its process exits and is restarted. An attempt whose members
     are not all in the next one, each saying it failed, clears no suspect (the one missing or
     silent about it, dead, hung, slow or never told, may be what failed it; the suspects not left
     out yet go first then); with no suspect left, the search goes over everyone once more (a lost
@@ -708,6 +710,7 @@ class Probe:
     tried: frozenset[str] = frozenset()  # left out in this search (first the others)
     accused: str = ""  # an attempt without it committed; ``step`` is the next one, which judges it
     cleared_at: int = -1  # (accused) the step that committed without it
+    narrowed: bool = False  # an attempt without the suspects committed; ``step`` is the next one
 
 
 FAILS_ITS_STEPS = "fails the steps it takes part in"
@@ -977,9 +980,9 @@ def commit_quorum(state: CoordinatorState, quorum: Quorum) -> None:
 
 
 def _whole_set(q: Quorum) -> frozenset[str]:
-    """The members ``q`` was meant to have: its own, and the one it left out."""
+    """The members ``q`` was meant to have: its own, and those it left out."""
     ids = frozenset(q.replica_ids())
-    return ids | {q.left_out} if q.left_out else ids
+    return ids.union(q.left_out) if q.left_out else ids
 
 
 def _evidence(state: CoordinatorState, whole: frozenset[str]) -> Probe | None:
@@ -1006,7 +1009,7 @@ def _evidence(state: CoordinatorState, whole: frozenset[str]) -> Probe | None:
     if probe is None or probe.step != prev.step:
         return Probe(prev.step, members, members, prev.issued_at) if certain else None
     seen = probe.seen | members
-    tried = probe.tried | {prev.left_out} if prev.left_out else probe.tried
+    tried = probe.tried.union(prev.left_out)
     newcomers = members - probe.seen
     if not certain:
         return Probe(prev.step, probe.suspects | newcomers, seen, probe.since, probe.failed + 1,
@@ -1023,39 +1026,54 @@ def _count_attempt(state: CoordinatorState, quorum: Quorum) -> None:
     """Keep ``state.probe`` as ``quorum`` is issued (``_evidence``); a no-op on a new step with no
     probe, as in a steady job."""
     probe, prev = state.probe, state.prev_quorum
+    if probe is not None and probe.step == quorum.step and (prev is None or prev.step != quorum.step):
+        return  # the first attempt of the step a probe narrowed the search to, or of an accused's
     if probe is not None and probe.accused:
-        if prev is None or prev.step != probe.step:
-            return  # the first attempt of the accused member's step: it judges (``convict``)
-        probe = state.probe = None  # an attempt of it ended without a verdict: search afresh
+        probe = state.probe = None  # an attempt of the accused's step ended without a verdict
     if probe is None and (prev is None or prev.step != quorum.step):
         return
     state.probe = _evidence(state, _whole_set(quorum))
 
 
 def _leave_out(state: CoordinatorState, options: QuorumOptions, candidates: dict[str, MemberRequest],
-               holders: set[str]) -> tuple[str, str]:
-    """The member the next attempt of the head's step leaves out, and why; ("", "") for none.
+               holders: set[str]) -> tuple[tuple[str, ...], str]:
+    """The members the next attempt of the head's step leaves out, and why; ((), "") for none.
 
-    A suspect, once ``probe_after`` attempts failed (``Probe``), when at least three take part
-    (of two, either alone commits: that tells nothing) and the others are enough for
-    ``min_replicas``. The only holder of the head is never left out (the others recover from it);
-    if it is the one, the search ends without a verdict. Never mutates ``state``."""
-    prev = state.prev_quorum
-    if (options.probe_after <= 0 or prev is None or state.head is None or prev.step != state.head[0]
-            or len(candidates) < 3 or len(candidates) - 1 < options.min_replicas):
-        return "", ""
-    probe = _evidence(state, frozenset(candidates))
+    Half the suspects (``Probe``), once ``probe_after`` attempts failed: the attempt then tells in
+    which half the member that fails them is (``convict`` narrows the search to the half left
+    out when it commits). Only when at least two take part (one alone tells nothing) and enough
+    for ``min_replicas``, and with a holder of the head among them (the others recover from it):
+    if the suspect is the only holder, the search ends without a verdict. Never mutates ``state``."""
+    prev, probe, head = state.prev_quorum, state.probe, state.head
+    if options.probe_after <= 0 or prev is None or head is None or len(candidates) < 3:
+        return (), ""
+    if probe is not None and probe.narrowed and probe.step == head[0] and prev.step == head[0] - 1:
+        pass  # the first attempt of the step the search was narrowed to
+    elif prev.step == head[0]:
+        probe = _evidence(state, frozenset(candidates))
+    else:
+        return (), ""
     if probe is None or probe.failed < options.probe_after or any(
             r not in candidates and r in state.heartbeats for r in probe.suspects):
-        return "", ""  # (a live suspect is not asking: an attempt without it and another tells nothing)
+        return (), ""  # (a live suspect is not asking: an attempt without it and another tells nothing)
     groups = {r: candidates[r].group for r in probe.suspects if r in candidates}
+    if not groups:
+        return (), ""
     order = sorted(groups, key=lambda r: (r in probe.tried, groups[r] not in state.convicted, groups[r], r))
-    out = next((r for r in order if holders != {r}), "")
+    # Half the suspects; a group convicted before alone (its node's link may still be bad).
+    half = 1 if groups[order[0]] in state.convicted and order[0] not in probe.tried else (len(order) + 1) // 2
+    most = min(half, len(candidates) - 2, len(candidates) - options.min_replicas)
+    out: list[str] = []
+    for r in order:
+        if len(out) < most and holders - set(out) - {r}:
+            out.append(r)
     if not out:
-        return "", ""
+        return (), ""
     named = ", ".join(groups[r] for r in order[:MISSING_NAMED]) + (" ..." if len(order) > MISSING_NAMED else "")
-    return out, (f"probe: {_plural(probe.failed, 'attempt')} of step {probe.step} failed, each with "
-                 f"{named}; trying without {groups[out]} (its request waits)")
+    which = ", ".join(groups[r] for r in out[:MISSING_NAMED]) + (" ..." if len(out) > MISSING_NAMED else "")
+    return tuple(out), (f"probe: {_plural(probe.failed, 'attempt')} of step {probe.step} failed, each "
+                        f"with {named}; trying without {which} "
+                        f"({'its request waits' if len(out) == 1 else 'their requests wait'})")
 
 
 def convict(state: CoordinatorState) -> tuple[str, str, Probe] | None:
@@ -1073,11 +1091,19 @@ def convict(state: CoordinatorState) -> tuple[str, str, Probe] | None:
         return None
     if not probe.accused:
         if (prev.left_out and state.head == (prev.step + 1, prev.next_chain())
-                and not any(r != prev.left_out and r in state.heartbeats and not prev.present(r)
+                and not any(r not in prev.left_out and r in state.heartbeats and not prev.present(r)
                             for r in probe.suspects)):
-            # ``seen``: who committed without it (the verdict counts only their word)
-            state.probe = Probe(state.head[0], frozenset({prev.left_out}), frozenset(prev.replica_ids()),
-                                probe.since, probe.failed, accused=prev.left_out, cleared_at=prev.step)
+            # The member that failed the attempts was left out of this one.
+            out = [r for r in prev.left_out if r in state.heartbeats]
+            committed = frozenset(prev.replica_ids())
+            if len(out) == 1:  # ``seen``: who committed without it (the verdict counts only their word)
+                state.probe = Probe(state.head[0], frozenset(out), committed, probe.since, probe.failed,
+                                    accused=out[0], cleared_at=prev.step)
+            elif out:  # among these: the next step's attempts search them
+                state.probe = Probe(state.head[0], frozenset(out), committed | frozenset(out), probe.since,
+                                    probe.failed, probe.rounds, narrowed=True)
+            else:
+                state.probe = None  # (they died meanwhile)
         return None
     accused = probe.accused
     if state.head[0] != probe.step:
@@ -1534,8 +1560,8 @@ def _build(now: float, state: CoordinatorState, options: QuorumOptions, candidat
     holders = set(up)
     out, why = _leave_out(state, options, candidates, holders)
     if out:
-        candidates = {r: req for r, req in candidates.items() if r != out}
-        holders.discard(out)
+        candidates = {r: req for r, req in candidates.items() if r not in out}
+        holders.difference_update(out)
         reason = why
     reqs = sorted(candidates.values(), key=lambda q: (q.group, q.replica_id))
     members = [Member(q.replica_id, q.group, q.step, q.meta, q.watch) for q in reqs]

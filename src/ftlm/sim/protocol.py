@@ -98,8 +98,8 @@ class SimConfig:
     startup_timeout: float = 5.0
     max_consecutive_failures: int = 50
     probe_after: int = 3
-    """``ft.probe_after_failures``: failed attempts of a step by the same members before the
-    coordinator tries without one member at a time (0: never)."""
+    """``ft.probe_after_failures``: failed attempts of a step before the
+    coordinator tries without half the suspects at a time (0: never)."""
     sticky_link: float = 0.3
     """Probability that a group whose process had a bad link starts its next process with one too."""
     liveness_seconds: float = 120.0
@@ -374,6 +374,7 @@ class Simulation:
             if group in self.sticky_links:
                 self.sticky_links.discard(group)
                 inc.bad_link = inc.injected = True
+                self.last_fault = self.now  # (a fault again: liveness counts from here)
                 self.log(f"spawn {inc.replica_id} (its link is still bad)")
             self.log(f"spawn {inc.replica_id}")
             lo, hi = self.c.startup_seconds

@@ -253,6 +253,10 @@ def test_rollbacks_past_a_durable_checkpoint_are_counted_and_reported() -> None:
 
 # (seed, config): schedules of another job shape that found a bug.
 SHAPED = [
+    (25, SimConfig(groups=4, faults=("bad_link",), fault_mtbf=2.0),
+     "the search accused a group by an attempt another group was slow to join; the next step's "
+     "attempt with both could not convict it (a member not in the accusing attempt), and the search "
+     "began again, for ever: the verdict now trusts every group that took part in the search"),
     (10084, SimConfig(groups=4, faults=EARLIER), "a coordinator restarted and rebuilt from a group restarted from an older "
                                  "checkpoint; every group restarted next loaded the newest one, a state "
                                  "beyond its furthest head it refused: a livelock"),

@@ -31,6 +31,7 @@ Time values are seconds on one monotonic clock chosen by the caller. A replica i
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import hashlib
 import heapq
@@ -711,7 +712,12 @@ class Probe:
     accused: str = ""  # an attempt without it committed; ``step`` is the next one, which judges it
     cleared_at: int = -1  # (accused) the step that committed without it
     narrowed: bool = False  # an attempt without the suspects committed; ``step`` is the next one
+    waited: int = 0  # (accused) attempts of ``step`` that ended without a verdict
 
+
+VERDICT_ATTEMPTS = 3
+"""Attempts of an accused member's step that may end without a verdict (a member slow to ask, one
+never told) before the accusation is dropped and the search begins again."""
 
 FAILS_ITS_STEPS = "fails the steps it takes part in"
 """Ends the reason a member is retired for by ``convict`` (a launcher reads it in the error line
@@ -1029,7 +1035,10 @@ def _count_attempt(state: CoordinatorState, quorum: Quorum) -> None:
     if probe is not None and probe.step == quorum.step and (prev is None or prev.step != quorum.step):
         return  # the first attempt of the step a probe narrowed the search to, or of an accused's
     if probe is not None and probe.accused:
-        probe = state.probe = None  # an attempt of the accused's step ended without a verdict
+        if probe.waited + 1 < VERDICT_ATTEMPTS:  # an attempt of the accused's step without a verdict
+            state.probe = dataclasses.replace(probe, waited=probe.waited + 1)
+            return
+        probe = state.probe = None
     if probe is None and (prev is None or prev.step != quorum.step):
         return
     state.probe = _evidence(state, _whole_set(quorum))
@@ -1082,12 +1091,18 @@ def convict(state: CoordinatorState) -> tuple[str, str, Probe] | None:
 
     Two steps: once the head moved past an attempt that left a suspect out, through it, the
     suspect is *accused*: it takes part in the next step again (behind by one, it recovers). If
-    an attempt of that step with it and only those who committed without it fails too, every
+    an attempt of that step with it and only those who took part in the search fails too, every
     member saying so, it is convicted: failed with it, committed without it, failed with it
     again. If that step commits, it is cleared: whatever failed the attempts passed (a peer's
     hang, a burst of lost messages), and a healthy group is not restarted."""
     prev, probe = state.prev_quorum, state.probe
     if probe is None or prev is None or state.head is None:
+        return None
+    through = state.head == (prev.step + 1, prev.next_chain()) and prev.step == probe.step
+    if through and not any(prev.present(r) for r in probe.suspects) and (probe.accused or probe.narrowed):
+        # The step committed without the accused (or the narrowed suspects) again: they were slow
+        # to ask (recovering). That tells nothing new; the next step's attempts go on with them.
+        state.probe = dataclasses.replace(probe, step=state.head[0], waited=0)
         return None
     if not probe.accused:
         if (prev.left_out and state.head == (prev.step + 1, prev.next_chain())
@@ -1095,13 +1110,15 @@ def convict(state: CoordinatorState) -> tuple[str, str, Probe] | None:
                             for r in probe.suspects)):
             # The member that failed the attempts was left out of this one.
             out = [r for r in prev.left_out if r in state.heartbeats]
-            committed = frozenset(prev.replica_ids())
-            if len(out) == 1:  # ``seen``: who committed without it (the verdict counts only their word)
-                state.probe = Probe(state.head[0], frozenset(out), committed, probe.since, probe.failed,
+            # ``seen``: who took part in the search (the verdict counts only their word: a group
+            # that joined since may be the one whose link is bad)
+            seen = probe.seen | frozenset(prev.replica_ids()) | frozenset(out)
+            if len(out) == 1:
+                state.probe = Probe(state.head[0], frozenset(out), seen, probe.since, probe.failed,
                                     accused=out[0], cleared_at=prev.step)
             elif out:  # among these: the next step's attempts search them
-                state.probe = Probe(state.head[0], frozenset(out), committed | frozenset(out), probe.since,
-                                    probe.failed, probe.rounds, narrowed=True)
+                state.probe = Probe(state.head[0], frozenset(out), seen, probe.since, probe.failed,
+                                    probe.rounds, narrowed=True)
             else:
                 state.probe = None  # (they died meanwhile)
         return None

@@ -1073,9 +1073,15 @@ def _leave_out(state: CoordinatorState, options: QuorumOptions, candidates: dict
     half = 1 if groups[order[0]] in state.convicted and order[0] not in probe.tried else (len(order) + 1) // 2
     most = min(half, len(candidates) - 2, len(candidates) - options.min_replicas)
     out: list[str] = []
+    holding = len(holders)  # holders not left out: at least one stays (linear in the suspects)
     for r in order:
-        if len(out) < most and holders - set(out) - {r}:
-            out.append(r)
+        if len(out) >= most:
+            break
+        if r in holders:
+            if holding == 1:
+                continue
+            holding -= 1
+        out.append(r)
     if not out:
         return (), ""
     named = ", ".join(groups[r] for r in order[:MISSING_NAMED]) + (" ..." if len(order) > MISSING_NAMED else "")

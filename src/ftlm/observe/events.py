@@ -23,7 +23,9 @@ Kinds used across ftlm and their fields:
 * ``run_start`` / ``run_end``: the supervisor at the start and end of the job (``run_end`` has
   ``reason``: ``"completed"``, ``"interrupted"``, ``"failed"``).
 * ``group_start`` / ``group_exit``: a group process came up (``incarnation``) / ended cleanly or not
-  (``ok``, ``reason``).
+  (``ok``, ``reason``; the supervisor's ``group_exit`` of a failed process has ``code`` and
+  ``cause``: ``crash``, ``hung``, ``chaos`` or ``fault`` (injected), ``retired`` (the coordinator
+  retired it for failing the steps it took part in)).
 * ``quorum``: a group received the quorum for ``step`` (``quorum_id``, ``participants``,
   ``recovering``).
 * ``commit``: a group applied step ``step`` (``quorum_id``, ``participants`` (count), ``samples``

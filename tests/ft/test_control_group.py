@@ -71,24 +71,25 @@ def test_the_ranks_of_a_group_share_one_incarnation(two_ranks) -> None:
     assert len(a["replica_id"]) > len("g0:") and a["urls"] == b["urls"]
 
 
-_RELOAD_SCRIPT = textwrap.dedent("""
+_END_SCRIPT = textwrap.dedent("""
     import json, sys
     import torch.distributed as dist
     rank, path = int(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=rank, world_size=2)
     from ftlm.ft.manager import Manager
     from ftlm.ft.protocol import ReloadCheckpoint
+    from ftlm.ft.quorum import StaleIncarnation
 
     m = Manager.__new__(Manager)  # only what _next_quorum reads: the leader asks, the others follow
     m.rank, m.ranks, m.control = rank, 2, None
 
-    def told(): raise ReloadCheckpoint(41, "no live group holds step 41")
+    def told(): raise __ERROR__
     m._request_quorum = told
     try:
         m._next_quorum()
         got = {"raised": None}
-    except ReloadCheckpoint as e:
-        got = {"raised": type(e).__name__, "head": e.head, "why": str(e)}
+    except (ReloadCheckpoint, StaleIncarnation) as e:
+        got = {"raised": type(e).__name__, "head": getattr(e, "head", None), "why": str(e)}
     print(json.dumps(got))
     dist.destroy_process_group()
 """)
@@ -98,5 +99,14 @@ def test_every_rank_of_a_group_is_told_to_reload_when_its_leader_is(two_ranks) -
     """A leader told that no live group holds the head raises ``ReloadCheckpoint``; the other
     ranks, waiting for its quorum answer, raise it too (with the head), so every rank loads the
     checkpoint together instead of hanging in the broadcast."""
-    results = two_ranks(_RELOAD_SCRIPT)
+    results = two_ranks(_END_SCRIPT.replace("__ERROR__", 'ReloadCheckpoint(41, "no live group holds step 41")'))
     assert results == [{"raised": "ReloadCheckpoint", "head": 41, "why": "no live group holds step 41"}] * 2
+
+
+def test_every_rank_of_a_group_exits_when_the_coordinator_retires_it(two_ranks) -> None:
+    """A leader whose incarnation the coordinator retired (a bad link found, ``quorum.Probe``, or
+    replaced) raises ``StaleIncarnation``; the other ranks raise it too instead of waiting in the
+    broadcast for an answer that never comes."""
+    why = "replica g0:x was retired: its link fails the steps it takes part in; this process must exit"
+    results = two_ranks(_END_SCRIPT.replace("__ERROR__", f"StaleIncarnation({why!r})"))
+    assert results == [{"raised": "StaleIncarnation", "head": None, "why": why}] * 2

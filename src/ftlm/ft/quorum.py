@@ -1111,7 +1111,7 @@ def convict(state: CoordinatorState) -> tuple[str, str, Probe] | None:
         state.probe = dataclasses.replace(probe, step=state.head[0], waited=0)
         return None
     if not probe.accused:
-        if (prev.left_out and state.head == (prev.step + 1, prev.next_chain())
+        if (prev.left_out and through
                 and not any(r not in prev.left_out and r in state.heartbeats and not prev.present(r)
                             for r in probe.suspects)):
             # The member that failed the attempts was left out of this one.

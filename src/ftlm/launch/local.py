@@ -472,7 +472,8 @@ class LocalLauncher:
             hung = g.replica_id in self._declared_dead and code != EXIT_USAGE
             # Retired by the coordinator: attempts of a step without it committed where attempts
             # with it failed (a bad link or device, ``ftlm.ft.quorum.Probe``).
-            retired = code != EXIT_USAGE and FAILS_ITS_STEPS in self._why(g)
+            why = self._why(g) if code != EXIT_USAGE else ""
+            retired = FAILS_ITS_STEPS in why
             cause = g.cause or ("retired" if retired else "hung" if hung else "crash")
             events.emit("group_exit", step=-1, target=g.name, ok=False, code=code, cause=cause,
                         incarnation=g.incarnation)
@@ -483,7 +484,7 @@ class LocalLauncher:
                 # Its node's link (or device) stays bad: the job goes on without it.
                 g.lost, g.restart_at = True, None
                 reason = (f"the coordinator retired its last {g.retired_in_a_row} processes in a row: "
-                          f"{self._why(g)}; not started again (fix its node, then launch again to "
+                          f"{why}; not started again (fix its node, then launch again to "
                           "resume with every group)")
                 events.emit("group_lost", step=-1, target=g.name, reason=reason)
                 print(f"ftlm launch: WARNING: group {g.name} {reason}", file=sys.stderr, flush=True)

@@ -178,7 +178,10 @@ def cmd_sim_check(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name}={getattr(args, name)} must be at least 1")
     if args.fault_mtbf < 0:
         raise ConfigError(f"--fault-mtbf={args.fault_mtbf} must be >= 0 (0: no faults)")
-    config = SimConfig(groups=args.groups, steps=args.steps, fault_mtbf=args.fault_mtbf, faults=faults)
+    if args.bad_links < 1:
+        raise ConfigError(f"--bad-links={args.bad_links} must be at least 1")
+    config = SimConfig(groups=args.groups, steps=args.steps, fault_mtbf=args.fault_mtbf, faults=faults,
+                       bad_links=args.bad_links)
     report = check(args.seeds, config, start=args.start, jobs=args.jobs, progress=True)
     print(format_report(report, config))
     return 0 if report.ok else 1
@@ -284,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--fault-mtbf", type=float, default=4.0,
                     help="mean simulated seconds between faults (default 4)")
     sp.add_argument("--faults", default="", help="comma-separated fault kinds (default: all)")
+    sp.add_argument("--bad-links", type=int, default=1,
+                    help="groups with a bad link at once, at most (default 1; two good groups always remain)")
     sp.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
     sp.set_defaults(fn=cmd_sim_check)
 

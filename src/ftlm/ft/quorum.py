@@ -37,8 +37,10 @@ import hashlib
 import heapq
 import itertools
 import json
+import math
+import zlib
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -691,10 +693,14 @@ class Probe:
     failed attempt since it joined: ``suspects`` (an earlier attempt may have failed for another
     reason). After ``QuorumOptions.probe_after`` failed attempts, each next attempt leaves half
     the suspects out, their requests waiting (``_leave_out``); an attempt that fails without them
-    clears them, one that commits narrows the search to them (the next step's attempts, one step
-    behind, they recover), and once one suspect is left, the attempt without it that commits
-    accuses it, and a failed attempt of the next step with it convicts it (``convict``): it is
-    retired, its process exits and is restarted. An attempt whose members
+    clears them of these attempts, one that commits narrows the search to them (the next step's
+    attempts, one step behind, they recover), and once one suspect is left, the attempt without it
+    that commits accuses it, and a failed attempt of the next step with it convicts it
+    (``convict``): it is retired, its process exits and is restarted. More than one member may
+    fail the attempts (two bad links at once): a member cleared so is *set aside*, not trusted,
+    so every attempt of the search takes only ``clean`` members (of an attempt of the search that
+    committed) and suspects, and leaves out everyone else until the search ends (then they take
+    part again, and the next search finds the next one). An attempt whose members
     are not all in the next one, each saying it failed, clears no suspect (the one missing or
     silent about it, dead, hung, slow or never told, may be what failed it; the suspects not left
     out yet go first then); with no suspect left, the search goes over everyone once more (a lost
@@ -713,6 +719,10 @@ class Probe:
     cleared_at: int = -1  # (accused) the step that committed without it
     narrowed: bool = False  # an attempt without the suspects committed; ``step`` is the next one
     waited: int = 0  # (accused) attempts of ``step`` that ended without a verdict
+    clean: frozenset[str] = frozenset()  # members of an attempt of this search that committed
+    probed: int = 0  # attempts of this round that left someone out and failed (``probe_limit``)
+    strict: bool = False  # more than one member may fail the attempts: set the cleared aside
+    hits: dict[str, int] = field(default_factory=dict)  # member -> failed attempts it was in here
 
 
 VERDICT_ATTEMPTS = 3
@@ -762,6 +772,9 @@ class CoordinatorState:
     probe: Probe | None = None  # attempts of the head's step by the same members failed
     convicted: dict[str, int] = field(default_factory=dict)
     """Groups convicted of failing the steps they take part in (``convict``) -> how many times."""
+    searches: tuple[int, int] = (-1, 0)
+    """(step, searches of it that ended without a verdict): the next one takes the groups in
+    another order (``_shuffle``)."""
     index: _Index = field(default_factory=_Index, compare=False, repr=False)
     """Counts and heaps over ``heartbeats`` and ``pending`` (kept by the tables themselves)."""
 
@@ -1013,19 +1026,39 @@ def _evidence(state: CoordinatorState, whole: frozenset[str]) -> Probe | None:
     members = frozenset(prev.replica_ids())
     certain = _whole_set(prev) <= whole and _reported_failed(state, prev, every=True)
     if probe is None or probe.step != prev.step:
-        return Probe(prev.step, members, members, prev.issued_at) if certain else None
+        again = state.searches[0] == prev.step and state.searches[1] > 0  # (one ended without a verdict)
+        return Probe(prev.step, members, members, prev.issued_at, strict=again,
+                     hits=dict.fromkeys(members, 1)) if certain else None
     seen = probe.seen | members
-    tried = probe.tried.union(prev.left_out)
-    newcomers = members - probe.seen
+    tried = probe.tried.union(probe.suspects.intersection(prev.left_out) if probe.strict else prev.left_out)
+    newcomers = members - probe.seen - probe.clean
     if not certain:
         return Probe(prev.step, probe.suspects | newcomers, seen, probe.since, probe.failed + 1,
-                     probe.rounds, tried)
-    suspects = (probe.suspects & members) | newcomers
-    if not suspects:  # no single member was in every failed attempt (or a message was lost)
+                     probe.rounds, tried, clean=probe.clean, probed=probe.probed, strict=probe.strict,
+                     hits=probe.hits)
+    hits = {**probe.hits, **{r: probe.hits.get(r, 0) + 1 for r in members}}
+    if prev.left_out and not probe.suspects.issuperset(prev.left_out):
+        # Members were set aside: the attempt took only clean ones, suspects and partners, so
+        # what failed it is among those not clean (partners too: more than one may be bad).
+        suspects = members - probe.clean
+    else:  # everyone else took part: the one member that fails every attempt was in each
+        suspects = (probe.suspects & members) | newcomers
+    probed = probe.probed + bool(prev.left_out)
+    if not suspects or probed > probe_limit(len(seen)):
+        # No single member was in every failed attempt (or a message was lost), or the round went
+        # on too long (the halves and partners kept a bad one each): again, in another order.
         if probe.rounds + 1 >= MAX_PROBE_ROUNDS:
             return None  # start over
-        return Probe(prev.step, whole, seen, probe.since, probe.failed + 1, probe.rounds + 1)
-    return Probe(prev.step, suspects, seen, probe.since, probe.failed + 1, probe.rounds, tried)
+        return Probe(prev.step, whole, seen, probe.since, probe.failed + 1, probe.rounds + 1, strict=True,
+                     hits=hits)
+    return Probe(prev.step, suspects, seen, probe.since, probe.failed + 1, probe.rounds, tried,
+                 clean=probe.clean, probed=probed, strict=probe.strict, hits=hits)
+
+
+def probe_limit(groups: int) -> int:
+    """Failed attempts that leave someone out in one round of a search among ``groups``: twice
+    what finding one bad group takes (halving, then one to accuse it), and two more."""
+    return 2 * math.ceil(math.log2(max(groups, 2))) + 2
 
 
 def _count_attempt(state: CoordinatorState, quorum: Quorum) -> None:
@@ -1042,6 +1075,9 @@ def _count_attempt(state: CoordinatorState, quorum: Quorum) -> None:
     if probe is None and (prev is None or prev.step != quorum.step):
         return
     state.probe = _evidence(state, _whole_set(quorum))
+    if probe is not None and state.probe is None and probe.step == quorum.step:  # it starts over
+        step, ended = state.searches
+        state.searches = (quorum.step, ended + 1 if step == quorum.step else 1)
 
 
 def _leave_out(state: CoordinatorState, options: QuorumOptions, candidates: dict[str, MemberRequest],
@@ -1050,12 +1086,19 @@ def _leave_out(state: CoordinatorState, options: QuorumOptions, candidates: dict
 
     Half the suspects (``Probe``), once ``probe_after`` attempts failed: the attempt then tells in
     which half the member that fails them is (``convict`` narrows the search to the half left
-    out when it commits). Only when at least two take part (one alone tells nothing) and enough
+    out when it commits), and every member set aside (neither a suspect nor clean: another bad
+    one may be among them). Only when at least two take part (one alone tells nothing) and enough
     for ``min_replicas``, and with a holder of the head among them (the others recover from it):
-    if the suspect is the only holder, the search ends without a verdict. Never mutates ``state``."""
+    if the suspect is the only holder, the search ends without a verdict. Where too few would
+    take part without those set aside, they take part (as with one bad member). The accused's
+    step (its verdict) sets aside the same members. Never mutates ``state``."""
     prev, probe, head = state.prev_quorum, state.probe, state.head
     if options.probe_after <= 0 or prev is None or head is None or len(candidates) < 3:
         return (), ""
+    if probe is not None and probe.accused and probe.strict and probe.step == head[0]:
+        aside = _set_aside(options, probe, candidates, holders)
+        if aside[0]:
+            return aside
     if probe is not None and probe.narrowed and probe.step == head[0] and prev.step == head[0] - 1:
         pass  # the first attempt of the step the search was narrowed to
     elif prev.step == head[0]:
@@ -1068,27 +1111,70 @@ def _leave_out(state: CoordinatorState, options: QuorumOptions, candidates: dict
     groups = {r: candidates[r].group for r in probe.suspects if r in candidates}
     if not groups:
         return (), ""
-    order = sorted(groups, key=lambda r: (r in probe.tried, groups[r] not in state.convicted, groups[r], r))
+    shuffle = _shuffle(state, probe)
+    # (Another round: the suspects in the most failed attempts first, the likeliest bad ones.)
+    hits = probe.hits if probe.strict else {}
+    order = sorted(groups, key=lambda r: (-hits.get(r, 0), r in probe.tried, groups[r] not in state.convicted,
+                                          shuffle(groups[r]), r))
     # Half the suspects; a group convicted before alone (its node's link may still be bad).
     half = 1 if groups[order[0]] in state.convicted and order[0] not in probe.tried else (len(order) + 1) // 2
-    most = min(half, len(candidates) - 2, len(candidates) - options.min_replicas)
-    out: list[str] = []
-    holding = len(holders)  # holders not left out: at least one stays (linear in the suspects)
-    for r in order:
-        if len(out) >= most:
+    trusted = [r for r in candidates if r in probe.clean or r in groups]
+    # Too few trusted to take part without half the suspects: the fewest of those set aside, as
+    # partners (a commit clears them too), before everyone; first those in no failed attempt
+    # (a group restarted since), then the others.
+    others = sorted((r for r in candidates if r not in trusted),
+                    key=lambda r: (r in probe.seen, shuffle(candidates[r].group), r))
+    pools = [trusted] + [trusted + others[:k] for k in range(1, min(len(others), max(2, options.min_replicas)) + 1)]
+    # (The first search of a step sets nobody aside: one bad member is the usual case, and a
+    # member set aside waits for the whole search, perhaps past its ``ft.quorum_timeout``.)
+    for pool in (pools if probe.strict else []) + [list(candidates)]:  # the set aside take part only where too few would
+        most = min(half, len(pool) - 2, len(pool) - options.min_replicas)
+        out: list[str] = []
+        holding = sum(1 for r in pool if r in holders)  # at least one stays (linear in the suspects)
+        for r in order:
+            if len(out) >= most:
+                break
+            if r in holders:
+                if holding == 1:
+                    continue
+                holding -= 1
+            out.append(r)
+        if out and holding:
             break
-        if r in holders:
-            if holding == 1:
-                continue
-            holding -= 1
-        out.append(r)
-    if not out:
+    else:
         return (), ""
     named = ", ".join(groups[r] for r in order[:MISSING_NAMED]) + (" ..." if len(order) > MISSING_NAMED else "")
     which = ", ".join(groups[r] for r in out[:MISSING_NAMED]) + (" ..." if len(out) > MISSING_NAMED else "")
-    return tuple(out), (f"probe: {_plural(probe.failed, 'attempt')} of step {probe.step} failed, each "
-                        f"with {named}; trying without {which} "
-                        f"({'its request waits' if len(out) == 1 else 'their requests wait'})")
+    why = (f"probe: {_plural(probe.failed, 'attempt')} of step {probe.step} failed, each with {named}; "
+           f"trying without {which} ({'its request waits' if len(out) == 1 else 'their requests wait'}")
+    aside = tuple(r for r in candidates if r not in pool)
+    if aside:
+        why += f"; {_plural(len(aside), 'other')} set aside until the search ends"
+    return tuple(out) + aside, why + ")"
+
+
+def _shuffle(state: CoordinatorState, probe: Probe) -> Callable[[str], Any]:
+    """The order in which a search takes groups: by name in the first round of the step's first
+    search; then (no single member was in every failed attempt: more than one may fail them)
+    another order each round and search, so that the halves and partners differ."""
+    ended = state.searches[1] if state.searches[0] == probe.step else 0
+    if not probe.rounds and not ended:
+        return lambda group: group
+    salt = f"{probe.rounds}:{ended}:{probe.since!r}:"
+    return lambda group: zlib.crc32((salt + group).encode())
+
+
+def _set_aside(options: QuorumOptions, probe: Probe, candidates: dict[str, MemberRequest],
+               holders: set[str]) -> tuple[tuple[str, ...], str]:
+    """The accused's step: its verdict is an attempt of the accused and the clean members only
+    (one set aside may fail it too); everyone takes part where too few would. Never mutates."""
+    aside = tuple(r for r in candidates if r != probe.accused and r not in probe.clean)
+    kept = [r for r in candidates if r not in aside]
+    if not aside or len(kept) < max(2, options.min_replicas) or not any(r in holders for r in kept):
+        return (), ""
+    accused = candidates[probe.accused].group if probe.accused in candidates else probe.accused
+    return aside, (f"probe: step {probe.cleared_at} committed without {accused}; its verdict sets "
+                   f"{_plural(len(aside), 'other')} aside until the search ends")
 
 
 def convict(state: CoordinatorState) -> tuple[str, str, Probe] | None:
@@ -1114,17 +1200,20 @@ def convict(state: CoordinatorState) -> tuple[str, str, Probe] | None:
         if (prev.left_out and through
                 and not any(r not in prev.left_out and r in state.heartbeats and not prev.present(r)
                             for r in probe.suspects)):
-            # The member that failed the attempts was left out of this one.
-            out = [r for r in prev.left_out if r in state.heartbeats]
+            # The member that failed the attempts was left out of this one (among the suspects:
+            # the others left out were set aside), and its members are clean.
+            out = [r for r in prev.left_out if r in probe.suspects and r in state.heartbeats]
+            clean = probe.clean | frozenset(prev.replica_ids())
             # ``seen``: who took part in the search (the verdict counts only their word: a group
             # that joined since may be the one whose link is bad)
-            seen = probe.seen | frozenset(prev.replica_ids()) | frozenset(out)
+            seen = probe.seen | clean | frozenset(out)
             if len(out) == 1:
                 state.probe = Probe(state.head[0], frozenset(out), seen, probe.since, probe.failed,
-                                    accused=out[0], cleared_at=prev.step)
+                                    accused=out[0], cleared_at=prev.step, clean=clean, strict=probe.strict)
             elif out:  # among these: the next step's attempts search them
                 state.probe = Probe(state.head[0], frozenset(out), seen, probe.since, probe.failed,
-                                    probe.rounds, narrowed=True)
+                                    probe.rounds, narrowed=True, clean=clean, probed=probe.probed,
+                                    strict=probe.strict)
             else:
                 state.probe = None  # (they died meanwhile)
         return None
@@ -1324,6 +1413,14 @@ def _advance_head_steady(now: float, state: CoordinatorState,
 
 
 def _set_head(state: CoordinatorState, head: tuple[int, str], now: float) -> None:
+    prev = state.prev_quorum
+    if (state.convicted and prev is not None and prev.size > 1 and head[0] == prev.step + 1
+            and head[1] == prev.next_chain()):
+        # Groups convicted before that committed this step with a peer: their link is good now
+        # (their node was mended, or they run elsewhere); a search no longer tries them first.
+        for m in prev.members:
+            if m.group in state.convicted and prev.participant_index(m.replica_id) is not None:
+                del state.convicted[m.group]
     state.head = head
     state.head_quorums = []
     state.head_seen_at = now

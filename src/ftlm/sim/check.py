@@ -107,9 +107,21 @@ def format_report(report: CheckReport, config: SimConfig, show: int = 3) -> str:
         lines.append("")
         lines.append(f"VIOLATION {r.error}")
         lines.extend(f"  {t}" for t in r.trace[-30:])
-        lines.append(f"  replay: ftlm sim check --start {r.seed} --seeds 1 --steps {report.steps} "
-                     f"--groups {config.groups}")
+        lines.append(f"  replay: {replay_command(r.seed, report.steps, config)}")
     return "\n".join(lines)
+
+
+def replay_command(seed: int, steps: int, config: SimConfig) -> str:
+    """The command that runs ``seed`` of this check again, with every option that shapes it."""
+    cmd = f"ftlm sim check --start {seed} --seeds 1 --steps {steps} --groups {config.groups}"
+    defaults = SimConfig()
+    if config.faults != defaults.faults:
+        cmd += f" --faults {','.join(config.faults)}"
+    if config.fault_mtbf != defaults.fault_mtbf:
+        cmd += f" --fault-mtbf {config.fault_mtbf:g}"
+    if config.bad_links != defaults.bad_links:
+        cmd += f" --bad-links {config.bad_links}"
+    return cmd
 
 
 def default_jobs() -> int:

@@ -43,10 +43,11 @@ FAULTS = ("crash", "hang", "hang_resume", "hang_training", "crash_starting", "ha
 """Kinds of fault the simulator injects (a seed picks which, where and when). ``bad_link``: every
 all-reduce the struck process takes part in with a peer fails (for every member, at once or at
 the timeout) until the process exits; now and then its group's next process has one too (the
-node's link): the coordinator must find the group (``quorum.Probe``). One at a time (with two,
-no single member's absence helps), and only while three or more groups are in the job (it heals
-when groups leave for good below that): two cannot tell whose link is bad, and both give up
-after ``max_consecutive_failures`` (which the 30 s progress bound does not allow for)."""
+node's link): the coordinator must find the group (``quorum.Probe``). At most
+``SimConfig.bad_links`` at a time, and only while two groups without one remain in the job and
+three or more groups are in it (a link heals when groups leave for good below that): with no
+two good groups no attempt can commit, and the groups give up after
+``max_consecutive_failures`` (which the 30 s progress bound does not allow for)."""
 
 
 @dataclass
@@ -100,13 +101,17 @@ class SimConfig:
     probe_after: int = 3
     """``ft.probe_after_failures``: failed attempts of a step before the
     coordinator tries without half the suspects at a time (0: never)."""
+    bad_links: int = 1
+    """Groups with a bad link at once (more than one: the search sets cleared members aside)."""
     sticky_link: float = 0.3
     """Probability that a group whose process had a bad link starts its next process with one too."""
     liveness_seconds: float = 120.0
     """After the last fault, the job must finish within this many simulated seconds."""
     progress_seconds: float = 30.0
     """Whatever the faults, some group commits a step at least this often (every fault here is
-    detected and healed well within it: a livelock shows as a violation)."""
+    detected and healed well within it: a livelock shows as a violation); with ``bad_links``
+    above one, this many seconds per bad link (the search finds them one after the other, each
+    failed attempt taking up to ``allreduce_timeout``)."""
     max_seconds: float = 3600.0
     early_ask: bool = True
     """A participant asks for the next quorum right after its commit vote and applies its update
@@ -922,15 +927,21 @@ class Simulation:
             return
         self.at(self.c.allreduce_timeout, lambda: self.collective_timeout(inc, q, coll), "allreduce timeout")
 
+    def links_bad(self) -> int:
+        """Groups whose process has a bad link, or whose next one will."""
+        live = {g.group for g in self.groups.values() if g is not None and g.alive and g.bad_link}
+        return len(live | self.sticky_links)
+
     def bad_link(self, replica_id: str) -> bool:
         inc = self.groups.get(replica_id.split(":")[0])
         if inc is None or inc.replica_id != replica_id or not inc.alive or not inc.bad_link:
             return False
-        if len(self.groups) - len(self.departed | self.lost_groups | set(self.finished)) < 3:
-            # The model's premise is gone: two groups cannot tell whose link is bad (FAULTS).
+        left = len(self.groups) - len(self.departed | self.lost_groups | set(self.finished))
+        if left < 3 or left - self.links_bad() < 2:
+            # The model's premise is gone: no two good groups are left to commit (FAULTS).
             inc.bad_link = False
             self.sticky_links.discard(inc.group)
-            self.log(f"the bad link of {replica_id} heals: fewer than three groups are left")
+            self.log(f"the bad link of {replica_id} heals: fewer than two good groups are left")
             return False
         return True
 
@@ -1170,9 +1181,9 @@ class Simulation:
             self.strike(self.rng.choice(kinds))
 
     def strike(self, kind: str) -> None:
-        if kind == "bad_link" and (self.c.groups < 3 or self.sticky_links or any(
-                g is not None and g.alive and g.bad_link for g in self.groups.values())):
-            return  # one bad link at a time, and two groups cannot tell whose it is (see FAULTS)
+        if kind == "bad_link" and (self.c.groups < 3 or self.links_bad() >= min(
+                self.c.bad_links, self.c.groups - 2)):
+            return  # at most ``bad_links``, and two good groups must remain (see FAULTS)
         self.faults[kind] = self.faults.get(kind, 0) + 1
         self.last_fault = self.now
         if kind != "bad_link":
@@ -1346,8 +1357,9 @@ class Simulation:
     def check(self, what: str) -> None:
         if self.leave_watches:
             self.check_leaves()
-        if not self.endgame and self.now - self.last_commit > self.c.progress_seconds:  # draining is no livelock
-            self.fail(f"no step committed for {self.c.progress_seconds:g} simulated s (a livelock?)")
+        bound = self.c.progress_seconds * self.c.bad_links  # (each bad link may take a search)
+        if not self.endgame and self.now - self.last_commit > bound:  # draining is no livelock
+            self.fail(f"no step committed for {bound:g} simulated s (a livelock?)")
         if self.c.fault_mtbf and self.now - self.last_fault > self.c.liveness_seconds:
             best = max((g.state.step for g in self.groups.values() if g is not None), default=0)
             self.fail(f"no liveness: {self.c.liveness_seconds:g} s after the last fault the job is at "

@@ -166,22 +166,26 @@ def test_a_group_convicted_before_is_left_out_first() -> None:
     assert left_out(job) == ["g3"]
 
 
-def test_a_group_convicted_before_that_commits_a_step_with_peers_is_no_longer_tried_first() -> None:
-    """Its next process has a good link (the node was mended, or it runs elsewhere): once it
-    committed a step with the others it is a group like any other; when g1's link goes bad
-    later, the search does not spend an attempt on g3 alone first."""
-    job = Job(4, bad={"g3"})
+def test_only_the_group_convicted_last_is_left_out_alone_first() -> None:
+    """g3, then g1 convicted (each restarted with a good link): when g4's link goes bad, the
+    search leaves g1 alone out first (in vain), then halves (g3 in the first half), not g3 alone
+    too: in a long job where every group was convicted once, each alone would cost an attempt."""
+    job = Job(5, bad={"g3"})
     job.steps(40)
-    assert job.m.state.convicted == {"g3": 1}
     job.bad = set()
     job.restart("g3", "b")
-    job.steps(40)
-    assert job.m.state.convicted == {}  # it took part in a committed step
+    job.steps(20)
     job.bad = {"g1"}
+    job.steps(60)
+    job.bad = set()
+    job.restart("g1", "b")
+    job.steps(20)
+    assert list(job.m.state.convicted) == ["g3", "g1"]
+    job.bad = {"g4"}
     job.quorums.clear()
     job.steps(60)
-    assert [r for r, _ in job.retired] == ["g3:a", "g1:a"]
-    assert left_out(job)[0] == "g0,g1"  # not "g3"
+    assert [r for r, _ in job.retired] == ["g3:a", "g1:a", "g4:a"]
+    assert left_out(job) == ["g1", "g3,g0", "g2", "g4"]
 
 
 def test_two_groups_are_never_probed_and_probing_can_be_turned_off() -> None:

@@ -288,7 +288,7 @@ def _headers(buf: bytes, begin: int, end: int) -> dict[str, str] | None:
     block = buf[begin:end + 2]  # each line with its CRLF
     if len(block) > MAX_FIELD or block.count(b"\n") > MAX_HEADERS or _BLOCK.fullmatch(block) is None:
         return None
-    headers: dict[str, str] = {}
+    headers: dict[bytes, bytes] = {}
     for name, value in _PAIR.findall(block):
         key = name.lower()
         if key in _SINGLE:

@@ -705,8 +705,9 @@ class Probe:
     silent about it, dead, hung, slow or never told, may be what failed it; the suspects not left
     out yet go first then); with no suspect left, the search goes over everyone once more (a lost
     message may have failed the attempt that would have committed), then the evidence starts over
-    (more than one cause), ``MAX_PROBE_ROUNDS``. A group convicted before is left out first (a
-    node whose link stays bad is found at once)."""
+    (more than one cause), ``MAX_PROBE_ROUNDS``. The group convicted last is left out first and
+    alone (a node whose link stays bad is found at once), the others convicted before first into
+    the half left out."""
 
     step: int
     suspects: frozenset[str]  # members of every failed attempt counted here since they joined
@@ -771,7 +772,8 @@ class CoordinatorState:
     """Members whose look was voided -> how many times (the ``reload_round`` they are told)."""
     probe: Probe | None = None  # attempts of the head's step by the same members failed
     convicted: dict[str, int] = field(default_factory=dict)
-    """Groups convicted of failing the steps they take part in (``convict``) -> how many times."""
+    """Groups convicted of failing the steps they take part in (``convict``) -> how many times;
+    the most recent last."""
     searches: tuple[int, int] = (-1, 0)
     """(step, searches of it that ended without a verdict): the next one takes the groups in
     another order (``_shuffle``)."""
@@ -1093,8 +1095,8 @@ def _leave_out(state: CoordinatorState, options: QuorumOptions, candidates: dict
     take part without those set aside, they take part (as with one bad member). The accused's
     step (its verdict) sets aside the same members. Never mutates ``state``."""
     prev, probe, head = state.prev_quorum, state.probe, state.head
-    if options.probe_after <= 0 or prev is None or head is None or len(candidates) < 3:
-        return (), ""
+    if options.probe_after <= 0 or prev is None or head is None or len(candidates) < 3 or state.finished:
+        return (), ""  # (finished: groups that reached the end drain and leave; nothing to search)
     if probe is not None and probe.accused and probe.strict and probe.step == head[0]:
         aside = _set_aside(options, probe, candidates, holders)
         if aside[0]:
@@ -1116,8 +1118,11 @@ def _leave_out(state: CoordinatorState, options: QuorumOptions, candidates: dict
     hits = probe.hits if probe.strict else {}
     order = sorted(groups, key=lambda r: (-hits.get(r, 0), r in probe.tried, groups[r] not in state.convicted,
                                           shuffle(groups[r]), r))
-    # Half the suspects; a group convicted before alone (its node's link may still be bad).
-    half = 1 if groups[order[0]] in state.convicted and order[0] not in probe.tried else (len(order) + 1) // 2
+    # Half the suspects; the group convicted last alone (its node's link may still be bad; only
+    # the last: when every group was convicted once in a long job, each alone would cost an
+    # attempt).
+    last = next(reversed(state.convicted), None)
+    half = 1 if groups[order[0]] == last and order[0] not in probe.tried else (len(order) + 1) // 2
     trusted = [r for r in candidates if r in probe.clean or r in groups]
     # Too few trusted to take part without half the suspects: the fewest of those set aside, as
     # partners (a commit clears them too), before everyone; first those in no failed attempt
@@ -1230,7 +1235,7 @@ def convict(state: CoordinatorState) -> tuple[str, str, Probe] | None:
     state.probe = None
     hb = state.heartbeats.get(accused)
     group = hb.group if hb is not None else accused.split(":", 1)[0]
-    state.convicted[group] = state.convicted.get(group, 0) + 1
+    state.convicted[group] = state.convicted.pop(group, 0) + 1  # (the newest last)
     while len(state.convicted) > _MAX_RETIRED:
         state.convicted.pop(next(iter(state.convicted)))
     return accused, (f"step {probe.cleared_at} failed in {_plural(probe.failed, 'attempt')} with this "
@@ -1413,14 +1418,6 @@ def _advance_head_steady(now: float, state: CoordinatorState,
 
 
 def _set_head(state: CoordinatorState, head: tuple[int, str], now: float) -> None:
-    prev = state.prev_quorum
-    if (state.convicted and prev is not None and prev.size > 1 and head[0] == prev.step + 1
-            and head[1] == prev.next_chain()):
-        # Groups convicted before that committed this step with a peer: their link is good now
-        # (their node was mended, or they run elsewhere); a search no longer tries them first.
-        for m in prev.members:
-            if m.group in state.convicted and prev.participant_index(m.replica_id) is not None:
-                del state.convicted[m.group]
     state.head = head
     state.head_quorums = []
     state.head_seen_at = now

@@ -1097,7 +1097,7 @@ def _leave_out(state: CoordinatorState, options: QuorumOptions, candidates: dict
     prev, probe, head = state.prev_quorum, state.probe, state.head
     if options.probe_after <= 0 or prev is None or head is None or len(candidates) < 3 or state.finished:
         return (), ""  # (finished: groups that reached the end drain and leave; nothing to search)
-    if probe is not None and probe.accused and probe.strict and probe.step == head[0]:
+    if probe is not None and probe.accused in candidates and probe.strict and probe.step == head[0]:
         aside = _set_aside(options, probe, candidates, holders)
         if aside[0]:
             return aside
@@ -1198,8 +1198,10 @@ def convict(state: CoordinatorState) -> tuple[str, str, Probe] | None:
     through = state.head == (prev.step + 1, prev.next_chain()) and prev.step == probe.step
     if through and not any(prev.present(r) for r in probe.suspects) and (probe.accused or probe.narrowed):
         # The step committed without the accused (or the narrowed suspects) again: they were slow
-        # to ask (recovering). That tells nothing new; the next step's attempts go on with them.
-        state.probe = dataclasses.replace(probe, step=state.head[0], waited=0)
+        # to ask (recovering). That tells nothing new; the next step's attempts go on with them,
+        # unless they are gone (dead, left, retired): the search ends.
+        live = any(r in state.heartbeats for r in probe.suspects)
+        state.probe = dataclasses.replace(probe, step=state.head[0], waited=0) if live else None
         return None
     if not probe.accused:
         if (prev.left_out and through

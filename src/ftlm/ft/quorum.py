@@ -1097,7 +1097,7 @@ def _leave_out(state: CoordinatorState, options: QuorumOptions, candidates: dict
     prev, probe, head = state.prev_quorum, state.probe, state.head
     if options.probe_after <= 0 or prev is None or head is None or len(candidates) < 3 or state.finished:
         return (), ""  # (finished: groups that reached the end drain and leave; nothing to search)
-    if probe is not None and probe.accused in candidates and probe.strict and probe.step == head[0]:
+    if probe is not None and probe.accused in state.heartbeats and probe.strict and probe.step == head[0]:
         aside = _set_aside(options, probe, candidates, holders)
         if aside[0]:
             return aside

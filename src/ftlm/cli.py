@@ -90,6 +90,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     coordinator = config.ft.coordinator or os.environ.get("FTLM_COORDINATOR", "")
     if not coordinator:
         summary = Trainer.for_run(config).train()
+        _leave_group()
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
         from ftlm.observe.report import format_summary, write_report
@@ -99,7 +100,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     from ftlm.train.job import run_group
     run_group(config, coordinator, lambda **kw: Trainer.for_run(config, **kw))
+    _leave_group()
     return 0
+
+
+def _leave_group() -> None:
+    """After a run that ended well: destroy the group's process group before the interpreter's
+    teardown, where gloo's native threads, still owned by a live process group, ended a rank with
+    "terminate called without an active exception" (SIGABRT, status -6) after its last step, now
+    and then on a loaded box (a finished run that looks failed to its supervisor). Not after an
+    error: a peer that died may keep the group from tearing down; the process exits anyway."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:

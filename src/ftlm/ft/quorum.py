@@ -1126,9 +1126,11 @@ def _leave_out(state: CoordinatorState, options: QuorumOptions, candidates: dict
     trusted = [r for r in candidates if r in probe.clean or r in groups]
     # Too few trusted to take part without half the suspects: the fewest of those set aside, as
     # partners (a commit clears them too), before everyone; first those in no failed attempt
-    # (a group restarted since), then the others.
+    # (a group restarted since), then others in another order each attempt (a fixed order can
+    # keep pairing the good ones with bad ones).
+    mix = _shuffle(state, probe, probe.failed)
     others = sorted((r for r in candidates if r not in trusted),
-                    key=lambda r: (r in probe.seen, shuffle(candidates[r].group), r))
+                    key=lambda r: (r in probe.seen, mix(candidates[r].group), r))
     pools = [trusted] + [trusted + others[:k] for k in range(1, min(len(others), max(2, options.min_replicas)) + 1)]
     # (The first search of a step sets nobody aside: one bad member is the usual case, and a
     # member set aside waits for the whole search, perhaps past its ``ft.quorum_timeout``.)
@@ -1158,14 +1160,15 @@ def _leave_out(state: CoordinatorState, options: QuorumOptions, candidates: dict
     return tuple(out) + aside, why + ")"
 
 
-def _shuffle(state: CoordinatorState, probe: Probe) -> Callable[[str], Any]:
+def _shuffle(state: CoordinatorState, probe: Probe, attempt: int = -1) -> Callable[[str], Any]:
     """The order in which a search takes groups: by name in the first round of the step's first
     search; then (no single member was in every failed attempt: more than one may fail them)
-    another order each round and search, so that the halves and partners differ."""
+    another order each round and search (and each ``attempt``, if given), so that the halves
+    and partners differ."""
     ended = state.searches[1] if state.searches[0] == probe.step else 0
     if not probe.rounds and not ended:
         return lambda group: group
-    salt = f"{probe.rounds}:{ended}:{probe.since!r}:"
+    salt = f"{probe.rounds}:{ended}:{probe.since!r}:{attempt}:"
     return lambda group: zlib.crc32((salt + group).encode())
 
 

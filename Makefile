@@ -12,10 +12,18 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[test]'
+	$(PIP) install -e '.[test,native]'
 	touch $(STAMP)
 
-setup: $(STAMP)
+# The coordinator's hot path compiled to C with mypyc (ftlm.native; about 30 s), again whenever
+# these sources change. Without a C compiler or the Python headers the build says why and the
+# interpreted modules run: the same code, slower. `python -m ftlm.native status` says which runs.
+NATIVE_SOURCES := $(addprefix src/ftlm/ft/,history.py quorum.py membership.py quorum_answer.py coordinator_requests.py hot_path.py)
+NATIVE := src/ftlm/ft/_compiled/MANIFEST.json
+$(NATIVE): $(STAMP) $(NATIVE_SOURCES)
+	$(BIN)/python -m ftlm.native build --optional
+
+setup: $(STAMP) $(NATIVE)
 
 demo: setup
 	$(BIN)/ftlm demo
@@ -51,8 +59,15 @@ system-deps-cluster:
 # longer real-process variants: every all-reduce kill point, a source killed mid-transfer, a
 # SIGSTOPped group resumed, a catch-up that overflows its buffer, Slurm requeues, compiles.
 .PHONY: test-slow
+# The state machine's tests run a second time on the interpreted modules (FTLM_NATIVE=0), the
+# fallback where the compiled ones cannot be built (and the tests that patch their functions).
+INTERPRETED_TESTS := tests/ft/test_quorum.py tests/ft/test_quorum_answer.py tests/ft/test_membership_probe.py \
+	tests/ft/test_membership_leave.py tests/ft/test_membership_reload.py tests/ft/test_membership_suspect.py \
+	tests/ft/test_coordinator.py tests/ft/test_coordinator_fuzz.py tests/ft/test_coordinator_hot_path.py tests/ft/test_client_bodies.py \
+	tests/sim/test_protocol_sim.py tests/test_native.py
 test: setup system-deps system-deps-cluster
 	$(BIN)/python -m pytest -q -m "not slow" --durations=25
+	FTLM_NATIVE=0 $(BIN)/python -m pytest -q -m "not slow" $(INTERPRETED_TESTS)
 
 test-slow: setup system-deps system-deps-cluster
 	$(BIN)/python -m pytest -q -m slow

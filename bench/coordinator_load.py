@@ -62,6 +62,10 @@ from ftlm.ft.history import GENESIS
 STEP_SECONDS = 1.0
 HEARTBEAT_SECONDS = 1.0
 HEARTBEAT_TIMEOUT = 3.0
+HOT_PATH_ENV: dict[str, dict[str, str]] = {"built": {}, "compiled": {"FTLM_NATIVE": "1"},
+                                           "interpreted": {"FTLM_NATIVE": "0"}}
+"""``--hot-path``: the coordinator's modules as ``make setup`` left them, compiled (an error if they
+are not built) or interpreted (``ftlm.native``)."""
 """The coordinator's ``ft.heartbeat_timeout`` here: three missed heartbeats at one per second."""
 WARMUP_STEPS = 3
 RAMP_RATE = 500.0
@@ -169,7 +173,8 @@ class CoordinatorUnderTest:
     """``ftlm coordinator --port 0`` in its own process; CPU and memory from /proc."""
 
     def __init__(self, groups: int, token: str, log_path: Path, heartbeat: float = HEARTBEAT_SECONDS,
-                 trace: Path | None = None, floor: bool = False, cpus: set[int] | None = None) -> None:
+                 trace: Path | None = None, floor: bool = False, cpus: set[int] | None = None,
+                 hot_path: str = "built") -> None:
         sets = [f"ft.groups={groups}", f"ft.heartbeat_interval={heartbeat}",
                 f"ft.heartbeat_timeout={HEARTBEAT_TIMEOUT}", "ft.join_timeout=5.0", "ft.min_replicas=1"]
         code = "import sys; from ftlm.cli import main; sys.exit(main())"
@@ -180,7 +185,8 @@ class CoordinatorUnderTest:
             cmd += ["--set", s]
         if floor:  # bench.coordinator_floor in its place: the least a server can do for this load
             cmd = [sys.executable, "-m", "bench.coordinator_floor", str(groups)]
-        env = {**os.environ, "FTLM_TOKEN": token}
+        env = {**os.environ, "FTLM_TOKEN": token, **HOT_PATH_ENV[hot_path]}
+        self.hot_path = "-"  # what the coordinator says it runs (``ftlm.native``)
         self.log_path = log_path
         self._log = open(log_path, "w")
         # ``cpus``: the coordinator's process (every thread it starts) runs on these CPUs only.
@@ -198,6 +204,8 @@ class CoordinatorUnderTest:
                 break
             found = re.search(r"listening on (http://\S+)", line)
             if found:
+                said = re.search(r"hot path (compiled|interpreted)", line)
+                self.hot_path = said.group(1) if said else "-"
                 return found.group(1)
         self.stop()
         raise RuntimeError(f"the coordinator did not start; see {self.log_path}")
@@ -244,13 +252,14 @@ class Result:
     machine_us: float = 0.0  # the sans-I/O state machine's time per message, in-process
     heartbeat: float = HEARTBEAT_SECONDS  # the groups' heartbeat interval
     parts: dict[str, float] = field(default_factory=dict)  # the --trace decomposition (ms)
+    hot_path: str = "-"  # compiled or interpreted (``ftlm.native``), as the coordinator said
 
     def parts_row(self) -> list[str]:
         """The decomposition table's row (``--trace``)."""
         p = self.parts
         pair = (lambda k: f"{p[k + ' p50']:.0f} / {p[k + ' p99']:.0f}")
         one = (lambda k: f"{p[k + ' p50']:.0f}")
-        return [str(self.groups), f"{self.heartbeat:g}", pair("total"), pair("peers"), one("last ask late"),
+        return [str(self.groups), f"{self.heartbeat:g}", self.hot_path, pair("total"), pair("peers"), one("last ask late"),
                 pair("socket"), one("decide"), one("fan-out"), pair("coordinator"), pair("client"),
                 f"{p['handling us']:.0f}"]
 
@@ -262,23 +271,33 @@ class Result:
         per_message = self.coord_cpu * self.steady_seconds / self.messages * 1e3 if self.messages else float("nan")
         last = self.after_last
         ms = (lambda values, q: f"{_percentile(values, q) * 1000:.0f}" if values else "-")
-        return [str(self.groups), f"{self.heartbeat:g}", ms(lat, 0.5), ms(lat, 0.99), ms(last, 0.5), ms(last, 0.99), f"{rate:.2f}", fmt(self.detect_dead), fmt(self.detect_quorum),
+        return [str(self.groups), f"{self.heartbeat:g}", self.hot_path, ms(lat, 0.5), ms(lat, 0.99), ms(last, 0.5), ms(last, 0.99), f"{rate:.2f}", fmt(self.detect_dead), fmt(self.detect_quorum),
                 f"{self.coord_cpu * 100:.0f}%", f"{self.messages / self.steady_seconds:.0f}" if self.steady_seconds else "-",
                 f"{per_message:.2f}", f"{self.machine_us:.0f}",
                 f"{self.rss_mib:.0f} ({self.peak_rss_mib:.0f})",
                 f"{self.client_cpu * 100:.0f}%", f"{self.answer_bytes / 1024:.0f}", errors]
 
 
-HEADERS = ["groups", "heartbeat s", "quorum p50 (ms)", "quorum p99 (ms)", "after the last ask p50 (ms)",
+HEADERS = ["groups", "heartbeat s", "hot path", "quorum p50 (ms)", "quorum p99 (ms)", "after the last ask p50 (ms)",
            "after the last ask p99 (ms)", "steps/s", "detected dead (s)",
            "quorum without it (s)", "coordinator CPU", "messages/s", "coordinator CPU ms/message",
            "state machine us/message", "coordinator RSS MiB (peak)", "client CPU", "quorum answer KiB",
            "errors"]
 
 
-PARTS_HEADERS = ["groups", "heartbeat s", "quorum ms p50 / p99", "(1) peers' asks ms", "of which the last ask late ms",
+PARTS_HEADERS = ["groups", "heartbeat s", "hot path", "quorum ms p50 / p99", "(1) peers' asks ms", "of which the last ask late ms",
                  "(2) last ask in the socket ms", "(3a) decide ms", "(3b) fan-out ms", "(3) coordinator ms",
                  "(4) load generator reads ms", "quorum request handled in us"]
+
+
+def state_machine_us(groups: int, hot_path: str) -> float:
+    """``state_machine_seconds_per_message`` in microseconds, in a process of its own that runs the
+    coordinator's modules as ``hot_path`` says."""
+    code = ("import sys; from bench.coordinator_load import state_machine_seconds_per_message as f; "
+            f"print(f({groups}))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **HOT_PATH_ENV[hot_path]},
+                         capture_output=True, text=True, timeout=600, check=True)
+    return float(out.stdout.split()[-1]) * 1e6
 
 
 def state_machine_seconds_per_message(groups: int, messages: int = 4000) -> float:
@@ -716,7 +735,7 @@ def _start_profiler(pid: int, seconds: float, out: Path) -> subprocess.Popen | N
 
 def measure(groups: int, seconds: float, workdir: Path, profile: bool = False,
             heartbeat: float = HEARTBEAT_SECONDS, trace: bool = False, floor: bool = False,
-            pin: bool = False) -> Result:
+            pin: bool = False, hot_path: str = "built") -> Result:
     """One run of ``groups`` groups for ``seconds`` seconds against a fresh coordinator; with
     ``trace``, the coordinator records its own times and the latency is decomposed (printed); with
     ``pin``, the coordinator runs on the first CPU this process may use and the load generator on
@@ -730,7 +749,7 @@ def measure(groups: int, seconds: float, workdir: Path, profile: bool = False,
         raise SystemExit("--pin needs two CPUs or more (one for the coordinator, the rest for the groups)")
     first = min(allowed)
     coordinator = CoordinatorUnderTest(groups, token, workdir / f"coordinator-{groups}.log", heartbeat,
-                                       trace_path, floor, {first} if pin else None)
+                                       trace_path, floor, {first} if pin else None, hot_path)
     if pin:
         os.sched_setaffinity(0, allowed - {first})
     spy: subprocess.Popen | None = None
@@ -774,7 +793,8 @@ def measure(groups: int, seconds: float, workdir: Path, profile: bool = False,
         else:
             print(f"groups={groups}: the coordinator wrote no trace ({trace_path})", file=sys.stderr, flush=True)
     result = Result(groups, seconds, errors=test.errors, answer_bytes=test.answer_bytes,
-                    rss_mib=rss, peak_rss_mib=peak, heartbeat=heartbeat, parts=parts)
+                    rss_mib=rss, peak_rss_mib=peak, heartbeat=heartbeat, parts=parts,
+                    hot_path=coordinator.hot_path if not floor else "-")
     steady = [(t, lat, step) for t, lat, step in test.samples if t0 <= t <= t1]
     result.latencies = [lat for _, lat, _ in steady]
     # A retried step (answers 504, asks again) can ask after some answers: those are not counted.
@@ -795,6 +815,19 @@ def measure(groups: int, seconds: float, workdir: Path, profile: bool = False,
     if test.first_quorum_at is not None:
         result.first_quorum_seconds = test.first_quorum_at - test.start
     return result
+
+
+def side_by_side(results: list[Result]) -> str:
+    """Per size and hot path, the runs' quorum p50 and p99 in the order they ran."""
+    lines = []
+    for key in dict.fromkeys((r.groups, r.heartbeat, r.hot_path) for r in results):
+        runs = [r for r in results if (r.groups, r.heartbeat, r.hot_path) == key]
+        p50 = " / ".join(f"{_percentile(r.latencies, 0.5) * 1000:.0f}" for r in runs)
+        p99 = " / ".join(f"{_percentile(r.latencies, 0.99) * 1000:.0f}" for r in runs)
+        cpu = " / ".join(f"{r.coord_cpu * 100:.0f}%" for r in runs)
+        lines.append(f"{key[0]} groups, heartbeat {key[1]:g} s, hot path {key[2]}: quorum p50 {p50} ms, "
+                     f"p99 {p99} ms, coordinator CPU {cpu}")
+    return "\n".join(lines)
 
 
 def _describe(r: Result) -> str:
@@ -829,6 +862,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--floor", action="store_true", help="serve the load with bench.coordinator_floor "
                    "instead of ftlm coordinator (no JSON, no checks, no state machine): what one Python "
                    "event loop can reach on this box; implies --no-write")
+    p.add_argument("--hot-path", choices=[*HOT_PATH_ENV, "both"], default="built",
+                   help="the coordinator's modules (ftlm.native): as `make setup` built them (default), "
+                   "compiled, interpreted, or both (each size interpreted, then compiled)")
+    p.add_argument("--repeat", type=int, default=1, help="run the whole sweep this many times, one after "
+                   "the other (with --hot-path both: the two versions interleaved, for a side-by-side ratio)")
     args = p.parse_args(argv)
     if args.floor and (args.trace or args.profile):
         p.error("--floor measures the floor server: it takes neither --trace nor --profile")
@@ -839,6 +877,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--sweep {args.sweep!r}: give group counts, each optionally @seconds (e.g. 2000@1.5)")
     runs = runs if args.sweep else [(args.groups, args.heartbeat_seconds)]
     sizes = [n for n, _ in runs]
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
+    paths = ["interpreted", "compiled"] if args.hot_path == "both" else [args.hot_path]
     if any(n < 2 for n in sizes) or args.seconds < 15 or not all(0 < hb < HEARTBEAT_TIMEOUT for _, hb in runs):
         p.error("every group count must be >= 2, --seconds >= 15 (warm-up, steady window, drill) and "
                 f"every heartbeat interval in (0, {HEARTBEAT_TIMEOUT:g})")
@@ -849,11 +890,15 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     quiet_collector()  # the load generator's own collector pauses would count as latency
     results = []
-    for n, hb in runs:
-        r = measure(n, args.seconds, workdir, args.profile, hb, args.trace, args.floor, args.pin)
-        r.machine_us = state_machine_seconds_per_message(n) * 1e6
-        print(("floor server: " if args.floor else "") + _describe(r), flush=True)
-        results.append(r)
+    for _ in range(args.repeat):
+        for n, hb in runs:
+            for path in paths:
+                r = measure(n, args.seconds, workdir, args.profile, hb, args.trace, args.floor, args.pin, path)
+                r.machine_us = state_machine_us(n, path)
+                print(("floor server: " if args.floor else f"hot path {r.hot_path}: ") + _describe(r), flush=True)
+                results.append(r)
+    if len(paths) > 1 or args.repeat > 1:
+        print(side_by_side(results), flush=True)
     if args.sweep and not args.no_write and not args.floor:
         write(results, args.seconds, args.trace)
     return 0

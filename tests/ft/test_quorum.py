@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from ftlm import native
 from ftlm.ft import quorum as quorum_module
 from ftlm.ft.history import GENESIS
 from ftlm.ft.quorum import (
@@ -701,6 +702,7 @@ def _by_scan(fn, *args):
         quorum_module._steady, quorum_module._nobody_due = real_steady, real_due
 
 
+@pytest.mark.skipif(native.active(), reason=native.INTERPRETED_ONLY)
 def test_the_index_decides_exactly_as_a_scan_over_simulated_jobs(monkeypatch) -> None:
     """Whole simulated jobs with every kind of fault; at every decision the index takes a shortcut
     for, the plain scan over a copy of the state must give the same answer and the same state."""

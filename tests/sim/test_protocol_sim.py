@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import ftlm.sim.protocol as sim_protocol
+from ftlm import native
 from ftlm.ft.group import GroupProtocol, ReplayCheck
 from ftlm.ft.history import extend_chain
 from ftlm.ft.membership import Membership
@@ -198,6 +199,7 @@ def test_a_planted_bug_is_found_and_its_seed_replays(monkeypatch: pytest.MonkeyP
     assert f"--start {first.seed} --seeds 1" in format_report(report, config)
 
 
+@pytest.mark.skipif(native.active(), reason=native.INTERPRETED_ONLY)
 def test_a_planted_leave_bug_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
     """Revert the fix of the coordinator's leave (it names no quorum in flight the leaver was
     counted in): the liveness check of graceful leaves finds the others waiting for a timeout."""
@@ -221,6 +223,7 @@ def test_a_planted_catch_up_bug_is_found(monkeypatch: pytest.MonkeyPatch) -> Non
     assert errors and all("replayed state differs from the checked head" in e for e in errors), errors
 
 
+@pytest.mark.skipif(native.active(), reason=native.INTERPRETED_ONLY)
 def test_a_job_rolled_back_after_it_finished_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bug outside testers saw: a group killed while the others finished restarted from an old
     checkpoint, and the coordinator, not told the job had finished, rolled it back. Faults around

@@ -80,6 +80,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from ftlm import native
 from ftlm.errors import ConfigError
 from ftlm.ft.config import CoordinatorConfig, is_loopback
 from ftlm.ft.connection_gate import AbuseLog, ConnectionGate, CountingLogger, fd_budget, loop_exception_handler
@@ -315,7 +316,7 @@ class Coordinator:
         if not self.config.token and not self._loopback:
             log.warning("coordinator on %s without a job token (--insecure): anyone who reaches "
                         "it can kill groups and steer the job", self.config.host)
-        log.info("coordinator listening on %s", self.describe())
+        log.info("coordinator listening on %s (hot path %s)", self.describe(), native.STATUS)
         return self.url
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -337,7 +338,8 @@ class Coordinator:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 previous[sig] = signal.signal(sig, lambda *_: stop.set())
-        print(f"ftlm coordinator listening on {self.describe()} (Ctrl-C to stop)", flush=True)
+        print(f"ftlm coordinator listening on {self.describe()} (hot path {native.STATUS}; Ctrl-C to stop)",
+              flush=True)
         if not self.config.token:
             who = "any process on this machine" if self._loopback else "anyone who reaches this port"
             print(f"ftlm coordinator: warning: no job token (FTLM_TOKEN or ft.token_file): {who} "

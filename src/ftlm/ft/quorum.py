@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import hashlib
 import heapq
 import itertools
@@ -42,7 +41,7 @@ import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ftlm.errors import FaultError
 from ftlm.ft.history import GENESIS, extend_chain
@@ -160,6 +159,17 @@ class Quorum:
     left_out: tuple[str, ...] = ()
     """The members whose requests this attempt left waiting (a ``Probe``); the coordinator's own
     bookkeeping, not sent to members."""
+    derived_ranks: dict[str, int] | None = field(default=None, init=False, repr=False, compare=False)
+    derived_slices: dict[str, int] | None = field(default=None, init=False, repr=False, compare=False)
+    derived_recovering: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
+    derived_joiners: dict[str, list[str]] | None = field(default=None, init=False, repr=False, compare=False)
+    derived_digest: str | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # (The compiled dataclass leaves fields that ``__init__`` does not take unset.)
+        self.derived_ranks = self.derived_slices = self.derived_joiners = None
+        self.derived_recovering = None
+        self.derived_digest = None
 
     def participant_index(self, replica_id: str) -> int | None:
         """Position of ``replica_id`` among the participants (its data slice), None if it is not one."""
@@ -223,28 +233,40 @@ class Quorum:
         """A digest of who the members are: two quorums with the same members have the same one."""
         return self._digest
 
-    @functools.cached_property
+    # Derived once, on first use (plain fields, not ``functools.cached_property``: the compiled
+    # class has no ``__dict__``, ``ftlm.native``).
+    @property
     def _ranks(self) -> dict[str, int]:
-        return {m.replica_id: i for i, m in enumerate(self.members)}
+        if self.derived_ranks is None:
+            self.derived_ranks = {m.replica_id: i for i, m in enumerate(self.members)}
+        return self.derived_ranks
 
-    @functools.cached_property
+    @property
     def _slices(self) -> dict[str, int]:
-        return {r: i for i, r in enumerate(self.participants)}
+        if self.derived_slices is None:
+            self.derived_slices = {r: i for i, r in enumerate(self.participants)}
+        return self.derived_slices
 
-    @functools.cached_property
+    @property
     def _recovering(self) -> frozenset[str]:
-        return frozenset(self.recovering)
+        if self.derived_recovering is None:
+            self.derived_recovering = frozenset(self.recovering)
+        return self.derived_recovering
 
-    @functools.cached_property
+    @property
     def _joiners(self) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
-        for joiner, source in self.sources.items():
-            out.setdefault(source, []).append(joiner)
-        return out
+        if self.derived_joiners is None:
+            out: dict[str, list[str]] = {}
+            for joiner, source in self.sources.items():
+                out.setdefault(source, []).append(joiner)
+            self.derived_joiners = out
+        return self.derived_joiners
 
-    @functools.cached_property
+    @property
     def _digest(self) -> str:
-        return membership_digest(self.replica_ids())
+        if self.derived_digest is None:
+            self.derived_digest = membership_digest(self.replica_ids())
+        return self.derived_digest
 
     def next_chain(self) -> str:
         """The chain of a participant that commits this quorum's step."""
@@ -270,26 +292,25 @@ class Quorum:
     @classmethod
     def from_json(cls, data: dict[str, Any] | str | bytes) -> Quorum:
         """Inverse of ``to_json``; also accepts the encoded text. Raises ValueError on a bad shape."""
-        if isinstance(data, (str, bytes)):
-            data = json.loads(data)
+        d: Any = json.loads(data) if isinstance(data, (str, bytes)) else data
         try:
             return cls(
-                quorum_id=int(data["quorum_id"]),
-                step=int(data["step"]),
+                quorum_id=int(d["quorum_id"]),
+                step=int(d["step"]),
                 members=[
                     Member(str(m["replica_id"]), str(m["group"]), int(m["step"]), dict(m.get("meta") or {}))
-                    for m in data["members"]
+                    for m in d["members"]
                 ],
-                participants=[str(r) for r in data["participants"]],
-                recovering=[str(r) for r in data["recovering"]],
-                sources={str(k): str(v) for k, v in data["sources"].items()},
-                issued_at=float(data["issued_at"]),
-                reason=str(data.get("reason", "")),
-                chain=str(data.get("chain", GENESIS)),
-                epoch=str(data.get("epoch", "")),
+                participants=[str(r) for r in d["participants"]],
+                recovering=[str(r) for r in d["recovering"]],
+                sources={str(k): str(v) for k, v in d["sources"].items()},
+                issued_at=float(d["issued_at"]),
+                reason=str(d.get("reason", "")),
+                chain=str(d.get("chain", GENESIS)),
+                epoch=str(d.get("epoch", "")),
             )
         except (KeyError, TypeError, AttributeError, ValueError) as e:
-            raise ValueError(f"not a quorum: {e!r} in {str(data)[:200]}") from e
+            raise ValueError(f"not a quorum: {e!r} in {str(d)[:200]}") from e
 
 
 def membership_digest(replica_ids: Iterable[str]) -> str:
@@ -325,6 +346,14 @@ class _Index:
     entry; the one it replaces is dropped when it reaches the top.
     """
 
+    ATTRIBUTES: ClassVar[tuple[str, ...]] = (
+        "heartbeats", "pending", "hb_claims", "hb_holders", "hb_version", "pending_claims", "hb_groups", 
+        "pending_groups", "idle", "orphans", "seen", "seen_low", "progress", "progress_low", 
+        "asked", "seq", "prev", "prev_ids", "prev_alive", "prev_idle", "chains_head", 
+        "unsettled_key", "in_flight", "unsettled", "head_info")
+    """Every attribute ``__init__`` sets, for ``__deepcopy__`` (the compiled class has no ``__dict__``;
+    a test checks the list against the interpreted class)."""
+
     def __init__(self) -> None:
         self.heartbeats: _Table = _Table(self, True)
         self.pending: _Table = _Table(self, False)
@@ -357,7 +386,8 @@ class _Index:
     def __deepcopy__(self, memo: dict[int, Any]) -> _Index:
         new = _Index.__new__(_Index)
         memo[id(self)] = new
-        for name, value in self.__dict__.items():
+        for name in _Index.ATTRIBUTES:
+            value = getattr(self, name)
             if name == "seq":
                 new.seq = itertools.count(next(self.seq))
             elif name in ("heartbeats", "pending"):
@@ -514,7 +544,7 @@ class _Index:
         key = (state.head, tuple(qid for qid, _ in state.head_quorums))
         if key != self.unsettled_key:
             self.unsettled_key = key
-            self.in_flight = frozenset().union(*(ids for _, ids in self.head_quorum_info(state)))
+            self.in_flight = frozenset().union(*[ids for _, ids in self.head_quorum_info(state)])
             self.unsettled = {}
             for rid in self.in_flight:
                 self._recheck(rid)
@@ -625,7 +655,7 @@ class _Table(dict):  # type: ignore[type-arg]
         dict.__delitem__(self, rid)
         self.index.removed(self, rid, old)
 
-    _MISSING = object()
+    _MISSING: ClassVar[object] = object()
 
     def pop(self, rid: str, default: Any = _MISSING) -> Any:
         old = dict.pop(self, rid, _Table._MISSING)
@@ -666,7 +696,7 @@ class _Table(dict):  # type: ignore[type-arg]
         for rid, value in dict(*args, **kwargs).items():
             self[rid] = value
 
-    def __ior__(self, other: Any) -> _Table:  # noqa: PYI034
+    def __ior__(self, other: Any) -> _Table:  # type: ignore[misc]  # noqa: PYI034
         self.update(other)
         return self
 
@@ -787,7 +817,7 @@ class CoordinatorState:
         self.pending.update(given_pending)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("heartbeats", "pending") and "index" in self.__dict__:
+        if name in ("heartbeats", "pending") and getattr(self, "index", None) is not None:
             table = getattr(self.index, name)
             if value is not table:  # assigning a table replaces its contents, the index follows
                 items = dict(value)
@@ -996,7 +1026,7 @@ def commit_quorum(state: CoordinatorState, quorum: Quorum) -> None:
     if state.head is not None and quorum.step == state.head[0]:
         state.head_quorums.append((quorum.quorum_id, list(quorum.participants)))
         del state.head_quorums[:-64]  # retries of one step: only recent ones can still commit
-    state.pending.discard_all(quorum.replica_ids())
+    state.index.pending.discard_all(quorum.replica_ids())  # the same table as ``state.pending``
     _sync_round(state)
 
 
@@ -1098,9 +1128,9 @@ def _leave_out(state: CoordinatorState, options: QuorumOptions, candidates: dict
     if options.probe_after <= 0 or prev is None or head is None or len(candidates) < 3 or state.finished:
         return (), ""  # (finished: groups that reached the end drain and leave; nothing to search)
     if probe is not None and probe.accused in state.heartbeats and probe.strict and probe.step == head[0]:
-        aside = _set_aside(options, probe, candidates, holders)
-        if aside[0]:
-            return aside
+        set_aside = _set_aside(options, probe, candidates, holders)
+        if set_aside[0]:
+            return set_aside
     if probe is not None and probe.narrowed and probe.step == head[0] and prev.step == head[0] - 1:
         pass  # the first attempt of the step the search was narrowed to
     elif prev.step == head[0]:
@@ -1251,9 +1281,12 @@ def convict(state: CoordinatorState) -> tuple[str, str, Probe] | None:
 def _reported_failed(state: CoordinatorState, q: Quorum, every: bool = False) -> bool:
     """Whether a member of ``q`` (``every`` member) asks again saying that ``q``'s attempt failed."""
     pending = state.pending
-    said = ((req := pending.get(r)) is not None and req.failed and req.last_quorum_id == q.quorum_id
-            for r in q.replica_ids())
-    return all(said) if every else any(said)
+    for r in q.replica_ids():
+        req = pending.get(r)
+        said = req is not None and req.failed and req.last_quorum_id == q.quorum_id
+        if said != every:  # one silent member decides "every", one saying so decides "any"
+            return said
+    return every
 
 
 def _plural(n: int, word: str) -> str:
@@ -1325,8 +1358,8 @@ def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
     ahead = [c for c in claims.values() if c[0] == step + 1 and c[1] in valid]
     if ahead:
         state.finished = False
-        holders = Counter(ahead)
-        _set_head(state, max(holders, key=lambda sc: (holders[sc], sc[1])), now)
+        votes = Counter(ahead)
+        _set_head(state, max(votes, key=lambda sc: (votes[sc], sc[1])), now)
         return [], ""
     if state.head in claims.values():
         state.head_seen_at = now

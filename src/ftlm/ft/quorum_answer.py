@@ -105,7 +105,7 @@ class AnswerEncoder:
         # Whoever own_fields gives more than the three fields: the recovering, their sources,
         # and the members watching others.
         self._special = frozenset(itertools.chain(q.sources, q.sources.values(), q.recovering,
-                                                  (m.replica_id for m in q.members if m.watch)))
+                                                  [m.replica_id for m in q.members if m.watch]))
         if len(self._ids) > 2 * len(q.members) + 64:  # members come and go: keep it bounded
             self._ids.clear()
 
@@ -224,28 +224,29 @@ class MemberQuorum:
     @classmethod
     def from_json(cls, data: dict[str, Any] | str | bytes) -> MemberQuorum:
         """Parse an answer (dict or its JSON text). Raises ValueError naming what is wrong."""
+        d: Any = data
         try:
-            if isinstance(data, (str, bytes)):
-                data = json.loads(data)
-            index = data["participant_index"]
-            chains = (str(data["chain"]), str(data["next_chain"]))
+            if isinstance(d, (str, bytes)):
+                d = json.loads(d)
+            index = d["participant_index"]
+            chains = (str(d["chain"]), str(d["next_chain"]))
             if not all(is_chain(c) for c in chains):
                 raise ValueError("chain and next_chain must be 64 lowercase hex digits")
-            participant_ids = data.get("participant_ids")
+            participant_ids = d.get("participant_ids")
             q = cls(
-                replica_id=str(data["replica_id"]), quorum_id=int(data["quorum_id"]), step=int(data["step"]),
-                chain=chains[0], committed_chain=chains[1], epoch=str(data["epoch"]),
-                issued_at=float(data["issued_at"]), reason=str(data.get("reason", "")),
-                size=int(data["size"]), participant_count=int(data["participant_count"]),
-                recovering_count=int(data["recovering_count"]), group_count=int(data["group_count"]),
-                digest=str(data["digest"]), store=str(data["store"]), own_rank=int(data["rank"]),
+                replica_id=str(d["replica_id"]), quorum_id=int(d["quorum_id"]), step=int(d["step"]),
+                chain=chains[0], committed_chain=chains[1], epoch=str(d["epoch"]),
+                issued_at=float(d["issued_at"]), reason=str(d.get("reason", "")),
+                size=int(d["size"]), participant_count=int(d["participant_count"]),
+                recovering_count=int(d["recovering_count"]), group_count=int(d["group_count"]),
+                digest=str(d["digest"]), store=str(d["store"]), own_rank=int(d["rank"]),
                 index=None if index is None else int(index),
-                source=_parse_member(data["source"]) if data.get("source") is not None else None,
-                joiners=[_parse_member(m) for m in data.get("joiners") or []],
-                present_ids=frozenset(str(r) for r in data.get("present") or []),
+                source=_parse_member(d["source"]) if d.get("source") is not None else None,
+                joiners=[_parse_member(m) for m in d.get("joiners") or []],
+                present_ids=frozenset(str(r) for r in d.get("present") or []),
                 participant_ids=[str(r) for r in participant_ids] if participant_ids is not None else None)
         except (KeyError, TypeError, AttributeError, ValueError) as e:
-            raise ValueError(f"not a quorum answer: {e!r} in {str(data)[:200]}") from e
+            raise ValueError(f"not a quorum answer: {e!r} in {str(d)[:200]}") from e
         if not 0 <= q.own_rank < q.size or (q.index is not None and not 0 <= q.index < q.participant_count):
             raise ValueError(f"not a quorum answer: rank {q.own_rank} of {q.size} or participant index "
                              f"{q.index} of {q.participant_count} out of range")

@@ -1,0 +1,220 @@
+"""The coordinator's hot path (``ftlm.ft``) compiled to C with mypyc, and the interpreted modules as fallback.
+
+The modules every heartbeat and quorum request goes through (``COMPILED``: the state machine,
+its index, the answers, the lean HTTP path) are ordinary typed Python. ``build`` compiles them
+with mypyc into ``ftlm/ft/_compiled/`` (``make setup`` does, when a C compiler and the
+Python headers are there), with a manifest of the sources it compiled; ``ftlm.ft``'s
+``__init__`` calls ``select`` at import, which puts ``_compiled/`` first on the package's
+search path when the manifest matches the sources on disk. Otherwise (not built, built from
+other sources, another Python) the interpreted modules run: the same code, slower (coordinator
+load bench in BENCHMARKS.md).
+
+``FTLM_NATIVE``: unset or ``auto`` (the compiled modules when they match), ``0`` (always the
+interpreted ones: how the suite checks the fallback), ``1`` (the compiled ones or an ImportError
+saying why not: benchmarks). ``STATUS`` says which runs and why; the coordinator logs it at start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+COMPILED = ("history", "quorum", "membership", "quorum_answer", "coordinator_requests", "hot_path")
+"""Modules of ``ftlm.ft`` that ``build`` compiles (one mypyc group: calls between them are C calls)."""
+
+PACKAGE_DIR = Path(__file__).resolve().parent / "ft"
+COMPILED_DIR = PACKAGE_DIR / "_compiled"
+MANIFEST = "MANIFEST.json"
+GROUP = "ftlm.ft._native"  # the shared library: ``_native__mypyc`` in ``_compiled/``
+
+STATUS = "interpreted (not selected yet)"
+"""``compiled (...)`` or ``interpreted (why)``; set by ``select``."""
+
+
+def _digests(package_dir: Path = PACKAGE_DIR) -> dict[str, str]:
+    return {m: hashlib.sha256((package_dir / f"{m}.py").read_bytes()).hexdigest() for m in COMPILED}
+
+
+def _tag() -> str:
+    return f"{sys.implementation.cache_tag}-{sysconfig.get_platform()}"
+
+
+def why_not(compiled_dir: Path = COMPILED_DIR, package_dir: Path = PACKAGE_DIR) -> str:
+    """Empty when ``compiled_dir`` holds a build of the sources in ``package_dir`` for this
+    interpreter, else why not (and how to fix it)."""
+    try:
+        manifest = json.loads((compiled_dir / MANIFEST).read_text())
+        if not isinstance(manifest, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
+        return "not built: `make setup` or `python -m ftlm.native build` compiles it"
+    except (OSError, ValueError) as e:
+        return f"unreadable {compiled_dir / MANIFEST} ({e}): rebuild with `python -m ftlm.native build`"
+    if manifest.get("tag") != _tag():
+        return (f"built for {manifest.get('tag')}, this is {_tag()}: rebuild with "
+                "`python -m ftlm.native build`")
+    built = manifest.get("sources")
+    built = built if isinstance(built, dict) else {}
+    changed = [f"{m}.py" for m, digest in _digests(package_dir).items() if built.get(m) != digest]
+    if changed:
+        return (f"{', '.join(changed)} changed since the build: `make setup` or "
+                "`python -m ftlm.native build` compiles them again")
+    return ""
+
+
+def select(package_path: list[str]) -> bool:
+    """Put ``_compiled/`` first on ``package_path`` (``ftlm.ft.__path__``) when it matches the
+    sources and ``FTLM_NATIVE`` allows; set ``STATUS``. Returns whether the compiled modules run."""
+    global STATUS
+    mode = os.environ.get("FTLM_NATIVE", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "0", "1"):
+        raise ImportError(f"FTLM_NATIVE={mode!r}: use 1 (compiled hot path, required), 0 (interpreted) "
+                          "or leave it unset (compiled when built)")
+    if mode == "0":
+        STATUS = "interpreted (FTLM_NATIVE=0)"
+        return False
+    why = why_not(COMPILED_DIR, PACKAGE_DIR)
+    if why:
+        STATUS = f"interpreted ({why})"
+        if mode == "1":
+            raise ImportError(f"FTLM_NATIVE=1 but the compiled hot path cannot run: {why}")
+        return False
+    if str(COMPILED_DIR) not in package_path:
+        package_path.insert(0, str(COMPILED_DIR))
+    STATUS = "compiled (mypyc)"
+    return True
+
+
+def active() -> bool:
+    """Whether the compiled modules run in this process (``select`` chose them)."""
+    return STATUS.startswith("compiled")
+
+
+INTERPRETED_ONLY = ("patches module functions that compiled callers call directly: `make test` runs it "
+                    "again with FTLM_NATIVE=0")
+"""Why a test that patches ``COMPILED`` modules skips where they run compiled (``pytest.mark.skipif``)."""
+
+
+def is_compiled(module: object) -> bool:
+    """Whether ``module`` (one of ``COMPILED``, imported) was loaded from its compiled extension."""
+    return str(getattr(module, "__file__", "")).endswith(tuple(_extension_suffixes()))
+
+
+def _extension_suffixes() -> list[str]:
+    from importlib.machinery import EXTENSION_SUFFIXES
+
+    return list(EXTENSION_SUFFIXES)
+
+
+def build(out: Path = COMPILED_DIR, quiet: bool = False) -> Path:
+    """Compile ``COMPILED`` with mypyc into ``out`` (replaced only once the build succeeded) and
+    write its manifest. Raises RuntimeError naming what is missing or what failed."""
+    try:
+        from mypyc.build import mypycify
+        from setuptools import Distribution
+    except ImportError as e:
+        raise RuntimeError(f"building the compiled hot path needs mypy and setuptools ({e}): "
+                           "pip install -e '.[native]'") from e
+    if not Path(sysconfig.get_paths()["include"], "Python.h").exists():
+        raise RuntimeError(f"no Python.h in {sysconfig.get_paths()['include']}: install the Python "
+                           "development headers (Debian: python3-dev)")
+    digests = _digests()
+    src_root = PACKAGE_DIR.parent.parent  # the directory holding ``ftlm``: mypyc names modules by their path
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="ftlm-native-") as tmp:
+        work = Path(tmp)
+        cwd = os.getcwd()
+        os.chdir(src_root)  # mypyc names modules by their path from here
+        try:
+            extensions = mypycify([f"ftlm/ft/{m}.py" for m in COMPILED], opt_level="3", group_name=GROUP,
+                                  target_dir=str(work / "c"), verbose=False)
+            dist = Distribution({"name": "ftlm-native", "ext_modules": extensions})
+            cmd = dist.get_command_obj("build_ext")
+            cmd.build_lib, cmd.build_temp = str(work / "lib"), str(work / "obj")  # type: ignore[attr-defined]
+            cmd.ensure_finalized()
+            if quiet:
+                _run_quietly(cmd)
+            else:
+                cmd.run()
+        except (Exception, SystemExit) as e:  # distutils reports a failed compile as SystemExit
+            raise RuntimeError(f"mypyc build failed: {e}") from e
+        finally:
+            os.chdir(cwd)
+        if _digests() != digests:
+            raise RuntimeError("the sources changed during the build: run it again")
+        built = sorted((work / "lib" / "ftlm" / "ft").glob("*.so"))
+        names = {p.name.split(".")[0] for p in built}
+        if not set(COMPILED) <= names:
+            raise RuntimeError(f"mypyc built {sorted(names)}, not every module of {list(COMPILED)}")
+        staging = out.with_name(out.name + ".new")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for p in built:
+            shutil.copy2(p, staging / p.name)
+        (staging / MANIFEST).write_text(json.dumps(
+            {"tag": _tag(), "sources": digests, "mypy": _mypy_version(),
+             "seconds": round(time.monotonic() - started, 1)}, indent=1) + "\n")
+        shutil.rmtree(out, ignore_errors=True)
+        staging.rename(out)
+    return out
+
+
+def _run_quietly(cmd: object) -> None:
+    """Run a build command with the compiler's lines to a log, shown only if it fails."""
+    import contextlib
+    import io
+
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log):
+            cmd.run()  # type: ignore[attr-defined]
+    except BaseException:
+        sys.stderr.write(log.getvalue()[-4000:])
+        raise
+
+
+def _mypy_version() -> str:
+    try:
+        from mypy.version import __version__
+    except ImportError:
+        return "?"
+    return str(__version__)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ftlm.native build|status`` (``build --optional``: a failed build prints why
+    and exits 0, the interpreted modules run: ``make setup`` on a machine without a compiler)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m ftlm.native", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="compile the hot path with mypyc into ftlm/ft/_compiled/")
+    b.add_argument("--optional", action="store_true", help="a failed build is not an error")
+    sub.add_parser("status", help="say whether the compiled modules run, and why not (exit status 1 if not)")
+    args = parser.parse_args(argv)
+    if args.command == "status":
+        why = why_not()
+        print(f"compiled (mypyc), {COMPILED_DIR}" if not why else f"interpreted: {why}")
+        return 1 if why else 0
+    print(f"native: compiling {', '.join(COMPILED)} with mypyc (about 20-60 s) ...", flush=True)
+    try:
+        out = build(quiet=True)
+    except RuntimeError as e:
+        print(f"native: {e}", file=sys.stderr)
+        if args.optional:
+            print("native: the interpreted modules will run (the same code, slower)", file=sys.stderr)
+            return 0
+        return 1
+    print(f"native: built {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

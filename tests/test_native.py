@@ -1,0 +1,128 @@
+"""The coordinator's hot path compiled with mypyc (``ftlm.native``): which modules run, and why.
+
+The suite runs against whichever modules ``make setup`` left (compiled where a C compiler is
+there); ``make test`` also runs the state machine's tests with ``FTLM_NATIVE=0`` (interpreted)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from ftlm import native
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _copy_sources(tmp_path: Path) -> tuple[Path, Path]:
+    """A package directory with the compiled modules' sources and an empty ``_compiled`` beside it."""
+    package, compiled = tmp_path / "ft", tmp_path / "_compiled"
+    package.mkdir()
+    compiled.mkdir()
+    for m in native.COMPILED:
+        shutil.copy(native.PACKAGE_DIR / f"{m}.py", package / f"{m}.py")
+    return package, compiled
+
+
+def test_ftlm_native_0_runs_the_interpreted_modules() -> None:
+    out = _python("import ftlm.ft.quorum as q, ftlm.native as n; print(q.__file__); print(n.STATUS)", FTLM_NATIVE="0")
+    assert out.returncode == 0, out.stderr
+    path, status = out.stdout.splitlines()
+    assert path == str(native.PACKAGE_DIR / "quorum.py") and status == "interpreted (FTLM_NATIVE=0)"
+
+
+def test_a_bad_ftlm_native_value_says_which_values_work() -> None:
+    out = _python("import ftlm.ft", FTLM_NATIVE="yes")
+    assert out.returncode != 0
+    assert "FTLM_NATIVE='yes': use 1 (compiled hot path, required), 0 (interpreted)" in out.stderr
+
+
+def test_a_build_of_other_sources_or_for_another_python_is_not_used(tmp_path: Path) -> None:
+    package, compiled = _copy_sources(tmp_path)
+    manifest = compiled / native.MANIFEST
+    assert native.why_not(compiled, package).startswith("not built: `make setup` or `python -m ftlm.native build`")
+    manifest.write_text(json.dumps({"tag": native._tag(), "sources": native._digests(package)}))
+    assert native.why_not(compiled, package) == ""
+    with open(package / "membership.py", "a") as f:
+        f.write("\n# edited after the build\n")
+    assert native.why_not(compiled, package).startswith("membership.py changed since the build: `make setup`")
+    manifest.write_text(json.dumps({"tag": "cpython-39-linux-aarch64", "sources": native._digests(package)}))
+    assert native.why_not(compiled, package).startswith("built for cpython-39-linux-aarch64, this is ")
+    for damaged in ("{not json", "[]", ""):
+        manifest.write_text(damaged)
+        assert native.why_not(compiled, package).startswith(f"unreadable {manifest}")
+
+
+def test_select_leaves_the_search_path_alone_unless_the_build_matches(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    package, compiled = _copy_sources(tmp_path)
+    monkeypatch.setattr(native, "PACKAGE_DIR", package)
+    monkeypatch.setattr(native, "COMPILED_DIR", compiled)
+    monkeypatch.setattr(native, "STATUS", native.STATUS)
+    path = [str(package)]
+    monkeypatch.delenv("FTLM_NATIVE", raising=False)
+    assert native.select(path) is False and path == [str(package)]
+    assert native.STATUS.startswith("interpreted (not built")
+    monkeypatch.setenv("FTLM_NATIVE", "1")
+    with pytest.raises(ImportError, match="FTLM_NATIVE=1 but the compiled hot path cannot run: not built"):
+        native.select(path)
+    (compiled / native.MANIFEST).write_text(json.dumps({"tag": native._tag(), "sources": native._digests(package)}))
+    assert native.select(path) is True and path == [str(compiled), str(package)] and native.STATUS == "compiled (mypyc)"
+    assert native.select(path) is True and path.count(str(compiled)) == 1
+    monkeypatch.setenv("FTLM_NATIVE", "0")
+    path = [str(package)]
+    assert native.select(path) is False and path == [str(package)]
+
+
+def _can_build() -> str:
+    """Empty where ``make setup`` builds the compiled modules, else why it cannot."""
+    if importlib.util.find_spec("mypyc") is None:
+        return "mypyc is not installed"
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        return "no C compiler"
+    if not Path(sysconfig.get_paths()["include"], "Python.h").exists():
+        return "no Python headers"
+    return ""
+
+
+def test_where_it_can_be_built_the_hot_path_runs_compiled() -> None:
+    if os.environ.get("FTLM_NATIVE") == "0":
+        pytest.skip("FTLM_NATIVE=0: this run checks the interpreted modules")
+    if _can_build():
+        pytest.skip(f"{_can_build()}: the interpreted modules run")
+    assert native.why_not() == "", f"{native.why_not()} (make setup builds it)"
+    for name in native.COMPILED:
+        module = importlib.import_module(f"ftlm.ft.{name}")
+        assert native.is_compiled(module), module.__file__
+    assert native.STATUS == "compiled (mypyc)" and native.active()
+    assert not native.is_compiled(importlib.import_module("ftlm.ft.coordinator"))
+
+
+def test_the_makefile_rebuilds_when_a_compiled_source_changes() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    listed = re.search(r"^NATIVE_SOURCES := \$\(addprefix src/ftlm/ft/,(.*)\)$", makefile, re.M)
+    assert listed, "NATIVE_SOURCES not found in the Makefile"
+    assert sorted(listed.group(1).split()) == sorted(f"{m}.py" for m in native.COMPILED)
+
+
+def test_the_index_lists_every_attribute_it_copies() -> None:
+    """``_Index.__deepcopy__`` copies ``ATTRIBUTES`` (the compiled class has no ``__dict__``)."""
+    out = _python("from ftlm.ft.quorum import _Index; print(' '.join(vars(_Index())))", FTLM_NATIVE="0")
+    assert out.returncode == 0, out.stderr
+    from ftlm.ft.quorum import _Index
+
+    assert tuple(out.stdout.split()) == _Index.ATTRIBUTES

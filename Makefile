@@ -81,4 +81,4 @@ lifecycle: setup
 	$(BIN)/python -m bench.lifecycle
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs .pytest_cache src/ftlm/ft/_compiled

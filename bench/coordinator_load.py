@@ -176,7 +176,9 @@ class CoordinatorUnderTest:
                  trace: Path | None = None, floor: bool = False, cpus: set[int] | None = None,
                  hot_path: str = "built") -> None:
         sets = [f"ft.groups={groups}", f"ft.heartbeat_interval={heartbeat}",
-                f"ft.heartbeat_timeout={HEARTBEAT_TIMEOUT}", "ft.join_timeout=5.0", "ft.min_replicas=1"]
+                f"ft.heartbeat_timeout={HEARTBEAT_TIMEOUT}", "ft.join_timeout=5.0", "ft.min_replicas=1",
+                # two connections a group (as real leaders), as a job of that many groups must set it
+                f"ft.coordinator_max_connections={max(4096, 2 * groups + 64)}"]
         code = "import sys; from ftlm.cli import main; sys.exit(main())"
         if trace is not None:  # the same command, with the bench's timestamps (traced_coordinator)
             code = f"import sys; from bench.coordinator_load import traced_coordinator; sys.exit(traced_coordinator({str(trace)!r}))"
@@ -955,45 +957,64 @@ the p99 is the worst step or two of 13 and moved by a factor of two between runs
 on a quiet box (sixth pass: 99-232 ms, p50 64-123 ms), so the sweep above runs 60 s a size (41
 steps at 2,000 groups); compare versions only interleaved, several runs each.
 
-Target p99 < 100 ms at 2,000 groups: **not met on this box**. Three interleaved 60 s runs of
-the code at the start of the sixth pass and at its end (19:10-19:18 UTC, load 0.3-0.5): p50 137 /
-158 / 137 -> 85 / 85 / 71 ms, p99 231 / 277 / 256 -> 196 / 161 / 146 ms, coordinator CPU 28-31%
--> 18-21%; nine earlier runs of the changed code (18:28-18:52), p99 99-153 ms; the sweep above,
-p50 82 ms and p99 138 ms (86 / 133 ms with 1.5 s heartbeats). Met at 500 groups (p99 40 ms) and at
-1,000 (73 ms; 77 ms with 1.5 s heartbeats; 90 ms before this pass).
+Target p99 < 100 ms at 2,000 groups: **met**, by the coordinator `make setup` builds (its hot
+path compiled with mypyc, `ftlm.native`; the *hot path* column). Side by side, `--groups 2000
+--seconds 45 --hot-path both --repeat 3` (each size interpreted, then compiled, three times), twice
+on a quiet box (2026-12-02 11:04-11:10 and 11:23-11:29 UTC, load 0.0-0.8): compiled p50 38 / 37 /
+39 and 40 / 38 / 40 ms, **p99 56 / 67 / 62 and 53 / 60 / 62 ms**; interpreted p50 45 / 45 / 44 and
+42 / 43 / 46 ms, p99 68 / 98 / 64 and 63 / 67 / 69 ms; coordinator CPU 10% against 11-12%. Earlier
+the same day (08:01-08:17 UTC, load 0.4-1.0, a slower hour of this shared box: the interpreted
+coordinator's CPU was 16-18% for the same load) three pairs gave compiled p99 84 / 87 / 98 ms
+against interpreted 94 / 103 / 149 ms: the interpreted coordinator meets the target only when the
+box is quick, the compiled one in every run so far. The sweep above (with `--trace`, whose
+timestamps cost the coordinator a little) has p99 85 ms at 2,000 groups (57 ms with 1.5 s
+heartbeats) and 86 ms at 3,000. It breaks between 3,000 and 4,000 groups: 130 ms at 4,000.
 
 Where the milliseconds go at 2,000 groups (the sweep's decomposition row, medians; p99 in
-brackets). A member's 82 ms (138): (1) 29 ms (78) waiting for the other groups' asks: a step's
-2,000 asks leave over 59 ms (median step), because each group asks 1 s (plus 0-10 ms) after its
-own answer, so the asks inherit the spread of the previous step's answers (32 ms of fan-out, then
-the load generator reading them, its last one 14 ms later; its own loop wrote a step's last ask
-up to 57 ms late in the worst step). (2) 18 ms (79): the last ask waits in the coordinator's
-socket while the coordinator handles the step's earlier asks (27 us each, its own timestamps,
-against 29 us between two asks: a few heartbeats or a burst put it behind). (3) 26 ms (51) in the
-coordinator after it read the last ask: 12 ms deciding (the round closes: 2,000 requests leave
-the index at once, the quorum is built and its 2,000 answers queued), then this member's place
-among the 2,000 answers written over 32 ms (16 us each, about 8 of them the kernel's loopback
-send). (4) 5 ms (53) until the load generator reads the answer.
+brackets). A member's 40 ms (85): (1) 16 ms (38) waiting for the other groups' asks: a step's
+2,000 asks leave over 35 ms (median step), because each group asks 1 s (plus 0-10 ms) after its
+own answer, so the asks inherit the spread of the previous step's answers (17 ms of fan-out, then
+the load generator reading them, its last one 6 ms later). (2) 8 ms (25): the last ask waits in
+the coordinator's socket while the coordinator handles the step's earlier asks (11 us each). (3)
+14 ms (33) in the coordinator after it read the last ask: 4 ms deciding (2,000 requests leave the
+index at once, the quorum is built and its answers queued), then this member's place among the
+2,000 answers written over 17 ms (8.5 us each, most of it the kernel's loopback send). (4) 3 ms
+(13) until the load generator reads the answer. The same decomposition of one interpreted and one
+compiled 60 s run (11:32-11:35 UTC): a quorum request handled in 13 against 11 us, deciding 6.1
+against 4.7 ms, the fan-out 19.2 against 18.2 ms, p50 48 against 43 ms (p99 83 and 85 ms: one
+run each is within the spread). The state machine alone (in-process, no HTTP, no JSON) is twice as
+fast compiled: 8 -> 4 us a message (the *state machine us/message* column; `ftlm sim check` runs
+1,000 seeds in 32 s instead of 44 s, with the same outcome seed for seed).
 
 The floor on this box (`--floor`: the same load against `bench.coordinator_floor`, a server on the
 same event loop that parses nothing, checks nothing and keeps no state: heartbeats answered at
 once with a fixed body, quorum requests held until all 2,000 asked and answered first asker
-first): p50 35-42 ms, p99 55-78 ms, 8-9% CPU, in two runs at 19:03 UTC (the coordinator: 18-20%).
-So one Python event loop sharing 2 cores with the load generator already spends half of the 100
-ms at p99 reading requests and writing answers; the coordinator's own work (the lean HTTP path's
-checks, the body, the state machine, the quorum and each member's answer) has to fit in the other
-half and takes 60-100 ms of it at p99. Its per-message cost is now 23 us for a quorum request
-(about 4 us body, 10-12 us state machine, the rest framing, checks and the long-poll) and about
-20 us for a heartbeat; the p99 target needs roughly half of that again, which in Python is about
-the state machine's indexing alone. A core of its own does not do it: with `--pin` (the
-coordinator's process on one CPU, the load generator on the other) two interleaved 45 s runs gave
-p50 77 / 90 ms and p99 106 / 128 ms against 76 / 82 and 104 / 148 ms unpinned (2026-12-01 21:13-21:17
-UTC, load 0.3-1.2), and heartbeats every 1.5 s instead of 1 s (no heartbeat in the steady state:
-half the messages, coordinator CPU 20% -> 12%) gave p99 128 / 114 ms against 143 / 113 ms
-(21:17-21:20). What bounds the latency is the coordinator's serial work per step, about 60 us a
-group (the ask, its share of the decision, its answer and the kernel's loopback send); meeting
-the target needs about half of that, which is a compiled hot path (framing, body and index, as
-torchft's Rust lighthouse), not on this box.
+first): p50 25 ms, p99 54 ms, 5% CPU (2026-12-02 11:29 UTC; 35-42 and 55-78 ms on 2026-12-01
+19:03, a slower hour). So one Python event loop sharing 2 cores with the load generator already
+spends half of the 100 ms at p99 reading requests and writing answers, and what is left between
+the floor and the compiled coordinator (about 15 ms at p50, 5-15 ms at p99) is its own work: the
+lean HTTP path's checks, the body, the state machine, the quorum and each member's answer. What
+bounds the latency now is the serial work per step, about 20 us a group (the ask, its share of
+the decision, its answer and the kernel's loopback send), so it grows linearly with the groups:
+past about 3,000 groups on this box a single event loop does not keep the p99 under 100 ms; the
+next steps would be the answers' fan-out from more than one thread or process, or a server
+written natively end to end (as torchft's Rust lighthouse). A core of its own does not help much:
+with `--pin` (the coordinator's process on one CPU, the load generator on the other) two
+interleaved 45 s runs of the interpreted coordinator gave p50 77 / 90 ms and p99 106 / 128 ms
+against 76 / 82 and 104 / 148 ms unpinned (2026-12-01 21:13-21:17 UTC, load 0.3-1.2).
+
+The compiled hot path (2026-12-02). The modules a quorum request and a heartbeat go through
+(`history`, `quorum`, `membership`, `quorum_answer`, `coordinator_requests`, `hot_path`; not
+`coordinator` itself, where aiohttp and the event loop do the work) are compiled by mypyc at `make
+setup` into `src/ftlm/ft/_compiled/` (about 30 s), used only when its manifest matches the sources
+and the interpreter (`python -m ftlm.native status`); without a C compiler the same modules run
+interpreted. What the compiler needed from the source: a few variables reused with another type
+renamed, `functools.cached_property` on `Quorum` replaced by fields derived on first use (a
+compiled class has no `__dict__`: until then each of 2,000 answers rebuilt a quorum's member
+index, p50 427 ms), the index's deep copy listing its attributes. The compiled modules check every
+annotation at run time: the suite runs on them, the state machine's tests run once more
+interpreted, and 1,000 seeded fault schedules of `ftlm sim check` and 200 of two bad links at once
+in 6 groups give the same outcome, seed for seed, either way.
 
 Sixth pass (issue 16; 2026-12-01 17:46-19:20 UTC, Intel Xeon, 2 cores, load 0.2-1.6). (1) The
 bodies `CoordinatorClient` sends are cut by one compiled pattern (`ClientBodies`; anything else,
@@ -1050,11 +1071,12 @@ formatting: in-process, deciding plus 2,000 answers 26 -> 19-20 ms of CPU. Earli
 lean HTTP/1.1 path for heartbeat and quorum (`ftlm.ft.hot_path`, every check of the aiohttp path
 kept), uvloop, a collector that pauses less, the compact per-member answer.
 
-At 4,000 groups the coordinator is not what breaks first: `ftlm coordinator` admits at most 4,096
-connections (`ft.coordinator_max_connections`), and 4,000 real leaders need 8,000 (a quorum
-connection and a heartbeat connection each). The groups that got connections stepped (the row's
-latencies are theirs); the others were refused with 503 and retried (the errors column). A
-4,000-group job needs the cap raised: `--set ft.coordinator_max_connections=8192`.
+At 4,000 groups a job needs more connections than `ftlm coordinator` admits by default
+(`ft.coordinator_max_connections`, 4,096): real leaders hold two each (a quorum connection and a
+heartbeat connection), so 4,000 groups need 8,000 and `--set ft.coordinator_max_connections=8192`.
+The benchmark sets the cap to twice the groups (plus 64) at every size; before it did (sweeps of
+2026-12-01), the 4,000-group row measured the groups that got connections while the others were
+refused with 503 and retried.
 """
 
 

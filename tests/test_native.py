@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
 import pytest
@@ -23,9 +24,9 @@ from ftlm import native
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                          timeout=120)
+def _python(code: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code, *args], env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=120)
 
 
 def _copy_sources(tmp_path: Path) -> tuple[Path, Path]:
@@ -73,6 +74,7 @@ def test_select_leaves_the_search_path_alone_unless_the_build_matches(tmp_path: 
     monkeypatch.setattr(native, "PACKAGE_DIR", package)
     monkeypatch.setattr(native, "COMPILED_DIR", compiled)
     monkeypatch.setattr(native, "STATUS", native.STATUS)
+    monkeypatch.setattr(native, "_load_library", lambda: None)  # (loading it: the test below)
     path = [str(package)]
     monkeypatch.delenv("FTLM_NATIVE", raising=False)
     assert native.select(path) is False and path == [str(package)]
@@ -86,6 +88,21 @@ def test_select_leaves_the_search_path_alone_unless_the_build_matches(tmp_path: 
     monkeypatch.setenv("FTLM_NATIVE", "0")
     path = [str(package)]
     assert native.select(path) is False and path == [str(package)]
+
+
+def test_a_compiled_library_that_does_not_load_falls_back_at_import(tmp_path: Path) -> None:
+    package, compiled = _copy_sources(tmp_path)
+    (compiled / native.MANIFEST).write_text(json.dumps({"tag": native._tag(), "sources": native._digests(package)}))
+    (compiled / f"_native__mypyc{EXTENSION_SUFFIXES[0]}").write_bytes(b"not a shared library")
+    code = ("import sys, pathlib, ftlm.native as n; n.PACKAGE_DIR, n.COMPILED_DIR = map(pathlib.Path, sys.argv[1:]); "
+            "path = [sys.argv[1]]; print(n.select(path), path == [sys.argv[1]]); print(n.STATUS)")
+    out = _python(code, str(package), str(compiled), FTLM_NATIVE="auto")
+    assert out.returncode == 0, out.stderr
+    chosen, status = out.stdout.splitlines()
+    assert chosen == "False True" and status.startswith("interpreted (the compiled library does not load: ")
+    assert "rebuild with `python -m ftlm.native build`" in status
+    out = _python(code, str(package), str(compiled), FTLM_NATIVE="1")
+    assert out.returncode != 0 and "FTLM_NATIVE=1 but the compiled hot path cannot run" in out.stderr
 
 
 def _can_build() -> str:

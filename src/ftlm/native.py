@@ -17,6 +17,7 @@ saying why not: benchmarks). ``STATUS`` says which runs and why; the coordinator
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
 COMPILED = ("history", "quorum", "membership", "quorum_answer", "coordinator_requests", "hot_path")
@@ -88,8 +90,35 @@ def select(package_path: list[str]) -> bool:
         return False
     if str(COMPILED_DIR) not in package_path:
         package_path.insert(0, str(COMPILED_DIR))
+    try:
+        _load_library()
+    except Exception as e:  # noqa: BLE001 (an ImportError, or whatever a broken library raises)
+        package_path.remove(str(COMPILED_DIR))
+        STATUS = f"interpreted (the compiled library does not load: {e}; rebuild with `python -m ftlm.native build`)"
+        if mode == "1":
+            raise ImportError(f"FTLM_NATIVE=1 but the compiled hot path cannot run: {e}") from e
+        return False
     STATUS = "compiled (mypyc)"
     return True
+
+
+def _load_library() -> None:
+    """Load the library every compiled module loads first (``GROUP``), from ``COMPILED_DIR``: one
+    that cannot load (damaged, built against another libc) falls back to the interpreted modules
+    at import instead of failing the first import of a compiled module."""
+    name = f"{GROUP}__mypyc"
+    if name in sys.modules:
+        return
+    stem = name.rsplit(".", 1)[1] + "."
+    found = [p for p in COMPILED_DIR.iterdir() if p.name.startswith(stem) and p.name.endswith(tuple(EXTENSION_SUFFIXES))]
+    if not found:
+        raise ImportError(f"no {stem}* library in {COMPILED_DIR}")
+    spec = importlib.util.spec_from_file_location(name, found[0])
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {found[0]}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
 
 
 def active() -> bool:
@@ -104,13 +133,7 @@ INTERPRETED_ONLY = ("patches module functions that compiled callers call directl
 
 def is_compiled(module: object) -> bool:
     """Whether ``module`` (one of ``COMPILED``, imported) was loaded from its compiled extension."""
-    return str(getattr(module, "__file__", "")).endswith(tuple(_extension_suffixes()))
-
-
-def _extension_suffixes() -> list[str]:
-    from importlib.machinery import EXTENSION_SUFFIXES
-
-    return list(EXTENSION_SUFFIXES)
+    return str(getattr(module, "__file__", "")).endswith(tuple(EXTENSION_SUFFIXES))
 
 
 def build(out: Path = COMPILED_DIR, quiet: bool = False) -> Path:
@@ -149,7 +172,7 @@ def build(out: Path = COMPILED_DIR, quiet: bool = False) -> Path:
             os.chdir(cwd)
         if _digests() != digests:
             raise RuntimeError("the sources changed during the build: run it again")
-        built = sorted((work / "lib" / "ftlm" / "ft").glob("*.so"))
+        built = sorted(p for p in (work / "lib" / "ftlm" / "ft").iterdir() if p.name.endswith(tuple(EXTENSION_SUFFIXES)))
         names = {p.name.split(".")[0] for p in built}
         if not set(COMPILED) <= names:
             raise RuntimeError(f"mypyc built {sorted(names)}, not every module of {list(COMPILED)}")

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from ftlm import native
 from ftlm.ft.client import CoordinatorClient, Heartbeater
 from ftlm.ft.config import CoordinatorConfig
 from ftlm.ft.coordinator import Coordinator
@@ -100,6 +101,10 @@ def test_status_lists_states_incarnations_and_quorum_history(job) -> None:
     assert [(m["group"], m["incarnation"], m["state"]) for m in status["members"]] == [
         ("g0", "a", "participating"), ("g1", "b7", "participating")]
     assert [(q["quorum_id"], q["participants"]) for q in status["quorums"]] == [(1, ["g0:a", "g1:b7"])]
+    assert status["convicted"] == [] and status["hot_path"] == native.STATUS
+    coord.call_in_loop(lambda: coord._state.convicted.update({"g1": 2, "g0": 1}), 5.0)
+    status = json.loads(request(coord, "GET", "/status", token=TOKEN)[1])
+    assert status["convicted"] == [{"group": "g1", "times": 2}, {"group": "g0", "times": 1}]  # the latest last
     metrics = request(coord, "GET", "/metrics", token=TOKEN)[1]
     assert re.search(r"^ftlm_coordinator_members_participating 2\.0$", metrics, re.M)
     assert re.search(r"^ftlm_coordinator_members_joining 0\.0$", metrics, re.M)
@@ -222,6 +227,7 @@ def test_dashboard_renders_both_groups_in_headless_chromium(job, tmp_path) -> No
     assert float(rows["g0"][4]) < 2.0  # heartbeat age, fresh
     assert rows["g0"][7] == "kill"
     assert "quorum id 1" in out.stdout and "g0:a, g1:b7" in out.stdout  # summary and quorum history
+    assert f"hot path {native.STATUS}" in out.stdout
     shot = tmp_path / "dash.png"
     out = chromium(binary, tmp_path, "--virtual-time-budget=5000", f"--screenshot={shot}", url)
     assert out.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", out.stderr[-2000:]

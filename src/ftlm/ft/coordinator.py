@@ -857,7 +857,9 @@ class Coordinator:
                 {"replica_id": rid, "group": g, "reason": why, "seconds_ago": round(now - t, 3)}
                 for t, rid, g, why in self.membership.recent_departed(now)
             ],
+            "convicted": [{"group": g, "times": n} for g, n in self._state.convicted.items()],
             "min_replicas": self.config.min_replicas,
+            "hot_path": native.STATUS,
             **self.dashboard.to_json(),
         }
 

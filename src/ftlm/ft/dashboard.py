@@ -127,6 +127,7 @@ __CHARTS_HTML__<h2>Members</h2>
 <table id="quorums"><thead><tr><th>quorum id</th><th>steps</th><th>participants</th><th>recovering</th>
 <th>reason</th><th>issued</th></tr></thead><tbody></tbody></table>
 <h2>Recent failures</h2><ul id="failures"></ul>
+<h2>Groups convicted of failing the steps they take part in</h2><ul id="convicted"></ul>
 <h2>Recoveries</h2><ul id="recoveries"></ul>
 <h2>Kills requested</h2><ul id="kills"></ul>
 <p id="updated"></p>
@@ -198,7 +199,7 @@ function render(s) {
   const sources = last.sources || {};
   document.getElementById("summary").textContent =
     "quorum id " + s.quorum_id + " at step " + (last.step === undefined ? "-" : last.step) +
-    "; min_replicas " + s.min_replicas + "; " + s.reason +
+    "; min_replicas " + s.min_replicas + "; " + s.reason + "; hot path " + s.hot_path +
     (s.members_total > s.members.length ? "; showing " + s.members.length + " of " +
      s.members_total + " members (GET /status?offset=N for the rest)" : "");
   fill("members", s.members.map(m => {
@@ -215,6 +216,8 @@ function render(s) {
     q.reason, clock(q.unix)])));
   fill("failures", s.dead.map(d => el("li", d.replica_id + ": " + d.reason + ", " +
     d.seconds_ago.toFixed(1) + " s ago")), "none");
+  fill("convicted", s.convicted.map(c => el("li", c.group + ": " + c.times +
+    (c.times === 1 ? " time" : " times"))), "none");
   fill("recoveries", s.recoveries.map(r => el("li", r.replica_id + " from " + r.source +
     " at step " + r.step + " (quorum " + r.quorum_id + ", " + clock(r.unix) + ")")), "none");
   fill("kills", s.kills.map(k => el("li", k.group + " (" + k.replica_ids.join(", ") + ") at " +

@@ -143,3 +143,35 @@ def test_the_index_lists_every_attribute_it_copies() -> None:
     from ftlm.ft.quorum import _Index
 
     assert tuple(out.stdout.split()) == _Index.ATTRIBUTES
+
+
+_SIM_OUTCOMES = """
+import dataclasses, json, sys
+from ftlm import native
+from ftlm.sim.protocol import SimConfig, run
+configs = [(SimConfig(), range(60)),
+           (SimConfig(groups=6, faults=("bad_link", "crash", "hang"), fault_mtbf=8, bad_links=2), range(20))]
+out = []
+for config, seeds in configs:
+    for seed in seeds:
+        r = dataclasses.asdict(run(seed, config))
+        out.append(r)
+json.dump({"hot_path": native.STATUS, "runs": out}, sys.stdout)
+"""
+
+
+def test_compiled_and_interpreted_modules_run_the_same_simulated_jobs_event_for_event() -> None:
+    """Seeded fault schedules (every fault kind, two bad links at once) through the real state
+    machine, once on each: the same outcome, the same simulated times, the same last events."""
+    if not native.active():
+        pytest.skip(f"the compiled modules do not run here: {native.STATUS}")
+    compiled = _python(_SIM_OUTCOMES, FTLM_NATIVE="1")
+    interpreted = _python(_SIM_OUTCOMES, FTLM_NATIVE="0")
+    assert compiled.returncode == 0 and interpreted.returncode == 0, compiled.stderr + interpreted.stderr
+    ours, theirs = json.loads(compiled.stdout), json.loads(interpreted.stdout)
+    assert (ours["hot_path"], theirs["hot_path"]) == ("compiled (mypyc)", "interpreted (FTLM_NATIVE=0)")
+    ours, theirs = ours["runs"], theirs["runs"]
+    assert len(ours) == len(theirs) == 80
+    for a, b in zip(ours, theirs):
+        assert a == b, f"seed {a['seed']}: {a['error'] or a['trace'][-3:]} != {b['error'] or b['trace'][-3:]}"
+    assert sum(sum(r["faults"].values()) for r in ours) > 500 and sum(r["convictions"] for r in ours) > 10

@@ -123,6 +123,8 @@ def _load_library() -> None:
 
 def active() -> bool:
     """Whether the compiled modules run in this process (``select`` chose them)."""
+    import ftlm.ft  # noqa: F401 (its import is what selects)
+
     return STATUS.startswith("compiled")
 
 

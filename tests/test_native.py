@@ -175,3 +175,31 @@ def test_compiled_and_interpreted_modules_run_the_same_simulated_jobs_event_for_
     for a, b in zip(ours, theirs):
         assert a == b, f"seed {a['seed']}: {a['error'] or a['trace'][-3:]} != {b['error'] or b['trace'][-3:]}"
     assert sum(sum(r["faults"].values()) for r in ours) > 500 and sum(r["convictions"] for r in ours) > 10
+
+
+def test_a_build_is_swapped_in_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "_compiled"
+
+    def staged(text: str) -> Path:
+        d = tmp_path / f".new-{text}"
+        d.mkdir()
+        (d / native.MANIFEST).write_text(text)
+        return d
+
+    native.swap_in(staged("first"), out)  # nothing there yet
+    assert (out / native.MANIFEST).read_text() == "first"
+    native.swap_in(staged("second"), out)
+    assert (out / native.MANIFEST).read_text() == "second"
+    # Another build puts its own in place between our moving the old one aside and our rename.
+    real_rename, raced = Path.rename, []
+
+    def rename(self: Path, target: Path) -> Path:
+        if Path(target) == out and not raced:
+            raced.append(True)
+            real_rename(staged("other"), out)
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    native.swap_in(staged("third"), out)
+    assert (out / native.MANIFEST).read_text() == "third" and raced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["_compiled"]  # nothing left aside

@@ -178,17 +178,39 @@ def build(out: Path = COMPILED_DIR, quiet: bool = False) -> Path:
         names = {p.name.split(".")[0] for p in built}
         if not set(COMPILED) <= names:
             raise RuntimeError(f"mypyc built {sorted(names)}, not every module of {list(COMPILED)}")
-        staging = out.with_name(out.name + ".new")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+        # Staged beside ``out`` and swapped in by renames: a process importing meanwhile sees the
+        # old build or the new one (or none, for a moment: the interpreted modules), and two
+        # builds at once each finish with a whole build in place.
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
         for p in built:
             shutil.copy2(p, staging / p.name)
         (staging / MANIFEST).write_text(json.dumps(
             {"tag": _tag(), "sources": digests, "mypy": _mypy_version(),
              "seconds": round(time.monotonic() - started, 1)}, indent=1) + "\n")
-        shutil.rmtree(out, ignore_errors=True)
-        staging.rename(out)
+        staging.chmod(0o755)
+        swap_in(staging, out)
     return out
+
+
+def swap_in(staging: Path, out: Path) -> None:
+    """Replace directory ``out`` by ``staging`` (same parent) with renames: ``out`` is never half
+    written; a build that another one put in place meanwhile is moved aside too (the last wins)."""
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    try:
+        for attempt in range(10):
+            try:
+                out.rename(old / str(attempt))
+            except FileNotFoundError:
+                pass
+            try:
+                staging.rename(out)
+                return
+            except OSError:  # ``out`` exists again: another build's, moved aside next time round
+                continue
+        raise RuntimeError(f"could not put the build in place at {out} (other builds kept replacing it)")
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _run_quietly(cmd: object) -> None:

@@ -258,7 +258,7 @@ def test_submit_all_forgets_a_previous_run_in_the_same_folder(tmp_path, tiny_con
     """Defect 3: a stale state/<g>.done made the watcher exit at once and cancel the coordinator."""
     out = generate(tmp_path, tiny_config(), groups=2)
     state = out / "state"
-    for name in ("g0.done", "g1.done", "g1.restarts", "STOP", "coordinator.url"):
+    for name in ("g0.done", "g1.done", "g1.restarts", "STOP", "coordinator.url", "exclude"):
         (state / name).write_text("old\n")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -272,6 +272,68 @@ def test_submit_all_forgets_a_previous_run_in_the_same_folder(tmp_path, tiny_con
     assert r.returncode == 0, r.stderr
     left = sorted(p.name for p in state.iterdir())
     assert left == ["coordinator.jobid", "g0.jobid", "g1.jobid"], left
+
+
+FAKE_SLURM = {
+    # Jobs are files under $FAKE: <id>.state (RUNNING, FAILED, ...) and <id>.nodes.
+    "squeue": 'st=$(cat "$FAKE/$3.state" 2>/dev/null); case "$st" in RUNNING|PENDING) echo "$st";; esac\n',
+    "scontrol": ('id=$4; [ -f "$FAKE/$id.state" ] || exit 1\n'
+                 'echo "JobId=$id JobState=$(cat "$FAKE/$id.state") ReqNodeList=(null) '
+                 'NodeList=$(cat "$FAKE/$id.nodes" 2>/dev/null || echo "(null)") ExcNodeList=(null)"\n'),
+    "sacct": "exit 0\n",
+    "sbatch": ('n=$(cat "$FAKE/next" 2>/dev/null || echo 300); echo $((n + 1)) > "$FAKE/next"\n'
+               'echo "$n $*" >> "$FAKE/sbatch.log"; echo RUNNING > "$FAKE/$n.state"; echo "$n"\n'),
+    "scancel": 'echo CANCELLED > "$FAKE/$1.state"\n',
+}
+
+
+def test_a_group_retired_for_failing_its_steps_is_resubmitted_away_from_its_nodes(tmp_path, tiny_config):
+    """A bad link or device on a node: the coordinator retires the group's process (its log says
+    it fails the steps it takes part in), and the watcher resubmits the group with those nodes
+    excluded, for every later group job; a plain crash adds nothing. Fake Slurm commands."""
+    out = generate(tmp_path, tiny_config(), groups=2, max_restarts=5)
+    fake, bin_dir, state = tmp_path / "fake", tmp_path / "bin", out / "state"
+    fake.mkdir()
+    bin_dir.mkdir()
+    for name, body in FAKE_SLURM.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+
+    def job(jid: int, st: str, nodes: str = "") -> None:
+        (fake / f"{jid}.state").write_text(st + "\n")
+        if nodes:
+            (fake / f"{jid}.nodes").write_text(nodes + "\n")
+
+    job(50, "RUNNING")
+    job(100, "FAILED", "gpu[001-002]")
+    job(200, "RUNNING")
+    for name, jid in (("coordinator", 50), ("g0", 100), ("g1", 200)):
+        (state / f"{name}.jobid").write_text(f"{jid}\n")
+    (out / "logs" / "g0-100.log").write_text(
+        "ftlm: error: replica g0:a1b2 retired: step 9 failed in 4 attempts with this group taking part and "
+        "committed without it, and step 10 failed with it again: its link to the others (or its device) "
+        "fails the steps it takes part in\n")
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE=str(fake), FTLM_WATCH_INTERVAL="0.1")
+    log_path = tmp_path / "watch.log"
+    watcher = subprocess.Popen([str(out / "watch.sh")], env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    submitted = fake / "sbatch.log"
+    try:
+        _wait_for(lambda: submitted.is_file(), 30, "the watcher to resubmit g0")
+        job(300, "FAILED", "gpu007")  # the new g0 job crashes (no retirement): its node stays usable
+        _wait_for(lambda: len(submitted.read_text().splitlines()) >= 2, 30, "the watcher to resubmit g0 again")
+        (state / "STOP").touch()
+        watcher.wait(timeout=30)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait(timeout=10)
+    log = log_path.read_text()
+    lines = submitted.read_text().splitlines()
+    assert lines[0] == f"300 --parsable --exclude=gpu[001-002] {out}/group-g0.sbatch", log
+    assert lines[1] == f"301 --parsable --exclude=gpu[001-002] {out}/group-g0.sbatch", log
+    assert (state / "exclude").read_text() == "gpu[001-002]\n"
+    assert "g0: job 100 was retired for failing its steps on gpu[001-002]; later group jobs avoid them" in log
+    assert "job 300 was retired" not in log
 
 
 def test_bad_cluster_values_name_the_field():

@@ -31,8 +31,13 @@ from pathlib import Path
 
 from ftlm.config import RunConfig
 from ftlm.errors import ConfigError
+from ftlm.ft.quorum import FAILS_ITS_STEPS
 from ftlm.launch.cluster_config import ClusterConfig
 from ftlm.launch.slurm_watch import WATCH_SCRIPT
+
+MAX_EXCLUDED = 16
+"""Entries (hostlists of retired groups' jobs) the watcher's ``state/exclude`` keeps at most: past
+that a bad cluster would exclude so many nodes that the groups could not be placed."""
 
 
 def _header(cluster: ClusterConfig, job: str, out: Path, log_name: str, *, partition: str,
@@ -282,7 +287,7 @@ OUT={shlex.quote(str(out))}
 mkdir -p "$OUT/state" "$OUT/logs"
 # A new job in an old folder: forget the last one's addresses, restarts and finished groups
 # (a stale g<i>.done would make the watcher end at once and cancel the coordinator).
-rm -f "$OUT/state/coordinator.url" "$OUT/state/STOP" "$OUT/state/"*.restarts \\
+rm -f "$OUT/state/coordinator.url" "$OUT/state/STOP" "$OUT/state/"*.restarts "$OUT/state/exclude" \\
   "$OUT/state/"*.done "$OUT/state/"relay-*.port "$OUT/state/"prometheus-g*.json
 sbatch --parsable "$OUT/coordinator.sbatch" > "$OUT/state/coordinator.jobid"
 for g in {groups}; do
@@ -316,6 +321,8 @@ def watch_script(cluster: ClusterConfig, out: Path) -> str:
         f"OUT={shlex.quote(str(out))}",
         f"GROUPS_LIST=({' '.join(cluster.group_names())})",
         f"MAX_RESTARTS={cluster.max_restarts}",
+        f"MAX_EXCLUDED={MAX_EXCLUDED}",
+        f"RETIRED_LINE={shlex.quote(FAILS_ITS_STEPS)}",
         f"INTERVAL=${{FTLM_WATCH_INTERVAL:-{cluster.watch_interval}}}",
     ])
     return WATCH_SCRIPT.replace("# @SETTINGS@", settings)

@@ -7,6 +7,12 @@ OUT_OF_MEMORY, PREEMPTED, or a job Slurm no longer knows) is a failure and the g
 resubmitted, at most MAX_RESTARTS times. Once one group has completed the run is over: nothing is
 resubmitted, groups still pending are cancelled (they would have nobody to recover from), and
 the coordinator is cancelled when no group is left.
+
+A group whose job ended because the coordinator retired its process for failing every step it
+took part in (its log has ``ftlm.ft.quorum.FAILS_ITS_STEPS``: a bad link or device on one of its
+nodes) is resubmitted away from the nodes that job ran on: they join ``state/exclude`` (at most
+MAX_EXCLUDED entries), which every later group submission passes to ``sbatch --exclude``; Slurm
+would otherwise often place it on the node it just freed, where it fails the same way.
 """
 
 WATCH_SCRIPT = r'''#!/bin/bash
@@ -40,15 +46,53 @@ SUSPENDED|STAGE_OUT|SIGNALING|RESV_DEL_HOLD|STOPPED) return 0 ;;
   esac
 }
 
+# The nodes a job ran on (a Slurm hostlist such as gpu[001-002]): scontrol while Slurm remembers
+# the job, then sacct.
+job_nodes() {
+  local id=$1 n
+  n=$(scontrol show job -o "$id" 2>/dev/null | grep -o ' NodeList=[^ ]*' | head -n 1 | cut -d= -f2)
+  if [ -z "$n" ] || [ "$n" = "(null)" ]; then
+    n=$(sacct -n -X -P -j "$id" -o NodeList 2>/dev/null | head -n 1)
+  fi
+  [ "$n" = "None assigned" ] || [ "$n" = "(null)" ] && n=""
+  echo "$n"
+}
+
+# avoid_nodes NAME ID: if group NAME's job ID ended because the coordinator retired its process
+# for failing every step it took part in, its nodes join state/exclude (bounded).
+avoid_nodes() {
+  local name=$1 id=$2 nodes count
+  grep -qF "$RETIRED_LINE" "$OUT/logs/$name-$id.log" 2>/dev/null || return 0
+  nodes=$(job_nodes "$id")
+  if [ -z "$nodes" ]; then
+    log "$name: job $id was retired for failing its steps; its nodes are unknown (not avoided)"
+    return 0
+  fi
+  count=0
+  [ -f "$OUT/state/exclude" ] && count=$(wc -l < "$OUT/state/exclude")
+  if grep -qxF "$nodes" "$OUT/state/exclude" 2>/dev/null; then
+    return 0
+  elif [ "$count" -ge "$MAX_EXCLUDED" ]; then
+    log "$name: job $id was retired for failing its steps on $nodes; not avoided ($count entries in state/exclude already)"
+    return 0
+  fi
+  echo "$nodes" >> "$OUT/state/exclude"
+  log "$name: job $id was retired for failing its steps on $nodes; later group jobs avoid them (state/exclude)"
+}
+
 # resubmit NAME SCRIPT: a new job for NAME unless its restarts are used up.
 resubmit() {
   local name=$1 script=$2 n id
+  local args=(--parsable)
   n=$(cat "$OUT/state/$name.restarts" 2>/dev/null || echo 0)
   if [ "$n" -ge "$MAX_RESTARTS" ]; then
     log "$name: not resubmitted, $n restarts used (cluster.max_restarts=$MAX_RESTARTS)"
     return 1
   fi
-  if ! id=$(sbatch --parsable "$script"); then
+  if [ "$name" != coordinator ] && [ -s "$OUT/state/exclude" ]; then
+    args+=("--exclude=$(paste -sd, "$OUT/state/exclude")")
+  fi
+  if ! id=$(sbatch "${args[@]}" "$script"); then
     log "$name: sbatch failed; will retry"
     return 0
   fi
@@ -83,6 +127,7 @@ while [ ! -e "$OUT/state/STOP" ]; do
       touch "$OUT/state/$g.done"
     else
       log "$g: job $id ended with $st"
+      avoid_nodes "$g" "$id"
       if resubmit "$g" "$OUT/group-$g.sbatch"; then active=1; else touch "$OUT/state/$g.done"; fi
     fi
   done

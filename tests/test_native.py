@@ -9,7 +9,6 @@ import importlib
 import importlib.util
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -129,11 +128,19 @@ def test_where_it_can_be_built_the_hot_path_runs_compiled() -> None:
     assert not native.is_compiled(importlib.import_module("ftlm.ft.coordinator"))
 
 
-def test_the_makefile_rebuilds_when_a_compiled_source_changes() -> None:
-    makefile = (ROOT / "Makefile").read_text()
-    listed = re.search(r"^NATIVE_SOURCES := \$\(addprefix src/ftlm/ft/,(.*)\)$", makefile, re.M)
-    assert listed, "NATIVE_SOURCES not found in the Makefile"
-    assert sorted(listed.group(1).split()) == sorted(f"{m}.py" for m in native.COMPILED)
+def test_status_exits_1_unless_the_compiled_modules_can_run(tmp_path: Path) -> None:
+    """``make setup`` rebuilds when ``python -m ftlm.native status`` fails."""
+    package, compiled = _copy_sources(tmp_path)
+    code = ("import sys, pathlib, ftlm.native as n; n.PACKAGE_DIR, n.COMPILED_DIR = map(pathlib.Path, sys.argv[1:]); "
+            "sys.exit(n.main(['status']))")
+    out = _python(code, str(package), str(compiled))
+    assert out.returncode == 1 and out.stdout.startswith("interpreted: not built"), out.stdout + out.stderr
+    (compiled / native.MANIFEST).write_text(json.dumps({"tag": native._tag(), "sources": native._digests(package)}))
+    out = _python(code, str(package), str(compiled))
+    assert out.returncode == 0 and out.stdout == f"compiled (mypyc), {compiled}\n", out.stdout + out.stderr
+    (package / "history.py").write_text("# edited\n")
+    out = _python(code, str(package), str(compiled))
+    assert out.returncode == 1 and "history.py changed since the build" in out.stdout
 
 
 def test_the_index_lists_every_attribute_it_copies() -> None:

@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("status", help="say whether the compiled modules run, and why not (exit status 1 if not)")
     args = parser.parse_args(argv)
     if args.command == "status":
-        why = why_not()
+        why = why_not(COMPILED_DIR, PACKAGE_DIR)
         print(f"compiled (mypyc), {COMPILED_DIR}" if not why else f"interpreted: {why}")
         return 1 if why else 0
     print(f"native: compiling {', '.join(COMPILED)} with mypyc (about 20-60 s) ...", flush=True)

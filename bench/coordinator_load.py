@@ -968,7 +968,10 @@ coordinator's CPU was 16-18% for the same load) three pairs gave compiled p99 84
 against interpreted 94 / 103 / 149 ms: the interpreted coordinator meets the target only when the
 box is quick, the compiled one in every run so far. The sweep above (with `--trace`, whose
 timestamps cost the coordinator a little) has p99 85 ms at 2,000 groups (57 ms with 1.5 s
-heartbeats) and 86 ms at 3,000. It breaks between 3,000 and 4,000 groups: 130 ms at 4,000.
+heartbeats) and 86 ms at 3,000. It breaks between 3,000 and 4,000 groups: 130 ms at 4,000. Side
+by side there (`--sweep 3000,4000 --seconds 45 --hot-path both`, 11:57-12:04 UTC, one pair
+each): compiled p50 59 and 82 ms, p99 93 and 108 ms, against interpreted 68 and 98 ms, p99 100 and
+144 ms: what the compiled path saves grows with the groups.
 
 Where the milliseconds go at 2,000 groups (the sweep's decomposition row, medians; p99 in
 brackets). A member's 40 ms (85): (1) 16 ms (38) waiting for the other groups' asks: a step's

@@ -5,8 +5,9 @@ its index, the answers, the lean HTTP path) are ordinary typed Python. ``build``
 with mypyc into ``ftlm/ft/_compiled/`` (``make setup`` does, when a C compiler and the
 Python headers are there), with a manifest of the sources it compiled; ``ftlm.ft``'s
 ``__init__`` calls ``select`` at import, which puts ``_compiled/`` first on the package's
-search path when the manifest matches the sources on disk. Otherwise (not built, built from
-other sources, another Python) the interpreted modules run: the same code, slower (coordinator
+search path when the manifest matches the sources on disk and its library loads. Otherwise (not
+built, built from other sources, another Python, a library that does not load) the interpreted
+modules run: the same code, slower (coordinator
 load bench in BENCHMARKS.md).
 
 ``FTLM_NATIVE``: unset or ``auto`` (the compiled modules when they match), ``0`` (always the
@@ -64,7 +65,11 @@ def why_not(compiled_dir: Path = COMPILED_DIR, package_dir: Path = PACKAGE_DIR) 
                 "`python -m ftlm.native build`")
     built = manifest.get("sources")
     built = built if isinstance(built, dict) else {}
-    changed = [f"{m}.py" for m, digest in _digests(package_dir).items() if built.get(m) != digest]
+    try:
+        digests = _digests(package_dir)
+    except OSError as e:
+        return f"cannot read the sources to compare with the build ({e})"
+    changed = [f"{m}.py" for m, digest in digests.items() if built.get(m) != digest]
     if changed:
         return (f"{', '.join(changed)} changed since the build: `make setup` or "
                 "`python -m ftlm.native build` compiles them again")

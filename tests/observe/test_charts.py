@@ -99,7 +99,7 @@ def page_status(log: DashboardLog) -> dict:
     """A /status as the coordinator serves it, around the dashboard log's part."""
     return {"quorum_id": 3, "reason": "all asked", "head_step": 40, "members": [], "members_total": 0,
             "next_offset": None, "last_quorum": None, "dead": [], "dead_total": 0, "min_replicas": 1,
-            **log.to_json()}
+            "convicted": [{"group": "g2", "times": 1}], "hot_path": "compiled (mypyc)", **log.to_json()}
 
 
 def test_the_coordinator_status_carries_the_charts() -> None:
@@ -141,6 +141,7 @@ def test_page_draws_the_charts_in_headless_chromium(tmp_path: Path) -> None:
     polylines = re.findall(r'<polyline points="([^"]+)"', dom)
     assert len(polylines) == 3 and all(len(p.split()) >= 40 for p in polylines)  # participants, recovering, rate
     assert "NaN" not in dom
+    assert "hot path compiled (mypyc)" in dom and "<li>g2: 1 time</li>" in dom
     states = re.findall(r'data-group="(g\d)" data-state="(\w+)"', dom)
     assert [s for g, s in states if g == "g2"] == ["participating", "absent", "recovering", "participating"]
     assert re.search(r"live ETT \(coordinator's estimate from its quorums\): \d+\.\d%", dom)

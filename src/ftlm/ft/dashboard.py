@@ -199,7 +199,7 @@ function render(s) {
   const sources = last.sources || {};
   document.getElementById("summary").textContent =
     "quorum id " + s.quorum_id + " at step " + (last.step === undefined ? "-" : last.step) +
-    "; min_replicas " + s.min_replicas + "; " + s.reason + "; hot path " + s.hot_path +
+    "; min_replicas " + s.min_replicas + "; " + s.reason + (s.hot_path ? "; hot path " + s.hot_path : "") +
     (s.members_total > s.members.length ? "; showing " + s.members.length + " of " +
      s.members_total + " members (GET /status?offset=N for the rest)" : "");
   fill("members", s.members.map(m => {
@@ -216,7 +216,7 @@ function render(s) {
     q.reason, clock(q.unix)])));
   fill("failures", s.dead.map(d => el("li", d.replica_id + ": " + d.reason + ", " +
     d.seconds_ago.toFixed(1) + " s ago")), "none");
-  fill("convicted", s.convicted.map(c => el("li", c.group + ": " + c.times +
+  fill("convicted", (s.convicted || []).map(c => el("li", c.group + ": " + c.times +
     (c.times === 1 ? " time" : " times"))), "none");
   fill("recoveries", s.recoveries.map(r => el("li", r.replica_id + " from " + r.source +
     " at step " + r.step + " (quorum " + r.quorum_id + ", " + clock(r.unix) + ")")), "none");

@@ -347,9 +347,9 @@ class _Index:
     """
 
     ATTRIBUTES: ClassVar[tuple[str, ...]] = (
-        "heartbeats", "pending", "hb_claims", "hb_holders", "hb_version", "pending_claims", "hb_groups", 
-        "pending_groups", "idle", "orphans", "seen", "seen_low", "progress", "progress_low", 
-        "asked", "seq", "prev", "prev_ids", "prev_alive", "prev_idle", "chains_head", 
+        "heartbeats", "pending", "hb_claims", "hb_holders", "hb_version", "pending_claims", "hb_groups",
+        "pending_groups", "idle", "orphans", "seen", "seen_low", "progress", "progress_low",
+        "asked", "seq", "prev", "prev_ids", "prev_alive", "prev_idle", "chains_head",
         "unsettled_key", "in_flight", "unsettled", "head_info")
     """Every attribute ``__init__`` sets, for ``__deepcopy__`` (the compiled class has no ``__dict__``;
     a test checks the list against the interpreted class)."""

@@ -43,7 +43,8 @@ class Job:
     def ask(self, g: str) -> list:
         self.now += 0.01
         step, chain = self.state[g]
-        req = MemberRequest(self.rid(g), g, step, self.last_id[g], self.failed[g], {}, self.now, chain)
+        req = MemberRequest(self.rid(g), g, step, self.last_id[g], self.failed[g], {"store": f"host-{g}:29500"},
+                            self.now, chain)
         return self.feed(self.m.request(self.now, req))
 
     def feed(self, outputs: list) -> list[Quorum]:
@@ -118,7 +119,7 @@ def test_the_group_with_the_bad_link_is_found_and_retired_and_the_others_go_on()
     error = job.retired[0][1]
     assert "attempts without it" not in error and "committed without it" in error and "must exit" in error
     dead = [e for e in job.events if e.kind == "member_dead"]
-    assert [e.fields["replica_id"] for e in dead] == ["g2:a"]
+    assert [(e.fields["replica_id"], e.fields["host"]) for e in dead] == [("g2:a", "host-g2")]  # where to look
     # three failed attempts of the whole set, one without half the suspects (fails: g2 is in the
     # other half), one without g2 (commits: g2 is accused), and step 1's with g2 again (fails)
     probes = [q for q in job.quorums if q.left_out]

@@ -373,7 +373,7 @@ def test_the_group_whose_link_fails_every_step_is_found_and_restarted_while_the_
     summary = LocalLauncher(config, groups=3, progress=False, faults={"g1": ["allreduce_fails@8"]}).run()
     events = read_events(config.run.path / "events.jsonl")
     retired = [e for e in events if e["kind"] == "member_dead" and "committed without it" in e["reason"]]
-    assert [(e["target"], e["step"]) for e in retired] == [("g1", 9)], retired
+    assert [(e["target"], e["step"], e["host"]) for e in retired] == [("g1", 9, "127.0.0.1")], retired
     probes = [e["reason"].split("trying without ")[1].split()[0] for e in events
               if e["kind"] == "quorum" and e["reason"].startswith("probe:")]
     assert probes == ["g0", "g1"], probes

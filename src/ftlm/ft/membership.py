@@ -326,12 +326,16 @@ class Membership:
         restarted) instead of failing the next steps too."""
         hb = self.state.heartbeats.get(replica_id)
         group = hb.group if hb is not None else replica_id.split(":", 1)[0]
+        req = self.state.pending.get(replica_id)
+        store = str(req.meta.get("store", "")) if req is not None else ""
         if not remove_member(self.state, replica_id, now, why=f"was retired: {why}"):
             return  # it died or left meanwhile
         self.dead.append((now, replica_id, group, why))
         self.convictions.append((now, replica_id, probe))
-        out.append(Event("member_dead", {"group": group, "replica_id": replica_id, "reason": why,
-                                         "step": probe.step}))
+        fields: dict[str, Any] = {"group": group, "replica_id": replica_id, "reason": why, "step": probe.step}
+        if store.rpartition(":")[0]:  # the host its leader serves the group's store on: where the bad link is
+            fields["host"] = store.rpartition(":")[0]
+        out.append(Event("member_dead", fields))
         out.append(Answer(replica_id, 409, {"error": f"{replica_id} was retired: {why}; this process "
                                                       "must exit (its supervisor starts it again)"}))
 

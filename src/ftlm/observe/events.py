@@ -41,7 +41,8 @@ Kinds used across ftlm and their fields:
 * ``member_dead``: the coordinator declared ``target`` dead (``reason``: missed heartbeats, no
   progress while heartbeating, process exited, replaced by a new incarnation, or retired because
   attempts of ``step - 1`` failed with it and committed without it and ``step`` failed with it
-  again: a bad link or device, ``ftlm.ft.quorum.Probe``).
+  again: a bad link or device, ``ftlm.ft.quorum.Probe``; then ``host`` names the host its leader
+  ran on, where to look for the bad link).
 * ``member_left``: ``target`` left the job on purpose (``reason``: finished, stopped).
 * ``restore``: an explicit rollback: no live group held the newest committed state, so the job
   continues from ``to_step`` (``from_step``, ``holders``, ``reason``, ``source``). Commits of steps

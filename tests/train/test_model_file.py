@@ -1,5 +1,5 @@
 """The job's model file (``ftlm.train.model_file``): whatever order the groups of a job finish
-and write in, alone or at once, the file ends with the furthest state; a later run replaces it."""
+and write in, alone or at once, the file ends with the furthest state; it never goes back."""
 
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ def _write(path: Path, step: int) -> None:
     path.write_bytes(len(header).to_bytes(8, "little") + header)
 
 
-def _finish(run_dir: Path, name: str, step: int, started: float) -> None:
-    """One group's exit, as ``Trainer.save_model`` does it."""
+def _finish(run_dir: Path, name: str, step: int, joined: bool = True, final: int = 10**6) -> str:
+    """One group's exit, as ``Trainer.save_model`` does it; why it did not write ("" if it did)."""
     tmp = run_dir / f".model.safetensors.{name}.tmp"
     _write(tmp, step)
     try:
-        install_model(tmp, run_dir / "model.safetensors", step, started)
+        return install_model(tmp, run_dir / "model.safetensors", step, joined, final)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -34,15 +34,19 @@ def _finish(run_dir: Path, name: str, step: int, started: float) -> None:
 @given(steps=st.lists(st.integers(0, 30), min_size=1, max_size=8), old=st.none() | st.integers(0, 60))
 def test_groups_finishing_in_any_order_leave_the_furthest_state(tmp_path_factory, steps, old) -> None:
     run_dir = tmp_path_factory.mktemp("run")
-    if old is not None:  # an earlier run's model, written before this job's groups started
+    if old is not None:  # a model already in place (this job's, written by a group before)
         _write(run_dir / "model.safetensors", old)
-    started = time.time()
     for i, step in enumerate(steps):
-        _finish(run_dir, str(i), step, started)
-    assert read_stamp(run_dir / "model.safetensors").step == max(steps)
+        _finish(run_dir, str(i), step)
+    assert read_stamp(run_dir / "model.safetensors").step == max(steps + [old or 0])
     assert sorted(p.name for p in run_dir.iterdir()) == [".model.lock", "model.safetensors"]
-    _finish(run_dir, "later", 0, time.time())  # a new run into the directory, started since
-    assert read_stamp(run_dir / "model.safetensors").step == 0
+    # A group that never took part in a quorum writes nothing short of the final step; nothing
+    # goes back, whenever its writer started.
+    before = read_stamp(run_dir / "model.safetensors")
+    assert _finish(run_dir, "late", 0, joined=False)
+    if before.step > 0:
+        assert _finish(run_dir, "behind", before.step - 1)
+    assert read_stamp(run_dir / "model.safetensors").step == before.step
 
 
 def test_groups_finishing_at_once_leave_the_furthest_state(tmp_path) -> None:
@@ -51,11 +55,11 @@ def test_groups_finishing_at_once_leave_the_furthest_state(tmp_path) -> None:
     for attempt in range(20):
         run_dir = tmp_path / str(attempt)
         run_dir.mkdir()
-        started, go = time.time(), threading.Barrier(8)
+        go = threading.Barrier(8)
 
         def finish(i: int) -> None:
             go.wait(timeout=30)
-            _finish(run_dir, str(i), (i * 5) % 8, started)
+            _finish(run_dir, str(i), (i * 5) % 8)
 
         threads = [threading.Thread(target=finish, args=(i,)) for i in range(8)]
         for t in threads:

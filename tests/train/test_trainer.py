@@ -154,27 +154,47 @@ def test_a_group_stopped_behind_the_job_leaves_the_jobs_model_alone(tiny_config)
         t.loader.close()
 
 
-def test_a_group_that_knows_no_head_keeps_a_newer_model_written_while_it_ran(tiny_config) -> None:
-    """A group restarted from an older checkpoint and stopped before its first quorum knows no
-    head (``head_step`` 0): the file says which state it holds, and a newer one written by
-    another group since this group started is kept. A later run into the same directory (started
-    after that write) replaces it, whatever its step."""
-    straggler = Trainer.for_run(tiny_config(train={"steps": 1}, checkpoint={"resume": False}))
+class _NeverJoined(NoFaultTolerance):
+    """A group that never took part in a quorum in its incarnation (restarted after the job
+    finished, it waited for a quorum that never came and was stopped)."""
+
+    def head_step(self) -> int | None:
+        return None
+
+
+def test_a_group_that_never_joined_a_quorum_writes_no_model(tiny_config) -> None:
+    """A group restarted after the job finished, stopped at step 0 while it waited for a quorum,
+    wrote its untrained weights over the job's final model: a group that knows no quorum writes
+    no job model (unless it holds the final step), and a file is never replaced by a state behind
+    the one it holds, whoever writes it, whenever it started."""
     finished = Trainer.for_run(tiny_config(train={"steps": 3}))
     finished.train()
     path = finished.run_dir / "model.safetensors"
     written = path.read_bytes()
-    assert read_stamp(path) is not None and (read_stamp(path).step, read_stamp(path).chain) == (
-        3, finished.state.chain)
-    straggler.train()
-    assert straggler.state.step == 1 and path.read_bytes() == written
-    assert not list(path.parent.glob(".model.safetensors.*"))  # its temporary file is gone
-    later = Trainer.for_run(tiny_config(train={"steps": 1}, checkpoint={"resume": False}))
-    later.train()
-    assert (read_stamp(path).step, read_stamp(path).chain) == (1, later.state.chain)
-    load_weights(later.model, path)  # still the weights file train.init_from takes
-    for t in (finished, straggler, later):
+    assert (read_stamp(path).step, read_stamp(path).chain) == (3, finished.state.chain)
+    late = Trainer.for_run(tiny_config(train={"steps": 3}, checkpoint={"resume": False}),
+                           ft=_NeverJoined())
+    late.request_stop()  # SIGTERM while it waits for its first quorum
+    late.train()
+    assert late.state.step == 0 and path.read_bytes() == written
+    assert not list(path.parent.glob(".model.safetensors.*"))  # no temporary file left
+    behind = Trainer.for_run(tiny_config(train={"steps": 1}, checkpoint={"resume": False}))
+    behind.train()  # a lone group at its own head, but behind the file: it keeps the file
+    assert behind.state.step == 1 and path.read_bytes() == written
+    for t in (finished, late, behind):
         t.loader.close()
+
+
+def test_a_group_holding_the_final_step_writes_the_model_without_a_quorum(tiny_config) -> None:
+    """Restored from the final checkpoint after every other group left, a group ends at once
+    holding the job's final state: that state is the job's, quorum or not."""
+    trainer = Trainer.for_run(tiny_config(train={"steps": 2}), ft=_NeverJoined())
+    trainer.state.step = 2  # as restored from the checkpoint of the last step
+    trainer.train()
+    path = trainer.run_dir / "model.safetensors"
+    assert read_stamp(path).step == 2
+    load_weights(trainer.model, path)
+    trainer.loader.close()
 
 
 def test_a_model_file_without_a_stamp_is_replaced(tiny_config, tmp_path) -> None:

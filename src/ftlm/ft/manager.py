@@ -551,11 +551,11 @@ class Manager:
 
         threading.Thread(target=run, name="ftlm-fetch", daemon=True).start()
 
-    def head_step(self) -> int:
-        """The step of the last quorum this group was in (0 before any): a group whose state is
-        behind it (recovering, or restarted from an older checkpoint) does not hold the job's
-        newest state."""
-        return self.quorum.step if self.quorum is not None else 0
+    def head_step(self) -> int | None:
+        """The step of the last quorum this group was in (None before any: it knows no head, and
+        its state is not known to be the job's): a group whose state is behind it (recovering,
+        or restarted from an older checkpoint) does not hold the job's newest state."""
+        return self.quorum.step if self.quorum is not None else None
 
     def poll_recovery(self) -> Recovered | None:
         fetch = self._fetch

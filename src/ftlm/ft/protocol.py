@@ -91,7 +91,7 @@ class FaultTolerance(Protocol):
     def fire(self, point: str) -> None: ...
     def nonfinite_fault(self, step: int, start: int, stop: int) -> bool: ...
     def request_stop(self) -> None: ...
-    def head_step(self) -> int: ...
+    def head_step(self) -> int | None: ...
     def close(self) -> None: ...
 
 
@@ -150,9 +150,9 @@ class NoFaultTolerance:
     def nonfinite_fault(self, step: int, start: int, stop: int) -> bool:
         return False
 
-    def head_step(self) -> int:
+    def head_step(self) -> int | None:
         """The step of the last quorum this group was in (the job's head as it knows it); a lone
-        group is always at its own head."""
+        group is always at its own head (0: never ahead of it)."""
         return 0
 
     def close(self) -> None:

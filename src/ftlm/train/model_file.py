@@ -1,15 +1,14 @@
 """The run's final weights, ``RUN_DIR/model.safetensors``: which state they are, and who may
 replace them.
 
-Every group of a job writes the job's weights into the one run directory as it exits. A group
-that stops behind the job (recovering, or restarted from an older checkpoint and stopped before
-its first quorum) must not replace a newer state that a finished group wrote while it ran: the
-trainer skips the write when it knows the job's head (``FaultTolerance.head_step``), and the file
-itself says which state it holds (safetensors metadata ``ftlm.step``, ``ftlm.chain``,
-``ftlm.written_at``), so that a writer that knows no head yet keeps a newer state written
-during its own lifetime (``install_model``). A file written before the writer started (an earlier
-run into the same directory, or an earlier launch of this job) is replaced as before: a new run
-with fewer steps still gets its own model.
+Every group of a job writes the job's weights into the one run directory as it exits. The file
+says which state it holds (safetensors metadata ``ftlm.step``, ``ftlm.chain``,
+``ftlm.written_at``), and ``ftlm.ft.end_of_run.may_write_model`` decides whether a group's state
+may replace it: never a state behind the one the file holds, and only a state the group knows to
+be the job's (it took part in a quorum and is not behind its head, or it holds the final step).
+The check and the replacement are one step under the run directory's model lock
+(``install_model``). A new run into a directory holding an earlier run's model moves that
+record aside first (``ftlm.train.run_record``): a group's exit never does.
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from ftlm.ft.end_of_run import may_write_model
 
 log = logging.getLogger(__name__)
 
@@ -62,24 +63,18 @@ def read_stamp(path: Path) -> ModelStamp | None:
         return None
 
 
-def newer_model(path: Path, step: int, since: float) -> ModelStamp | None:
-    """The stamp of the model file at ``path`` when it holds a state newer than ``step`` that was
-    written at or after ``since`` (by another group of the job while the caller ran); else None."""
-    stamp = read_stamp(path)
-    if stamp is not None and stamp.step > step and stamp.written_at >= since:
-        return stamp
-    return None
-
-
-def install_model(tmp: Path, path: Path, step: int, since: float) -> ModelStamp | None:
-    """Move the model file written at ``tmp`` (the state at ``step``) to ``path``, unless ``path``
-    holds a newer state written at or after ``since``: then that state's stamp is returned and
-    ``tmp`` is left for the caller to remove. Under the run directory's model lock."""
+def install_model(tmp: Path, path: Path, step: int, joined: bool, final_step: int,
+                  head: int = 0) -> str:
+    """Move the model file written at ``tmp`` (the state at ``step``) to ``path`` when
+    ``may_write_model`` allows it over what ``path`` holds; returns "" when it did, else why not
+    (``tmp`` is then left for the caller to remove). Under the run directory's model lock."""
     with model_lock(path.parent):
-        newer = newer_model(path, step, since)
-        if newer is None:
+        held = read_stamp(path)
+        ok, why = may_write_model(held.step if held is not None else None, step, joined,
+                                  final_step, head)
+        if ok:
             os.replace(tmp, path)
-        return newer
+        return why
 
 
 @contextlib.contextmanager

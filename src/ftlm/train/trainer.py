@@ -29,6 +29,7 @@ from ftlm.data.split import split_heldout
 from ftlm.data.tokenizer import Tokenizer
 from ftlm.errors import ConfigError, DataError
 from ftlm.ft.group import TooManyFailures, check_replay
+from ftlm.ft.end_of_run import may_write_model
 from ftlm.ft.history import extend_chain
 from ftlm.ft.protocol import FaultTolerance, NoFaultTolerance, Recovered, ReloadCheckpoint, StepPlan, StopRequested
 from ftlm.model import Transformer, flops_per_token
@@ -173,7 +174,6 @@ class Trainer:
         and starts its own metrics. ``config`` holds only the sections training reads
         (``RunConfig.trainer_config()``, or ``Trainer.for_run``)."""
         self.config = config
-        self.started_at = time.time()  # a model file written since is another group's (model_file)
         self.ft = ft or NoFaultTolerance()
         self.group = group
         self.groups = groups
@@ -786,10 +786,19 @@ class Trainer:
 
     def save_model(self) -> Path:
         """Write the model weights as ``model.safetensors`` in the run directory (atomically),
-        stamped with the state they are (``ftlm.train.model_file``); a newer state that another
-        group of the job wrote while this one ran is kept."""
+        stamped with the state they are (``ftlm.train.model_file``), when this group's state may
+        be the job's model (``ftlm.ft.end_of_run.may_write_model``): never over a newer state,
+        never from a group that knows no quorum unless it holds the final step."""
         from safetensors.torch import save_file, save_model
         path = self.run_dir / MODEL_FILE
+        head = self.ft.head_step()
+        joined, final = head is not None, self.config.train.steps
+        # Decided alike on every rank (the file is read by rank 0 only, below): the gather of a
+        # sharded model is a collective.
+        ok, why = may_write_model(None, self.state.step, joined, final, head or 0)
+        if not ok:
+            log.info("not writing %s: %s", path, why)
+            return path
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         meta = stamp_metadata(self.state.step, self.state.chain)
         try:
@@ -803,21 +812,15 @@ class Trainer:
                 if self.rank != 0:
                     return path
                 save_file({k: v.clone().contiguous() for k, v in full.items()}, str(tmp), metadata=meta)
-            newer = install_model(tmp, path, self.state.step, self.started_at)
-            if newer is not None:
-                log.info("not writing %s: it holds step %d, written by another group since this one "
-                         "started; this group stopped at step %d", path, newer.step, self.state.step)
+            why = install_model(tmp, path, self.state.step, joined, final, head or 0)
+            if why:
+                log.info("not writing %s: %s", path, why)
         finally:
             tmp.unlink(missing_ok=True)
         return path
 
     def _finish(self, wall_seconds: float) -> dict:
-        head = self.ft.head_step()
-        if self.state.step >= head:
-            self.save_model()
-        else:  # the job's model is a newer state's: a straggler must not replace it
-            log.info("not writing %s: this group stopped at step %d, behind the job's step %d (a group "
-                     "holding the newer state writes it)", self.run_dir / MODEL_FILE, self.state.step, head)
+        self.save_model()
         if not self.standalone or self.rank != 0:
             return {"state_hash": self.state_hash(), "step": self.state.step, "rank": self.rank}
         events = read_events(self.run_dir / "events.jsonl")

@@ -59,7 +59,8 @@ def _digest(state: TrainState) -> str:
 
 
 def _steps_on_disk(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir())
+    """The checkpoint directories under ``root`` (not the lock the final save takes)."""
+    return sorted(p.name for p in root.iterdir() if p.name != ".save.lock")
 
 
 def _flip(file: Path, n: int = 64) -> None:

@@ -27,6 +27,8 @@ encryption, and live recovery between groups (``ftlm.ft.transport``).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import hmac
 import io
@@ -41,6 +43,7 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -392,6 +395,20 @@ def verify(path: Path, key: bytes | None = None, share: tuple[int, int] = (0, 1)
     return Verified(path, manifest["step"], manifest, metadata)
 
 
+def newest_intact(root: Path, key: bytes | None = None) -> int | None:
+    """The step ``Checkpointer.restore_latest`` would resume from: that of the newest checkpoint
+    under ``root`` that ``verify`` accepts under ``key``; None when none does. Loads nothing and
+    moves nothing aside (the groups do, when they restore). Raises ``UnverifiableCheckpoint``
+    where restoring would."""
+    for step, path in reversed(valid_checkpoints(root)):
+        try:
+            verify(path, key)
+        except RejectedCheckpoint:
+            continue
+        return step
+    return None
+
+
 @timed_io("checkpoint_read", lambda _, ckpt, *a, **k: sum(f["size"] for f in ckpt.manifest["files"].values()))
 def load_verified(checkpoint: Verified, state_dict: dict[str, Any],
                   process_group: Any = None) -> None:
@@ -400,6 +417,26 @@ def load_verified(checkpoint: Verified, state_dict: dict[str, Any],
            storage_reader=VerifiedReader(checkpoint.path, checkpoint.metadata,
                                          set(checkpoint.manifest["files"])),
            planner=WeightsOnlyLoadPlanner(), process_group=process_group)
+
+
+@contextlib.contextmanager
+def _dir_lock(root: Path, held: bool) -> Iterator[None]:
+    """Hold ``root/.save.lock`` (an advisory ``flock``) when ``held``; where the file system has
+    no locks, go on without it (the groups of a job then may write one checkpoint twice, each
+    valid: a save replaces a directory whole only in its writer's own group)."""
+    if not held:
+        yield
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / ".save.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            log.warning("cannot lock %s (%s): saving without it", root / ".save.lock", e)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 # Verdicts of one rank on one checkpoint; the group acts on the highest any rank reached.
@@ -458,6 +495,24 @@ class Checkpointer:
         except (Exception, CheckpointException) as e:  # a full disk, a lost mount: one message
             raise CheckpointError(f"writing checkpoint {path} failed: {_reason(e)}") from e
         self._finish(step, path, started)
+
+    def save_once(self, state: TrainState) -> bool:
+        """Save ``state`` now, and wait until it is valid, unless a complete checkpoint of its
+        step is on disk already (another group of the job wrote it); whether this call saved.
+
+        For the last step, which every group that finishes the job makes sure of: under the
+        checkpoint directory's lock (``.save.lock``, an advisory ``flock`` held by the writing
+        rank), so that groups finishing at once write it once and never over each other. Every
+        rank of a group calls it (the save is a collective); the writing rank decides."""
+        self.wait()
+        rank, ranks = self._share()
+        with _dir_lock(self.root, held=self.writer):
+            on_disk = any(step == state.step for step, _ in valid_checkpoints(self.root))
+            if self._agree(int(on_disk) if rank == 0 else 0, ranks):
+                return False
+            self.save(state)
+            self.wait()
+        return True
 
     def poll(self) -> None:
         """Finish a background save that has completed (cheap; call once per step)."""

@@ -426,10 +426,9 @@ class Trainer:
                                data_wait_seconds=self.loader.wait_seconds)
         self.metrics.sample_memory()
         self._checkpoint(self.checkpointer.poll)
-        # The last step is always made durable: a group restarted after the others finished and
-        # left resumes at the end instead of from an older checkpoint the job has moved past.
-        final = state.step == tc.steps and self.checkpointer.every > 0
-        if (self.checkpointer.due(state.step) or final) and plan.participant_index == 0:
+        if state.step == tc.steps and plan.participant_index == 0:
+            self._save_final()  # at once by its writer; by any group that finishes, if not on disk
+        elif self.checkpointer.due(state.step) and plan.participant_index == 0:
             self._checkpoint(self.checkpointer.wait)  # a save in flight that failed: on its own
             self._checkpoint(lambda: self.checkpointer.save(state))
         if self.evaluator.due(state.step):  # committed, participating: every rank of the group
@@ -644,6 +643,7 @@ class Trainer:
                 self._save_giving_up()
                 raise
             if self.state.step >= tc.steps:
+                self._save_final()
                 # Serve the groups still catching up, then leave the job (not a failure); a
                 # SIGTERM meanwhile ends the serving and still leaves.
                 self.ft.finish(self.state.step, self.state.chain, self.state.flat)
@@ -707,9 +707,27 @@ class Trainer:
 
     def _saves_on_stop(self) -> bool:
         """Whether this group saves its committed state on its way out: it wrote the last
-        step's checkpoints, ``checkpoint.on_stop`` is on and that step is not on disk already."""
-        return (self._writer and self.config.checkpoint.on_stop and self.checkpointer.every > 0
+        step's checkpoints, ``checkpoint.on_stop`` is on and that step is not on disk already
+        (periodic checkpoints on or off: a job stopped as a whole resumes where it stopped)."""
+        return (self._writer and self.config.checkpoint.on_stop
                 and not self.checkpointer.due(self.state.step))
+
+    def _save_final(self) -> None:
+        """Make the job's last step durable, whatever ``checkpoint.every`` says, unless another
+        group did (``Checkpointer.save_once``): a group restarted after the others finished and
+        left resumes there and ends at once holding the final state, instead of training alone
+        from an older checkpoint, or from step 0. A failure is logged, never raised: the groups
+        still hold the state."""
+        t0 = time.perf_counter()
+        try:
+            saved = self.checkpointer.save_once(self.state)
+        except (CheckpointError, OSError) as e:
+            log.warning("the final step %d was not saved (%s); a group restarted after the others "
+                        "left would have no final state to resume", self.state.step, e)
+            self.events.emit("checkpoint_failed", step=self.state.step, error=str(e))
+            return
+        if saved:
+            log.info("saved the final step %d in %.1f s", self.state.step, time.perf_counter() - t0)
 
     def _save_giving_up(self) -> None:
         """This group gives up (``ft.max_consecutive_failures`` steps failed with the same

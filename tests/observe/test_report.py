@@ -56,7 +56,7 @@ def test_report_flags_diverged_replicas_and_data_problems(runs, tmp_path):
 def test_format_summary_is_a_few_lines_with_the_headline(runs):
     summary = _summary(runs.failure_run(pause=1.3))
     text = format_summary(summary)
-    assert len(text.splitlines()) == 3
+    assert len(text.splitlines()) == 4
     assert "100 steps committed (0 failed)" in text
     assert f"ETT {summary['ett']:.1%}" in text
     assert "1 injected, 1 detected, 1 recoveries" in text

@@ -114,13 +114,16 @@ def test_a_gap_is_charged_to_one_event_only(runs):
     assert stall_seconds(events, 0.1) == [pytest.approx(2.0, abs=1e-6), 0.0]
 
 
-def test_healthy_groups_that_never_commit_again_stall_until_the_end_of_the_log(runs):
-    # A blocks forever waiting for B (a wedged all-reduce) until the run is interrupted.
+def test_healthy_groups_that_never_commit_again_wait_in_the_end_not_in_a_stall(runs):
+    # A blocks forever waiting for B (a wedged all-reduce) until the run is interrupted: no
+    # commit closes a gap, so the wait is the timeline's end, after the last commit.
     events = runs.steady_run(10, groups=("A", "B"), stop={"A": 5, "B": 5})
     last = max(e["ts"] for e in events)
     events += [runs.event(1000.45, "failure_injected", "", -1, target="B"),
                runs.event(last + 3.0, "run_end", "", -1, reason="interrupted")]
-    assert stall_seconds(events, 0.1) == [pytest.approx(3.0 - 0.1, abs=1e-6)]
+    assert stall_seconds(events, 0.1) == [0.0]
+    summary = build_summary(events, wall_seconds=3.0, state_hashes={}, config={}, groups=["A", "B"])
+    assert summary["timeline"]["end_seconds"] == pytest.approx(3.0, abs=1e-3)
 
 
 def test_member_dead_of_a_group_that_exited_cleanly_is_not_a_failure(runs):

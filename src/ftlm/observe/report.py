@@ -20,6 +20,8 @@ LOSS_ROWS = 20
 """About how many rows the loss-vs-step table keeps (first and last step always included)."""
 TIMELINE_ROWS = 50
 """At most this many failures are listed one by one."""
+CONSOLE_UNEXPLAINED = 5
+"""At most this many unexplained failures are named on the console."""
 
 
 def _seconds(value: float | None) -> str:
@@ -61,10 +63,47 @@ def _identical(summary: dict) -> str:
 
 
 def _failures(summary: dict) -> str:
-    text = f"{summary['failures_injected']} / {summary['failures_detected']}"
+    """``injected / detected``, with why the two differ: detections of failures nobody injected,
+    injections nobody detected."""
+    detected = summary["failures_detected"]
+    notes = []
+    if summary.get("failures_unexplained"):
+        notes.append(f"{summary['failures_unexplained']} of the {detected} detected were not "
+                     "injected: see Unexplained failures")
     if summary.get("failures_undetected"):
-        text += f" ({summary['failures_undetected']} injected never detected)"
-    return text
+        notes.append(f"{summary['failures_undetected']} injected never detected")
+    text = f"{summary['failures_injected']} / {detected}"
+    return text + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _timeline_rows(summary: dict) -> list[list[str]]:
+    """Start-up, longest gap between commits and end (``summary["timeline"]``; none in a summary
+    written before it existed)."""
+    timeline = summary.get("timeline")
+    if not timeline:
+        return []
+    step = timeline.get("max_commit_gap_step")
+    return [["start-up", f"{_seconds(timeline['startup_seconds'])} (to the first commit)"],
+            ["longest gap between commits", _seconds(timeline["max_commit_gap_seconds"])
+             + (f" (before step {step})" if step is not None else "")],
+            ["end", f"{_seconds(timeline['end_seconds'])} (from the last commit)"]]
+
+
+def _console_timeline(summary: dict) -> str:
+    """The console's line on where the time without progress fell, and the stalls."""
+    timeline = summary.get("timeline")
+    stalls = f"stalls {_stalls(summary['stall_seconds'])}"
+    if not timeline:
+        return stalls
+    step = timeline.get("max_commit_gap_step")
+    return (f"start-up {_seconds(timeline['startup_seconds'])}, longest gap between commits "
+            f"{_seconds(timeline['max_commit_gap_seconds'])}"
+            + (f" (before step {step})" if step is not None else "")
+            + f", end {_seconds(timeline['end_seconds'])} after the last commit; {stalls}")
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
 
 
 def _headline(summary: dict) -> list[str]:
@@ -77,6 +116,7 @@ def _headline(summary: dict) -> list[str]:
         ["ETT", f"{summary['ett']:.1%}"],
         ["steady rate", f"{summary.get('steady_tokens_per_second', 0):,.0f} tokens/s"],
         ["median step", _seconds(summary.get("median_step_seconds"))],
+        *_timeline_rows(summary),
         ["failures injected / detected", _failures(summary)],
         ["recoveries", str(summary["recoveries"])],
         ["stalls", _stalls(summary["stall_seconds"])],
@@ -169,6 +209,22 @@ def _timeline(summary: dict, events: list[dict]) -> list[str]:
     return _table(["t (s)", "event", "group", "stall"], rows) + more
 
 
+def _unexplained(summary: dict) -> list[str]:
+    """The "Unexplained failures" section: each detected failure nobody injected, with the
+    detector's reason; empty when there is none."""
+    rows = summary.get("unexplained_failures") or []
+    if not rows:
+        return []
+    table = [[f"{u['t']:.2f}", _cell(u["group"] or "-"), u["detected_by"], _cell(u["reason"] or "-")]
+             for u in rows[:TIMELINE_ROWS]]
+    more = [f"({len(rows) - TIMELINE_ROWS} more not listed)"] if len(rows) > TIMELINE_ROWS else []
+    return ["## Unexplained failures", "",
+            "Detected failures that chaos did not inject: a process that crashed, or one the "
+            "supervisor or the coordinator took for hung (a start-up timeout or a missed "
+            "heartbeat of a process that was only slow).", "",
+            *_table(["t (s)", "group", "detected by", "reason"], table), *more, ""]
+
+
 def _loss_table(events: list[dict]) -> list[str]:
     steps = commit_steps(events)
     if not steps:
@@ -198,6 +254,7 @@ def render_report(summary: dict, events: list[dict], title: str = "run",
              "## Groups", "", *_per_group(summary, events), "",
              "## GPU-hours", "", *_gpu_hours(summary), "",
              "## Failures and rejoins", "", *_image(plots, "stalls"), *_timeline(summary, events), "",
+             *_unexplained(summary),
              "## Loss", "", *_image(plots, "loss"), *_loss_table(events), ""]
     return "\n".join(parts)
 
@@ -232,7 +289,11 @@ def format_summary(summary: dict) -> str:
         f"{summary['tokens_committed']:,} tokens in {_seconds(summary['wall_seconds'])}, "
         f"ETT {summary['ett']:.1%}",
         f"failures: {summary['failures_injected']} injected, {summary['failures_detected']} "
-        f"detected, {summary['recoveries']} recoveries; stalls {_stalls(summary['stall_seconds'])}",
+        f"detected"
+        + (f" ({summary['failures_unexplained']} not injected)"
+           if summary.get("failures_unexplained") else "")
+        + f", {summary['recoveries']} recoveries",
+        _console_timeline(summary),
         f"final loss {_loss(summary['final_loss'])}; replicas identical: {identical}{hashes}; "
         f"data: {data.get('duplicates', 0)} duplicates, {data.get('gaps', 0)} gaps"
         + (f"; {data['restores']} rollback(s), {data.get('rolled_back_steps', 0)} steps superseded"
@@ -244,6 +305,13 @@ def format_summary(summary: dict) -> str:
     if summary.get("failures_undetected"):
         lines.append(f"WARNING: {summary['failures_undetected']} injected failure(s) were never "
                      "detected")
+    unexplained = summary.get("unexplained_failures") or []
+    if unexplained:
+        named = ", ".join(f"{u['group']} at {u['t']:.2f} s ({u['detected_by']}: {u['reason'] or '-'})"
+                          for u in unexplained[:CONSOLE_UNEXPLAINED])
+        more = (f" and {len(unexplained) - CONSOLE_UNEXPLAINED} more (report.md)"
+                if len(unexplained) > CONSOLE_UNEXPLAINED else "")
+        lines.append(f"WARNING: {len(unexplained)} detected failure(s) nobody injected: {named}{more}")
     if summary.get("checkpoints_failed"):
         lines.append(f"WARNING: {summary['checkpoints_failed']} durable checkpoint save(s) failed "
                      "(checkpoint_failed events in events.jsonl); training went on")

@@ -20,7 +20,10 @@ Vocabulary used below:
   (``group_exit`` with ``ok`` false, ``member_killed``) or the coordinator (``member_dead``)
   detects it; a coordinator failure is detected by its ``coordinator_restart``;
 * a *failure event* (stalls, plots) is an injected failure, a detected failure that was not
-  injected, or a rejoin (``recovery_start``).
+  injected, or a rejoin (``recovery_start``);
+* the *timeline* splits the time without progress by where it fell: the start-up (before the
+  first commit), the gaps between commits (the stalls that failures cause happen there) and the
+  end (after the last commit: groups finishing, late groups rejoining a finished job).
 """
 
 from __future__ import annotations
@@ -89,6 +92,8 @@ class FailureEvent:
     how: str = ""
     """What happened, in a word: ``killed`` or ``hung`` (by signal), ``slowed``, ``exited``,
     ``died``, ``restarted`` (the coordinator), ``rejoin``."""
+    reason: str = ""
+    """Why the detector acted, as it said (``_reason``); empty for injections and rejoins."""
 
 
 def _group_id(name: Any) -> str:
@@ -121,6 +126,15 @@ def _how(event: dict) -> str:
         return {"SIGSTOP": "hung", "nonfinite": "non-finite", **NOT_FAILURES}.get(signal, "killed")
     return {"member_dead": "died", "member_killed": "hung", "group_exit": "exited",
             "coordinator_restart": "restarted", "recovery_start": "rejoin"}.get(kind, kind)
+
+
+def _reason(event: dict) -> str:
+    """Why a detection event was emitted: the ``reason`` of a ``member_killed`` or
+    ``member_dead``, the ``cause`` and exit status of a failed ``group_exit``."""
+    if event["kind"] == "group_exit":
+        cause, code = event.get("cause") or "failed", event.get("code")
+        return cause if code is None else f"{cause}, exit status {code}"
+    return str(event.get("reason") or "")
 
 
 def _by_time(events: list[dict]) -> list[dict]:
@@ -342,7 +356,7 @@ def failure_ledger(events: list[dict]) -> FailureLedger:
             last[group] = ts
             if group in exited or repeat:
                 continue
-        seen = FailureEvent(ts=ts, kind=kind, group=group, how=_how(event))
+        seen = FailureEvent(ts=ts, kind=kind, group=group, how=_how(event), reason=_reason(event))
         detected.append(seen)
         pending = open_.get(group, [])
         for j, (_, fail_inc) in enumerate(pending):
@@ -411,19 +425,20 @@ def stall_seconds(events: list[dict], median_step: float,
     For an event at time ``t`` about group ``g``, the *progress series* is the time of each step's
     earliest commit by any group other than ``g`` (the job progresses when any healthy group
     commits; all groups' commits if no other group ever committed). Its gaps are the intervals
-    between consecutive progress times; if the healthy groups never commit after ``t``, the end of
-    the log closes the last gap. A gap ``(a, b)`` belongs to the first event inside it (``a <= t <
-    b``); a gap containing no event belongs to the latest event before ``a``, if ``a`` is within
-    ``horizon`` of it. So every gap is charged to at most one event, and a failure followed
-    quickly by its group's rejoin is not charged twice. The stall of the event is its longest gap
-    minus ``median_step`` (a normal step between commits), floored at 0 (no gap: 0).
+    between consecutive progress times. A gap ``(a, b)`` belongs to the first event inside it
+    (``a <= t < b``); a gap containing no event belongs to the latest event before ``a``, if ``a``
+    is within ``horizon`` of it. So every gap is charged to at most one event, and a failure
+    followed quickly by its group's rejoin is not charged twice. The stall of the event is its
+    longest gap minus ``median_step`` (a normal step between commits), floored at 0 (no gap: 0).
+    An event after the healthy groups' last commit has no gap (0): the time from the last commit
+    to the end of the run is the timeline's ``end_seconds`` (``commit_timeline``), whether the
+    job had finished and waited for late groups or hung until stopped.
     """
     ordered = _by_time(events)
     fails = failure_events(ordered)
     if not fails:
         return []
     times = [f.ts for f in fails]
-    log_end = ordered[-1]["ts"]
     series_of: dict[str, list[float]] = {}
 
     def owner(a: float, b: float) -> int | None:
@@ -440,8 +455,6 @@ def stall_seconds(events: list[dict], median_step: float,
             series = _progress_times(ordered, exclude=fail.group) or _progress_times(ordered, None)
             series_of[fail.group] = series
         series = series_of[fail.group]
-        if series and series[-1] <= fail.ts and log_end > series[-1]:
-            series = series + [log_end]  # no healthy commit after the event: stalled to the end
         longest = 0.0
         i = max(bisect.bisect_right(series, fail.ts) - 1, 0)
         while i + 1 < len(series) and series[i] < fail.ts + horizon:
@@ -452,6 +465,56 @@ def stall_seconds(events: list[dict], median_step: float,
         # Rounded to microseconds so that float noise in timestamps does not read as a stall.
         stalls.append(round(max(0.0, longest - median_step), 6))
     return stalls
+
+
+def commit_timeline(events: list[dict]) -> dict:
+    """Where the record's time without progress fell (``summary["timeline"]``), in seconds:
+
+    * ``startup_seconds``: from the start of a launch to the job's first commit after it; a
+      launch starts at the record's first event (the launcher's ``run_start``) and, for a
+      relaunch, at its ``run_start``; the longest start-up of the record. A record without a
+      commit spent all of its span starting;
+    * ``max_commit_gap_seconds``: the longest interval between consecutive *progress times* of
+      the job, the earliest commit of each step (any group's commit of step ``s + 1`` after the
+      first commit of step ``s``), not counting an interval that holds a relaunch's
+      ``run_start`` (a downtime between launches and a start-up, not a gap of the running job);
+      ``max_commit_gap_step`` is the step committed at its end (None without a gap);
+    * ``end_seconds``: from the last commit to the end of the record, its last ``run_end`` after
+      that commit, or its last event when there is none (finished groups waiting for late ones,
+      or a job that hung until it was stopped).
+
+    Failures stall the job inside commit gaps (``stall_seconds``); the start-up and the end are
+    reported apart so that neither reads as one. ``events`` is a final history."""
+    ordered = _by_time(events)
+    progress = sorted((rec.ts, rec.step) for rec in commit_steps(ordered))
+    if not progress:
+        span = ordered[-1]["ts"] - ordered[0]["ts"] if ordered else 0.0
+        return {"startup_seconds": round(span, 3), "max_commit_gap_seconds": 0.0,
+                "max_commit_gap_step": None, "end_seconds": 0.0}
+    times = [t for t, _ in progress]
+    relaunches = [e["ts"] for e in ordered if e["kind"] == "run_start" and e["ts"] > times[0]]
+    startup = times[0] - ordered[0]["ts"]
+    for start in relaunches:
+        after = bisect.bisect_left(times, start)
+        if after < len(times):
+            startup = max(startup, times[after] - start)
+    gap, gap_step = 0.0, None
+    for (a, _), (b, step) in zip(progress, progress[1:]):
+        k = bisect.bisect_left(relaunches, a)
+        if b - a > gap and not (k < len(relaunches) and relaunches[k] <= b):
+            gap, gap_step = b - a, step
+    ends = [e["ts"] for e in ordered if e["kind"] == "run_end" and e["ts"] >= times[-1]]
+    end = (ends[-1] if ends else ordered[-1]["ts"]) - times[-1]
+    return {"startup_seconds": round(startup, 3), "max_commit_gap_seconds": round(gap, 3),
+            "max_commit_gap_step": gap_step, "end_seconds": round(end, 3)}
+
+
+def _unexplained_rows(ledger: FailureLedger, t0: float) -> list[dict]:
+    """``summary["unexplained_failures"]``: each detected failure nobody injected, with its group,
+    what detected it (``detected_by``: the event kind), why (``reason``: ``_reason``) and when:
+    ``ts`` (unix seconds) and ``t`` (seconds since ``t0``, the record's first event)."""
+    return [{"t": round(f.ts - t0, 3), "ts": f.ts, "group": f.group, "detected_by": f.kind,
+             "reason": f.reason} for f in ledger.unexplained]
 
 
 def disturbance_times(events: list[dict]) -> list[float]:
@@ -569,7 +632,9 @@ def build_summary(events: list[dict], *, wall_seconds: float, state_hashes: dict
                   config: dict, groups: list[str]) -> dict:
     """Every field of ``summary.json`` (DESIGN.md section 10), plus ``median_step_seconds``,
     ``steady_tokens_per_second``, ``failures_undetected`` (injected failures nobody noticed),
-    ``failures_unexplained`` (detected failures nobody injected: crashes, false hang alarms),
+    ``failures_unexplained`` (detected failures nobody injected: crashes, false hang alarms)
+    and ``unexplained_failures`` (each of them, with its reason: ``_unexplained_rows``),
+    ``timeline`` (start-up, longest gap between commits, end: ``commit_timeline``),
     ``crashes`` (group processes that failed on their own), ``checkpoints_failed`` (durable
     checkpoint saves that failed; training went on), ``gpu_hours`` by state and ``cost``
     when ``config`` prices GPU-hours (``ftlm.observe.cost``) and ``problems`` (``proof_problems``).
@@ -584,6 +649,7 @@ def build_summary(events: list[dict], *, wall_seconds: float, state_hashes: dict
     median, steady, tokens = figures.median_step_seconds, figures.steady_tps, figures.tokens
     wall_seconds = figures.wall_seconds
     hashes = dict(state_hashes)
+    t0 = min((e["ts"] for e in events), default=0.0)
     summary = {
         "steps_committed": len(steps),
         "steps_failed": sum(1 for e in events if e["kind"] == "step_failed"),
@@ -594,12 +660,14 @@ def build_summary(events: list[dict], *, wall_seconds: float, state_hashes: dict
         "failures_detected": len(ledger.detected),
         "failures_undetected": len(ledger.undetected),
         "failures_unexplained": len(ledger.unexplained),
+        "unexplained_failures": _unexplained_rows(ledger, t0),
         "crashes": [{"group": affected_group(e), "incarnation": e.get("incarnation"),
                      "code": e.get("code")} for e in crashed_exits(events)],
         "recoveries": sum(1 for e in events
                           if e["kind"] == "recovery_end" and e.get("ok") is True),
         "checkpoints_failed": sum(1 for e in events if e["kind"] == "checkpoint_failed"),
         "stall_seconds": [round(s, 3) for s in stall_seconds(events, median)],
+        "timeline": commit_timeline(events),
         "final_loss": steps[-1].loss if steps else None,
         "final_eval_loss": final_eval_loss(events),
         "state_hashes": hashes,

@@ -56,14 +56,26 @@ class Settings:
     hang: bool = True
     coordinator: bool = True
     preempt: bool = False
+    layout: tuple[int, int] | None = None
+    """(groups, ranks per group) of every run; None: alternate ``LAYOUTS`` by seed."""
+    checkpoint_every: int = 50
 
     def key(self) -> str:
         """Results of the same settings are comparable (and resumable)."""
         key = f"steps={self.steps} mtbf={self.mtbf:g} hang={self.hang} coord={self.coordinator}"
-        return key + (" preempt=True" if self.preempt else "")
+        key += " preempt=True" if self.preempt else ""
+        key += f" layout={self.layout[0]}x{self.layout[1]}" if self.layout else ""
+        return key + (f" every={self.checkpoint_every}" if self.checkpoint_every != 50 else "")
+
+    def section(self) -> str:
+        """The BENCHMARKS.md section of these settings' table."""
+        name = SECTION + ("_preempt" if self.preempt else "")
+        return name + (f"_{self.layout[0]}x{self.layout[1]}" if self.layout else "")
 
 
-def layout(seed: int) -> tuple[int, int]:
+def layout(seed: int, settings: Settings | None = None) -> tuple[int, int]:
+    if settings is not None and settings.layout is not None:
+        return settings.layout
     return LAYOUTS[seed % len(LAYOUTS)]
 
 
@@ -100,7 +112,7 @@ threads = 1
 [checkpoint]
 # Durable checkpoints: when chaos takes every group holding the newest state, the job rolls back
 # (an explicit restore) to the newest intact checkpoint instead of to step 0.
-every = 50
+every = {settings.checkpoint_every}
 keep = 2
 
 [ft]
@@ -126,7 +138,7 @@ progress = false
 
 def run_one(seed: int, settings: Settings, root: Path) -> dict:
     """One chaos run of ``launch local``; returns its result record (see ``verdict``)."""
-    groups, ranks = layout(seed)
+    groups, ranks = layout(seed, settings)
     run_dir = root / f"seed-{seed:04d}"
     # A fresh directory: a relaunch into an old one would resume from its checkpoints.
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -210,6 +222,10 @@ def verdict(seed: int, groups: int, ranks: int, settings: Settings, code: int | 
     hashes = summary.get("state_hashes") or {}
     data = summary.get("data") or {}
     reasons = launch_reasons(summary, code, RUN_TIMEOUT_S)
+    model = summary.get("model") or {}
+    if summary and model.get("step") != settings.steps:
+        reasons.append(f"model.safetensors holds step {model.get('step')}, not the final step "
+                       f"{settings.steps}")
     return {
         "settings": settings.key(), "seed": seed, "groups": groups, "ranks": ranks,
         "wall_seconds": round(wall, 1), "exit": code,
@@ -235,6 +251,7 @@ def verdict(seed: int, groups: int, ranks: int, settings: Settings, code: int | 
         "duplicates": data.get("duplicates"), "gaps": data.get("gaps"),
         "crashes": len(summary.get("crashes") or []),
         "steps_committed": summary.get("steps_committed"),
+        "model_step": model.get("step"),
         "ok": not reasons, "reasons": reasons, "run_dir": str(run_dir),
     }
 
@@ -283,11 +300,16 @@ def render(records: list[dict], settings: Settings, flags: list[str]) -> str:
             + f"* Method: one `python -m ftlm.cli launch local` per seed with `--chaos-mtbf "
               f"{settings.mtbf:g}`{' --chaos-hang' if settings.hang else ''}"
               f"{' --chaos-coordinator' if settings.coordinator else ''}{preempt} and `--chaos-seed` = "
-              f"seed, {settings.steps} steps of a 100k-parameter model on the demo data; seeds "
-              f"alternate 3 groups x 1 rank and 2 groups x 2 ranks. A run passes when `launch "
+              f"seed, {settings.steps} steps of a 100k-parameter model on the demo data; "
+              + (f"{settings.layout[0]} groups x {settings.layout[1]} rank(s) each run"
+                 if settings.layout else "seeds alternate 3 groups x 1 rank and 2 groups x 2 ranks")
+              + (f", durable checkpoints every {settings.checkpoint_every} steps"
+                 if settings.checkpoint_every else ", no periodic checkpoint (the final step only)")
+              + ". A run passes when `launch "
               f"local` exits 0 (n identical final hashes for n groups, 0 duplicates, 0 gaps, "
-              f"all steps committed), no group crashed or was taken for hung that chaos did "
-              f"not hit, and every injected failure was detected.\n"
+              f"all steps committed, `model.safetensors` holding the final step), no group "
+              f"crashed or was taken for hung that chaos did not hit, and every injected "
+              f"failure was detected.\n"
             + f"* Result: {passed} of {len(records)} run(s) passed; {faults} faults injected.\n\n"
             + table(headers(settings.preempt),
                     [row(r, settings.preempt) for r in sorted(records, key=lambda r: r["seed"])]))
@@ -309,13 +331,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fresh", action="store_true", help="rerun seeds already in --results")
     p.add_argument("--preempt", action="store_true",
                    help="chaos also preempts groups (--chaos-preempt); its own BENCHMARKS section")
+    p.add_argument("--layout", default="", metavar="GxR",
+                   help="every run with G groups of R ranks (default: alternate 3x1 and 2x2)")
+    p.add_argument("--checkpoint-every", type=int, default=50,
+                   help="durable checkpoints every N steps (0: the final step only, as "
+                        "configs/tiny.toml ships; default 50)")
     p.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
+    fixed = None
+    if args.layout:
+        try:
+            g, r = (int(x) for x in args.layout.lower().split("x"))
+        except ValueError:
+            p.error(f"--layout={args.layout!r} must read GxR, e.g. 4x1")
+        if g < 1 or r < 1:
+            p.error(f"--layout={args.layout!r}: groups and ranks must be at least 1")
+        fixed = (g, r)
     seeds = args.seeds if args.seeds is not None else (2 if args.quick else 20)
     steps = args.steps if args.steps is not None else (300 if args.quick else 800)
     if seeds < 1 or steps < 1 or args.mtbf <= 0:
         p.error("--seeds, --steps and --mtbf must be positive")
-    settings = Settings(steps=steps, mtbf=args.mtbf, preempt=args.preempt)
+    if args.checkpoint_every < 0:
+        p.error("--checkpoint-every must be >= 0")
+    settings = Settings(steps=steps, mtbf=args.mtbf, preempt=args.preempt, layout=fixed,
+                        checkpoint_every=args.checkpoint_every)
     results = Path(args.results)
     results.parent.mkdir(parents=True, exist_ok=True)
     ensure_demo()
@@ -337,10 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     flags = (["--quick"] if args.quick else []) + [f"--seeds {seeds}", f"--steps {steps}",
                                                    f"--mtbf {args.mtbf:g}"]
     flags += ["--preempt"] if args.preempt else []
+    flags += [f"--layout {args.layout}"] if fixed else []
+    flags += [f"--checkpoint-every {args.checkpoint_every}"] if args.checkpoint_every != 50 else []
     body = render(records, settings, flags)
     print(body)
     if not args.no_write:
-        write_section(SECTION + ("_preempt" if settings.preempt else ""), body)
+        write_section(settings.section(), body)
     return 0 if all(r["ok"] for r in records) else 1
 
 

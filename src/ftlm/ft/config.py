@@ -240,6 +240,13 @@ class FTConfig:
     startup_timeout: float = 120.0
     """Seconds a started group process may take to register with the coordinator (first
     heartbeat) before the supervisor declares it hung, kills and restarts it."""
+    startup_stall_timeout: float = 15.0
+    """Seconds a starting group process (any of its ranks) may show no sign of life before the
+    local supervisor declares it hung: each rank rewrites a start-up beacon from a thread of its
+    own from its first instant, whatever it is doing (importing, loading data, joining its
+    ranks), until its group has made progress; a beacon that stops means the process stopped
+    (``ftlm.startup_beacon``). Catches a start-up hang in seconds where ``startup_timeout`` would
+    take minutes. 0: off. Must be below ``startup_timeout``."""
     crash_loop_restarts: int = 5
     """A group whose processes exit this many times within ``crash_loop_seconds`` without ever
     committing a step is crash-looping: the local launcher stops the job with its error."""
@@ -264,6 +271,10 @@ class FTConfig:
             _require_number(s, name, getattr(self, name), positive=True)
         _require_number(s, "join_timeout", self.join_timeout, positive=False)
         _require_number(s, "restart_delay", self.restart_delay, positive=False)
+        _require_number(s, "startup_stall_timeout", self.startup_stall_timeout, positive=False)
+        if self.startup_stall_timeout and not self.startup_stall_timeout < self.startup_timeout:
+            raise ConfigError(f"{s}.startup_stall_timeout={self.startup_stall_timeout} must be below "
+                              f"{s}.startup_timeout={self.startup_timeout} (or 0: off)")
         for name, low in (("groups", 0), ("min_replicas", 1), ("max_consecutive_failures", 1),
                           ("catchup_max_steps", 1), ("catchup_max_bytes", 1), ("bucket_bytes", 1),
                           ("transfer_parallel", 1),

@@ -70,6 +70,12 @@ class _Fetch:
     nbytes: int = 0
 
 
+FINISH_POLL_SECONDS = (0.25, 2.0)
+"""A finished group waiting for the others asks for a quorum again after the first of these, the
+pause doubling up to the second while the members stay the same (``Manager.finish``): a group
+coming back then waits at most that long for its quorum with it."""
+
+
 class Manager:
     """Fault tolerance for one rank of a replica group.
 
@@ -598,6 +604,7 @@ class Manager:
         quorum came within ``quorum_timeout``.
         """
         deadline = time.monotonic() + self.config.quorum_timeout
+        pause, seen = FINISH_POLL_SECONDS[0], None
         while True:
             try:
                 plan = self.start_step(step, chain, snapshot)
@@ -609,7 +616,12 @@ class Manager:
                 break
             if q.recovering_count:  # someone is pulling from us: stay for as long as that takes
                 deadline = time.monotonic() + self.config.quorum_timeout
-            self.abort.wait(0.25)
+            # Each ask is a quorum round for the coordinator: ask at once again while the
+            # members change, less and less often while nothing does.
+            now_seen = (q.group_count, q.recovering_count)
+            pause = FINISH_POLL_SECONDS[0] if now_seen != seen else min(2 * pause, FINISH_POLL_SECONDS[1])
+            seen = now_seen
+            self.abort.wait(pause)
             # The leader's clock decides for every rank (each start_step is a collective).
             if not _broadcast_json(time.monotonic() < deadline if self.rank == 0 else None,
                                    self.ranks, self.control):

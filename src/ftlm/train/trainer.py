@@ -24,6 +24,7 @@ import tomli_w
 import torch
 import torch.distributed as dist
 
+from ftlm import startup_beacon
 from ftlm.data.loader import Loader, PackedDataset
 from ftlm.data.split import split_heldout
 from ftlm.data.tokenizer import Tokenizer
@@ -186,6 +187,7 @@ class Trainer:
         self.run_dir = config.run.path
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if data is None:
+            startup_beacon.phase("loading data")
             tokenizer, dataset = load_data(config)
             # Training (and so the cursor) ranges over every sample but the held-out ones.
             split = split_heldout(dataset, config.data.eval_samples, config.data.eval_seed)
@@ -203,6 +205,7 @@ class Trainer:
         if tc.batch_size % (self.ranks * tc.grad_accum):
             raise ConfigError(f"train.batch_size={tc.batch_size} must be divisible by the group's "
                               f"{self.ranks} rank(s) x train.grad_accum={tc.grad_accum}")
+        startup_beacon.phase("building the model")
         self.model = build_model(config, self.device)
         if tc.init_from:
             load_weights(self.model, Path(tc.init_from))
@@ -623,6 +626,7 @@ class Trainer:
 
     def train(self) -> dict:
         tc, cfg = self.config.train, self.config
+        startup_beacon.phase("loading the newest checkpoint")
         if cfg.checkpoint.resume and (step := self.checkpointer.restore_latest(self.state)):
             log.info("resumed from checkpoint at step %d", step)
         # From the first heartbeat on a SIGTERM (preemption, node drain) must end in an explicit
@@ -633,8 +637,11 @@ class Trainer:
         self.events.emit("group_start", step=self.state.step,
                          metrics_port=self.metrics_port)
         if not self.standalone:
+            startup_beacon.phase("warming up")
             self._warm_up()
+        startup_beacon.phase("registering with the coordinator")
         self.ft.join(self.state.step, self.state.chain)
+        startup_beacon.phase("training")
         wall0 = time.time()
         try:
             try:

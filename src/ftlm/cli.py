@@ -14,7 +14,10 @@ import sys
 from typing import Any
 from pathlib import Path
 
+from ftlm import startup_beacon
 from ftlm.errors import FaultError, FtlmError
+
+startup_beacon.start()  # a rank's sign of life while it starts, when its supervisor asks for one
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -44,6 +47,7 @@ def _init_group(config) -> None:
     """Join this replica group's own process group when torchrun started several ranks."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
+    startup_beacon.phase("joining the group's other ranks")
     from datetime import timedelta
     import torch
     import torch.distributed as dist
@@ -89,13 +93,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     _init_group(config)
     coordinator = config.ft.coordinator or os.environ.get("FTLM_COORDINATOR", "")
     if not coordinator:
-        summary = Trainer.for_run(config).train()
-        _leave_group()
         if int(os.environ.get("RANK", "0")) != 0:
+            Trainer.for_run(config).train()
+            _leave_group()
             return 0
-        from ftlm.observe.report import format_summary, write_report
-        from ftlm.observe.events import read_events
-        write_report(config.run.path, summary, read_events(config.run.path / "events.jsonl"))
+        # Alone, this process owns the run directory as a launch does (refused while another
+        # holds it), and a fresh start sets the earlier record aside instead of appending to it.
+        from ftlm.launch.run_lock import lock_run_dir
+        from ftlm.train.run_record import resume_step, set_aside
+        with lock_run_dir(config.run.path):
+            key = (os.environ.get("FTLM_TOKEN", "") or config.ft.read_token()).encode() or None
+            moved = set_aside(config.run.path, resume_step(config.checkpoint, config.run.path, key))
+            if moved:
+                print(f"ftlm: {moved}", file=sys.stderr)
+            summary = Trainer.for_run(config).train()
+            _leave_group()
+            from ftlm.observe.report import format_summary, write_report
+            from ftlm.observe.events import read_events
+            write_report(config.run.path, summary, read_events(config.run.path / "events.jsonl"))
         print(format_summary(summary))
         return 0
     from ftlm.train.job import run_group
@@ -141,7 +156,10 @@ def cmd_launch_local(args: argparse.Namespace) -> int:
                             chaos_coordinator=args.chaos_coordinator,
                             chaos_preempt=args.chaos_preempt).run()
     # The run proves fault-tolerant training only with n identical final states of n groups and
-    # every sample trained exactly once.
+    # every sample trained exactly once (a launch stopped on request: over the steps it committed).
+    if summary.get("stopped"):
+        print(f"ftlm: stopped on request after {summary.get('steps_committed', 0)} committed "
+              f"step(s); summary in {config.run.path / 'summary.json'}", file=sys.stderr)
     for problem in summary.get("problems", []):
         print(f"ftlm: run failed its checks: {problem}", file=sys.stderr)
     return 1 if summary.get("problems") else 0
@@ -326,5 +344,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if isinstance(e, FaultError) else 2
 
 
+def _exit(code: int) -> None:
+    """End a process of a job's replica group (``FTLM_COORDINATOR`` set) without the
+    interpreter's teardown: once ``main`` returned, its result line is out and its events, model
+    and checkpoints are on disk; what is left (collecting torch's objects, joining gloo's native
+    threads) took longer than the supervisor's teardown bound on a loaded box, and the group was
+    killed for exiting slowly. Any other command exits as usual."""
+    if not os.environ.get("FTLM_COORDINATOR"):
+        sys.exit(code)
+    import logging
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

@@ -10,6 +10,7 @@ the same state and every sample was trained exactly once.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -68,6 +69,9 @@ def run_demo(args: argparse.Namespace) -> int:
     data_dir = ensure_demo_data(Path(args.data_dir), seq_len=SEQ_LEN, vocab_size=4096)
     steps = _estimate_steps(args)
     config = _demo_config(args, data_dir, steps)
+    # Every demo starts over: an earlier demo's checkpoints (its final step is always saved)
+    # would make this one resume where that one ended. Its record is set aside, not erased.
+    shutil.rmtree(config.run.path / "checkpoints", ignore_errors=True)
     print(f"ftlm demo: {args.groups} replica groups of the tiny model, {steps} steps, "
           f"a failure every ~{args.chaos_mtbf:.0f} s (SIGKILL and SIGSTOP); run directory "
           f"{config.run.path}", file=sys.stderr)

@@ -48,7 +48,9 @@ def launcher(tmp_path):
     """A launcher of 3 groups whose processes the test provides; stops them at the end."""
     config = build_config({"run": {"dir": str(tmp_path / "run")}, "train": {"steps": 100},
                            "ft": {"startup_timeout": 5.0, "heartbeat_timeout": 1.0,
-                                  "crash_loop_restarts": 3, "crash_loop_seconds": 60.0}})
+                                  "crash_loop_restarts": 3, "crash_loop_seconds": 60.0,
+                                  # its shell processes keep no start-up beacon
+                                  "startup_stall_timeout": 0.0}})
     la = LocalLauncher(config, groups=3, progress=False, chaos_mtbf=1.0, chaos_seed=1)
     (la.run_dir / "logs").mkdir(parents=True)
     la.coordinator = FakeCoordinator()

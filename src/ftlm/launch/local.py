@@ -37,6 +37,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ftlm import startup_beacon
 from ftlm.config import RunConfig, save_config
 from ftlm.errors import ConfigError, FtlmError
 from ftlm.ft.quorum import FAILS_ITS_STEPS
@@ -44,11 +45,13 @@ from ftlm.launch.chaos import ALL_RANKS, COORDINATOR, Chaos
 from ftlm.launch.console import ConsoleView
 from ftlm.launch.coordinator_process import (ERROR_PREFIX, CoordinatorProcess, CoordinatorUnreachable,
                                              error_line)
+from ftlm.launch.run_lock import lock_run_dir
 from ftlm.observe.events import EventLog, read_events
 from ftlm.observe.report import format_summary, write_report
 from ftlm.observe.summary import build_summary, proof_problems, write_summary
 from ftlm.train.checkpoint_files import valid_checkpoints
 from ftlm.train.model_file import MODEL_FILE, read_stamp
+from ftlm.train.run_record import resume_step, set_aside
 
 RESULT_PREFIX = "FTLM_RESULT "
 TEARDOWN_SECONDS = 10.0
@@ -126,6 +129,11 @@ class GroupProcess:
     def log(self, run_dir: Path, rank: int = 0) -> Path:
         return run_dir / "logs" / (f"{self.name}.log" if rank == 0 else f"{self.name}.r{rank}.log")
 
+    def beacon(self, run_dir: Path, rank: int) -> Path:
+        """Where ``rank`` of the current incarnation shows it is alive while it starts
+        (``ftlm.startup_beacon``)."""
+        return run_dir / "logs" / f"{self.name}.r{rank}.beacon"
+
 
 class LocalLauncher:
     """Runs a fault-tolerant job on this machine; ``run()`` returns the summary.
@@ -139,6 +147,8 @@ class LocalLauncher:
 
     term_grace = 10.0
     """Seconds the group processes get to exit after SIGTERM at the end, before SIGKILL."""
+    stopped_by = ""
+    """The signal that asked the launch to stop (SIGINT, SIGTERM), once one did."""
 
     def __init__(self, config: RunConfig, groups: int, chaos_mtbf: float = 0.0,
                  chaos_hang: bool = False, chaos_seed: int = 0, chaos_coordinator: bool = False,
@@ -188,22 +198,24 @@ class LocalLauncher:
 
     # -- set-up ----------------------------------------------------------------------------------
     def _prepare_run_dir(self) -> Path:
+        """Under the run directory's lock (``run``): the job token, the checkpoint step the groups
+        will resume from, the earlier record set aside, the config the groups read.
+
+        The token comes first: the groups verify checkpoints under it, and so does the launcher,
+        so that the resume point it records is theirs. Nothing is erased
+        (``ftlm.train.run_record``): a launch that starts over moves the earlier record into
+        ``previous/``; one that resumes (to train more steps, or after the whole job was lost)
+        continues ``events.jsonl``, so that the summary proves exactly-once over the whole
+        history (``_mark_resume`` marks where it resumes), and moves only what it writes anew."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "logs").mkdir(exist_ok=True)
-        # A new job starts a new record; durable checkpoints are kept for resuming. A relaunch
-        # that will resume from one (to train more steps, or after the whole job was lost) keeps
-        # the record, so that the summary proves exactly-once over the whole history (``run``
-        # marks where it resumes).
-        ck = self.config.checkpoint
-        found = valid_checkpoints(Path(ck.dir) if ck.dir else self.run_dir / "checkpoints")
-        self._resume_step = found[-1][0] if ck.resume and found else None
-        for name in ("events.jsonl", "summary.json", "report.md", "prometheus_targets.json"):
-            if not (name == "events.jsonl" and self._resume_step is not None):
-                (self.run_dir / name).unlink(missing_ok=True)
-        for log in (self.run_dir / "logs").glob("*.log"):
-            log.unlink()
-        self.config.ft.groups = self.n  # the coordinator's first quorum waits for all of them
         self.token = _run_token(self.run_dir)
+        self._resume_step = resume_step(self.config.checkpoint, self.run_dir, self.token.encode())
+        moved = set_aside(self.run_dir, self._resume_step,
+                          also=("summary.json", "report.md", "logs", "prometheus_targets.json"))
+        if moved:
+            print(f"ftlm: {moved}", file=sys.stderr)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        self.config.ft.groups = self.n  # the coordinator's first quorum waits for all of them
         config_file = self.run_dir / "config.toml"
         save_config(self.config, config_file)
         return config_file
@@ -236,10 +248,16 @@ class LocalLauncher:
             if g.restarts < len(planned) and planned[g.restarts]:
                 env["FTLM_FAULT"] = planned[g.restarts]
                 g.cause = "fault"
+            beacon = g.beacon(self.run_dir, rank)
+            beacon.unlink(missing_ok=True)  # the last incarnation's
+            env[startup_beacon.ENV] = str(beacon)
             log_path = g.log(self.run_dir, rank)
             g.log_offsets.append(log_path.stat().st_size if log_path.is_file() else 0)
             with open(log_path, "ab") as log:
-                g.procs.append(subprocess.Popen(cmd, env=env, stdout=log,
+                # A session of its own: a Ctrl-C at the terminal reaches the launcher alone,
+                # which stops the groups with SIGTERM, between steps (a SIGINT could land
+                # mid-update, and the committed step would not be saved).
+                g.procs.append(subprocess.Popen(cmd, env=env, stdout=log, start_new_session=True,
                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         if self.config.observe.metrics:
             self._write_targets()
@@ -260,6 +278,12 @@ class LocalLauncher:
 
     # -- the supervisor loop ---------------------------------------------------------------------
     def run(self) -> dict:
+        """Run the job; refused (``RunDirInUse``) while another launch holds the run directory,
+        which this one holds until it returns, before anything in it is touched."""
+        with lock_run_dir(self.run_dir):
+            return self._launch()
+
+    def _launch(self) -> dict:
         config_file = self._prepare_run_dir()
         events = self.events = EventLog(self.run_dir / "events.jsonl", group="supervisor")
         self.coordinator = CoordinatorProcess(config_file, _free_port(), self.token,
@@ -559,8 +583,11 @@ class LocalLauncher:
     def _watchdog(self, status: dict, events: EventLog, now: float) -> None:
         """Kill hung groups so that they restart. A group is hung when:
 
+        * before it made progress, one of its ranks showed no sign of life (its start-up beacon,
+          ``ftlm.startup_beacon``) for ``ft.startup_stall_timeout``: the process was stopped or
+          frozen while it started, a leader before it registered or any other rank;
         * it has not registered within ``ft.startup_timeout`` of its start (not counting the time
-          the coordinator was down: it cannot register meanwhile);
+          the coordinator was down: it cannot register meanwhile): alive, but stuck in a phase;
         * it registered, but has been missing from the coordinator's members for ``grace`` seconds:
           the coordinator dropped it (its heartbeat stopped, or it made no progress for
           ``ft.progress_timeout`` while its heartbeat lived: a hung non-leader rank or a wedged
@@ -585,10 +612,12 @@ class LocalLauncher:
         for g in self.groups:
             if not g.running() or g.finished or g.restart_at is not None or g.killed:
                 continue  # (killed: still exiting; the loop reaps and restarts it)
-            reason = ""
-            if not g.registered:
+            reason = "" if g.progressed else self._stalled_start(g, now)
+            if not reason and not g.registered:
                 if self._up_seconds(g.started, now) > ft.startup_timeout:
                     reason = "start-up timeout"
+            elif reason:
+                pass  # stopped while starting: none of the checks below applies
             elif g.left_at is not None:
                 if self._results(g) is not None:  # every rank printed its result: only the exit is left
                     g.exiting_since = g.exiting_since or now
@@ -620,6 +649,21 @@ class LocalLauncher:
                             reason=reason, stopped=g.stopped)
                 g.cause = g.cause if g.cause == "chaos" else "hung"
                 g.kill()
+
+    def _stalled_start(self, g: GroupProcess, now: float) -> str:
+        """Why a group that has not made progress yet is hung in its start-up: a rank whose
+        start-up beacon stopped for ``ft.startup_stall_timeout`` (or never appeared: counted
+        from the start); "" when every rank shows signs of life."""
+        limit = self.config.ft.startup_stall_timeout
+        if not limit:
+            return ""
+        for rank in range(len(g.procs)):
+            seen = startup_beacon.read(g.beacon(self.run_dir, rank), now)
+            silent, phase = seen if seen is not None else (now - g.started, "starting the interpreter")
+            if silent > limit:
+                return (f"start-up stalled: rank {rank} showed no sign of life for {silent:.0f} s "
+                        f"(while {phase}; ft.startup_stall_timeout={limit:g})")
+        return ""
 
     def _restart_due(self, events: EventLog, config_file: Path, url: str, now: float) -> None:
         for g in self.groups:
@@ -754,9 +798,14 @@ class LocalLauncher:
                 g.result = self._results(g) or {}
 
     def _install_signals(self):
+        """Ctrl-C and SIGTERM stop the launch, which still writes its summary as a stop on
+        request (``stopped_by``). Only in the main thread, where Python runs signal handlers."""
         if threading.current_thread() is not threading.main_thread():
             return None
-        stop = lambda *_: self._stop.set()  # noqa: E731
+
+        def stop(signum: int, _frame: object) -> None:
+            self.stopped_by = signal.Signals(signum).name
+            self._stop.set()
         return signal.signal(signal.SIGINT, stop), signal.signal(signal.SIGTERM, stop)
 
     @staticmethod
@@ -791,7 +840,11 @@ class LocalLauncher:
         summary["lost_groups"] = [g.name for g in self.groups if g.lost]
         stamp = read_stamp(self.run_dir / MODEL_FILE)
         summary["model"] = {"step": stamp.step, "chain": stamp.chain} if stamp is not None else None
-        summary["problems"] = ([self.fatal] if self.fatal else []) + proof_problems(summary)
+        judged = summary
+        if self.stopped_by:  # judged on what it did, not on train.steps
+            summary["stopped"] = "on request"
+            judged = _as_stopped(summary)
+        summary["problems"] = ([self.fatal] if self.fatal else []) + proof_problems(judged)
         write_summary(self.run_dir / "summary.json", summary)
         write_report(self.run_dir, summary, recorded)
         if self.progress is not False:
@@ -839,3 +892,14 @@ def _read_result(log: Path) -> dict | None:
                 except ValueError:
                     continue
     return result
+
+
+def _as_stopped(summary: dict) -> dict:
+    """``summary`` as a launch stopped on request is judged: on the steps it committed and the
+    groups that left a final state, not on ``train.steps`` nor on groups it stopped before they
+    had one (restarting); replicas that differ, samples trained twice or skipped still fail it."""
+    config = dict(summary.get("config") or {})
+    config["train"] = {k: v for k, v in (config.get("train") or {}).items() if k != "steps"}
+    hashes = summary.get("state_hashes") or {}
+    return {**summary, "config": config,
+            "groups": [g for g in summary.get("groups") or [] if hashes.get(g)]}

@@ -1,5 +1,5 @@
 """Where durable checkpoints live and which are complete, without torch (``ftlm.train.checkpoint``
-reads and writes them; the launcher only needs to know which step a relaunch will resume from).
+reads, writes and verifies them; where a relaunch resumes is its ``newest_intact``).
 
 A checkpoint is the directory ``step-NNNNNNNN`` under the checkpoint root; it is complete once its
 ``COMPLETE`` marker exists (written last). Complete is not intact: ``ftlm.train.checkpoint.verify``

@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from ftlm.config import build_config
 from ftlm.launch.local import LocalLauncher
 from ftlm.observe.events import read_events
@@ -124,3 +126,27 @@ def test_the_watchdog_reads_each_ranks_start_up_beacon(tmp_path):
     assert "rank 1 showed no sign of life for 7 s (while loading data" in launcher._stalled_start(g, now)
     launcher.config.ft.startup_stall_timeout = 0.0
     assert launcher._stalled_start(g, now) == ""
+
+
+@pytest.mark.slow
+def test_a_non_leader_rank_stopped_while_it_starts_is_found_in_seconds(tmp_path, demo_data):
+    """A non-leader rank hung during start-up took 105 s to find (its leader's store connection
+    gave up first): its own beacon stops, whoever leads its group."""
+    config = _config(tmp_path / "run", demo_data, steps=40,
+                     ft={"startup_timeout": 600.0, "startup_stall_timeout": 4.0})
+    launcher = LocalLauncher(config, groups=2, ranks_per_group=2, progress=False)
+    spawn, stopped = launcher._spawn, threading.Event()
+
+    def spawn_then_stop(g, *args):
+        spawn(g, *args)
+        if g.name == "g1" and not stopped.is_set():
+            stopped.set()
+            os.kill(g.procs[1].pid, signal.SIGSTOP)
+            g.cause = "chaos"
+
+    launcher._spawn = spawn_then_stop
+    summary = launcher.run()
+    events = read_events(config.run.path / "events.jsonl")
+    killed = [e for e in events if e["kind"] == "member_killed" and e["target"] == "g1"]
+    assert stopped.is_set() and killed and "rank 1 showed no sign of life" in killed[0]["reason"]
+    _ended_well(summary, config.run.path, 2, 40)

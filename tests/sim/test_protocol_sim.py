@@ -14,13 +14,22 @@ from ftlm.ft.group import GroupProtocol, ReplayCheck
 from ftlm.ft.history import extend_chain
 from ftlm.ft.membership import Membership
 from ftlm.sim.check import check, format_report, replay_command
+from ftlm.sim.job import copy_state
 from ftlm.sim.protocol import FAULTS, SimConfig, Simulation, run
 
 CI_SEEDS = 800  # with faults at the end of each job (1000 before them, in the same time)
 CI_STEPS = 100
-EARLIER = tuple(f for f in FAULTS if f != "bad_link")
+EARLIER = tuple(f for f in FAULTS if f not in ("bad_link", "coordinator_pause", "hang_restarting"))
 """The fault kinds before ``bad_link`` (session 15): the seeds below were found with them, and a
 seed's schedule depends on the kinds it chooses from, so they replay their schedules with these."""
+BEFORE = {"startup_timeout": 5.0, "late_faults": 0.0, "checkpoint_every": 10}
+"""The job shape before coordinator pauses, late faults and jobs without periodic checkpoints: the
+seeds found before them replay their schedules with it."""
+
+
+def earlier(**shape: object) -> SimConfig:
+    """The job the seeds found before ``bad_link`` were found in."""
+    return SimConfig(**{"faults": EARLIER, **BEFORE, **shape})  # type: ignore[arg-type]
 
 # Seeds that found bugs while the protocol was built; each must hold every invariant forever.
 REGRESSIONS = [
@@ -74,13 +83,13 @@ def test_hundreds_of_seeded_jobs_hold_every_invariant() -> None:
 
 @pytest.mark.parametrize("seed,steps,what", REGRESSIONS, ids=[str(s) for s, _, _ in REGRESSIONS])
 def test_regression_seeds(seed: int, steps: int, what: str) -> None:
-    result = run(seed, SimConfig(steps=steps, faults=EARLIER))
+    result = run(seed, earlier(steps=steps))
     assert result.ok, f"{what}: {result.error}\n" + "\n".join(result.trace)
 
 
 @pytest.mark.parametrize("seed,faults,what", FOCUSED, ids=[f"{s}-{'+'.join(f)}" for s, f, _ in FOCUSED])
 def test_focused_regression_seeds(seed: int, faults: tuple[str, ...], what: str) -> None:
-    result = run(seed, SimConfig(steps=200, faults=faults))
+    result = run(seed, SimConfig(steps=200, faults=faults, **BEFORE))
     assert result.ok, f"{what}: {result.error}\n" + "\n".join(result.trace)
 
 
@@ -204,7 +213,7 @@ def test_a_planted_leave_bug_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
     """Revert the fix of the coordinator's leave (it names no quorum in flight the leaver was
     counted in): the liveness check of graceful leaves finds the others waiting for a timeout."""
     monkeypatch.setattr(Membership, "_unfinished_quorums", lambda self, replica_id: frozenset())
-    config = SimConfig(steps=200, faults=("leave",))
+    config = SimConfig(steps=200, faults=("leave",), **BEFORE)
     report = check(16, config)
     assert report.failures, "the leave bug went unnoticed"
     assert all("got no quorum without it within 0.5 s" in r.error for r in report.failures)
@@ -235,7 +244,7 @@ def test_a_job_rolled_back_after_it_finished_is_found(monkeypatch: pytest.Monkey
                         lambda state, rid, now, retire=True, finished=False: real(state, rid, now, retire))
     # Faults at the end only; groups that ignore "reload" (a restarted group that reloads the
     # final checkpoint would hide the planted bug: the two defences overlap).
-    config = SimConfig(steps=35, faults=("old_checkpoint",), fault_mtbf=0, reload_checkpoints=False)
+    config = SimConfig(steps=35, faults=("old_checkpoint",), fault_mtbf=0, reload_checkpoints=False, **BEFORE)
     errors = (run(seed, config).error for seed in range(300))
     found = next((e for e in errors if e), "")
     assert "the job finished at step 35 and was rolled back" in found, found
@@ -275,7 +284,7 @@ def test_rollbacks_past_a_durable_checkpoint_are_counted_and_reported() -> None:
     # Groups that ignore the coordinator's "reload" (as before session 8): the coordinator waits
     # ``reload_seconds`` for them, then rolls back to the newest live state although a newer
     # checkpoint is on disk (9 of 200 seeds; none when they look, as in production).
-    config = SimConfig(reload_checkpoints=False, faults=EARLIER)
+    config = earlier(reload_checkpoints=False)
     r = run(124, config)
     assert r.ok and r.restores_past_checkpoint >= 1 and r.steps_past_checkpoint >= 50, r
     report = check(1, config, start=124)
@@ -284,16 +293,16 @@ def test_rollbacks_past_a_durable_checkpoint_are_counted_and_reported() -> None:
 
 # (seed, config): schedules of another job shape that found a bug.
 SHAPED = [
-    (25, SimConfig(groups=4, faults=("bad_link",), fault_mtbf=2.0),
+    (25, SimConfig(groups=4, faults=("bad_link",), fault_mtbf=2.0, **BEFORE),
      "the search accused a group by an attempt another group was slow to join; the next step's "
      "attempt with both could not convict it (a member not in the accusing attempt), and the search "
      "began again, for ever: the verdict now trusts every group that took part in the search"),
-    (10084, SimConfig(groups=4, faults=EARLIER), "a coordinator restarted and rebuilt from a group restarted from an older "
+    (10084, earlier(groups=4), "a coordinator restarted and rebuilt from a group restarted from an older "
                                  "checkpoint; every group restarted next loaded the newest one, a state "
                                  "beyond its furthest head it refused: a livelock"),
-    (10124, SimConfig(supervisor_reports="none", faults=EARLIER), "same as seed 10084, two groups of two"),
+    (10124, earlier(supervisor_reports="none"), "same as seed 10084, two groups of two"),
     (10291, SimConfig(faults=("old_checkpoint", "crash", "hang_training", "coordinator_crash", "leave"),
-                      fault_mtbf=2.0),
+                      fault_mtbf=2.0, **BEFORE),
      "a wedged training thread's quorum request stayed pending in the simulator past its long-poll, so "
      "its group was never declared hung nor restarted, and the only other group's newest checkpoint "
      "stayed one member's word beyond a restarted coordinator's furthest head: a livelock"),
@@ -312,7 +321,7 @@ def test_restarts_from_checkpoints_never_livelock_nor_roll_back_past_the_disk() 
     livelocked and 424 of 1,781 rollbacks went back past a newer checkpoint; seed 10042 is the
     first livelock."""
     config = SimConfig(faults=("old_checkpoint", "crash", "hang_training", "coordinator_crash", "leave"),
-                       fault_mtbf=2.0)
+                       fault_mtbf=2.0, **BEFORE)
     report = check(60, config, jobs=2, start=10000)
     assert report.ok, format_report(report, config)
     assert report.restores > 60 and report.restores_past_checkpoint == 0, format_report(report, config)
@@ -325,7 +334,7 @@ PAST_CHECKPOINT = (10, 11, 14, 25, 26, 53, 135, 201, 568, 1086, 1703)
 
 
 def test_no_rollback_gives_up_a_newer_durable_checkpoint() -> None:
-    results = [run(seed, SimConfig(faults=EARLIER)) for seed in PAST_CHECKPOINT]
+    results = [run(seed, earlier()) for seed in PAST_CHECKPOINT]
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     assert [r.restores_past_checkpoint for r in results] == [0] * len(results)
     assert sum(r.restores for r in results) >= len(results)  # every holder of the head did die
@@ -336,6 +345,60 @@ def test_a_look_on_disk_made_before_the_last_newer_holder_saved_and_left_is_done
     then the only holder of a newer state (step 51) was preempted, saved it on its way out and
     left. Their looks predated that save: the rollback went to step 50 with 51 on disk, until the
     coordinator voided such looks (``reload_round``)."""
-    r = run(30206, SimConfig(groups=5, faults=EARLIER))
+    r = run(30206, earlier(groups=5))
     assert r.ok, r.error
     assert r.restores >= 1 and r.restores_past_checkpoint == 0, r
+
+
+# Seeds of the default job (100 steps) that failed with the code before a real-process chaos soak's
+# three findings were fixed, and hold every invariant now.
+SOAK = [
+    (7, "the coordinator was stopped (SIGSTOP) for 2.9 s; on SIGCONT it declared every group dead at once "
+        "(heartbeat timeout), their heartbeats waiting at its door"),
+    (5, "a group restarted after the job finished (no final checkpoint with checkpoint.every = 0) waited for a "
+        "quorum that never came, was stopped by SIGTERM and wrote its step-0 model over the final one"),
+    (155, "a group killed right before the end hung while starting; found by the start-up timeout after the "
+          "others had served and left, it had no final checkpoint to resume from and was lost"),
+]
+
+
+@pytest.mark.parametrize("seed,what", SOAK, ids=[str(s) for s, _ in SOAK])
+def test_soak_findings_hold_every_invariant(seed: int, what: str) -> None:
+    r = run(seed, SimConfig(steps=100))
+    assert r.ok, f"{what}: {r.error}\n" + "\n".join(r.trace)
+
+
+@pytest.mark.skipif(native.active(), reason=native.INTERPRETED_ONLY)
+def test_a_coordinator_that_blames_its_own_pause_on_the_groups_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without its stall check, a coordinator resumed after a pause expires every member whose
+    heartbeats wait at its door: the simulator's silence check finds it (seed 7)."""
+    monkeypatch.setattr(Membership, "_resumed", lambda self, now: [])
+    error = run(7, SimConfig(steps=100)).error
+    assert "was declared dead (heartbeat timeout)" in error and "its silence was the coordinator's" in error, error
+
+
+def test_the_trainer_s_end_of_run_before_the_fixes_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's earlier rules, as the simulator models them: the last step saved only by its
+    writer and only with periodic checkpoints on, and the model file replaced by any group not
+    behind the last quorum it was in (0 if none) unless a newer file was written since it
+    started. A group restarted after the others left then resumes from step 0: it is lost
+    (seed 155), or stopped while it waits and writes step 0 over the final model (seed 5)."""
+    def save_final(self: Simulation, inc: sim_protocol.Incarnation, finishing: bool) -> None:
+        if not finishing and self.checkpoint_every > 0 and inc.state.step not in self.disk:
+            self.disk[inc.state.step] = copy_state(inc.state)
+
+    def may_write_model(self: Simulation, inc: sim_protocol.Incarnation) -> tuple[bool, str]:
+        head = inc.quorum.step if inc.quorum is not None else 0
+        newer = self.model is not None and self.model.step > inc.state.step and self.model_at >= inc.started_at
+        return inc.state.step >= head and not newer, ""
+    monkeypatch.setattr(Simulation, "save_final", save_final)
+    monkeypatch.setattr(Simulation, "may_write_model", may_write_model)
+    lost, overwritten = run(155, SimConfig(steps=100)).error, run(5, SimConfig(steps=100)).error
+    assert "g1 lost: died after every other group had finished" in lost, lost
+    assert "replaced the job's model file (step 100) with its state at step 0" in overwritten, overwritten
+
+
+def test_a_job_shape_the_command_has_no_option_for_is_replayed_from_python() -> None:
+    cmd = replay_command(5, 100, SimConfig(checkpoint_every=0, faults=("crash", "leave")))
+    assert cmd == ('python -c "from ftlm.sim.protocol import SimConfig, run; print(run(5, SimConfig(groups=3, '
+                   "faults=('crash', 'leave'), checkpoint_every=0, steps=100)).error or 'ok')\"")

@@ -420,6 +420,8 @@ class Coordinator:
             backlog=_BACKLOG, ssl_handshake_timeout=cfg.read_timeout if self._ssl is not None else None)
         self._port = int(self._server.sockets[0].getsockname()[1])
         self._tasks = [loop.create_task(self._tick()), loop.create_task(self._sweep())]
+        # Ticked on a timer from now on: a longer silence of its own is a stall (SIGSTOP), not the groups'.
+        self.membership.ticks_every(self.config.tick_interval)
 
     async def _shutdown(self) -> None:
         for task in self._tasks:
@@ -533,6 +535,9 @@ class Coordinator:
                 elif o.kind == "quorum":
                     log.info("quorum %d at step %d: %s", o.fields["quorum_id"], o.fields["step"],
                              o.fields["reason"])
+                elif o.kind == "coordinator_stalled":
+                    log.warning("this coordinator processed nothing for %.1f s (stopped, swapped out or "
+                                "starved of CPU): %s", o.fields["seconds"], o.fields["reason"])
                 self._emit(o.kind, **o.fields)
             elif isinstance(o, Issued):
                 self.metrics.quorum_issued(o.quorum, o.latency)

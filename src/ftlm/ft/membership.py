@@ -48,6 +48,9 @@ DEAD_MEMORY_SECONDS = 60.0
 MAX_DEAD_LISTED = 256
 """Most dead replicas one heartbeat answer names (answers stay small at any job size)."""
 REASON_REPLACED = "replaced by new incarnation"
+STALL_TICKS = 4
+"""A gap between two inputs longer than this many tick intervals (and at most half a heartbeat
+timeout) is the coordinator's own stall (``Membership.stall_after``)."""
 
 
 @dataclass
@@ -87,8 +90,15 @@ Output = Answer | Event | Issued
 class Membership:
     """One job's membership and quorum state; every method takes ``now`` and returns outputs."""
 
-    def __init__(self, options: QuorumOptions, epoch: str | None = None) -> None:
+    def __init__(self, options: QuorumOptions, epoch: str | None = None, tick_interval: float | None = None) -> None:
+        """``tick_interval``: as ``ticks_every``; None: the caller does not tick on a timer (a
+        test's hand-driven clock), and a long gap between inputs says nothing."""
         self.options = options
+        # Longer than this between two inputs, this coordinator was not running (``_resumed``).
+        self.stall_after = float("inf")
+        self._last_input: float | None = None  # when it last processed an input (a message or a tick)
+        if tick_interval is not None:
+            self.ticks_every(tick_interval)
         self.state = CoordinatorState(epoch=epoch if epoch is not None else uuid.uuid4().hex[:12])
         self.reason = "no member has asked for a quorum"
         self.dead: deque[tuple[float, str, str, str]] = deque()  # (time, replica id, group, reason)
@@ -108,6 +118,13 @@ class Membership:
         self._dead_peers: list[str] = []
         self._dead_quorums: list[int] = []
 
+    def ticks_every(self, interval: float) -> None:
+        """The caller ticks every ``interval`` seconds from now on (``CoordinatorConfig.tick_interval``):
+        a gap between two inputs longer than ``STALL_TICKS`` of them (at most half a heartbeat
+        timeout) is this coordinator's own stall (``_resumed``)."""
+        self.stall_after = min(STALL_TICKS * interval, self.options.heartbeat_timeout / 2)
+        self._last_input = None
+
     # -- inputs ----------------------------------------------------------------------------------
     def heartbeat(self, now: float, hb: Heartbeat, tick: bool = True) -> tuple[dict[str, Any], list[Output]]:
         """Record a heartbeat; returns the answer body and the outputs. Raises StaleIncarnation.
@@ -115,7 +132,7 @@ class Membership:
         ``tick=False``: the caller re-evaluates (``tick``) soon itself, once for a burst of
         messages (the coordinator: once per pass of its event loop); the answer then reflects the
         last evaluation."""
-        out: list[Output] = []
+        out = self._resumed(now)
         # A member declared dead that speaks again (a pause that ended) is told so: its peers
         # failed the step it was in, so it must not commit that step (see Manager.commit).
         revived = hb.replica_id not in self.state.heartbeats and any(
@@ -143,7 +160,7 @@ class Membership:
     def request(self, now: float, req: MemberRequest, tick: bool = True) -> list[Output]:
         """Record a quorum request; the asker is answered through an ``Answer`` output (maybe later,
         and with ``tick=False`` only from the caller's next ``tick``)."""
-        out: list[Output] = []
+        out = self._resumed(now)
         for old in record_request(self.state, req):
             self._mark_dead(now, old, req.group, REASON_REPLACED, out)
         self._gone_groups.discard(req.group)
@@ -161,7 +178,7 @@ class Membership:
         answers name them in ``dead_quorums``, as for a dead member, so that their other members
         abort now instead of waiting for ``ft.allreduce_timeout``.
         """
-        out: list[Output] = []
+        out = self._resumed(now)
         stranded = self._unfinished_quorums(replica_id)
         # A group that leaves having finished holds the job's final state: it is never rolled back.
         if remove_member(self.state, replica_id, now, finished=reason == "finished"):
@@ -176,7 +193,7 @@ class Membership:
 
     def report_dead(self, now: float, replica_id: str, group: str, reason: str) -> list[Output]:
         """A supervisor saw the replica's process end: drop it now instead of waiting for its heartbeat."""
-        out: list[Output] = []
+        out = self._resumed(now)
         if remove_member(self.state, replica_id, now):
             self._mark_dead(now, replica_id, group, reason, out)
         return out + self.tick(now)
@@ -189,7 +206,7 @@ class Membership:
 
     def tick(self, now: float) -> list[Output]:
         """Re-evaluate: expire the silent and the hung, move the head, issue a quorum if due."""
-        out: list[Output] = []
+        out = self._resumed(now)
         options = self.options_now()
         for rid, why in expire(now, self.state, options):
             self._mark_dead(now, rid, rid.split(":", 1)[0], why, out)
@@ -281,6 +298,44 @@ class Membership:
         return list(self._dead_peers), list(self._dead_quorums)
 
     # -- internals -------------------------------------------------------------------------------
+    def _resumed(self, now: float) -> list[Output]:
+        """Note an input at ``now``; after a gap longer than ``stall_after`` since the previous
+        one, this coordinator was not running (SIGSTOP, a swapped-out or starved process, a long
+        pause of its own): it heard nothing because it did not listen, and the messages sent to
+        it meanwhile are still on their way in. So every deadline that counts a member's silence
+        is moved to at least one heartbeat timeout from now: each member's heartbeat, its
+        progress, the rollback grace, a wait for a look on disk and a rebuild's gathering of
+        claims. An open suspicion (peers reported a failed step) is dropped: its suspects' silence
+        cannot be told from this coordinator's; they get a heartbeat timeout as everyone does,
+        and a report made after the resumption opens a new one.
+
+        Not the mechanism of a restarted coordinator (it knows no member, so it has no deadline
+        to move, and it gathers claims before choosing the head): this one keeps its head, its
+        members and their quorums."""
+        last = self._last_input
+        self._last_input = now if last is None else max(last, now)
+        if last is None or now - last <= self.stall_after:
+            return []
+        options, state = self.options, self.state
+        timeout = options.heartbeat_timeout
+        for hb in state.heartbeats.values():
+            # Moved forward only: the index's deadline heaps hold lower bounds, refreshed when due.
+            if options.progress_timeout > 0:
+                progress = hb.progress_at if hb.progress_at is not None else hb.last_seen
+                hb.progress_at = max(progress, now + timeout - options.progress_timeout)
+            hb.last_seen = max(hb.last_seen, now)
+        state.suspicion = None
+        if state.head_seen_at is not None:
+            state.head_seen_at = max(state.head_seen_at, now + timeout - options.rollback_seconds)
+        if state.head is None and state.started_at is not None:
+            state.started_at = max(state.started_at, now + timeout - options.rebuild_seconds)
+        for rid, told in list(state.reloads.items()):
+            if told is not None:
+                state.reloads[rid] = max(told, now + timeout - options.reload_seconds)
+        return [Event("coordinator_stalled", {"seconds": round(now - last, 3), "members": len(state.heartbeats),
+                                              "reason": "this coordinator processed nothing meanwhile: every "
+                                                        "member has a heartbeat timeout from now to speak"})]
+
     def options_now(self) -> QuorumOptions:
         """The quorum options, expecting no group that left on purpose (and has not come back):
         the job's first quorum and a restarted coordinator's rebuild wait for the groups the job

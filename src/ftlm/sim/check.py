@@ -12,7 +12,7 @@ import sys
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from ftlm.sim.protocol import SimConfig, SimResult, run
 
@@ -111,10 +111,21 @@ def format_report(report: CheckReport, config: SimConfig, show: int = 3) -> str:
     return "\n".join(lines)
 
 
+CLI_FIELDS = ("groups", "steps", "faults", "fault_mtbf", "bad_links")
+"""The fields of ``SimConfig`` that ``ftlm sim check`` sets from its options."""
+
+
 def replay_command(seed: int, steps: int, config: SimConfig) -> str:
-    """The command that runs ``seed`` of this check again, with every option that shapes it."""
-    cmd = f"ftlm sim check --start {seed} --seeds 1 --steps {steps} --groups {config.groups}"
+    """The command that runs ``seed`` of this check again, with every option that shapes it (a
+    Python one-liner when the job's shape has fields the command has no option for)."""
     defaults = SimConfig()
+    changed = {f.name: getattr(config, f.name) for f in fields(config)
+               if getattr(config, f.name) != getattr(defaults, f.name)}
+    if any(name not in CLI_FIELDS for name in changed):
+        args = ", ".join(f"{k}={v!r}" for k, v in {"groups": config.groups, **changed, "steps": steps}.items())
+        return (f'python -c "from ftlm.sim.protocol import SimConfig, run; '
+                f'print(run({seed}, SimConfig({args})).error or \'ok\')"')
+    cmd = f"ftlm sim check --start {seed} --seeds 1 --steps {steps} --groups {config.groups}"
     if config.faults != defaults.faults:
         cmd += f" --faults {','.join(config.faults)}"
     if config.fault_mtbf != defaults.fault_mtbf:

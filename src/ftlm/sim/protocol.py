@@ -8,9 +8,11 @@ the manager drive in production. What is simulated: the network (latency, loss, 
 processes (start-up, crashes, hangs of a whole group or of its training thread only, graceful
 leaves on SIGTERM, the checkpoint writer saving its step first, and the launcher that starts a
 group again), the all-reduce (which can complete for some members and fail for others), the
-state transfer (slow, failing, source dying mid-way), durable checkpoints, the local
-supervisor, and a group's model, reduced to what the invariants need: its step, history chain,
-data cursor and the sample ranges of its history. A group's loop
+state transfer (slow, failing, source dying mid-way), durable checkpoints and the job's model
+file, the coordinator process (crashed and restarted, or stopped and resumed with the messages
+sent to it meanwhile waiting at its door), the local supervisor, and a group's model, reduced to
+what the invariants need: its step, history chain, data cursor and the sample ranges of its
+history (the job's shape and the processes' state are ``ftlm.sim.job``). A group's loop
 follows the trainer's order of operations (``ftlm.train.trainer``): it asks for the next quorum
 right after its commit vote and applies its update while the request waits, owes that quorum's
 step even when asked to stop meanwhile, and, recovering, loads an arrived snapshot and replays
@@ -26,227 +28,21 @@ from __future__ import annotations
 
 import heapq
 import random
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ftlm.ft.client import reload_word
+from ftlm.ft.end_of_run import may_write_model
 from ftlm.ft.group import GroupProtocol, TooManyFailures, check_replay
-from ftlm.ft.history import GENESIS, extend_chain
+from ftlm.ft.history import extend_chain
 from ftlm.ft.membership import Answer, Event, Issued, Membership
 from ftlm.ft.quorum import Heartbeat, MemberRequest, Quorum, QuorumOptions, StaleIncarnation
 from ftlm.ft.quorum_answer import AnswerEncoder, MemberQuorum
 from ftlm.observe.summary import data_accounting
+from ftlm.sim.job import (FAULTS, Collective, Incarnation, LeaveWatch, SimConfig, SimResult, State, Violation,
+                          copy_state)
 
-FAULTS = ("crash", "hang", "hang_resume", "hang_training", "crash_starting", "hang_starting", "coordinator_crash",
-          "lag", "slow_transfer", "source_crash_mid_transfer", "bogus_claim", "partition_drop",
-          "old_checkpoint", "leave", "bad_link")
-"""Kinds of fault the simulator injects (a seed picks which, where and when). ``bad_link``: every
-all-reduce the struck process takes part in with a peer fails (for every member, at once or at
-the timeout) until the process exits; now and then its group's next process has one too (the
-node's link): the coordinator must find the group (``quorum.Probe``). At most
-``SimConfig.bad_links`` at a time, and only while two groups without one remain in the job and
-three or more groups are in it (a link heals when groups leave for good below that): with no
-two good groups no attempt can commit, and the groups give up after
-``max_consecutive_failures`` (which the 30 s progress bound does not allow for)."""
-
-
-@dataclass
-class SimConfig:
-    """One simulated job: its size, timing, and how often faults strike."""
-
-    groups: int = 3
-    steps: int = 200
-    batch: int = 4
-    fault_mtbf: float = 4.0
-    """Mean simulated seconds between injected faults (0: none)."""
-    faults: tuple[str, ...] = FAULTS
-    faults_until_step: float = 0.8
-    """Faults stop once the job reached this fraction of its steps (then liveness is judged)."""
-    endgame_faults: float = 1.0
-    """Probability that one more fault strikes around the end of the job: within a second of a
-    group committing the third-last step, so before, while or after groups finish and leave."""
-    loss: float = 0.01
-    """Probability that one message is lost."""
-    latency: tuple[float, float] = (0.001, 0.02)
-    step_seconds: tuple[float, float] = (0.02, 0.06)
-    startup_seconds: tuple[float, float] = (0.2, 1.0)
-    reload_seconds: tuple[float, float] = (0.05, 1.5)
-    """Loading a newer durable checkpoint while no live group holds the head (the trainer's
-    ``_reload_checkpoint``): sometimes longer than what is left of the rollback grace."""
-    reload_checkpoints: bool = True
-    """Groups told that no live group holds the head look for a newer durable checkpoint; False:
-    they ignore it (as before session 8), so the coordinator waits ``reload_seconds`` for each
-    and then rolls back to a live state, perhaps older than the newest checkpoint."""
-    checkpoint_every: int = 10
-    drain_seconds: float = 10.0
-    """How long a finished group keeps serving for the groups not yet up to date (the manager's
-    ``ft.quorum_timeout``)."""
-    quorum_seconds: float = 10.0
-    """A group that waited this long for a quorum gives up and exits (``ft.quorum_timeout``)."""
-    heartbeat_interval: float = 0.1
-    heartbeat_timeout: float = 0.5
-    suspect_window: float = 0.2
-    """Members silent this long after a peer reported their quorum's step failed are declared dead."""
-    supervisor_reports: str = "odd"
-    """Which seeds' supervisor reports a process's death to the coordinator: "all", "none", or
-    "odd" (odd seeds; the others run as on Kubernetes/Slurm, where only the peers' reports and
-    the heartbeat timeout detect a death)."""
-    join_timeout: float = 1.0
-    allreduce_timeout: float = 2.0
-    progress_timeout: float = 3.0
-    poll_timeout: float = 2.5
-    restart_delay: float = 0.3
-    startup_timeout: float = 5.0
-    max_consecutive_failures: int = 50
-    probe_after: int = 3
-    """``ft.probe_after_failures``: failed attempts of a step before the
-    coordinator tries without half the suspects at a time (0: never)."""
-    bad_links: int = 1
-    """Groups with a bad link at once (more than one: the search sets cleared members aside)."""
-    sticky_link: float = 0.3
-    """Probability that a group whose process had a bad link starts its next process with one too."""
-    liveness_seconds: float = 120.0
-    """After the last fault, the job must finish within this many simulated seconds."""
-    progress_seconds: float = 30.0
-    """Whatever the faults, some group commits a step at least this often (every fault here is
-    detected and healed well within it: a livelock shows as a violation); with ``bad_links``
-    above one, this many seconds per bad link (the search finds them one after the other, each
-    failed attempt taking up to ``allreduce_timeout``)."""
-    max_seconds: float = 3600.0
-    early_ask: bool = True
-    """A participant asks for the next quorum right after its commit vote and applies its update
-    while the request waits (``Manager.ask``), as in production; False: it asks after the update."""
-    update_seconds: tuple[float, float] = (0.002, 0.02)
-    """Applying the optimizer update after the vote."""
-    exit_seconds: tuple[float, float] = (0.1, 3.0)
-    """From a group's leave to its process's exit (it writes its model and summary first): its
-    connections stay open meanwhile, so peers waiting on it are not reset."""
-    leave_restart: float = 0.7
-    """Probability that the launcher starts a group that left again (0.5-8 s later); otherwise
-    it is gone for good, as long as another group remains."""
-    checkpoint_on_stop: bool = True
-    """``checkpoint.on_stop``: a group stopped by SIGTERM that was participant 0 of its last
-    committed step saves that step before it leaves (unless it is due, hence on disk)."""
-    stop_save_seconds: tuple[float, float] = (0.01, 0.3)
-    """How long that save takes (a crash meanwhile leaves nothing valid on disk)."""
-    leave_bound: float = 0.5
-    """Liveness of a graceful leave: every other healthy group gets a quorum without the leaver
-    within this many simulated seconds of the leave reaching the coordinator (5 heartbeat
-    intervals: below the heartbeat, join and all-reduce timeouts a leave must not wait for)."""
-
-
-class Violation(AssertionError):
-    """An invariant failed; the message names it, the seed and the recent events."""
-
-
-@dataclass
-class State:
-    """A group's replicated state as far as the invariants care."""
-
-    step: int = 0
-    chain: str = GENESIS
-    cursor: int = 0
-    ranges: tuple[tuple[int, int], ...] = ()
-
-
-@dataclass
-class Incarnation:
-    """One process of one group (one rank: the group is the unit of failure)."""
-
-    group: str
-    inc: str
-    proto: GroupProtocol
-    state: State
-    alive: bool = True
-    hung: bool = False  # SIGSTOP: nothing runs
-    hung_training: bool = False  # the heartbeat thread lives, the training thread does not
-    registered: bool = False
-    started_at: float = 0.0
-    injected: bool = False  # a fault was injected into this process
-    finished: bool = False
-    phase: str = "starting"
-    request: MemberRequest | None = None
-    request_seq: int = 0
-    quorum: Quorum | None = None
-    buffer: dict[int, tuple[int, list[str], int]] = field(default_factory=dict)
-    published: dict[int, State] = field(default_factory=dict)
-    fetch: dict[str, Any] | None = None
-    draining_since: float | None = None
-    lag_once: bool = False
-    lagged: bool = False
-    abort_pending: bool = False
-    progress_at: float = 0.0  # the last protocol point the training thread reached
-    asked_at: float = float("-inf")  # when it last sent a quorum request (which is a heartbeat)
-    absent_since: float | None = None  # not a live member of the coordinator since
-    asking_since: float = 0.0  # when its current wait for a quorum began
-    polling: bool = False  # a quorum request is outstanding (the manager's long-poll)
-    asked_next: bool = False  # asked for the next quorum right after its vote: that step is owed
-    held: Answer | None = None  # an answer that came while the update was applied (``Manager._asked``)
-    poll_stopped: bool = False  # the early request's long-poll ended on a stop request
-    update_pending: bool = False  # SIGSTOPped while applying the update
-    catching: bool = False  # recovering: a snapshot is loaded, its backlog replayed step by step
-    stopping: bool = False  # SIGTERM: finish (or abort) the step, then leave
-    left: bool = False  # told the coordinator it leaves; the process exits a moment later
-    request_lost: bool = False  # its current quorum request or the answer to it was lost
-    reload_head: int | None = None  # told to reload while applying its update: done at its next step
-    reload_hint: tuple[int | None, int] = (None, 0)  # the last heartbeat answer's ``reload`` and round
-    writer: bool = False  # participant 0 of the last step it committed as a participant
-    bad_link: bool = False  # every all-reduce it takes part in with a peer fails
-
-    @property
-    def replica_id(self) -> str:
-        return f"{self.group}:{self.inc}"
-
-    @property
-    def running(self) -> bool:
-        return self.alive and not self.hung
-
-
-@dataclass
-class LeaveWatch:
-    """A graceful leave under judgement: the healthy groups that must get a quorum without the
-    leaver by ``deadline`` (``SimConfig.leave_bound``)."""
-
-    leaver: str
-    at: float
-    deadline: float
-    waiting: set[str]
-
-
-@dataclass
-class Collective:
-    """One all-reduce of one quorum: who entered with what, and how it ends."""
-
-    quorum: Quorum
-    entered: dict[str, tuple[int | None, int, str]] = field(default_factory=dict)  # rid -> (slice, step, chain)
-    done: bool = False
-    failed_members: set[str] = field(default_factory=set)
-
-
-@dataclass
-class SimResult:
-    seed: int
-    ok: bool
-    steps: int
-    faults: dict[str, int]
-    restores: int
-    seconds: float
-    error: str = ""
-    trace: list[str] = field(default_factory=list)
-    leaves_judged: int = 0
-    """Graceful leaves whose liveness was judged (those in quiet times, ``watch_leave``)."""
-    restores_past_checkpoint: int = 0
-    """Rollbacks to a state older than the newest durable checkpoint at that moment that the next
-    quorum acted on (one a later restore undid first gave nothing up). Not a violation: progress
-    on disk the job gave up; ``tests/sim`` requires none where groups look on disk first, and
-    checks the count with ``reload_checkpoints=False``."""
-    steps_past_checkpoint: int = 0
-    """Steps between those quorums' steps and the newest durable checkpoint, summed."""
-    convictions: int = 0
-    """Groups the coordinator retired for failing every step they took part in (``quorum.Probe``)."""
-    wrong_convictions: int = 0
-    """Of those, groups whose link was good (allowed only after another fault or a lost message
-    may have failed the same attempts: ``check_conviction``)."""
+TICK = 0.05
+"""Seconds between the coordinator's re-evaluations (``CoordinatorConfig.tick_interval``)."""
 
 
 class Simulation:
@@ -263,8 +59,20 @@ class Simulation:
                                      progress_timeout=self.c.progress_timeout,
                                      suspect_window=self.c.suspect_window, probe_after=self.c.probe_after)
         self.reports_deaths = {"all": True, "none": False}.get(self.c.supervisor_reports, seed % 2 == 1)
+        every = self.c.checkpoint_every
+        self.checkpoint_every = every if every is not None else 0 if seed % 3 == 2 else 10
         self.encoder = AnswerEncoder()
-        self.coordinator: Membership | None = Membership(self.options, self._epoch())
+        self.coordinator: Membership | None = Membership(self.options, self._epoch(), TICK)
+        self.inbox: list[Callable[[], None]] | None = None  # messages waiting on a stopped coordinator
+        self.resumed_at = float("-inf")  # when the coordinator last resumed after a pause
+        # When each replica's last message reached the coordinator's door (handled, or waiting
+        # on a stopped coordinator) since it (re)started.
+        self.door_seen: dict[str, float] = {}
+        # replica id -> its request whose long-poll the coordinator holds (the last it handled, until
+        # answered or withdrawn): a stopped coordinator may answer one whose member asked anew meanwhile
+        self.polls: dict[str, tuple[MemberRequest, int]] = {}
+        self.model: State | None = None  # what the job's model file holds (each group writes it as it exits)
+        self.model_at = 0.0  # when it was written
         self.coordinator_epoch = 0
         self.groups: dict[str, Incarnation | None] = {f"g{i}": None for i in range(self.c.groups)}
         self.disk: dict[int, State] = {}
@@ -299,6 +107,7 @@ class Simulation:
         self.leaves_judged = 0
         self.lost_answers: set[tuple[str, int, int, str]] = set()  # (epoch, quorum id, step, replica id)
         self.sticky_links: set[str] = set()  # groups whose next process starts with a bad link
+        self.hang_next_start: set[str] = set()  # groups whose next process hangs before it registers
         self.disturbed_at = float("-inf")  # the last fault other than a bad link that struck
         self.convictions = self.wrong_convictions = 0  # see SimResult
 
@@ -336,7 +145,7 @@ class Simulation:
         try:
             for g in self.groups:
                 self.spawn(g, delay=self.rng.uniform(0.0, 0.3))
-            self.at(0.05, self.tick, "tick")
+            self.at(TICK, self.tick, "tick")
             if self.c.fault_mtbf > 0:
                 self.at(self.rng.expovariate(1 / self.c.fault_mtbf), self.inject, "fault")
             while self._queue and self.settled() < self.c.groups:
@@ -382,6 +191,11 @@ class Simulation:
                 self.last_fault = self.now  # (a fault again: liveness counts from here)
                 self.log(f"spawn {inc.replica_id} (its link is still bad)")
             self.log(f"spawn {inc.replica_id}")
+            if group in self.hang_next_start:  # wedged before it registers: only the start-up timeout finds it
+                self.hang_next_start.discard(group)
+                inc.injected = inc.hung = True
+                self.pending_hung[inc.replica_id] = (self.now, "hang_restarting")
+                self.log(f"{inc.replica_id} hangs while starting")
             lo, hi = self.c.startup_seconds
             self.at(self.rng.uniform(lo, hi), lambda: self.boot(inc), f"boot {inc.replica_id}")
             self.at(self.c.startup_timeout, lambda: self.startup_watchdog(inc), "watchdog")
@@ -396,7 +210,7 @@ class Simulation:
             pick = steps[-1]
             if inc.lag_once and len(steps) > 1:  # restored from an older checkpoint on purpose
                 pick = steps[self.rng.randrange(len(steps) - 1)]
-            inc.state = _copy(self.disk[pick])
+            inc.state = copy_state(self.disk[pick])
             inc.writer = False
         inc.proto.sync(inc.state.step, inc.state.chain)
         inc.phase = "idle"
@@ -418,7 +232,10 @@ class Simulation:
                 self.at(self.latency(), lambda o=other, q=other.quorum: self.peer_reset(o, q), "connection reset")
         if self.groups.get(inc.group) is inc and restart:
             if self.coordinator is not None and self.reports_deaths:
-                self.deliver_outputs(self.coordinator.report_dead(self.now, inc.replica_id, inc.group, why))
+                def report() -> None:
+                    if self.coordinator is not None:
+                        self.deliver_outputs(self.coordinator.report_dead(self.now, inc.replica_id, inc.group, why))
+                self.to_door(report)
             delay = self.c.restart_delay
             if inc.group in self.slow_restart:  # its node takes long to come back
                 self.slow_restart.discard(inc.group)
@@ -460,10 +277,53 @@ class Simulation:
 
     # -- the coordinator -------------------------------------------------------------------------
     def tick(self) -> None:
-        if self.coordinator is not None:
+        if self.coordinator is not None and self.inbox is None:  # (a stopped coordinator does not tick)
             self.deliver_outputs(self.coordinator.tick(self.now))
         self.supervise()
-        self.at(0.05, self.tick, "tick")
+        self.at(TICK, self.tick, "tick")
+
+    def to_door(self, handle: Callable[[], None]) -> None:
+        """A message reaches the coordinator: handled now, or when it resumes if it is stopped
+        (the kernel keeps its connections' bytes meanwhile)."""
+        if self.inbox is not None:
+            self.inbox.append(handle)
+        else:
+            handle()
+
+    def withdraw(self, req: MemberRequest) -> None:
+        """A long-poll ended (answered, timed out, dropped): the coordinator forgets its request."""
+        def handle() -> None:
+            if self.coordinator is not None:
+                self.coordinator.withdraw(req)
+            held = self.polls.get(req.replica_id)
+            if held is not None and held[0] is req:
+                del self.polls[req.replica_id]
+        self.to_door(handle)
+
+    def pause_coordinator(self) -> None:
+        """SIGSTOP the coordinator for 2-6 heartbeat timeouts, then SIGCONT: what was sent to it
+        meanwhile is handled on resumption, in the order it came, before or after its first tick."""
+        if self.coordinator is None or self.inbox is not None:
+            return
+        self.inbox = []
+        epoch = self.coordinator_epoch
+        seconds = self.rng.uniform(2.0, 6.0) * self.c.heartbeat_timeout
+        self.log(f"coordinator stopped for {seconds:.2f} s")
+
+        def resume() -> None:
+            if self.coordinator_epoch != epoch or self.inbox is None or self.coordinator is None:
+                return
+            queued, self.inbox = self.inbox, None
+            self.resumed_at = self.now
+            self.log(f"coordinator resumes: {len(queued)} message(s) waited")
+            tick_first = self.rng.random() < 0.5
+            if tick_first:
+                self.deliver_outputs(self.coordinator.tick(self.now))
+            for handle in queued:
+                handle()
+            if not tick_first and self.coordinator is not None:
+                self.deliver_outputs(self.coordinator.tick(self.now))
+        self.at(seconds, resume, "SIGCONT coordinator")
 
     def deliver_outputs(self, outputs: list) -> None:
         for o in outputs:
@@ -483,6 +343,8 @@ class Simulation:
                     self.fail(f"quorum id went back: {q.quorum_id} after {last}")
                 self.max_issued_id[q.epoch] = q.quorum_id
             elif isinstance(o, Event):
+                if o.kind == "member_dead":
+                    self.check_silence(o.fields["replica_id"], o.fields["reason"])
                 if o.kind == "member_dead" and self.coordinator is not None and self.coordinator.convictions:
                     self.check_conviction(o.fields["replica_id"])
                 if o.kind == "restore":
@@ -499,6 +361,25 @@ class Simulation:
                     self.log(f"restore {o.fields['from_step']} -> {o.fields['to_step']}")
                     self.head = None  # an explicit rollback: the next head is judged afresh
         self.check_head()
+
+    def check_silence(self, replica_id: str, reason: str) -> None:
+        """A member declared dead for its silence (heartbeat timeout, quiet after a peer's report)
+        was silent that long at the coordinator's door: what reached it while it did not run
+        (stopped, swapped out) counts. (A member declared hung for no progress is judged by its
+        own word, the progress age its heartbeats report, which the coordinator reads in order.)"""
+        seen = self.door_seen.get(replica_id)
+        if seen is None:
+            return
+        silent = self.now - seen
+        if reason == "heartbeat timeout":
+            bound = self.c.heartbeat_timeout
+        elif reason.startswith("silent for"):
+            bound = self.c.suspect_window
+        else:
+            return
+        if silent < bound - 1e-9:
+            self.fail(f"{replica_id} was declared dead ({reason}) {silent:.3f} s after its last word reached "
+                      f"the coordinator (it counts {bound:g} s): its silence was the coordinator's")
 
     def check_conviction(self, replica_id: str) -> None:
         """A member retired for failing the steps it took part in must be one with a bad link,
@@ -533,17 +414,22 @@ class Simulation:
         inc = self.groups.get(answer.replica_id.split(":")[0])
         if inc is None or inc.replica_id != answer.replica_id:
             return
+        # The long-poll the coordinator holds gets it (a member that asked anew meanwhile does not
+        # take an answer to its earlier request).
+        held = self.polls.pop(answer.replica_id, None)
+        seq = held[1] if held is not None else inc.request_seq
         if self.lost():
-            inc.request_lost = True
+            inc.request_lost = inc.request_lost or seq == inc.request_seq
             if answer.quorum is not None:
                 self.lost_answers.add((*_key(answer.quorum), answer.replica_id))
             return
-        seq = inc.request_seq
         self.at(self.latency(), lambda: self.on_answer(inc, seq, answer), f"answer {answer.replica_id}")
 
     def coordinator_crash(self) -> None:
         self.log("coordinator crash")
         self.coordinator = None
+        self.inbox = None  # (what waited on a stopped coordinator is lost with it)
+        self.door_seen = {}
         for inc in self.groups.values():  # their long-polls wait on a coordinator that forgot them
             if inc is not None and inc.polling:
                 inc.request_lost = True
@@ -553,7 +439,7 @@ class Simulation:
 
         def restart() -> None:
             if self.coordinator_epoch == epoch:
-                self.coordinator = Membership(self.options, self._epoch())
+                self.coordinator = Membership(self.options, self._epoch(), TICK)
                 self.log("coordinator restart")
         self.at(self.rng.uniform(0.2, 1.5), restart, "coordinator restart")
 
@@ -572,11 +458,21 @@ class Simulation:
             beat = Heartbeat(inc.replica_id, inc.group, 0.0, p.step, max(p.quorum_id, 0), p.chain,
                              known_head=p.known_head)
 
+            age = 0.0  # seconds since its last progress, as the heartbeat says (``progress_age``)
+
             def arrive() -> None:
+                nonlocal age
                 if self.coordinator is None or not inc.alive or inc.left:
                     return
+                age = self.now - inc.progress_at
+                self.door_seen[inc.replica_id] = self.now
+                self.to_door(handle)
+
+            def handle() -> None:
+                if self.coordinator is None or not inc.alive:  # (died while it waited: its connection reset)
+                    return
                 beat.last_seen = self.now
-                beat.progress_at = inc.progress_at
+                beat.progress_at = self.now - age  # (as the coordinator reads it: the age counts from now)
                 result = self.to_coordinator(inc, lambda c: c.heartbeat(self.now, beat))
                 if result is None:
                     return
@@ -662,7 +558,7 @@ class Simulation:
         inc.request_seq += 1
         seq = inc.request_seq
         if inc.request is not None and self.coordinator is not None:
-            self.coordinator.withdraw(inc.request)  # the earlier long-poll ended (answered or not)
+            self.withdraw(inc.request)  # the earlier long-poll ended (answered or not)
         inc.request = None
         if inc.lag_once and inc.proto.step > 0 and not inc.lagged:
             inc.lagged = True  # a slow group: its request goes out well after the others'
@@ -690,7 +586,14 @@ class Simulation:
             if self.coordinator is None or not inc.alive or inc.request is not req:
                 inc.request_lost = inc.request_lost or inc.request is req  # (the coordinator was down)
                 return
+            self.door_seen[inc.replica_id] = self.now
+            self.to_door(handle)
+
+        def handle() -> None:
+            if self.coordinator is None or not inc.alive:  # (died while it waited: its connection reset)
+                return
             req.asked_at = self.now
+            self.polls[inc.replica_id] = (req, seq)
             outputs = self.to_coordinator(inc, lambda c: c.request(self.now, req))
             if outputs is not None:
                 self.deliver_outputs(outputs)
@@ -710,7 +613,7 @@ class Simulation:
                 # whatever the member's threads do: a wedged training thread asks no more, so it
                 # is no longer "waiting for a quorum" and progress_timeout can declare it hung
                 # (before, its request stayed pending forever here, and so did it: seed 10291).
-                self.coordinator.withdraw(inc.request)
+                self.withdraw(inc.request)
         self.at(self.c.poll_timeout, poll_timeout, "poll timeout")
 
     def poll_ended(self, inc: Incarnation) -> None:
@@ -719,7 +622,7 @@ class Simulation:
         if inc.stopping:
             inc.polling = False
             if inc.request is not None and self.coordinator is not None:
-                self.coordinator.withdraw(inc.request)
+                self.withdraw(inc.request)
             inc.request = None
             if inc.phase == "updating":
                 inc.poll_stopped = True  # the trainer sees it when it takes the answer
@@ -779,7 +682,7 @@ class Simulation:
             self.fail(f"{me} is a participant of quorum {q.quorum_id} at step {q.step} but holds step "
                       f"{inc.state.step} with another history")
         if role.publish:
-            inc.published[q.step] = _copy(inc.state)
+            inc.published[q.step] = copy_state(inc.state)
         # As the manager does: snapshots no joiner pulls any more are dropped.
         inc.published = {s: v for s, v in inc.published.items() if s in role.retain}
         if role.fetch_from is not None:
@@ -816,18 +719,27 @@ class Simulation:
     def finish(self, inc: Incarnation) -> None:
         inc.finished = True
         inc.phase = "done"
-        self.finished[inc.group] = _copy(inc.state)
+        self.save_final(inc, finishing=True)
+        if (not self.finished and self.late_kinds() and self.c.late_faults > 0
+                and self.rng.random() < self.c.late_faults):
+            seconds = self.c.drain_seconds + self.c.quorum_seconds + self.c.startup_timeout
+            self.at(self.rng.uniform(0.0, seconds), self.late_fault, "late fault")
+        self.finished[inc.group] = copy_state(inc.state)
         self.log(f"finished {inc.replica_id} at step {inc.state.step}")
         # It left the job; its process writes its results and exits a moment later.
         self.exited[inc.group] = self.now + self.rng.uniform(0.2, 3.0)
         if self.coordinator is not None:
-            self.deliver_outputs(self.coordinator.leave(self.now, inc.replica_id, inc.group, "finished"))
-            self.watch_leave(inc)
+            def arrive() -> None:
+                if self.coordinator is not None:
+                    self.deliver_outputs(self.coordinator.leave(self.now, inc.replica_id, inc.group, "finished"))
+                    self.watch_leave(inc)
+            self.to_door(arrive)
         inc.alive = False
         first = next(iter(self.finished.values()))
         if (inc.state.step, inc.state.chain) != (first.step, first.chain):
             self.fail(f"{inc.replica_id} finished at step {inc.state.step} with another state than the "
                       f"first group to finish (step {first.step})")
+        self.write_model(inc)
 
     def leave(self, inc: Incarnation, reason: str, saved: bool = False) -> None:
         """A graceful leave (SIGTERM, a finished ``train.max_seconds``): the trainer's loop ended,
@@ -838,10 +750,9 @@ class Simulation:
         done already); heartbeats go on meanwhile."""
         if inc.left or not inc.alive or (inc.phase == "saving" and not saved):
             return
-        if (not saved and reason == "stopped" and self.c.checkpoint_on_stop and inc.writer
-                and inc.state.step % self.c.checkpoint_every != 0):
+        if not saved and reason == "stopped" and self.saves_on_stop(inc):
             inc.phase = "saving"
-            state = _copy(inc.state)
+            state = copy_state(inc.state)
             inc.progress_at = self.now
 
             def saved_then_leave() -> None:
@@ -862,6 +773,10 @@ class Simulation:
 
             def arrive() -> None:
                 if self.coordinator is not None and self.coordinator_epoch == epoch:
+                    self.to_door(handle)
+
+            def handle() -> None:
+                if self.coordinator is not None and self.coordinator_epoch == epoch:
                     self.deliver_outputs(self.coordinator.leave(self.now, inc.replica_id, inc.group, reason))
                     self.watch_leave(inc)
             self.at(self.latency(), arrive, f"leave {inc.replica_id}")
@@ -871,6 +786,7 @@ class Simulation:
     def exit_after_leave(self, inc: Incarnation) -> None:
         if not inc.alive:
             return
+        self.write_model(inc)
         self.die(inc, "exit 0 after leaving", restart=False)
         if self.groups.get(inc.group) is not inc:
             return
@@ -883,6 +799,49 @@ class Simulation:
         else:
             self.departed.add(inc.group)  # gone for good (its node did not come back): once a job at most
             self.log(f"departed {inc.group}")
+
+    # -- durable state: checkpoints and the job's model file ---------------------------------------
+    def checkpoint_due(self, step: int) -> bool:
+        """``Checkpointer.due``: a periodic checkpoint of ``step``."""
+        return self.checkpoint_every > 0 and step > 0 and step % self.checkpoint_every == 0
+
+    def saves_on_stop(self, inc: Incarnation) -> bool:
+        """The trainer's ``_saves_on_stop``: a group stopped by SIGTERM that wrote its last step's
+        checkpoints saves that step on its way out unless it is on disk (periodic or not)."""
+        return self.c.checkpoint_on_stop and inc.writer and not self.checkpoint_due(inc.state.step)
+
+    def save_final(self, inc: Incarnation, finishing: bool) -> None:
+        """The trainer's ``_save_final``: the job's last step is made durable whatever
+        ``checkpoint.every`` says, once (by its writer at the commit, or by whichever group
+        finishes first, ``finishing``): a group started after the others left resumes there."""
+        if inc.state.step >= self.c.steps and inc.state.step not in self.disk:
+            self.disk[inc.state.step] = copy_state(inc.state)
+
+    def may_write_model(self, inc: Incarnation) -> tuple[bool, str]:
+        """The trainer's rule for replacing the job's model file with ``inc``'s state as its
+        process exits (``ftlm.ft.end_of_run.may_write_model``)."""
+        head = inc.quorum.step if inc.quorum is not None else None
+        held = self.model.step if self.model is not None else None
+        return may_write_model(held, inc.state.step, head is not None, self.c.steps, head or 0)
+
+    def write_model(self, inc: Incarnation) -> None:
+        """``inc``'s process exits after it finished or left: it writes the job's model file if the
+        rule lets it. The file never goes back to a state behind the one it holds (nothing in
+        the simulation moves it aside), and a group that never took part in a quorum in this
+        process writes no model unless it holds the final step."""
+        ok, why = self.may_write_model(inc)
+        st = inc.state
+        if not ok:
+            self.log(f"{inc.replica_id} does not write the model at step {st.step}: {why}")
+            return
+        if self.model is not None and st.step < self.model.step:
+            self.fail(f"{inc.replica_id} replaced the job's model file (step {self.model.step}) with its "
+                      f"state at step {st.step}, behind it")
+        if inc.quorum is None and st.step < self.c.steps:
+            self.fail(f"{inc.replica_id} never took part in a quorum and wrote the job's model file with "
+                      f"its state at step {st.step} (the job's last step is {self.c.steps})")
+        self.model, self.model_at = copy_state(st), self.now
+        self.log(f"{inc.replica_id} writes the model at step {st.step}")
 
     # -- the all-reduce and the vote -------------------------------------------------------------
     def enter_collective(self, inc: Incarnation, q: Quorum) -> None:
@@ -936,7 +895,9 @@ class Simulation:
         inc = self.groups.get(replica_id.split(":")[0])
         if inc is None or inc.replica_id != replica_id or not inc.alive or not inc.bad_link:
             return False
-        left = len(self.groups) - len(self.departed | self.lost_groups | set(self.finished))
+        # (a process hung in its start-up keeps its group out until the start-up timeout)
+        wedged = {g.group for g in self.groups.values() if g is not None and g.alive and g.hung and not g.registered}
+        left = len(self.groups) - len(self.departed | self.lost_groups | set(self.finished) | wedged)
         if left < 3 or left - self.links_bad() < 2:
             # The model's premise is gone: no two good groups are left to commit (FAULTS).
             inc.bad_link = False
@@ -995,9 +956,10 @@ class Simulation:
             inc.writer = role.participant_index == 0
             self.last_commit = self.now
             self.log(f"{inc.replica_id} committed step {q.step} (quorum {q.quorum_id})")
-            last = inc.state.step == self.c.steps
-            if role.participant_index == 0 and (inc.state.step % self.c.checkpoint_every == 0 or last):
-                self.disk[inc.state.step] = _copy(inc.state)  # the final step always (as the trainer)
+            if role.participant_index == 0 and inc.state.step == self.c.steps:
+                self.save_final(inc, finishing=False)  # at once by its writer (and by any group that finishes)
+            elif role.participant_index == 0 and self.checkpoint_due(inc.state.step):
+                self.disk[inc.state.step] = copy_state(inc.state)
             if inc.state.step >= self.c.steps - 3 and not self.endgame:
                 self.endgame = True  # from 3 steps before the end: the fault lands before, during or after the finish
                 if self.rng.random() < self.c.endgame_faults:
@@ -1065,7 +1027,7 @@ class Simulation:
             if not inc.alive or inc.left or inc.phase != "reloading" or inc.hung_training:
                 return
             before = inc.state.step
-            inc.state = _copy(self.disk[pick])
+            inc.state = copy_state(self.disk[pick])
             inc.writer = False
             inc.catching, inc.buffer = False, {}
             if inc.fetch is not None or inc.proto.fetching:
@@ -1099,7 +1061,7 @@ class Simulation:
         def arrive() -> None:
             s = self.groups.get(source.split(":")[0])
             if s is not None and s.replica_id == source and s.running and not s.left and q.step in s.published:
-                fetch["result"] = _copy(s.published[q.step])
+                fetch["result"] = copy_state(s.published[q.step])
             fetch["done"] = True
         self.at(seconds, arrive, f"transfer to {inc.replica_id}")
 
@@ -1173,12 +1135,24 @@ class Simulation:
 
     def endgame_fault(self) -> None:
         """One fault at the end of the job, when groups drain, serve late joiners and leave."""
-        kinds = [k for k in ("crash", "hang", "hang_resume", "coordinator_crash", "old_checkpoint", "leave")
-                 if k in self.c.faults]
+        kinds: list[str] = [k for k in ("crash", "hang", "hang_resume", "coordinator_crash", "old_checkpoint", "leave")
+                            if k in self.c.faults]
         if "crash" in kinds:
             kinds.append("crash_slow_restart")  # back only after the others may have left
+        # (after the kinds above: the seeds found with them keep their schedules)
+        kinds += [k for k in ("coordinator_pause", "hang_restarting") if k in self.c.faults]
         if kinds:
             self.strike(self.rng.choice(kinds))
+
+    def late_kinds(self) -> list[str]:
+        return [k for k in ("leave", "crash") if k in self.c.faults]
+
+    def late_fault(self) -> None:
+        """One fault after the first group finished, at a group still in the job: perhaps one
+        restarted after the others left, waiting for a quorum that never comes (a spot reclaim,
+        the launcher stopping the job, a crash)."""
+        if any(g is not None and g.alive and not g.hung and not g.left for g in self.groups.values()):
+            self.strike(self.rng.choice(self.late_kinds()))
 
     def strike(self, kind: str) -> None:
         if kind == "bad_link" and (self.c.groups < 3 or self.links_bad() >= min(
@@ -1194,6 +1168,8 @@ class Simulation:
         self.log(f"fault {kind} -> {target.replica_id if target else '-'}")
         if kind == "coordinator_crash":
             self.coordinator_crash()
+        elif kind == "coordinator_pause":
+            self.pause_coordinator()
         elif target is None:
             pass
         elif kind == "crash_slow_restart":
@@ -1204,6 +1180,10 @@ class Simulation:
             if kind == "crash" or not target.registered:
                 target.injected = True
                 self.die(target, "SIGKILL")
+        elif kind == "hang_restarting":
+            target.injected = True
+            self.hang_next_start.add(target.group)
+            self.die(target, "SIGKILL (its next process hangs while starting)")
         elif kind in ("hang", "hang_starting"):
             if kind == "hang" or not target.registered:
                 target.injected = True
@@ -1256,11 +1236,17 @@ class Simulation:
         elif kind == "bogus_claim" and self.coordinator is not None:
             beat = Heartbeat(f"{target.group}:bogus{self._seq}", target.group, self.now,
                              self.rng.choice([10**15, 2**53]), 2**53, "f" * 64)
-            try:
-                _, outputs = self.coordinator.heartbeat(self.now, beat)
-                self.deliver_outputs(outputs)
-            except StaleIncarnation:
-                pass
+
+            def bogus() -> None:
+                if self.coordinator is None:
+                    return
+                beat.last_seen = beat.progress_at = self.now
+                try:
+                    _, outputs = self.coordinator.heartbeat(self.now, beat)
+                    self.deliver_outputs(outputs)
+                except StaleIncarnation:
+                    pass
+            self.to_door(bogus)
             # The bogus claim replaced the group's real incarnation: that process exits and restarts.
             target.injected = True
         elif kind == "leave":
@@ -1297,8 +1283,8 @@ class Simulation:
         rollback). Their next quorum must come within
         ``leave_bound`` (``check``)."""
         c = self.coordinator
-        if c is None or c.state.head is None:
-            return
+        if c is None or c.state.head is None or self.now - self.resumed_at < self.c.poll_timeout:
+            return  # (after a pause, the others' requests may have been withdrawn meanwhile, their polls ended)
         others = [g for g in self.groups.values() if g is not None and g is not leaver and g.alive and not g.left]
         healthy = {g.replica_id for g in others
                    if g.running and not g.hung_training and g.registered and g.phase not in ("starting", "reloading")
@@ -1346,7 +1332,7 @@ class Simulation:
         """Same chain, same history: two states with one chain must have one cursor and one data."""
         seen = self.seen_states.get(st.chain)
         if seen is None:
-            self.seen_states[st.chain] = _copy(st)
+            self.seen_states[st.chain] = copy_state(st)
         elif (seen.step, seen.cursor, seen.ranges) != (st.step, st.cursor, st.ranges):
             self.fail(f"two states share history {st.chain[:12]} but differ (step {seen.step}/{st.step}, "
                       f"cursor {seen.cursor}/{st.cursor})")
@@ -1374,6 +1360,9 @@ class Simulation:
                             "chain": after.chain, "parent": before.chain})
 
     def check_end(self) -> None:
+        if self.lost_groups:
+            self.fail(f"{', '.join(sorted(self.lost_groups))} lost: died after every other group had finished, "
+                      f"with no final state on disk to resume from (the launch fails)")
         states = {g: (s.step, s.chain) for g, s in self.finished.items()}
         if len(set(states.values())) != 1:
             self.fail(f"groups finished with different states: {states}")
@@ -1383,6 +1372,9 @@ class Simulation:
         # The run's summary proves exactly-once from the record alone (ftlm.observe.summary): it
         # must find what the states say, the final state's samples once each and nothing else.
         final = next(iter(self.finished.values()))
+        if self.model is None or (self.model.step, self.model.chain) != (final.step, final.chain):
+            held = f"step {self.model.step}" if self.model is not None else "nothing"
+            self.fail(f"the job's model file holds {held}, not the final step {final.step}")
         data = data_accounting(self.record)
         found = (data["samples_committed"], data["duplicates"], data["gaps"], data["inconsistent_steps"])
         if found != (final.cursor, 0, 0, []):
@@ -1394,10 +1386,6 @@ def _key(q: Quorum) -> tuple[str, int, int]:
     return q.epoch, q.quorum_id, q.step
 
 
-def _copy(st: State) -> State:
-    return State(st.step, st.chain, st.cursor, st.ranges)
-
-
 def _mark_lag(inc: Incarnation | None) -> None:
     if inc is not None:
         inc.lag_once = True
@@ -1406,3 +1394,7 @@ def _mark_lag(inc: Incarnation | None) -> None:
 def run(seed: int, config: SimConfig | None = None) -> SimResult:
     """Simulate one job with ``seed``; the same seed replays the same run exactly."""
     return Simulation(seed, config).run()
+
+
+# (the job's shape and processes live in ftlm.sim.job)
+__all__ = ["FAULTS", "SimConfig", "SimResult", "Simulation", "Violation", "run"]

@@ -66,6 +66,7 @@ INTERPRETED_TESTS := tests/ft/test_quorum.py tests/ft/test_quorum_answer.py test
 	tests/ft/test_coordinator.py tests/ft/test_coordinator_fuzz.py tests/ft/test_coordinator_hot_path.py tests/ft/test_client_bodies.py \
 	tests/sim/test_protocol_sim.py tests/test_native.py
 test: setup system-deps system-deps-cluster
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -m "not slow" --durations=25
 	FTLM_NATIVE=0 $(BIN)/python -m pytest -q -m "not slow" $(INTERPRETED_TESTS)
 

@@ -1,6 +1,6 @@
 """Benchmark: does chaos change where training ends up? Held-out loss at equal committed tokens.
 
-The question of DESIGN.md (and issue 10): fault tolerance drops a failed group's slice from a
+The question: fault tolerance drops a failed group's slice from a
 step (fewer samples that step, LR scaled by ``ft.lr_policy``) and replays updates into a
 recovering group. After the same number of committed tokens, is the model as good as one trained
 without failures? For each seed the tiny config (``configs/tiny.toml``) is trained as 3 replica

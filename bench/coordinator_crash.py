@@ -1,9 +1,9 @@
 """Stall of the healthy groups when the coordinator process dies under ``ftlm launch local``.
 
 The local launcher restarts a dead coordinator on the same port (``LocalLauncher``); the new one
-holds no state and rebuilds membership from the groups' next heartbeats (DESIGN.md section 5).
-This benchmark measures what that costs the groups: one in-process ``LocalLauncher`` per
-repetition (3 groups of 1 rank, the soak's tiny model on the demo data), and a thread that, once
+holds no state and rebuilds membership from the groups' next heartbeats (docs/design.md, 'Failure
+detection'). This benchmark measures what that costs the groups: one in-process ``LocalLauncher``
+per repetition (3 groups of 1 rank, the soak's tiny model on the demo data), and a thread that, once
 the job has committed its first steps, SIGKILLs the coordinator every ``--every`` seconds through
 ``LocalLauncher.restart_coordinator`` (kill, then start a fresh process on the same port at once:
 what the launcher's watch loop does for a crash, without its 0.1 s polling delay). Every kill is a
@@ -130,7 +130,7 @@ def render(results: list[dict], flags: list[str], steps: int, every: float, took
                      " ".join(f"{s:.2f}" for s in r["stalls"]),
                      " ".join(f"{s:.2f}" for s in r["gaps"]), r["steps"], f"{r['ett']:.3f}",
                      "; ".join(r["problems"]) or "none"])
-    head = section_header("Coordinator crash under `ftlm launch local` (issue 14)",
+    head = section_header("Coordinator crash under `ftlm launch local`",
                           "bench.coordinator_crash", flags)
     lines = [head.rstrip("\n"),
              f"* Method: {GROUPS} groups x 1 rank, the soak's tiny model, {steps} steps, "
@@ -279,7 +279,7 @@ def run_slurm(root: Path, kills: int, every: float) -> dict:
 
 
 def render_slurm(r: dict, kills: int, every: float, took: float) -> str:
-    head = section_header("Coordinator crash on a real Slurm (issue 14)", "bench.coordinator_crash",
+    head = section_header("Coordinator crash on a real Slurm", "bench.coordinator_crash",
                           ["--slurm"])
     stalls = [s for s in r["stalls"] if s is not None]
     down = [k["downtime"] for k in r["kills"]]

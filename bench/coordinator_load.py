@@ -1,5 +1,5 @@
 """Load test of the real coordinator: N simulated groups heartbeating every second and asking for a
-quorum every step at one step per second (issue 16, part 4).
+quorum every step at one step per second.
 
 ``python -m bench.coordinator_load --groups 2000 --seconds 30`` measures one size;
 ``python -m bench.coordinator_load --sweep 100,500,1000,2000,4000 --seconds 20`` measures each and
@@ -1019,7 +1019,7 @@ annotation at run time: the suite runs on them, the state machine's tests run on
 interpreted, and 1,000 seeded fault schedules of `ftlm sim check` and 200 of two bad links at once
 in 6 groups give the same outcome, seed for seed, either way.
 
-Sixth pass (issue 16; 2026-12-01 17:46-19:20 UTC, Intel Xeon, 2 cores, load 0.2-1.6). (1) The
+Sixth pass (2026-12-01 17:46-19:20 UTC, Intel Xeon, 2 cores, load 0.2-1.6). (1) The
 bodies `CoordinatorClient` sends are cut by one compiled pattern (`ClientBodies`; anything else,
 another key order or spacing, an escape, a value out of range, goes through the strict decoder
 as before, and a fuzz test checks that every body gets the value or the error of the strict
@@ -1044,7 +1044,7 @@ since. Tried and not kept: re-evaluating at most every 2 ms (p50 124 / 120 / 120
 / 126 ms, p99 unchanged); answering heartbeats only in passes that read no quorum request (p99 153
 / 185 / 127 ms against 135 / 103 / 116 with the slices).
 
-Deferred evaluation (issue 16, fifth pass; 2026-12-01 10:36-10:40 UTC, Intel Xeon, 2 cores, load
+Deferred evaluation (fifth pass; 2026-12-01 10:36-10:40 UTC, Intel Xeon, 2 cores, load
 0.5-0.8). The coordinator used to re-evaluate (expire, move the head, decide the quorum) after
 every heartbeat and quorum request; a step's asks and the heartbeats around them arrive in
 bursts of hundreds, so it now records each message and evaluates once after the pass of the
@@ -1058,7 +1058,7 @@ interleaved three times: quorum p50 149 / 135 / 130 ms and p99 216 / 179 / 192 m
 About 15% off the median and the p99: the target (p99 < 100 ms at 2,000 groups) is still not
 met on this box.
 
-Fourth pass (issue 16): (1) `--trace`: the coordinator process is started with bench-only
+Fourth pass: (1) `--trace`: the coordinator process is started with bench-only
 patches that timestamp each quorum request and answer (the served code is unchanged) and the
 latency is cut into the four parts above. (2) The load generator: callbacks instead of a task per
 group, byte-template bodies (client CPU 12% at 2,000 groups, 16-17% before; the step's last ask
@@ -1087,7 +1087,7 @@ def write(results: list[Result], seconds: float, traced: bool = False) -> None:
     from bench.common import section_header, table, write_section
     sizes = ",".join(str(r.groups) + ("" if r.heartbeat == HEARTBEAT_SECONDS else f"@{r.heartbeat:g}")
                      for r in results)
-    body = section_header("Coordinator at scale: simulated groups against `ftlm coordinator` (issue 16)",
+    body = section_header("Coordinator at scale: simulated groups against `ftlm coordinator`",
                           "bench.coordinator_load", ["--sweep", sizes, "--seconds", f"{seconds:g}"]
                           + (["--trace"] if traced else []))
     body += "\n" + table(HEADERS, [r.row() for r in results]) + "\n\n"

@@ -1,9 +1,9 @@
-"""Failure stall per SIGKILL without a local supervisor (issue 11): peers' reports vs the heartbeat.
+"""Failure stall per SIGKILL without a local supervisor: peers' reports vs the heartbeat.
 
 On Kubernetes and Slurm no supervisor posts ``/v1/dead`` when a group's process dies, so the
 coordinator learns of the death from the group's peers (their all-reduce fails with a transport
 error; they ask for the next quorum with ``failed``) corroborated by the dead group's silence for
-``ft.suspect_window`` (DESIGN.md section 5), or else from the heartbeat timeout.
+``ft.suspect_window`` (docs/design.md, 'Failure detection'), or else from the heartbeat timeout.
 
 ``python -m bench.failure_stall`` runs the SIGKILL case of ``bench.ft_vs_torchft`` part 2 (3 groups of
 the tiny model, g2 kills itself before the all-reduce of step 8, `ft.heartbeat_timeout=1`) under
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                "g2's member_dead reason"]
     print(table(headers, rows), flush=True)
     if not args.no_write:
-        body = section_header("Failure stall per SIGKILL without a supervisor (issue 11)", "bench.failure_stall",
+        body = section_header("Failure stall per SIGKILL without a supervisor", "bench.failure_stall",
                               ["--reps", str(args.reps)])
         body += (f"* Load average (1 min) during the runs: {min(loads):.1f} to {max(loads):.1f}; took "
                  f"{time.monotonic() - t0:.0f} s\n\n")
@@ -121,12 +121,12 @@ READING = """\
 Each run: 3 groups of the tiny model (1.3M parameters, batch 8), `ft.heartbeat_interval=0.1`,
 `ft.heartbeat_timeout=1`, `ft.join_timeout=2`; g2 SIGKILLs itself before the all-reduce of step 8
 (`bench.ft_vs_torchft`'s plan). *Stall*: the healthy groups' longest gap between commits around
-the kill minus the median step (DESIGN.md section 10). *Detected*: from the injection to the
+the kill minus the median step (docs/design.md, 'summary.json'). *Detected*: from the injection to the
 coordinator's `member_dead` of g2; *next quorum*, *next commit*: the survivors'. Without a supervisor, the survivors' all-reduce fails on the
 reset connections, they ask for the next quorum with `failed` (the report), and the coordinator
 declares dead the members of that quorum it has not heard from since the first report once
 `ft.suspect_window` has passed: a report never expires a member that still heartbeats or asks.
-Target (issue 11): stall per SIGKILL under 1 s plus one step with the supervisor's report off.
+Target: stall per SIGKILL under 1 s plus one step with the supervisor's report off.
 """
 
 

@@ -1,4 +1,4 @@
-"""Benchmark: ftlm head to head with torchft and with checkpoint-restart (issue 5).
+"""Benchmark: ftlm head to head with torchft and with checkpoint-restart.
 
 Every side trains ftlm's ``Transformer`` on the same demo batches (participant ``i`` of ``P`` takes
 the same global samples), with the same group count, the same timeouts and the same failure plan
@@ -284,7 +284,7 @@ def _write(body: list[str], args: argparse.Namespace, missing: str, t0: float,
         [f"--parts {' '.join(map(str, args.parts))}"] if args.parts else [])
     took = f"Took {time.perf_counter() - t0:.0f} s" + ("." if final else " so far (unfinished).")
     body = _with_earlier_parts(body, args.parts)
-    text = (section_header("ftlm vs torchft vs checkpoint-restart (issue 5)",
+    text = (section_header("ftlm vs torchft vs checkpoint-restart",
                            "bench.ft_vs_torchft", flags)
             + f"* torchft: {'not measured: ' + missing if missing else _torchft_version()}\n"
             + f"* {took}\n\n" + "\n".join(body))

@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                           else sorted(str(d) for d in RUNS_DIR.glob("cal-*")))]
     cal = [calibrate(d) for d in dirs if (Path(d) / "summary.json").is_file()]
     models, source = projection_models(cal, days)
-    parts = [section_header("Goodput simulator: `ftlm simulate` (issue 16)", "bench.goodput",
+    parts = [section_header("Goodput simulator: `ftlm simulate`", "bench.goodput",
                             ["--quick"] if args.quick else []),
              f"* Simulation: {runs} seeded runs of {days:g} simulated days per figure (± is the "
              "standard deviation of one run); exponential failures at a constant rate per GPU.",

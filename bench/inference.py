@@ -55,7 +55,7 @@ CPU_READING = (
     "`torch.compile` of the step (CPU inductor, freezing on, session 8) about 20% less CPU per "
     "step; the engine's own `compile=True` (static shapes at `max_seq_len`), on `tiny` at batch "
     "8, was slower than eager (1.24-1.29x of `transformers` against 1.49-1.65x, three "
-    "interleaved runs). None of these makes 2x. The >= 2x of issue 13 needs a step whose cost is not its "
+    "interleaved runs). None of these makes 2x. The >= 2x target needs a step whose cost is not its "
     "weight reads: a GPU, where a small model's decode step is launch-bound (section "
     "`inference_gpu`, not measured: no GPU was lent to this project's sessions), or weights in "
     "bfloat16, a different arithmetic (compared with `transformers` in bfloat16, which then "
@@ -63,10 +63,10 @@ CPU_READING = (
 
 
 def target_table(rows: list[list[object]]) -> str:
-    """The issue's target row: the batch-8 decode speed-up of each model in ``rows``."""
+    """The target row: the batch-8 decode speed-up of each model in ``rows``."""
     at8 = [f"{r[0]}: {r[6]}" for r in rows if r[1] == 8]
     met = all(float(str(r[6]).rstrip("x")) >= 2.0 for r in rows if r[1] == 8)
-    return ("| target (issue 13) | result |\n|---|---|\n"
+    return ("| target | result |\n|---|---|\n"
             f"| decode >= 2x `transformers` `generate` at batch 8 | {'; '.join(at8)} "
             f"({'met' if met else 'not met'} on this machine) |")
 

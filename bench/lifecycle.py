@@ -377,7 +377,7 @@ def paired(result: dict, better: str, worse: str) -> tuple[float, float] | None:
 
 
 def verdict(result: dict) -> str:
-    """The issue's targets, judged from the numbers: a stage is above another when the paired
+    """The targets, judged from the numbers: a stage is above another when the paired
     per-task difference over the same tasks and seeds (``paired``) exceeds its 95 % interval
     (the pairing removes the tasks' shared difficulty; without pairs, e.g. one task, the
     difference of the means against the larger mean per-stage interval). The unpaired
@@ -413,7 +413,7 @@ def verdict(result: dict) -> str:
         else:
             line += f"{diff:+.3f} (interval {interval:.3f}): {met}"
         lines.append(line)
-    return "Targets of issue 12 (a stage above another by more than the interval; the " \
+    return "Targets (a stage above another by more than the interval; the " \
         "statistic is the paired per-task difference, averaged over seeds per task): " + \
         "; ".join(lines) + "."
 
@@ -506,7 +506,7 @@ def format_section(result: dict, flags: list[str]) -> str:
             extra += f" + {statistics.fmean(e['pair_seconds'] for e in by_seed.values()):.0f} s pairs"
         rows.append([stage, f"{mean:.3f}" + ("" if len(accs) < 2 else f" (sd {sd:.3f})"), seeds,
                      f"{secs:.0f} s{extra}", f"{tokens:,.0f}"])
-    body = section_header("Lifecycle on CPU: pretrain -> SFT -> DPO / GRPO (issue 12)",
+    body = section_header("Lifecycle on CPU: pretrain -> SFT -> DPO / GRPO",
                           "bench.lifecycle", flags)
     if "--from-json" in command_line() or "--merge" in command_line():
         runs = result.get("command", "?").split("; ")

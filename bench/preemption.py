@@ -3,7 +3,7 @@
 A spot reclaim, a node drain or a Slurm preemption reaches a group's trainer as SIGTERM: the
 trainer finishes or abandons its step, leaves the quorum explicitly, writes ``group_exit`` and
 exits 0; the platform brings the group back (a replaced pod, a requeued job), and the new
-incarnation rejoins and catches up from a healthy group. Issue 14's target: the healthy groups
+incarnation rejoins and catches up from a healthy group. The target: the healthy groups
 stall less than one step per preemption.
 
 One in-process ``LocalLauncher`` per repetition (3 groups of 1 rank, the soak's tiny model on the
@@ -239,7 +239,7 @@ def render(results: list[dict], flags: list[str], steps: int, every: float, grac
                      " ".join(str(p.code) for p in ps),
                      sum(x["group_exit_ok"] for x in m), r["steps"], f"{r['ett']:.3f}",
                      "; ".join(r["problems"]) or "none"])
-    head = section_header("Graceful preemption under `ftlm launch local` (issue 14)",
+    head = section_header("Graceful preemption under `ftlm launch local`",
                           "bench.preemption", flags)
     lines = [head.rstrip("\n"),
              f"* Method: {GROUPS} groups x 1 rank, the soak's tiny model, {steps} steps, "

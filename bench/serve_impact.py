@@ -1,4 +1,4 @@
-"""A source's training step time while it serves its snapshot to a recovering peer (issue 11).
+"""A source's training step time while it serves its snapshot to a recovering peer.
 
 ``python -m bench.serve_impact [--models small:4,large:1] [--steps 6] [--reps 2]
 [--settings process:19,process:0,thread:19,thread:0]``.
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = measure(models, args.steps, args.reps, settings)
     flags = [f"--models {args.models}", f"--steps {args.steps}", f"--reps {args.reps}",
              f"--settings {args.settings}"]
-    body = (section_header("A source's step time while it serves its snapshot (issue 11)",
+    body = (section_header("A source's step time while it serves its snapshot",
                            "bench.serve_impact", flags)
             + f"* Method: see `bench/serve_impact.py`; one torch thread, sequences of 128 tokens, "
               f"{args.reps} idle/serving pair(s) of {args.steps} steps per setting, settings "

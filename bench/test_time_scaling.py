@@ -314,6 +314,7 @@ def _params(tok, args, seed: int) -> SamplingParams:
 
 def measure(args) -> dict:
     """Sample, select and count for every seed; returns the JSON-able raw results."""
+    from ftlm.config import load_config
     from ftlm.infer.load import load_run
     from ftlm.infer.outcome import OutcomeVerifier, load_head
     from ftlm.infer.verifier import Verifier
@@ -322,7 +323,7 @@ def measure(args) -> dict:
     chat = not args.no_chat
     data: dict = {}
     if not args.large_only:
-        policy = load_run(args.policy, device="cpu")
+        policy = load_run(args.policy, device="cpu", read_config=load_config)
         tok, pparams = policy.tokenizer, param_count(policy.model.cfg)
         verifier, vparams = None, 0
         ns = [2 ** i for i in range(int(math.log2(args.n_max)) + 1)]
@@ -337,7 +338,7 @@ def measure(args) -> dict:
                                        chat)
             if args.verifier and verifier is None:  # loaded late: it may still be training
                 _wait_for(Path(args.verifier) / "model.safetensors", args.wait_verifier)
-                judge = load_run(args.verifier, device="cpu")
+                judge = load_run(args.verifier, device="cpu", read_config=load_config)
                 verifier = (OutcomeVerifier(judge.model, judge.tokenizer,
                                             load_head(Path(args.verifier_head)))
                             if args.verifier_head else Verifier(judge.model, judge.tokenizer))
@@ -367,7 +368,7 @@ def measure(args) -> dict:
         data["meta"]["verifier_auc"] = aucs
     if args.large_policy:
         t0 = time.perf_counter()
-        big = load_run(args.large_policy, device="cpu")
+        big = load_run(args.large_policy, device="cpu", read_config=load_config)
         accs, cost = [], []
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             engine = Engine(big.model, max_batch=args.max_batch, eos_id=big.tokenizer.eos_id,

@@ -9,14 +9,14 @@ in one run and as the median of ``--reps`` interleaved repetitions:
   (``ft.snapshot_reserve``: what a job does, with the preparation timed on its own), and the same
   bytes copied into an already-touched buffer (the part of the copy that is page faults);
 * the per-chunk digests a source computes as it first serves each chunk (XXH3-128), and what
-  sha256, the digest before issue 11, costs for the same chunks;
+  sha256, the digest used before XXH3-128, costs for the same chunks;
 * ``fetch_snapshot`` of a freshly published snapshot (the source computes each chunk's digest as
   it serves it) with 4 connections, and of an already served one with 1 and 4 connections;
   the same two 4-connection pulls from the snapshot server process (``ft.snapshot_server =
   'process'``, the default; at nice 0 here) serving a snapshot taken into shared memory;
 * a raw loopback socket moving the same bytes (the ceiling): ``sendall`` from the snapshot's
   buffer, ``recv_into`` a fresh buffer of the same kind the fetch allocates, no HTTP, no checks;
-  also with 4 connections, and as this benchmark did before issue 11's transport change: from a
+  also with 4 connections, and as this benchmark measured the ceiling before: from a
   never-written buffer (every page the kernel's one zero page, always in cache) into a
   ``bytearray(n)``, whose allocation writes every page before the clock starts. That left the
   receive buffer's page faults (about 0.5 s per GiB here) out of the ceiling but in the fetch.
@@ -188,7 +188,7 @@ LABELS = {
     "copy_reserve": "snapshot copy into the reserve (ft.snapshot_reserve = true)",
     "copy_touched": "same copy, touched buffer",
     "xxh3": "XXH3-128 of every 4 MiB chunk (source, as first served)",
-    "sha256": "sha256 of every 4 MiB chunk (the digest before issue 11)",
+    "sha256": "sha256 of every 4 MiB chunk (the digest used before XXH3-128)",
     "fetch4_fresh": "fetch_snapshot, 4 connections, first pull (digests computed while serving)",
     "fetch1": "fetch_snapshot, 1 connection",
     "fetch4": "fetch_snapshot, 4 connections",
@@ -212,7 +212,7 @@ def render(out: dict[str, list[tuple[float, float]]], mb: int, reps: int, flags:
                  if key.startswith(("fetch", "process", "loopback")) else "")
         rows.append([LABELS[key], f"{wall[key]:.3f}", f"{gb / wall[key]:.2f}", share,
                      f"{cpu[key]:.2f}"])
-    return (section_header("Live state transfer: copy, digests, fetch vs loopback (issue 11)",
+    return (section_header("Live state transfer: copy, digests, fetch vs loopback",
                            "bench.transfer", flags)
             + f"\nA flat state of {mb} MiB; median of {reps} interleaved repetitions. "
               "The snapshot copy runs on a helper thread during the step's forward and backward "

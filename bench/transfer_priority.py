@@ -1,4 +1,4 @@
-"""Does a low-priority transfer thread stall the other threads of its process? (issue 11)
+"""Does a low-priority transfer thread stall the other threads of its process?
 
 ``python -m bench.transfer_priority [--mb 256] [--pulls 3] [--reps 2] [--hogs 3]
 [--settings pull:19,pull:0,thread:19,process:19]``.
@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = measure(args.mb, args.pulls, args.reps, args.hogs, settings)
     flags = [f"--mb {args.mb}", f"--pulls {args.pulls}", f"--reps {args.reps}",
              f"--hogs {args.hogs}", f"--settings {args.settings}"]
-    body = (section_header("A low-priority transfer thread and the other threads of its process "
-                           "(issue 11)", "bench.transfer_priority", flags)
+    body = (section_header("A low-priority transfer thread and the other threads of its process",
+                           "bench.transfer_priority", flags)
             + f"* Method: see `bench/transfer_priority.py`: a {args.mb} MiB snapshot pulled "
               f"{args.pulls} times (4 connections) while a thread of the measured process (the "
               f"puller, or the source) ticks every {1000 * TICK_S:.0f} ms and {args.hogs} busy "

@@ -118,6 +118,23 @@ def test_a_fault_exits_as_a_crash_to_be_restarted_not_as_bad_input(fault, tmp_pa
     assert err.startswith("ftlm: error: replica g2:abc was replaced")
 
 
+def test_a_group_retired_for_failing_its_steps_exits_with_its_own_status(tmp_path, monkeypatch):
+    """The coordinator retired the group for failing every step it took part in (a bad link or
+    device, ``quorum.Convicted``): status 3, which a launcher counts as retired, not as a crash,
+    without reading the group's log; the error line stays for people."""
+    import ftlm.cli
+    from ftlm.errors import EXIT_RETIRED
+    from ftlm.ft.quorum import Convicted
+
+    def fails(args):
+        raise Convicted("replica g2:abc was retired: its link fails the steps it takes part in; "
+                        "this process must exit")
+    monkeypatch.setattr(ftlm.cli, "cmd_report", fails)
+    code, _, err = _run(["report", str(tmp_path)])
+    assert code == EXIT_RETIRED == 3
+    assert err.startswith("ftlm: error: replica g2:abc was retired")
+
+
 def test_entry_point_exit_status_and_no_traceback(tmp_path: Path) -> None:
     missing = tmp_path / "absent.toml"
     env = {k: v for k, v in os.environ.items() if k != "FTLM_COORDINATOR"}
@@ -202,7 +219,7 @@ def test_data_prepare_of_missing_input_is_a_one_line_error(tmp_path: Path,
     assert err.startswith("ftlm: error:") and str(tmp_path / "nothing") in err
 
 
-# --- bad input from outside testers (issue 15): one-line errors, never a traceback ----------
+# --- bad input from outside: one-line errors, never a traceback -----------------------------
 
 def _one_line_error(code: int, out: str, err: str, *needles: str) -> None:
     """Exit status 2 and one error line; only a progress bar (data prepare) may come before it."""

@@ -224,7 +224,7 @@ def test_default_config_round_trips(tmp_path: Path) -> None:
     assert load_config(tmp_path / "c.toml") == cfg
 
 
-# --- non-finite and out-of-range numbers (issue 15) ------------------------------------------
+# --- non-finite and out-of-range numbers -----------------------------------------------------
 
 @pytest.mark.parametrize("override, needles", [
     ("train.lr=inf", ["train.lr=inf", "finite", "> 0"]),

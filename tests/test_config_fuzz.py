@@ -1,4 +1,4 @@
-"""Fuzzing the run config (DESIGN.md section 11): any input is a valid config or a ConfigError.
+"""Fuzzing the run config (docs/design.md, 'Testing'): any input is a valid config or a ConfigError.
 
 Three inputs reach ``build_config`` from outside: ``--set section.key=value`` strings, the tables
 of a parsed TOML file, and the bytes of the file itself. Properties: no exception other than a

@@ -15,7 +15,7 @@ from typing import Any
 from pathlib import Path
 
 from ftlm import startup_beacon
-from ftlm.errors import FaultError, FtlmError
+from ftlm.errors import EXIT_RETIRED, FaultError, FtlmError, RetiredError
 
 startup_beacon.start()  # a rank's sign of life while it starts, when its supervisor asks for one
 
@@ -43,23 +43,6 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _init_group(config) -> None:
-    """Join this replica group's own process group when torchrun started several ranks."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return
-    startup_beacon.phase("joining the group's other ranks")
-    from datetime import timedelta
-    import torch
-    import torch.distributed as dist
-    from ftlm.train.trainer import resolve_device
-    device = resolve_device(config.train.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    # Followers wait for their leader's quorum inside group collectives: outlast that wait.
-    timeout = timedelta(seconds=config.ft.quorum_timeout + config.ft.allreduce_timeout)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
-
-
 def _exit_on_sigterm_during_setup() -> None:
     """Until the trainer takes over SIGTERM (it then leaves the quorum explicitly), a stop
     request during set-up ends a group of one rank at once with status 0: it has not joined yet.
@@ -85,12 +68,13 @@ def _exit_on_sigterm_during_setup() -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     _exit_on_sigterm_during_setup()
     from ftlm.config import load_config
+    from ftlm.train.group import init_group
     from ftlm.train.trainer import Trainer
     config = load_config(args.config, args.overrides)
     from ftlm.observe.logs import configure_logging
     configure_logging(config.observe.log_format, group=os.environ.get("FTLM_GROUP_ID", "g0"),
                       rank=int(os.environ.get("RANK", "0")))
-    _init_group(config)
+    init_group(config.train, config.ft)
     coordinator = config.ft.coordinator or os.environ.get("FTLM_COORDINATOR", "")
     if not coordinator:
         if int(os.environ.get("RANK", "0")) != 0:
@@ -222,12 +206,12 @@ def cmd_sim_check(args: argparse.Namespace) -> int:
 # action and adding its parsers (with ``set_defaults(fn=...)``). Keep them light to import: the
 # heavy imports belong inside the command functions.
 COMMAND_MODULES: tuple[str, ...] = (
-    "ftlm.infer.cli",
+    "ftlm.infer_cli",
     "ftlm.goodput.cli",
     "ftlm.tasks.cli",
     "ftlm.convert_cli",
     "ftlm.evaluate_cli",
-    "ftlm.post.cli",
+    "ftlm.post_cli",
 )
 
 
@@ -340,7 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     except FtlmError as e:
         print(f"ftlm: error: {e}", file=sys.stderr)
         # A fault (declared hung, no quorum, a failed transfer) exits as a crash, to be restarted;
-        # status 2 tells a supervisor that a restart would fail the same way (bad input).
+        # status 2 tells a supervisor that a restart would fail the same way (bad input); status 3
+        # that the coordinator retired the group for failing its steps (a bad link or device).
+        if isinstance(e, RetiredError):
+            return EXIT_RETIRED
         return 1 if isinstance(e, FaultError) else 2
 
 

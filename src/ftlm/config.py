@@ -33,7 +33,7 @@ from ftlm.train.config import CheckpointConfig, RunSection, TrainConfig, Trainer
 
 @dataclass
 class RunConfig:
-    """Everything a run needs, one section per component (DESIGN.md section 10)."""
+    """Everything a run needs, one section per component (docs/design.md, 'Config')."""
 
     run: RunSection = field(default_factory=RunSection)
     model: ModelConfig = field(default_factory=ModelConfig)

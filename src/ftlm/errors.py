@@ -16,6 +16,19 @@ class FaultError(FtlmError):
     restarts the group; its crash-loop limit stops a restart that keeps failing."""
 
 
+EXIT_RETIRED = 3
+"""Exit status of a group process that the coordinator retired for failing every step it took
+part in (``RetiredError``): launchers tell it from a crash by the status alone (0 done, 1 a
+crash or another fault, 2 bad input)."""
+
+
+class RetiredError(FaultError):
+    """The coordinator retired this group's process for failing every step it took part in (a
+    bad link or device on its node, ``ftlm.ft.quorum.Probe``): restarted as after any fault, but
+    the CLI exits with status 3 (``EXIT_RETIRED``) so that a launcher counts it retired (it gives
+    up on the group, or avoids its nodes) without reading its log."""
+
+
 class ConfigError(FtlmError, ValueError):
     """A config value is unknown, of the wrong type or out of range."""
 

@@ -6,7 +6,7 @@
   run's eval loss; perplexity is its exponential.
 * **Tasks** (``--tasks FILE`` written by ``ftlm tasks write``, or generated: ``--families``,
   ``--split`` (default the held-out ``test``), ``--n``, ``--seed``): each prompt is rendered with
-  the post-training chat template (``ftlm.post.chat``, the one ``ftlm sft`` trains on), ``--samples``
+  the post-training chat template (``ftlm.data.chat``, the one ``ftlm sft`` trains on), ``--samples``
   completions are drawn with the KV-cache engine (``ftlm.infer``; greedy at ``--temperature 0``,
   else seeded per task and sample), checked exactly (``ftlm.tasks.check``), and scored with the
   unbiased pass@k estimator (``ftlm.tasks.scoring``) for each ``--k``, overall and per family,
@@ -66,7 +66,7 @@ def sample_tasks(model, tokenizer, tasks, samples: int, temperature: float, top_
                  max_new_tokens: int, seed: int, max_batch: int = 32) -> list[list[str]]:
     """``samples`` completions (text, chat template stripped) of every task, in task order."""
     from ftlm.infer import Engine, SamplingParams
-    from ftlm.post.chat import completion_text, prompt_ids
+    from ftlm.data.chat import completion_text, prompt_ids
     from ftlm.post.rollout import sample_seed
     end_id = tokenizer.token_id("<|end|>")
     prompts, params = [], []

@@ -252,7 +252,7 @@ def test_dataset_errors_reach_the_caller() -> None:
     assert not loader.alive
 
 
-# --- malformed manifests (issue 15): one-line DataErrors, shards confined to the folder -------
+# --- malformed manifests: one-line DataErrors, shards confined to the folder ------------------
 
 def _edit_manifest(folder: Path, edit) -> None:
     path = folder / "manifest.json"

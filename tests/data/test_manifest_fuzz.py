@@ -1,4 +1,5 @@
-"""Fuzzing data manifests (DESIGN.md section 11): any manifest is valid or a one-line DataError.
+"""Fuzzing data manifests (docs/design.md, 'Testing'): any manifest is valid or a one-line
+DataError.
 
 ``manifest.json`` comes from disk, so it can hold anything: other JSON, wrong types, missing
 fields, paths that leave the data folder, bytes that are not JSON at all. Properties: parsing

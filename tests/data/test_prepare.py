@@ -165,7 +165,7 @@ def test_each_bad_input_gets_its_error(tmp_path, tok_path) -> None:
             tmp_path / "none.json")
 
 
-# --- malformed text (issue 15): one-line errors naming the file and line, nothing left behind ---
+# --- malformed text: one-line errors naming the file and line, nothing left behind --------------
 
 def test_latin1_bytes_in_jsonl_name_the_line(tmp_path, tok_path) -> None:
     bad = tmp_path / "latin1.jsonl"

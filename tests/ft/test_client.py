@@ -15,7 +15,7 @@ from ftlm.errors import ConfigError
 from ftlm.ft.client import CoordinatorClient, CoordinatorUnavailable, Heartbeater, QuorumTimeout
 from ftlm.ft.config import CoordinatorConfig, FTConfig
 from ftlm.ft.coordinator import Coordinator
-from ftlm.ft.quorum import StaleIncarnation
+from ftlm.ft.quorum import FAILS_ITS_STEPS, Convicted, StaleIncarnation, remove_member
 
 
 @pytest.fixture
@@ -179,6 +179,27 @@ def test_heartbeater_stops_when_its_incarnation_is_replaced(start, client) -> No
         assert not hb._thread.is_alive()
     finally:
         hb.stop()
+
+
+def test_a_process_convicted_of_failing_its_steps_is_told_so_in_a_field(start, client) -> None:
+    """An incarnation the coordinator convicted of failing the steps it takes part in is refused
+    with 409 and ``"convicted": true`` (heartbeats and quorum requests alike): its client raises
+    ``Convicted`` (the CLI exits with EXIT_RETIRED); one replaced by a newer incarnation gets a
+    plain ``StaleIncarnation``."""
+    coord = start()
+    convicted, replaced = client(coord.url, "g0", "a"), client(coord.url, "g1", "old")
+    convicted.heartbeat(0, 0)
+    replaced.heartbeat(0, 0)
+    why = f"was retired: its link to the others (or its device) {FAILS_ITS_STEPS}"
+    coord.call_in_loop(lambda: remove_member(coord.membership.state, "g0:a", time.monotonic(), why=why))
+    client(coord.url, "g1", "new").heartbeat(0, 0)
+    with pytest.raises(Convicted, match="g0:a was retired"):
+        convicted.heartbeat(0, 0)
+    with pytest.raises(Convicted):
+        convicted.quorum(0, -1, False, {}, timeout=1.0)
+    with pytest.raises(StaleIncarnation) as refused:
+        replaced.heartbeat(0, 0)
+    assert not isinstance(refused.value, Convicted)
 
 
 # ---------------------------------------------------------------------------------------- TLS

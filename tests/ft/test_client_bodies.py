@@ -1,4 +1,4 @@
-"""The coordinator's fast decoding of the client's own bodies (``ClientBodies``, issue 16): every
+"""The coordinator's fast decoding of the client's own bodies (``ClientBodies``): every
 body gets exactly the value, or the error, of the general strict path, and the client's bodies
 take the fast path."""
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
+
 _SCRIPT = textwrap.dedent("""
     import json, sys
     import torch, torch.distributed as dist
@@ -78,7 +80,7 @@ _END_SCRIPT = textwrap.dedent("""
     dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=rank, world_size=2)
     from ftlm.ft.manager import Manager
     from ftlm.ft.protocol import ReloadCheckpoint
-    from ftlm.ft.quorum import StaleIncarnation
+    from ftlm.ft.quorum import Convicted, StaleIncarnation
 
     m = Manager.__new__(Manager)  # only what _next_quorum reads: the leader asks, the others follow
     m.rank, m.ranks, m.control = rank, 2, None
@@ -103,10 +105,12 @@ def test_every_rank_of_a_group_is_told_to_reload_when_its_leader_is(two_ranks) -
     assert results == [{"raised": "ReloadCheckpoint", "head": 41, "why": "no live group holds step 41"}] * 2
 
 
-def test_every_rank_of_a_group_exits_when_the_coordinator_retires_it(two_ranks) -> None:
-    """A leader whose incarnation the coordinator retired (a bad link found, ``quorum.Probe``, or
-    replaced) raises ``StaleIncarnation``; the other ranks raise it too instead of waiting in the
-    broadcast for an answer that never comes."""
+@pytest.mark.parametrize("error", ["StaleIncarnation", "Convicted"])
+def test_every_rank_of_a_group_exits_when_the_coordinator_retires_it(two_ranks, error) -> None:
+    """A leader whose incarnation the coordinator retired (replaced, or ``Convicted``: a bad link
+    found, ``quorum.Probe``) raises that error; the other ranks raise the same one (every rank of a
+    convicted group exits with EXIT_RETIRED) instead of waiting in the broadcast for an answer that
+    never comes."""
     why = "replica g0:x was retired: its link fails the steps it takes part in; this process must exit"
-    results = two_ranks(_END_SCRIPT.replace("__ERROR__", f"StaleIncarnation({why!r})"))
-    assert results == [{"raised": "StaleIncarnation", "head": None, "why": why}] * 2
+    results = two_ranks(_END_SCRIPT.replace("__ERROR__", f"{error}({why!r})"))
+    assert results == [{"raised": error, "head": None, "why": why}] * 2

@@ -164,7 +164,7 @@ def test_members_get_the_same_quorum(start, groups) -> None:
     members = [groups(coord.url, f"g{i}") for i in range(3)]
     quorums = ask_all(members)
     assert len({q.quorum_id for q in quorums}) == 1
-    # Each member gets its own compact answer of the same quorum (issue 16): the shared part is
+    # Each member gets its own compact answer of the same quorum: the shared part is
     # the same, its rank and data slice are its own; no answer lists the members.
     shared = [{k: v for k, v in q.to_json().items() if k not in ("replica_id", "rank", "participant_index")}
               for q in quorums]
@@ -387,7 +387,7 @@ def test_serve_forever_prints_its_url_and_stops_on_sigterm() -> None:
         proc.stdout.close()
 
 
-# ------------------------------------------------------------ malformed bodies (issue 15, item 8)
+# ------------------------------------------------------------------------------- malformed bodies
 
 
 def test_every_malformed_body_is_a_one_line_400_and_changes_nothing(start, groups) -> None:
@@ -439,7 +439,7 @@ def test_every_malformed_body_is_a_one_line_400_and_changes_nothing(start, group
     assert "kill" not in g0.client.heartbeat(0, 0)
 
 
-# --------------------------------------------------- origin, content type, token (issue 15, item 4)
+# ---------------------------------------------------------------------- origin, content type, token
 
 
 def test_non_loopback_bind_without_a_token_is_refused_unless_insecure() -> None:
@@ -508,7 +508,7 @@ def test_loopback_coordinator_answers_only_loopback_host_names(start) -> None:
         assert raw(coord, "GET", "/status", Host=host)[0] == 200, host
 
 
-# ----------------------------------------- connections: deadline, cap, logging (issue 15, item 3)
+# ------------------------------------------------------------ connections: deadline, cap, logging
 
 
 def connect(coord: Coordinator) -> socket.socket:
@@ -655,7 +655,7 @@ def test_bad_connections_are_summarised_in_one_log_line_per_interval(start, capl
     assert counts == {"malformed HTTP": 100, "HTTP 401": 50}, counts
 
 
-# --------------------------------------------------------- answers stay small (issue 15, item 9)
+# ---------------------------------------------------------------------------- answers stay small
 
 
 def test_status_and_heartbeat_answers_stay_small_with_20k_groups(caplog) -> None:
@@ -721,7 +721,7 @@ def test_status_pages_through_the_members(start, groups) -> None:
 
 
 def test_heartbeat_answers_list_the_dead_of_the_quorum_in_flight_until_they_return() -> None:
-    """The dead list of heartbeat answers is kept between heartbeats (issue 16); it must still
+    """The dead list of heartbeat answers is kept between heartbeats; it must still
     follow each death, a member that comes back, and the next quorum."""
     from ftlm.ft.membership import Membership
     from ftlm.ft.quorum import MemberRequest, QuorumOptions
@@ -794,7 +794,7 @@ def test_a_job_finished_through_leave_is_never_rolled_back_for_a_late_group() ->
 
 
 def test_peers_reports_expire_a_silent_member_long_before_its_heartbeat_times_out(start, groups) -> None:
-    """Issue 11, without a supervisor: g2 dies mid-step (its heartbeats stop); g0 and g1 report the
+    """Without a supervisor: g2 dies mid-step (its heartbeats stop); g0 and g1 report the
     failed step with their next request and get a quorum without g2 within the suspect window,
     not after the 3 s heartbeat timeout. A member that still heartbeats is never expired by them."""
     events = Events()

@@ -1,4 +1,4 @@
-"""Fuzzing the coordinator's request bodies (DESIGN.md sections 9 and 11, issue 15 item 8).
+"""Fuzzing the coordinator's request bodies (docs/design.md, 'Security' and 'Testing').
 
 Property, for every ``POST /v1/*`` endpoint (heartbeat, quorum, leave, dead, kill): any body is
 either accepted (the endpoint's ordinary answers: 200, a 404 for an unknown group to kill, a 409

@@ -320,7 +320,7 @@ def test_a_quorums_answers_go_out_in_the_order_its_members_asked() -> None:
 
 
 def test_a_burst_of_asks_is_evaluated_once_after_the_loop_pass_that_read_it(monkeypatch) -> None:
-    """Issue 16: the coordinator records each message and decides once after the pass of its
+    """The coordinator records each message and decides once after the pass of its
     event loop that read them, not after every message; the quorum still forms and every member
     gets its answer."""
     import asyncio
@@ -372,7 +372,7 @@ def test_a_heartbeats_answer_is_encoded_as_json_dumps_does(answer) -> None:
 
 
 def test_heartbeats_are_answered_after_the_asks_of_a_pass_but_never_starved() -> None:
-    """Issue 16: a heartbeat read in a pass of the loop is answered after the decision that
+    """A heartbeat read in a pass of the loop is answered after the decision that
     pass's asks queue; a decision always pending (asks in every pass) delays it at most
     ``_beat_max_wait`` (0.1 s)."""
     import asyncio

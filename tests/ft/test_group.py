@@ -20,8 +20,8 @@ def quorum(qid: int, step: int, chain: str, participants: list[str], recovering:
 
 
 def test_a_source_serves_every_new_recovery_of_the_same_incarnation() -> None:
-    """Issue 10, defect 4: the second recovery of one incarnation waited for a timeout because the
-    source skipped a (joiner, request) pair it had served and the counter only moved on failure."""
+    """A second recovery of one incarnation is served at once: the request number moves after
+    every pull, so the source never skips a (joiner, request) pair as one it served already."""
     source = GroupProtocol("A:a", 5)
     joiner = GroupProtocol("B:b", 5)
     q1 = quorum(1, 3, "3" * 64, ["A:a"], ["B:b"], meta={"B:b": joiner.request()})
@@ -66,8 +66,9 @@ def test_a_pull_that_arrived_stays_open_while_its_backlog_is_replayed_over_sever
 
 
 def test_replay_that_does_not_reach_the_head_is_rejected() -> None:
-    """Issue 10, defect 5: recovery could finish in a step the participants failed and leave the
-    joiner ahead with another history; a missing last step went unnoticed."""
+    """A replay must reach exactly the head the quorum names: finishing in a step the participants
+    failed would leave the joiner ahead with another history, and a missing last step must be
+    noticed."""
     c5 = "5" * 64
     head6 = extend_chain(c5, 5, 7, ["A:a"])
     q = quorum(8, 6, head6, ["A:a"], ["B:b"])
@@ -130,7 +131,7 @@ def test_the_last_step_drains_without_training() -> None:
 
 
 def test_a_source_keeps_a_snapshot_only_while_a_peer_may_pull_it() -> None:
-    """Issue 11: snapshots were kept (up to four) after their transfer ended."""
+    """A snapshot is freed once no joiner may pull it any more."""
     source = GroupProtocol("A:a", 5)
     b, c = GroupProtocol("B:b", 5), GroupProtocol("C:c", 5)
     q1 = quorum(1, 3, "3" * 64, ["A:a"], ["B:b"], meta={"B:b": b.request()})

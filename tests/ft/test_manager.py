@@ -163,7 +163,7 @@ def test_consecutive_own_failures_end_the_group_with_a_clear_error(coordinator):
 
 
 def test_failures_caused_by_a_peer_that_died_do_not_count(coordinator):
-    """A crash-looping joiner must not end a healthy group (issue 10, defect 7)."""
+    """A crash-looping joiner must not end a healthy group."""
     config = FTConfig(**{**FT, "max_consecutive_failures": 2, "join_timeout": 0.5})
     healthy = joined(config, "g0", "a", coordinator.url)
     try:
@@ -216,8 +216,8 @@ def test_a_group_starting_while_the_coordinator_is_down_waits_for_it():
 
 
 def test_a_stop_request_ends_the_wait_for_a_quorum_at_once():
-    """Issue 14: SIGTERM while the group waited for a quorum (here: min_replicas=2 and the other
-    group never comes) kept it waiting up to ft.quorum_timeout, past the grace: it was killed."""
+    """SIGTERM while the group waits for a quorum (here: min_replicas=2 and the other group never
+    comes) ends the wait at once; waiting up to ft.quorum_timeout would outlast the grace period."""
     from ftlm.ft.manager import STOP_POLL_SECONDS
     from ftlm.ft.protocol import StopRequested
 
@@ -298,7 +298,7 @@ def test_a_joiner_that_replays_its_backlog_over_several_steps_pulls_the_state_on
 
 
 def test_a_source_writes_the_joiners_snapshot_into_memory_it_prepared_ahead():
-    """Issue 11: a snapshot written into new memory pays a page fault per page on the step every
+    """A snapshot written into new memory pays a page fault per page on the step every
     healthy group waits for. A participant prepares the next snapshot's memory while nobody
     pulls (``ftlm.ft.snapshot_reserve``), the joiner's snapshot is written into it, and once
     the joiner no longer pulls, new memory is prepared for the next one."""

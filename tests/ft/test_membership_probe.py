@@ -56,6 +56,7 @@ class Job:
             elif isinstance(o, Event):
                 self.events.append(o)
             elif isinstance(o, Answer) and o.status == 409:
+                assert o.body.get("convicted") is True, o.body  # its process exits with EXIT_RETIRED
                 self.retired.append((o.replica_id, o.body["error"]))
                 self.gone.add(o.replica_id.split(":")[0])  # its process exits
         return issued

@@ -1,5 +1,5 @@
-"""Corroborated expiry (issue 11: failure stall without a supervisor) and the compact quorum answer
-(issue 16), driven through the coordinator's state machine with a hand-driven clock."""
+"""Corroborated expiry (peers' reports shorten the failure stall without a supervisor) and the
+compact quorum answer, driven through the coordinator's state machine with a hand-driven clock."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def big_quorum(n: int) -> Quorum:
 
 
 def test_the_answer_of_a_member_is_small_and_says_what_the_whole_quorum_says() -> None:
-    """Issue 16: at 2,000 groups the whole quorum was ~330 KB to each member; a participant's own
+    """At 2,000 groups the whole quorum is ~330 KB; a participant's own
     answer is a few hundred bytes, and every question the group protocol asks gets the same
     answer from it as from the whole quorum."""
     q = big_quorum(2000)

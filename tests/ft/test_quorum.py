@@ -381,9 +381,9 @@ class Job:
 
 
 def test_lagging_group_is_never_issued_a_step_below_a_live_committed_one() -> None:
-    """Issue 10, defect 1: A commits step n while B and C fail it; A asks again only after the join
-    timeout. Before, the majority {B, C} got a quorum at n and later all three asked at n+1 as
-    equal participants holding different bits."""
+    """A commits step n while B and C fail it; A asks again only after the join timeout. The
+    majority {B, C} must not get a quorum at n: all three would later ask at n+1 as equal
+    participants holding different bits."""
     job = Job(["A", "B", "C"])
     q = job.ask(0.0, ["A", "B", "C"])
     job.commit(q, ["A"])  # B and C failed the step
@@ -413,7 +413,7 @@ def test_a_live_participant_that_may_have_committed_is_awaited_not_forked() -> N
 
 
 def test_a_claim_out_of_any_plausible_range_does_not_wedge_the_job() -> None:
-    """Issue 10, defect 8: a heartbeat with step=10**15 made every later quorum answer 504."""
+    """A heartbeat claiming step=10**15 must not make every later quorum answer 504."""
     job = Job(["A", "B"])
     q = job.ask(0.0, ["A", "B"])
     job.commit(q, ["A", "B"])
@@ -425,7 +425,7 @@ def test_a_claim_out_of_any_plausible_range_does_not_wedge_the_job() -> None:
 
 
 def test_every_holder_of_the_head_dead_is_an_explicit_rollback_never_a_silent_one() -> None:
-    """Issue 10, defects 1/9/13: progress held only by dead groups comes back as a logged restore."""
+    """Progress held only by dead groups comes back as a logged restore."""
     job = Job(["A", "B"])
     q = job.ask(0.0, ["A", "B"])
     job.commit(q, ["A"])  # only A committed step 0, then A died
@@ -479,7 +479,7 @@ def test_a_state_beyond_the_furthest_head_is_believed_only_when_most_live_groups
 
 
 def test_group_restored_from_a_checkpoint_behind_the_head_recovers_or_rolls_back() -> None:
-    """Issue 10, defect 8: a group restored from an older checkpoint got 504 forever."""
+    """A group restored from an older checkpoint recovers or the job rolls back: never 504s."""
     job = Job(["A", "B"])
     for _ in range(5):
         q = job.ask(0.0, ["A", "B"])
@@ -501,7 +501,7 @@ def test_group_restored_from_a_checkpoint_behind_the_head_recovers_or_rolls_back
 
 
 def test_restarted_coordinator_gathers_claims_before_deciding() -> None:
-    """Issue 10, defect 6: a restarted coordinator must learn membership before judging anyone."""
+    """A restarted coordinator must learn membership before judging anyone."""
     o = QuorumOptions(min_replicas=1, join_timeout=JOIN, heartbeat_timeout=HB_TIMEOUT, expected_groups=3)
     state = CoordinatorState()  # a fresh coordinator; the job is at step 7
     record_request(state, ask("g0", step=6, at=0.0, chain="6" * 64, last=9))
@@ -560,7 +560,7 @@ def test_a_finished_job_is_never_rolled_back_for_a_late_group() -> None:
 
 
 def test_a_group_whose_heartbeat_lives_without_progress_is_declared_hung_and_retired() -> None:
-    """Issue 10, defect 3: a hung non-leader rank or training thread stalled the job for good."""
+    """A hung non-leader rank or training thread must not stall the job for good."""
     o = QuorumOptions(min_replicas=1, join_timeout=JOIN, heartbeat_timeout=HB_TIMEOUT, progress_timeout=5.0)
     state = CoordinatorState()
     record_heartbeat(state, Heartbeat("g0:a", "g0", 0.0, 0, progress_at=0.0))
@@ -688,7 +688,7 @@ def test_quorum_rules_hold_over_random_histories(actions, min_replicas, expected
         last_id = quorum.quorum_id
 
 
-# ------------------------------------------ the index answers what the scan answers (issue 16)
+# ----------------------------------------------------- the index answers what the scan answers
 
 
 def _by_scan(fn, *args):
@@ -838,7 +838,7 @@ def test_discarding_some_pending_requests_leaves_the_others() -> None:
     assert state.index.oldest_request() == 0.1
 
 
-# --------------------------------------- per-message work does not grow with the job (issue 16)
+# -------------------------------------------------- per-message work does not grow with the job
 
 
 def _seconds_per_message(groups: int, steps: int = 3, budget: float = float("inf")) -> float:

@@ -196,8 +196,8 @@ def test_joiner_asking_before_publication_waits_for_it(make_server):
 
 def test_the_header_is_answered_before_any_digest_and_each_chunk_is_hashed_once(
         make_server, monkeypatch):
-    """Issue 11: the header waited for a sha256 of the whole state (425 while hashing); now it
-    is answered at once, and a chunk's digest is computed when the chunk is first served."""
+    """The header is answered at once, without waiting for a hash of the whole state, and a
+    chunk's digest is computed when the chunk is first served."""
     hashed: list[int] = []
     real = transport.chunk_digest
     for module in (transport, snapshot_routes):  # the receiver's and the source's

@@ -10,7 +10,7 @@ import pytest
 from infer_helpers import tiny_model
 
 from ftlm.cli import main
-from ftlm.config import build_config, save_config
+from ftlm.config import build_config, load_config, save_config
 from ftlm.infer import Engine, SamplingParams
 from ftlm.infer.load import load_run
 
@@ -37,7 +37,7 @@ def run_dir(tmp_path_factory) -> Path:
 
 
 def test_generate_prints_the_engines_greedy_completion(run_dir, capsys):
-    loaded = load_run(run_dir, device="cpu")
+    loaded = load_run(run_dir, device="cpu", read_config=load_config)
     tok = loaded.tokenizer
     want = Engine(loaded.model, eos_id=tok.eos_id).generate(
         [tok.encode("the quick")], SamplingParams(max_new_tokens=6, temperature=0))[0]
@@ -67,15 +67,16 @@ def test_generate_errors_are_one_line(run_dir, tmp_path, capsys):
 
 
 def test_the_cli_names_every_strategy_and_scorer():
-    from ftlm.infer import cli, strategies
-    assert cli.STRATEGIES == strategies.STRATEGIES
-    assert cli.SCORERS == tuple(strategies.SCORERS)
+    from ftlm import infer_cli
+    from ftlm.infer import strategies
+    assert infer_cli.STRATEGIES == strategies.STRATEGIES
+    assert infer_cli.SCORERS == tuple(strategies.SCORERS)
 
 
 def test_chat_prompts_use_the_post_training_template(run_dir):
     from ftlm.data.tokenizer import Tokenizer
     from ftlm.infer.chat import chat_stop_ids, render_chat
-    from ftlm.post.chat import prompt_ids
+    from ftlm.data.chat import prompt_ids
     tok = Tokenizer.load(run_dir / "tokenizer.json")
     assert render_chat([{"role": "user", "content": "hi"}], tok) == prompt_ids(tok, "hi")
     assert tok.token_id("<|end|>") in chat_stop_ids(tok)

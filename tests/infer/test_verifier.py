@@ -22,7 +22,7 @@ from ftlm.infer.verifier import (
     verifier_records,
     write_verifier_data,
 )
-from ftlm.post.chat import render
+from ftlm.data.chat import render
 from ftlm.tasks import check, extract_answer
 from ftlm.tasks import generate as generate_tasks
 

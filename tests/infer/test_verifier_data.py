@@ -139,5 +139,5 @@ def test_ftlm_sft_on_checker_labels_trains_a_verifier_that_ranks_right_above_wro
         "train.steps=60", "train.batch_size=4", "train.lr=1e-2", "train.warmup_steps=2",
         "observe.progress=false"])
     run.run("sft", config)
-    loaded = load_run(tmp_path / "verifier", device="cpu")
+    loaded = load_run(tmp_path / "verifier", device="cpu", read_config=load_config)
     assert_ranks_right_above_wrong(Verifier(loaded.model, loaded.tokenizer))

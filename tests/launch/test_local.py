@@ -18,10 +18,10 @@ from types import SimpleNamespace
 import pytest
 
 from ftlm.config import build_config
-from ftlm.errors import FtlmError
+from ftlm.errors import EXIT_RETIRED, FtlmError
 from ftlm.launch.chaos import ALL_RANKS, COORDINATOR, Chaos
 from ftlm.launch.console import ConsoleView
-from ftlm.launch.local import TEARDOWN_SECONDS, GroupProcess, LocalLauncher
+from ftlm.launch.local import RETIRED_IN_A_ROW, TEARDOWN_SECONDS, GroupProcess, LocalLauncher
 from ftlm.train.checkpoint_files import MARKER, PREFIX
 from ftlm.observe.events import EventLog, read_events
 
@@ -304,12 +304,36 @@ def test_exits_caused_by_chaos_or_after_progress_are_not_a_crash_loop(launcher):
     assert causes == ["crash", "chaos", "crash", "chaos", "crash"]
 
 
+def test_a_rank_exiting_with_the_retired_status_retires_its_group_without_reading_its_log(launcher):
+    """The coordinator retired the group for failing its steps (a bad link or device): a rank
+    exits with EXIT_RETIRED, and that status alone makes the exit ``retired`` (the rank printed
+    nothing; a crash whose log has the verdict's words stays a crash). Retired exits are not a
+    crash loop; after RETIRED_IN_A_ROW of them the group is not started again."""
+    g = launcher.groups[1]
+    start(launcher, g, "echo 'ftlm: error: its link (or its device) fails the steps it takes part in' >&2; exit 1")
+    wait_exit(g)
+    launcher._reap(launcher.events, time.time())
+    for _ in range(RETIRED_IN_A_ROW):
+        g.restarts += 1
+        start(launcher, g, "sleep 60", ranks=2)
+        g.procs[1].kill()  # rank 1 is retired while rank 0 still runs
+        g.procs[1].wait()
+        g.procs[1] = subprocess.Popen(["sh", "-c", f"exit {EXIT_RETIRED}"])
+        g.procs[1].wait()
+        launcher._reap(launcher.events, time.time())
+    exits = [(e["cause"], e["code"]) for e in kinds(launcher, "group_exit")]
+    assert exits == [("crash", 1)] + [("retired", EXIT_RETIRED)] * RETIRED_IN_A_ROW
+    assert g.lost and launcher.fatal == ""
+    assert kinds(launcher, "group_lost")[0]["reason"].startswith(
+        f"the coordinator retired its last {RETIRED_IN_A_ROW} processes in a row")
+
+
 def _result_line(g: GroupProcess, step: int) -> str:
     return f"echo 'FTLM_RESULT {{\"step\": {step}, \"state_hash\": \"h\", \"incarnation\": \"{g.incarnation}\"}}'"
 
 
 def test_group_stopped_by_sigterm_before_the_end_restarts_as_a_preempted_pod_would(launcher):
-    """Issue 14: a SIGTERM (spot reclaim, drain) makes a group leave and exit 0 before the last
+    """A SIGTERM (spot reclaim, drain) makes a group leave and exit 0 before the last
     step; the launcher brings it back as a new incarnation (a replaced pod, a requeued job)
     instead of counting it finished, and it is no crash."""
     g = launcher.groups[1]

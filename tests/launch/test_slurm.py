@@ -67,7 +67,7 @@ def test_group_script_requeues_signals_the_step_and_places_the_group(tmp_path, t
     node = (out / "node.sh").read_text()
     # Defect 2: torchrun's SIGTERM-to-SIGKILL grace follows grace_seconds (default 30 s).
     assert re.search(r"-m torch\.distributed\.run --standalone --nnodes=1 --nproc-per-node=4 "
-                     r"--shutdown-timeout=80 -m ftlm\.cli train", node)
+                     r"--shutdown-timeout=80 --no-python sh -c '[^']*' \S+ -m ftlm\.cli train", node)
     assert "FTLM_GROUP_ID=g2 FTLM_GROUPS=3" in text
     # All ranks of one start of the group (every node) share one incarnation id.
     assert 'FTLM_INCARNATION="$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}.$(date +%s%N)"' in text
@@ -144,12 +144,42 @@ def test_group_metrics_get_a_port_per_local_rank_and_a_discovery_entry(tmp_path,
     if shutil.which("shellcheck"):
         r = subprocess.run(["shellcheck", str(out / "node.sh")], capture_output=True, text=True)
         assert r.returncode == 0, r.stdout
-    # Metrics off (the default config): torchrun runs the trainer itself, nothing is published.
+    # Metrics off (the default config): no ports, nothing is published.
     out = generate(tmp_path / "off", tiny_config(), metrics_port=9500)
-    assert "--no-python" not in (out / "node.sh").read_text()
+    assert "FTLM_METRICS_PORT" not in (out / "node.sh").read_text()
     assert "FTLM_METRICS_BASE" not in (out / "node.sh").read_text()
     with pytest.raises(ConfigError, match="cluster.metrics_port=65000"):
         generate(tmp_path / "high", config, groups=400, ranks_per_group=2, metrics_port=65000)
+
+
+FAKE_RETIRED_RANK = """#!{python}
+# Stands in for python on a node: torchrun starts PROGRAM once per local rank and exits 1 when
+# any rank failed, whatever its status (as torchrun does); a trainer exits with the status
+# FAKE_STATUS gives its local rank (a retired rank: ftlm.errors.EXIT_RETIRED).
+import os, subprocess, sys
+args = sys.argv[1:]
+if args[:2] == ["-m", "torch.distributed.run"]:
+    nproc = int(next(a.split("=")[1] for a in args if a.startswith("--nproc-per-node=")))
+    program = args[args.index("--no-python") + 1:]
+    ranks = [subprocess.Popen(program, env=dict(os.environ, LOCAL_RANK=str(r))) for r in range(nproc)]
+    sys.exit(1 if any([p.wait() for p in ranks]) else 0)
+sys.exit(int(os.environ["FAKE_STATUS"].split(",")[int(os.environ["LOCAL_RANK"])]))
+"""
+
+
+@pytest.mark.parametrize("statuses, retired", [("0,3", True), ("1,1", False)])
+def test_node_records_a_rank_retired_for_failing_its_steps_for_the_watcher(tmp_path, tiny_config,
+                                                                             statuses, retired):
+    """torchrun exits 1 whatever its ranks' status: node.sh records a rank that exited with
+    EXIT_RETIRED as state/<g>-<job id>.retired, where the watcher looks (a crash records nothing)."""
+    fake = tmp_path / "fake-python"
+    fake.write_text(FAKE_RETIRED_RANK.format(python=sys.executable))
+    fake.chmod(0o755)
+    out = generate(tmp_path, tiny_config(), groups=2, ranks_per_group=2, python=str(fake))
+    env = dict(os.environ, OUT=str(out), FTLM_GROUP_ID="g1", SLURM_JOB_ID="100", FAKE_STATUS=statuses)
+    r = subprocess.run(["bash", str(out / "node.sh")], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert (out / "state" / "g1-100.retired").exists() == retired
 
 
 def test_coordinator_job_has_its_own_partition_time_and_signal(tmp_path, tiny_config):
@@ -288,9 +318,10 @@ FAKE_SLURM = {
 
 
 def test_a_group_retired_for_failing_its_steps_is_resubmitted_away_from_its_nodes(tmp_path, tiny_config):
-    """A bad link or device on a node: the coordinator retires the group's process (its log says
-    it fails the steps it takes part in), and the watcher resubmits the group with those nodes
-    excluded, for every later group job; a plain crash adds nothing. Fake Slurm commands."""
+    """A bad link or device on a node: the coordinator retires the group's process (it exits with
+    EXIT_RETIRED, which node.sh records in state/), and the watcher resubmits the group with those
+    nodes excluded, for every later group job; a plain crash adds nothing, whatever its log says.
+    Fake Slurm commands."""
     out = generate(tmp_path, tiny_config(), groups=2, max_restarts=5)
     fake, bin_dir, state = tmp_path / "fake", tmp_path / "bin", out / "state"
     fake.mkdir()
@@ -309,9 +340,9 @@ def test_a_group_retired_for_failing_its_steps_is_resubmitted_away_from_its_node
     job(200, "RUNNING")
     for name, jid in (("coordinator", 50), ("g0", 100), ("g1", 200)):
         (state / f"{name}.jobid").write_text(f"{jid}\n")
-    (out / "logs" / "g0-100.log").write_text(
-        "ftlm: error: replica g0:a1b2 retired: step 9 failed in 4 attempts with this group taking part and "
-        "committed without it, and step 10 failed with it again: its link to the others (or its device) "
+    (state / "g0-100.retired").touch()  # what node.sh records of a rank that exited with EXIT_RETIRED
+    (out / "logs" / "g0-300.log").write_text(  # the watcher reads no log
+        "ftlm: error: replica g0:c3d4 was retired: its link to the others (or its device) "
         "fails the steps it takes part in\n")
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE=str(fake), FTLM_WATCH_INTERVAL="0.1")
     log_path = tmp_path / "watch.log"

@@ -1,4 +1,5 @@
-"""ETT can never exceed 1 (DESIGN.md section 10): resumed runs, noisy runs, launcher restarts.
+"""ETT can never exceed 1 (docs/design.md, 'summary.json'): resumed runs, noisy runs, launcher
+restarts.
 
 ETT = tokens_committed / (wall_seconds * steady_tokens_per_second). These tests build event
 records the way the trainer and the launcher write them (one ``events.jsonl`` appended to by every

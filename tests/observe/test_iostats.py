@@ -1,5 +1,5 @@
 """Bytes and seconds of transfers and storage reads: the process tally, its Prometheus counters,
-and the two storage call sites (a checkpoint restore, a data shard read) that feed it (issue 14)."""
+and the two storage call sites (a checkpoint restore, a data shard read) that feed it."""
 
 from __future__ import annotations
 

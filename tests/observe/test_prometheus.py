@@ -229,11 +229,12 @@ def test_grafana_dashboard_queries_only_exported_metrics() -> None:
                 base = re.sub(r"_(bucket|sum|count)$", "", name)
                 assert name in known or base in known, f"{path.name}: {name} is not exported ({expr})"
                 used.add(name if name in known else base)
-    # The overview covers the issue's list: loss, tokens/s, MFU, participants, recoveries, stalls, memory, GPU.
+    # The overview covers the headline figures: loss, tokens/s, MFU, participants, recoveries,
+    # stalls, memory, GPU;
     for needed in ("ftlm_train_loss", "ftlm_train_tokens_total", "ftlm_train_mfu_ratio",
                    "ftlm_coordinator_members_participating", "ftlm_ft_recoveries_total", "ftlm_ft_stall_seconds",
                    "ftlm_process_resident_memory_bytes", "ftlm_gpu_utilization_ratio",
-                   # issue 14: live ETT, checkpoint age, GPU health, network and storage
+                   # and live ETT, checkpoint age, GPU health, network and storage
                    "ftlm_train_ett_ratio", "ftlm_checkpoint_age_seconds", "ftlm_gpu_temperature_celsius",
                    "ftlm_ft_allreduce_bytes_total", "ftlm_checkpoint_write_seconds", "ftlm_run_dir_free_bytes",
                    # and GB/s of every state transfer and storage read (bytes over seconds)

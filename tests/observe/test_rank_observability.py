@@ -1,4 +1,4 @@
-"""A rank's GPU health (NVML), storage, live ETT and OpenTelemetry spans (issue 14)."""
+"""A rank's GPU health (NVML), storage, live ETT and OpenTelemetry spans."""
 
 from __future__ import annotations
 
@@ -293,8 +293,8 @@ def _spans(run) -> list:
     return list(exporter.get_finished_spans())
 
 
-def test_a_step_has_every_phase_the_issue_names_in_order_inside_it() -> None:
-    """Issue 14: a step's spans are quorum wait, forward/backward, all-reduce, vote, commit."""
+def test_a_step_has_every_phase_in_order_inside_it() -> None:
+    """A step's spans are quorum wait, forward/backward, all-reduce, vote, commit."""
     def step(m: TrainingMetrics) -> None:
         m.on_quorum(quorum_id=2, participants=2, recovering=0, wait_seconds=0.01)
         with m.phase("forward_backward"):
@@ -324,7 +324,7 @@ def test_a_phase_outside_the_list_is_refused() -> None:
 
 
 def test_a_recovery_is_its_transfer_then_its_replay_and_a_snapshot_is_a_span() -> None:
-    """Issue 14: a recovery's spans are the snapshot (at the source), the transfer, the replay."""
+    """A recovery's spans are the snapshot (at the source), the transfer, the replay."""
     def recover(m: TrainingMetrics) -> None:
         m.on_snapshot(0.25, nbytes=1 << 20)
         m.on_recovery(seconds=2.0, nbytes=1 << 20, replay_seconds=0.5, source="g0")

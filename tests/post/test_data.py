@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ftlm.errors import ConfigError, DataError
-from ftlm.post.chat import completion_ids, completion_text, prompt_ids, render
+from ftlm.data.chat import completion_ids, completion_text, prompt_ids, render
 from ftlm.post.config import PostConfig
 from ftlm.post.data import pack, pair_rows, read_records, sft_rows, task_records
 from ftlm.tasks import generate, write_tasks

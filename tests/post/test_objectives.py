@@ -221,7 +221,7 @@ def test_dpo_nll_term_is_the_mean_nll_per_chosen_token(model) -> None:
 def test_grpo_trains_on_the_log_probs_the_sampler_drew_from(model, tokenizer) -> None:
     """The engine's log-prob of each sampled token equals the training forward's (temperature 1),
     and the loss at temperature T uses log_softmax(logits / T) of the same tokens."""
-    from ftlm.post.chat import prompt_ids
+    from ftlm.data.chat import prompt_ids
     from ftlm.post.forward import completion_logprobs
     from ftlm.post.rollout import sample_group
     task = generate("count", "train", 1, 0)[0]
@@ -253,7 +253,7 @@ def test_grpo_decodes_its_micro_batch_together_with_each_prompts_own_seeds(model
     """``sample_groups`` runs every prompt's group in one engine batch; each group equals the
     group that prompt draws alone with the same seed (the seed, not the batch, picks the draws),
     and different prompts' budgets are kept."""
-    from ftlm.post.chat import prompt_ids
+    from ftlm.data.chat import prompt_ids
     from ftlm.post.rollout import sample_group, sample_groups
     tasks = generate("mod,count", "train", 3, 0)
     prompts = [prompt_ids(tokenizer, t.prompt) for t in tasks]

@@ -1,7 +1,7 @@
 """Post-training runs end to end: one group in-process (fast), and local jobs under chaos (slow).
 
-The chaos runs check the invariants of pretraining (DESIGN.md section 11): identical replicas at
-the end, every row trained exactly once, no committed step lost, monotonic quorum ids.
+The chaos runs check the invariants of pretraining (docs/design.md, 'Testing'): identical replicas
+at the end, every row trained exactly once, no committed step lost, monotonic quorum ids.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from ftlm.errors import ConfigError
 from ftlm.observe.events import read_events
 from ftlm.post import run
 from ftlm.post.pairs import write_pairs
+from ftlm.post_cli import launch
 
 
 def _one_group(kind: str, config) -> dict:
@@ -89,7 +90,7 @@ def _check_invariants(summary: dict, config, groups: int) -> None:
 @pytest.mark.timeout(900)
 def test_sft_under_chaos_ends_with_identical_replicas_and_exactly_once(tmp_path, demo_data) -> None:
     config = _chaos_config(tmp_path, demo_data, "sft", steps=400)
-    summary = run.launch("sft", config, groups=3, chaos_mtbf=8.0, chaos_seed=1)
+    summary = launch("sft", config, groups=3, chaos_mtbf=8.0, chaos_seed=1)
     _check_invariants(summary, config, 3)
 
 
@@ -107,7 +108,7 @@ def test_grpo_under_chaos_ends_with_identical_replicas_and_exactly_once(tmp_path
     config = _chaos_config(tmp_path, demo_data, "grpo", steps=300, heartbeat_timeout=2.0,
                            group_size=2, max_new_tokens=8,
                            train={"init_from": str(sft.run.path / "model.safetensors")})
-    summary = run.launch("grpo", config, groups=3, chaos_mtbf=10.0, chaos_seed=12)
+    summary = launch("grpo", config, groups=3, chaos_mtbf=10.0, chaos_seed=12)
     _check_invariants(summary, config, 3)
     assert json.loads((config.run.path / "summary.json").read_text())["replicas_identical"]
 
@@ -126,7 +127,7 @@ def test_grpo_in_a_group_of_two_ranks_samples_and_trains_to_the_end(tmp_path, de
                            group_size=2, max_new_tokens=60,
                            train={"init_from": str(sft.run.path / "model.safetensors")})
     config.model.max_seq_len = config.data.seq_len = 64
-    summary = run.launch("grpo", config, groups=1, ranks_per_group=2)
+    summary = launch("grpo", config, groups=1, ranks_per_group=2)
     events = read_events(config.run.path / "events.jsonl")
     assert summary["problems"] == [] and summary["crashes"] == [], summary["problems"]
     assert {e["step"] for e in events if e["kind"] == "commit"} == set(range(12))

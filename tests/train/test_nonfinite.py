@@ -1,4 +1,4 @@
-"""A non-finite loss or gradient is a failed step, never an update (issue 15, item 7)."""
+"""A non-finite loss or gradient is a failed step, never an update."""
 
 from __future__ import annotations
 

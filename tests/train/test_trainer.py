@@ -292,7 +292,7 @@ def test_seq_len_longer_than_the_model_context(tiny_config) -> None:
 
 
 def test_a_catchup_budget_below_one_gradient_shard_is_refused_at_start(tiny_config) -> None:
-    """Issue 11: buffer sizes were counted in steps, whatever a step's gradient weighs."""
+    """The catch-up budget is in bytes too, checked at start against one real gradient shard."""
     with pytest.raises(ConfigError, match=r"ft\.catchup_max_bytes=1000 cannot hold one step"):
         Trainer.for_run(tiny_config(ft={"catchup_max_bytes": 1000}), standalone=False)
 
@@ -308,7 +308,7 @@ def test_the_catchup_buffer_overflows_on_bytes_as_well_as_steps() -> None:
 
 
 def test_bf16_autocast_trains_on_cpu(tiny_config) -> None:
-    """Issue 11: bf16 autocast on CPU was refused; matmuls now run in bf16, state stays fp32."""
+    """bf16 autocast works on CPU: matmuls run in bf16, the state stays fp32."""
     trainer = Trainer.for_run(tiny_config(train={"steps": 2, "eval_every": 0, "dtype": "bfloat16"}))
     seen: list[torch.dtype] = []
     trainer.model.output.register_forward_hook(lambda m, i, o: seen.append(o.dtype))

@@ -1,4 +1,4 @@
-"""Reading prepared data in the global order of DESIGN.md section 7 (data exactly once).
+"""Reading prepared data in one global order (docs/design.md, 'Data exactly once').
 
 Three pieces, from pure to stateful:
 
@@ -218,7 +218,8 @@ class Loader:
     @staticmethod
     def positions(cursor: int, participant_index: int, participants: int,
                   batch_size: int) -> tuple[int, int]:
-        """Global positions ``[start, stop)`` of participant ``i``'s slice (DESIGN.md section 7)."""
+        """Global positions ``[start, stop)`` of participant ``i``'s slice (docs/design.md,
+        'Data exactly once')."""
         if cursor < 0 or batch_size < 1 or not 0 <= participant_index < participants:
             raise ValueError(f"bad slice: cursor={cursor}, participant {participant_index} of "
                              f"{participants}, batch_size={batch_size}")

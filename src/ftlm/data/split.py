@@ -8,8 +8,9 @@ group has to tell another which samples it holds out.
 ``split_heldout`` wraps a dataset in two views that satisfy the loader's ``SampleSource``:
 
 * ``train``: the other samples, renumbered ``0 .. N - count - 1`` in dataset order. The loader's
-  global order (``GlobalOrder``) and therefore the cursor and exactly-once accounting of DESIGN.md
-  section 7 range over these indices only, so a held-out sample is never trained.
+  global order (``GlobalOrder``) and therefore the cursor and exactly-once accounting
+  (docs/design.md, 'Data exactly once') range over these indices only, so a held-out sample is never
+  trained.
 * ``heldout``: the held-out samples, ``0 .. count - 1`` in the seeded order, so that the first
   ``k`` of them are a random subset (the evaluator reads a prefix).
 

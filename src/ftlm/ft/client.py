@@ -24,7 +24,7 @@ from typing import Any
 from ftlm.errors import ConfigError
 from ftlm.ft.history import GENESIS
 from ftlm.ft.http_client import Endpoint, EndpointError
-from ftlm.ft.quorum import StaleIncarnation
+from ftlm.ft.quorum import Convicted, StaleIncarnation
 from ftlm.ft.quorum_answer import MemberQuorum
 from ftlm.ft.tls import client_context
 
@@ -34,6 +34,7 @@ __all__ = [
     "CoordinatorClient",
     "CoordinatorError",
     "CoordinatorUnavailable",
+    "Convicted",
     "Heartbeater",
     "QuorumTimeout",
     "StaleIncarnation",
@@ -148,7 +149,8 @@ class CoordinatorClient:
         ``disk_checked``: the head step for which this group looked for a newer durable
         checkpoint, after a ``QuorumTimeout`` with ``reload``; ``disk_round``: its ``reload_round``.
         Raises QuorumTimeout when none was issued in time, CoordinatorUnavailable when the server is
-        unreachable, StaleIncarnation when this incarnation was replaced by a newer one.
+        unreachable, StaleIncarnation when this incarnation was replaced by a newer one (or
+        retired: ``Convicted`` when for failing the steps it took part in).
         """
         body = self.quorum_body(step, last_quorum_id, failed, meta, timeout, chain, watch, disk_checked, disk_round)
         # A quorum request is a heartbeat too (the coordinator records it as one): the heartbeat
@@ -247,7 +249,8 @@ class CoordinatorClient:
             body = answer if isinstance(answer, dict) else {}
             raise QuorumTimeout(str(body.get("reason", message)), *reload_word(body))
         if status == 409:
-            raise StaleIncarnation(message)
+            convicted = isinstance(answer, dict) and answer.get("convicted") is True
+            raise (Convicted if convicted else StaleIncarnation)(message)
         if status == 401:
             raise ConfigError(
                 f"coordinator at {self.url} refused the token ({message}); give every process the job's "
@@ -347,7 +350,7 @@ class Heartbeater:
     def _beat_until_stopped(self) -> None:
         while not self._stop.is_set():
             # A quorum request sent within the interval was a heartbeat already: a member that
-            # steps faster than it heartbeats sends one message a step (issue 16).
+            # steps faster than it heartbeats sends one message a step.
             since = time.monotonic() - self.client.last_request_at
             if since < self.interval:
                 self._stop.wait(self.interval - since)

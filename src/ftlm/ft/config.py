@@ -328,7 +328,7 @@ class FTConfig:
                 raise ConfigError(
                     f"timeout chain broken: {s}.{a}={va} must be below {s}.{b}={vb} "
                     "(heartbeat interval < heartbeat timeout < all-reduce timeout < progress "
-                    "timeout < quorum timeout < give-up; DESIGN.md section 5)")
+                    "timeout < quorum timeout < give-up; docs/design.md, 'Failure detection')")
 
     def read_token(self) -> str:
         """The job token from ``token_file`` (empty when none is configured)."""

@@ -1,7 +1,7 @@
 """Connection-level defences of the coordinator's HTTP server: a cap on open connections, a
 deadline on every request, and logging that summarises abuse instead of echoing it.
 
-Why it is built this way (issue 15, item 3). aiohttp parses HTTP carefully and bounds what it
+Why it is built this way. aiohttp parses HTTP carefully and bounds what it
 parses (``max_line_size``, ``max_field_size``, ``max_headers``, ``client_max_size``: the
 coordinator sets them), but it has no cap on connections and no deadline for a request that
 arrives slowly: a client that opens a connection and sends a header byte every few seconds

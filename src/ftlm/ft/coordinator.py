@@ -13,7 +13,7 @@ holds only soft state; after a restart it rebuilds itself from the next heartbea
 issues an id below one members report.
 
 Endpoints (all require ``Authorization: Bearer <token>`` when a token is configured, ``GET /``
-and ``GET /metrics`` included, as DESIGN.md section 9 asks; Prometheus sends it with
+and ``GET /metrics`` included (docs/design.md, 'Security'); Prometheus sends it with
 ``authorization: {credentials: ...}``):
   POST /v1/heartbeat  {group, incarnation, step, quorum_id} -> {quorum_id, dead, dead_quorums, epoch,
                       rebuilding[, reload, reload_round]}: ``dead_quorums`` are the ids of the quorums
@@ -39,7 +39,7 @@ and ``GET /metrics`` included, as DESIGN.md section 9 asks; Prometheus sends it 
 The one exception to the token: ``GET /`` without it answers 401 with the dashboard page but no
 data, so a browser can load it and send the token (taken from ``#token=...``) with its requests.
 
-What a request must also pass (issue 15, item 4): every POST carries ``Content-Type:
+What a request must also pass: every POST carries ``Content-Type:
 application/json`` (415 otherwise: an HTML form or a ``text/plain`` fetch from another site cannot
 send it without a CORS preflight, which is never granted); a request with an ``Origin`` that is
 not the coordinator's own, or a POST a browser marks ``Sec-Fetch-Site: cross-site``, gets 403;
@@ -47,7 +47,8 @@ a coordinator bound to loopback answers only requests whose ``Host`` is a loopba
 rebinding its own DNS name to 127.0.0.1 is refused). Bodies are at most ``max_request_bytes``
 (413), arrive within ``read_timeout`` (408) and must be strict JSON (400, one line, nothing changed).
 
-Two paths serve HTTP on the one port (issue 16): ``ftlm.ft.hot_path`` answers the common,
+Two paths serve HTTP on the one port, so that thousands of groups cost it little:
+``ftlm.ft.hot_path`` answers the common,
 well-formed heartbeat and quorum request straight from the connection's protocol (a quorum
 long-poll is a ``_Waiter``: a callback and a deadline in a heap, no task), after the same checks
 and the same strict decoding; every other request, a refused one included, is handed from its
@@ -89,7 +90,7 @@ from ftlm.ft.coordinator_requests import (ClientBodies, HeartbeatBody, QuorumBod
 from ftlm.ft.dashboard import DashboardLog, member_state, render_page
 from ftlm.ft.hot_path import HOT_PATHS, HotPathProtocol, json_content_type
 from ftlm.ft.membership import MAX_DEAD_LISTED, Answer, Event, Issued, Membership, Output
-from ftlm.ft.quorum import Heartbeat, MemberRequest, Quorum, QuorumOptions, StaleIncarnation
+from ftlm.ft.quorum import Convicted, Heartbeat, MemberRequest, Quorum, QuorumOptions, StaleIncarnation
 from ftlm.ft.quorum_answer import AnswerEncoder
 from ftlm.ft.tls import server_context
 from ftlm.observe.metrics import make_metric
@@ -104,7 +105,7 @@ LOG_INTERVAL = 10.0
 """Seconds between two summary lines of refused connections and requests."""
 _START_TIMEOUT = 10.0
 _BEAT_SLICE = 0.002
-"""Seconds of queued heartbeats the lean path answers per pass of the event loop (issue 16)."""
+"""Seconds of queued heartbeats the lean path answers per pass of the event loop."""
 _BEAT_MAX_WAIT = 0.1
 """Longest a queued heartbeat waits before it is answered whatever the slice (at most a tenth
 of ``heartbeat_timeout``): quorum requests go first, heartbeats are never starved."""
@@ -128,7 +129,7 @@ class _SlowBody(Exception):
 
 # What a waiting long-poll is woken with: (HTTP status, JSON body or None, the body encoded). A
 # quorum answers each member with its own compact part (``ftlm.ft.quorum_answer``), whose common
-# part is encoded once per quorum, not once per member (issue 16).
+# part is encoded once per quorum, not once per member.
 _Answer = tuple[int, dict[str, Any] | None, bytes]
 
 
@@ -248,7 +249,7 @@ class Coordinator:
                                      suspect_window=config.suspect_window,
                                      probe_after=config.probe_after_failures)
         self._encoder = AnswerEncoder()
-        self._bodies = ClientBodies()  # the lean path's body decoding (issue 16)
+        self._bodies = ClientBodies()  # the lean path's body decoding
         self._beat_json = HeartbeatAnswerEncoder()
         self.metrics = _Metrics()
         self.dashboard = DashboardLog()
@@ -311,7 +312,8 @@ class Coordinator:
             err = self._start_error
             raise ConfigError(
                 f"coordinator cannot listen on {self.config.host}:{self.config.port}: {err} "
-                "(choose another coordinator.port, or 0 for any free port)"
+                "(choose another port: `ftlm coordinator --port N`, 0 for any free one; "
+                "cluster.coordinator_port in a generated Kubernetes or Slurm job)"
             ) from err
         if not self.config.token and not self._loopback:
             log.warning("coordinator on %s without a job token (--insecure): anyone who reaches "
@@ -470,7 +472,7 @@ class Coordinator:
         self._apply(self.membership.tick(now))
 
     def _tick_soon(self) -> None:
-        """Re-evaluate once after this pass of the event loop (issue 16): a step's asks and the
+        """Re-evaluate once after this pass of the event loop: a step's asks and the
         heartbeats around them arrive in bursts of hundreds, and deciding after each message cost
         about 5 us a message (a third of the state machine's time) for decisions that only the
         burst's last message changes. Loop thread."""
@@ -507,7 +509,7 @@ class Coordinator:
 
         A quorum's answers (a run of them among the outputs) are written longest-waiting member
         first, not in member order: the first to ask has waited for all the others already, and
-        at 2,000 groups the last of a step's answers leaves tens of ms after the first (issue 16).
+        at 2,000 groups the last of a step's answers leaves tens of ms after the first.
         Everything else keeps the state machine's order."""
         run: dict[str, Answer] = {}  # a quorum's answers not written yet
         for o in outputs:
@@ -521,7 +523,7 @@ class Coordinator:
             if isinstance(o, Answer):
                 if o.replica_id not in self._waiters:
                     continue  # nobody waits (it asked again, or gave up): nothing to encode
-                if o.quorum is not None:  # each member gets its own part (issue 16)
+                if o.quorum is not None:  # each member gets its own part
                     self._answer(o.replica_id, o.status, None, self._encoder.encode(o.quorum, o.replica_id))
                 else:
                     self._answer(o.replica_id, o.status, o.body)
@@ -548,7 +550,7 @@ class Coordinator:
     def _answer_quorum(self, answers: dict[str, Answer]) -> None:
         """Write quorum answers in the order their members asked (``_waiters`` keeps it: a member
         enters it with its first waiting request and leaves it when answered); each member gets
-        its own part (issue 16)."""
+        its own part."""
         for rid in [r for r in self._waiters if r in answers]:
             o = answers[rid]
             self._answer(rid, o.status, None, self._encoder.encode(o.quorum, rid))  # type: ignore[arg-type]
@@ -681,14 +683,14 @@ class Coordinator:
         try:
             answer, outputs = self.membership.heartbeat(now, beat, tick=False)
         except StaleIncarnation as e:
-            return 409, json.dumps({"error": str(e)}).encode()
+            return 409, _stale_body(e)
         self._apply(outputs)
         self._tick_soon()
         return 200, self._beat_json.encode(answer)
 
     def _queue_beat(self, hb: HeartbeatBody, conn: HotPathProtocol) -> None:
         """A heartbeat on the lean path: answered after the quorum requests read in this pass of
-        the event loop and the decision they lead to (issue 16).
+        the event loop and the decision they lead to.
 
         At 2,000 groups each group's heartbeat falls shortly before its next quorum request (an
         interval after the previous one), and a step's 2,000 heartbeats took as long to handle as
@@ -745,7 +747,7 @@ class Coordinator:
         try:
             outputs = self.membership.request(now, req, tick=False)
         except StaleIncarnation as e:
-            conn.respond(409, json.dumps({"error": str(e)}).encode())
+            conn.respond(409, _stale_body(e))
             return
         waiter = _Waiter(self, conn, req)
         self._waiters.setdefault(rid, []).append(waiter)
@@ -798,7 +800,7 @@ class Coordinator:
         try:
             outputs = self.membership.request(now, req, tick=False)
         except StaleIncarnation as e:
-            return _error(409, str(e))
+            return web.Response(body=_stale_body(e), status=409, content_type="application/json")
         self._waiters.setdefault(rid, []).append(fut)
         self._apply(outputs)
         self._tick_soon()
@@ -890,13 +892,13 @@ GC_THRESHOLDS = (50_000, 50, 1_000)
 """The cyclic collector's thresholds in a coordinator process: with the defaults (700, 10, 10)
 2,000 groups' messages set off a full collection every few seconds, a pause that walked every
 member's records while a step's answers waited (p99 at 2,000 groups 274-403 ms with them,
-202-213 ms without, issue 16). Cycles are rare here; reference counting frees the rest."""
+202-213 ms without). Cycles are rare here; reference counting frees the rest."""
 
 
 class HeartbeatAnswerEncoder:
     """``json.dumps(answer).encode()`` of a heartbeat's answer, by one bytes formatting for the
     common one (nobody dead, nothing to say but the ids): the bytes of ``json.dumps``, a test
-    checks it (issue 16: the encoder was a tenth of a heartbeat's cost)."""
+    checks it (the general encoder was a tenth of a heartbeat's cost)."""
 
     _PLAIN = ("quorum_id", "dead", "dead_quorums", "epoch", "rebuilding")
     _TEMPLATE = b'{"quorum_id": %d, "dead": [], "dead_quorums": [], "epoch": %s, "rebuilding": %s}'
@@ -931,7 +933,7 @@ def quiet_collector() -> None:
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """The coordinator's event loop: uvloop's where it is installed (libuv's loop costs the
-    coordinator about half as much per message as asyncio's own at 2,000 groups, issue 16),
+    coordinator about half as much per message as asyncio's own at 2,000 groups),
     asyncio's otherwise; the server behaves the same on both."""
     try:
         import uvloop
@@ -942,6 +944,15 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
+
+
+def _stale_body(e: StaleIncarnation) -> bytes:
+    """The 409 answer to a refused incarnation; ``convicted`` tells a process retired for failing
+    its steps (``quorum.Convicted``) from one replaced or declared hung."""
+    body: dict[str, object] = {"error": str(e)}
+    if isinstance(e, Convicted):
+        body["convicted"] = True
+    return json.dumps(body).encode()
 
 
 def _too_large(size: int | None, limit: int) -> web.Response:

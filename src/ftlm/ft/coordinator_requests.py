@@ -126,7 +126,7 @@ def decode_body(raw: bytes) -> Any:
     except ValueError as e:  # JSONDecodeError, the int digit limit and the hooks' own errors
         raise ValueError(f"body is not valid JSON: {_one_line(str(e))}") from None
     # Nesting cannot exceed the opening brackets (a count is far cheaper than the walk: the walk
-    # was 6% of the coordinator's time at 1,000 groups, issue 16).
+    # was 6% of the coordinator's time at 1,000 groups).
     if text.count("[") + text.count("{") > MAX_DEPTH and _depth(body) > MAX_DEPTH:
         raise ValueError(f"body nests deeper than {MAX_DEPTH} levels")
     return body
@@ -264,7 +264,7 @@ _FAST_HEARTBEAT = re.compile(
 
 class ClientBodies:
     """Heartbeat and quorum bodies from bytes, fast for the bytes ``CoordinatorClient`` sends
-    (issue 16: the general strict decoding was about a fifth of the coordinator's time per
+    (the general strict decoding was about a fifth of the coordinator's time per
     message at 2,000 groups).
 
     The client's bodies are ``json.dumps`` of its dicts: the keys always in the same order, the

@@ -41,7 +41,7 @@ def member_state(replica_id: str, last: Quorum | None) -> str:
     """``participating``, ``recovering`` or ``joining`` (alive but not in the latest quorum).
 
     The roles of the latest quorum are kept as sets: a status page or a metrics scrape asks this
-    for every member, which must not cost a pass over the quorum each time (issue 16)."""
+    for every member, which must not cost a pass over the quorum each time."""
     global _roles
     if last is None:
         return "joining"

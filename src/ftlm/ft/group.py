@@ -114,7 +114,7 @@ class GroupProtocol:
 
     def request(self) -> dict:
         """The fields of this group's next quorum request; ``watch``: the joiners it serves, whose
-        membership the answer reports (the answer does not list the members, issue 16)."""
+        membership the answer reports (the answer does not list the members)."""
         return {"step": self.step, "chain": self.chain, "last_quorum_id": self.quorum_id,
                 "failed": self.failed, "recover_request": self.recover_request,
                 "watch": sorted(self._serving)[:MAX_WATCH], "disk_checked": self.disk_checked,

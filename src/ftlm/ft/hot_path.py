@@ -1,4 +1,4 @@
-"""The coordinator's lean HTTP/1.1 path for its two hot endpoints, heartbeat and quorum (issue 16).
+"""The coordinator's lean HTTP/1.1 path for its two hot endpoints, heartbeat and quorum.
 
 At 2,000 groups the coordinator answers thousands of heartbeats and quorum long-polls a second,
 and the answers of a step all fall due at its last ask. Through aiohttp each message cost about

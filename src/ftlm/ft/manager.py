@@ -1,4 +1,5 @@
-"""The per-step fault-tolerance protocol of one replica group (DESIGN.md sections 3 and 4).
+"""The per-step fault-tolerance protocol of one replica group (docs/design.md, 'One training step'
+and 'Joining and catching up').
 
 Each step the ``Manager`` asks the coordinator for a quorum, (re)builds the cross-replica process
 group when the quorum id changed, averages gradients across the participating groups, and votes
@@ -29,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ftlm.ft.client import (CoordinatorClient, CoordinatorError, CoordinatorUnavailable, Heartbeater, QuorumTimeout,
-                            StaleIncarnation, reload_word)
+from ftlm.ft.client import (CoordinatorClient, CoordinatorError, CoordinatorUnavailable, Convicted, Heartbeater,
+                            QuorumTimeout, StaleIncarnation, reload_word)
 from ftlm.ft.config import FTConfig
 from ftlm.ft.faults import FaultSchedule
 from ftlm.ft.group import GroupProtocol, Role, TooManyFailures
@@ -124,7 +125,8 @@ class Manager:
         self.server = make_snapshot_server(config, host=self.host, token=token,
                                            on_chunk=self._on_serve_chunk if serve_fault else None)
         self.server.start()
-        # The next snapshot's memory, allocated ahead on a background thread (issue 11; opt-in).
+        # The next snapshot's memory, allocated ahead on a background thread (opt-in:
+        # ``ft.snapshot_reserve``).
         self.reserve = SnapshotReserve() if config.snapshot_reserve else None
         self.transfer_urls = _gather_strings(self.server.url, self.ranks, self.control)
         self.abort = threading.Event()
@@ -314,7 +316,8 @@ class Manager:
         if isinstance(got, dict) and "end" in got:
             if got["end"] == "ReloadCheckpoint":
                 raise ReloadCheckpoint(got["head"], got["why"])
-            ends = {"StopRequested": StopRequested, "StaleIncarnation": StaleIncarnation}
+            # Every rank ends as its leader does: a retired group's ranks all exit with its status.
+            ends = {"StopRequested": StopRequested, "StaleIncarnation": StaleIncarnation, "Convicted": Convicted}
             raise ends.get(got["end"], TooManyFailures)(got["why"])
         return MemberQuorum.from_json(got)
 
@@ -356,13 +359,13 @@ class Manager:
             log.warning("could not publish a snapshot for a recovering peer: %s", box["error"])
 
     def ask(self, step: int, chain: str) -> bool:
-        """Request the quorum of ``(step, chain)``, the state this group just committed, now,
-        from a helper thread: ``start_step`` of that state waits for this answer instead of
-        asking then. Called right after a commit vote, the round trip and the wait for the other
-        groups overlap with the optimizer update (DESIGN.md section 3). A no-op where the control
-        collectives share the group's default process group with training (several ranks on
-        gloo): the answer's broadcast must not interleave with the training thread's collectives.
-        Returns whether the request went out: then the next step is owed to the quorum it gets."""
+        """Request the quorum of ``(step, chain)``, the state this group just committed, now, from a
+        helper thread: ``start_step`` of that state waits for this answer instead of asking then.
+        Called right after a commit vote, the round trip and the wait for the other groups overlap
+        with the optimizer update (docs/design.md, 'One training step'). A no-op where the control
+        collectives share the group's default process group with training (several ranks on gloo):
+        the answer's broadcast must not interleave with the training thread's collectives. Returns
+        whether the request went out: then the next step is owed to the quorum it gets."""
         # A stop request is this rank's own (each rank gets the signal at its own moment): in a
         # group of several ranks the trainer asks only while none of them wants to stop, and a
         # request that went out is ended on every rank by the leader's ``StopRequested``.

@@ -69,7 +69,7 @@ class Answer:
 
 @dataclass
 class Event:
-    """Log an event of ``kind`` (events.jsonl vocabulary, DESIGN.md section 10)."""
+    """Log an event of ``kind`` (the events.jsonl vocabulary, ``ftlm.observe.events``)."""
 
     kind: str
     fields: dict[str, Any] = field(default_factory=dict)
@@ -264,7 +264,7 @@ class Membership:
     def _dead_in_flight(self, now: float) -> tuple[list[str], list[int]]:
         """``dead_peers`` and the ids of the quorums in flight that have one of them as a member
         (a member aborts its all-reduce when its quorum is listed: its answer does not name its
-        peers, issue 16)."""
+        peers)."""
         while self.dead and now - self.dead[0][0] > DEAD_MEMORY_SECONDS:
             self.dead.popleft()
         while self.left and now - self.left[0][0] > DEAD_MEMORY_SECONDS:
@@ -392,7 +392,8 @@ class Membership:
             fields["host"] = store.rpartition(":")[0]
         out.append(Event("member_dead", fields))
         out.append(Answer(replica_id, 409, {"error": f"{replica_id} was retired: {why}; this process "
-                                                      "must exit (its supervisor starts it again)"}))
+                                                      "must exit (its supervisor starts it again)",
+                                             "convicted": True}))  # ``quorum.Convicted``
 
     def _restore_fields(self, r: Restore) -> dict[str, Any]:
         return {"step": r.to_step, "from_step": r.from_step, "to_step": r.to_step, "chain": r.chain,

@@ -4,8 +4,9 @@ Responsible for: which replica groups are alive (heartbeats, progress, explicit 
 deaths, with the clock passed in), replacing an old incarnation of a group by a newer one, which
 committed state is authoritative (the *head*: a step and the hash chain of its history, see
 ``ftlm.ft.history``), explicit rollbacks when no live group holds the head, and deciding when to
-issue a quorum, who is in it, its id, who participates and who recovers from whom (DESIGN.md
-section 6). Every "not yet" comes with a human-readable reason.
+issue a quorum, who is in it, its id, who participates and who recovers from whom (docs/design.md,
+'Quorum rules'; docs/ft-protocol.md, 'The rules'). Every "not yet" comes with a human-readable
+reason.
 
 Not responsible for: sockets, threads, timers or the wall clock (``ftlm.ft.membership`` wraps these
 functions into the coordinator's state machine, ``ftlm.ft.coordinator`` serves it), nor for what
@@ -43,7 +44,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ftlm.errors import FaultError
+from ftlm.errors import FaultError, RetiredError
 from ftlm.ft.history import GENESIS, extend_chain
 
 # Bound on remembered replaced incarnations (enough for thousands of restarts; memory stays small).
@@ -56,6 +57,12 @@ MAX_WATCH = 256
 
 class StaleIncarnation(FaultError):
     """A replica group incarnation was replaced or retired; the old process must exit."""
+
+
+class Convicted(StaleIncarnation, RetiredError):
+    """The incarnation was retired for failing the steps it took part in (``convict``); the
+    coordinator's 409 answer says so in a field (``"convicted": true``), and the process exits
+    with ``ftlm.errors.EXIT_RETIRED``."""
 
 
 @dataclass
@@ -332,7 +339,7 @@ class Restore:
 class _Index:
     """What the decisions need about the members, kept up to date on every change of the tables.
 
-    Per-message work must not grow with the number of groups (issue 16): claims and groups are
+    Per-message work must not grow with the number of groups: claims and groups are
     counted, expiry deadlines and the oldest request sit in heaps (entries that no longer match
     the table are dropped when they reach the top), and the previous quorum's members that are
     alive, and alive without a request, are counted. The decisions use these only when they are
@@ -761,8 +768,9 @@ VERDICT_ATTEMPTS = 3
 never told) before the accusation is dropped and the search begins again."""
 
 FAILS_ITS_STEPS = "fails the steps it takes part in"
-"""Ends the reason a member is retired for by ``convict`` (a launcher reads it in the error line
-of the process that exits, ``ftlm.launch.local``)."""
+"""Ends the reason a member is retired for by ``convict``: for people reading the logs (the
+process is told by the answer's ``convicted`` field, ``Convicted``, and launchers by its exit
+status, ``ftlm.errors.EXIT_RETIRED``)."""
 
 MAX_PROBE_ROUNDS = 2
 """Searches over every member (each cleared when an attempt without it failed too: a lost message
@@ -781,7 +789,7 @@ class CoordinatorState:
     quorum_id: int = 0  # the highest quorum id issued or reported; the next change issues id + 1
     round_started: float | None = None  # when the oldest pending request arrived
     retired: dict[str, float] = field(default_factory=dict)  # replaced or hung replica id -> when
-    retired_why: dict[str, str] = field(default_factory=dict)  # retired for another reason -> which
+    retired_why: dict[str, str] = field(default_factory=dict)  # convicted (``convict``) -> why
     head: tuple[int, str] | None = None  # (step, chain) of the authoritative committed state
     head_quorums: list[tuple[int, list[str]]] = field(default_factory=list)  # issued at the head step
     head_seen_at: float | None = None  # when a live member last held the head
@@ -851,8 +859,10 @@ def _retire(state: CoordinatorState, replica_id: str, now: float, why: str = "")
 
 def _retire_other_incarnations(state: CoordinatorState, replica_id: str, group: str, now: float) -> list[str]:
     if replica_id in state.retired:
-        why = state.retired_why.get(replica_id, "was replaced or declared hung")
-        raise StaleIncarnation(f"replica {replica_id} {why}; this process must exit")
+        why = state.retired_why.get(replica_id)
+        if why is not None:  # the one reason recorded: a conviction (``remove_member``'s ``why``)
+            raise Convicted(f"replica {replica_id} {why}; this process must exit")
+        raise StaleIncarnation(f"replica {replica_id} was replaced or declared hung; this process must exit")
     index = state.index
     beating, asking = index.hb_groups.get(group), index.pending_groups.get(group)
     if (not beating or (len(beating) == 1 and replica_id in beating)) and (
@@ -943,7 +953,8 @@ def _suspect(state: CoordinatorState, req: MemberRequest) -> None:
 
 def _expire_suspected(now: float, state: CoordinatorState, options: QuorumOptions) -> list[tuple[str, str]]:
     """Members of a quorum whose step peers reported failed and that were silent since the first
-    report, once ``suspect_window`` passed (DESIGN.md section 5: a peer's transport error)."""
+    report, once ``suspect_window`` passed (a peer's transport error: docs/design.md, 'Failure
+    detection')."""
     s = state.suspicion
     if s is None or options.suspect_window <= 0 or now - s.opened_at < options.suspect_window:
         return []
@@ -1001,9 +1012,10 @@ def remove_member(state: CoordinatorState, replica_id: str, now: float, retire: 
                   finished: bool = False, why: str = "") -> bool:
     """Drop a replica that left or whose process ended; returns whether it was known.
 
-    ``retire`` refuses the incarnation from then on (its process is gone or told to go; ``why``
-    is what its refused messages are told, after "replica <id> "); ``finished``: it left having
-    completed the job at the head, which is then never rolled back.
+    ``retire`` refuses the incarnation from then on (its process is gone or told to go; ``why``,
+    given for a conviction only, is what its refused messages are told, after "replica <id> ", as
+    ``Convicted``); ``finished``: it left having completed the job at the head, which is then
+    never rolled back.
     """
     known = replica_id in state.heartbeats or replica_id in state.pending
     hb = state.heartbeats.get(replica_id)
@@ -1571,7 +1583,8 @@ def classify(state: CoordinatorState, replica_id: str) -> str:
 
 
 def compute_quorum(now: float, state: CoordinatorState, options: QuorumOptions) -> tuple[Quorum | None, str]:
-    """Decide whether to issue a quorum now (DESIGN.md section 6); never mutates ``state``.
+    """Decide whether to issue a quorum now (docs/design.md, 'Quorum rules'); never mutates
+    ``state``.
 
     Returns ``(quorum, reason)``, or ``(None, reason)`` saying what is awaited. The caller records
     an issued quorum with ``commit_quorum``. Needs the head (``advance_head``).

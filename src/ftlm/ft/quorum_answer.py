@@ -1,4 +1,4 @@
-"""What one member of an issued quorum is told: the compact quorum answer (issue 16).
+"""What one member of an issued quorum is told: the compact quorum answer.
 
 A quorum used to be sent whole to each of its members: every member with its meta, about 170
 bytes each, so O(groups^2) bytes a step (330 KB to each of 2,000 members). A member needs only its
@@ -77,7 +77,7 @@ class AnswerEncoder:
 
     A plain participant's own part is three fields (replica id, rank, participant index): it is
     formatted into a byte template, the same bytes ``json.dumps`` gives, without building a dict
-    or running the encoder (a step's 2,000 answers are written one after another, issue 16). A
+    or running the encoder (a step's 2,000 answers are written one after another). A
     member with anything more (recovering, a source, watching) goes through ``own_fields``."""
 
     def __init__(self) -> None:

@@ -38,7 +38,7 @@ def _populate(memory: mmap.mmap, nbytes: int) -> None:
     Through ctypes, which releases the interpreter lock for the call: ``mmap``'s own
     ``MAP_POPULATE`` keeps holding it while the kernel maps the pages, and a thread of the
     training process doing that (0.3 s per GiB here) stopped its heartbeat and training threads
-    for as long, 40 s when the thread ran at nice 19 on busy cores (issue 11)."""
+    for as long, 40 s when the thread ran at nice 19 on busy cores."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         madvise = libc.madvise

@@ -4,7 +4,7 @@ Writing a snapshot into memory the process never touched costs far more than the
 the kernel allocates and zeroes every page on its first write (1 GiB into a new memfd: 0.6-0.9 s
 of CPU on a 2-core Xeon, against 0.15-0.22 s into pages that are there already). A source copies
 its snapshot while its step's forward and backward run, and its update waits for the copy, so
-that cost lands on the step every healthy group waits for (issue 11). ``SnapshotReserve``
+that cost lands on the step every healthy group waits for. ``SnapshotReserve``
 prepares one buffer of the state's size on a thread of its own while no peer needs a snapshot;
 ``snapshot_state(..., reserve=)`` takes it when one does, and the manager prepares the next one
 once that snapshot is released.

@@ -17,7 +17,7 @@ PRESETS = ("paper-ft", "paper-sync", "ftlm")
 DEFAULT_FTLM_STALL = 2.04
 """ftlm's SIGKILL stall beyond one step, tiny model, 3 groups (BENCHMARKS.md, ft_vs_torchft)."""
 DEFAULT_FTLM_DETECTION = 1.0
-"""ftlm's default heartbeat timeout (DESIGN.md section 5)."""
+"""ftlm's default heartbeat timeout (docs/design.md, 'Failure detection')."""
 
 # Option -> JobModel field, for the options that set one field as given.
 _FIELDS = {"groups": "groups", "gpus_per_group": "gpus_per_group", "spares": "spares",

@@ -2,7 +2,7 @@
 test-time-compute strategies (best-of-N, self-consistency, thinking budgets).
 
 The server lives in ``ftlm.serve``; the CLI (``ftlm generate``, ``ftlm serve``) in
-``ftlm.infer.cli``. Imports flow ``infer -> model``; nothing here touches ``torch.distributed``.
+``ftlm.infer_cli``. Imports flow ``infer -> model``; nothing here touches ``torch.distributed``.
 ``Engine``, ``Sequence`` and ``SamplingParams`` are imported on first use, so that the CLI can
 register its commands without importing torch.
 """

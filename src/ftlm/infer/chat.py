@@ -1,10 +1,10 @@
 """Chat prompts for generation: messages -> token ids in the post-training chat template.
 
-The template is ``ftlm.post.chat`` (the one ``ftlm sft`` trains on), so a fine-tuned model is
+The template is ``ftlm.data.chat`` (the one ``ftlm sft`` trains on), so a fine-tuned model is
 served exactly as it learnt: ``<|bos|> <|user|> PROMPT <|end|> ... <|assistant|>``, the reply
 cue last; the reply ends at ``<|end|>`` (or ``<|eos|>``), which ``chat_stop_ids`` lists.
 
-Not responsible for: the template itself (``ftlm.post.chat``; change it there) or validating
+Not responsible for: the template itself (``ftlm.data.chat``; change it there) or validating
 request shapes (``ftlm.serve.protocol``).
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ftlm.data.tokenizer import Tokenizer
-from ftlm.post.chat import render
+from ftlm.data.chat import render
 
 
 def render_chat(messages: Sequence[dict], tokenizer: Tokenizer) -> list[int]:

@@ -11,6 +11,7 @@ those) or Hugging Face folders (``ftlm.model.hf``). Weights are read with safete
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,12 +61,14 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_run(path: str | Path, tokenizer: str | Path | None = None, device: str = "auto",
-             dtype: str = "auto") -> LoadedModel:
-    """Load ``model.safetensors`` of a run directory (or that file) with the run's model config."""
+             dtype: str = "auto", *, read_config: Callable[[Path], Any]) -> LoadedModel:
+    """Load ``model.safetensors`` of a run directory (or that file) with the run's model config.
+
+    ``read_config`` reads the run's ``config.toml`` into its ``RunConfig``: the composition root's
+    ``ftlm.config.load_config``, passed in by the caller (inference does not import the root)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_model
 
-    from ftlm.config import load_config
     path = Path(path)
     run_dir = path.parent if path.is_file() else path
     weights = path if path.is_file() else path / "model.safetensors"
@@ -76,7 +79,7 @@ def load_run(path: str | Path, tokenizer: str | Path | None = None, device: str 
     if not weights.is_file():
         raise DataError(f"{weights} not found: the run has not finished (the trainer writes "
                         "model.safetensors at its end)")
-    config = load_config(config_path)
+    config = read_config(config_path)
     dev = resolve_device(device)
     model = build_model(config.model, dev)
     try:

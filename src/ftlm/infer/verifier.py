@@ -5,7 +5,7 @@ Responsible for:
 * the verification conversation (``verification_messages``): the task and the first line of a
   proposed completion in the first user turn, each later line in a user turn of its own, and after
   every line an assistant turn holding its verdict (``yes``/``no``), in the chat template of
-  ``ftlm.post.chat``. ``ftlm sft`` learns only the assistant turns, so one conversation carries a
+  ``ftlm.data.chat``. ``ftlm sft`` learns only the assistant turns, so one conversation carries a
   label for every line (a process label) and its last line's label is the outcome: dense labels,
   each read right after the line it judges;
 * training data for it from the task suite (``verifier_records`` / ``write_verifier_data``): for
@@ -40,7 +40,7 @@ from ftlm.data.tokenizer import Tokenizer
 from ftlm.errors import ConfigError
 from ftlm.infer.strategies import Candidate
 from ftlm.model.llama import Transformer
-from ftlm.post.chat import render
+from ftlm.data.chat import render
 from ftlm.tasks import Task, check, format_completion
 
 INTRO = "Check the proposed solution line by line: is each line right? Reply yes or no."

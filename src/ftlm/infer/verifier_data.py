@@ -94,7 +94,7 @@ def sampled_records(engine, codec, tasks: Sequence[Task], samples: int, params,
                     process: bool = True, seed: int = 0) -> tuple[list[dict], dict[str, int]]:
     """Sample ``samples`` completions per task from ``engine``'s policy and label them.
 
-    ``codec`` is the policy's tokenizer (the chat template of ``ftlm.post.chat`` is applied);
+    ``codec`` is the policy's tokenizer (the chat template of ``ftlm.data.chat`` is applied);
     returns the records and counts (tasks, samples, correct samples, distinct completions,
     labelled lines, lines labelled yes).
     """

@@ -10,21 +10,10 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable, Protocol, TextIO
+from typing import Callable, TextIO
 
 PLAIN_INTERVAL_SECONDS = 5.0
 """Seconds between two status lines when the console is not a terminal."""
-
-
-class GroupView(Protocol):
-    """What the console needs to know about a group process."""
-
-    name: str
-    finished: bool
-    stopped: bool
-    result: dict
-
-    def running(self) -> bool: ...
 
 
 class ConsoleView:

@@ -62,7 +62,7 @@ def _meta(name: str, names: Names, cluster: ClusterConfig, component: str,
 
 
 def secret(names: Names, cluster: ClusterConfig, token: str) -> dict[str, Any]:
-    """The shared job token (DESIGN.md section 9): a fresh one per generation."""
+    """The shared job token (docs/design.md, 'Security'): a fresh one per generation."""
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": _meta(names.secret, names, cluster, "token"),
             "stringData": {"token": token}}
@@ -174,7 +174,8 @@ def nodes_service(names: Names, cluster: ClusterConfig) -> dict[str, Any]:
 
 
 def group_env(names: Names, cluster: ClusterConfig, group: str) -> list[dict[str, Any]]:
-    """The environment of DESIGN.md section 10 that places a group in the job (torchrun sets the rest)."""
+    """The environment that places a group in the job (docs/design.md, 'Environment'); torchrun
+    sets the rest."""
     return [{"name": "FTLM_COORDINATOR", "value": names.url},
             {"name": "FTLM_GROUP_ID", "value": group},
             {"name": "FTLM_GROUPS", "value": str(cluster.groups)},
@@ -296,7 +297,7 @@ def group_pod(run: RunConfig, names: Names, cluster: ClusterConfig, group: str,
         container["livenessProbe"] = {**probe, "failureThreshold": 6}
     spec: dict[str, Any] = {
         # A failed rank fails the pod, the pod fails its Job, and the scheduler restarts the
-        # whole group as a new incarnation (DESIGN.md section 5).
+        # whole group as a new incarnation (docs/design.md, 'Failure detection').
         "restartPolicy": "Never",
         # SIGTERM first: the trainer finishes its step, leaves the quorum and stops in time.
         "terminationGracePeriodSeconds": cluster.grace_seconds,

@@ -2,8 +2,8 @@
 
 It starts the coordinator as its own process (``ftlm coordinator``, restarted on the same port
 when it dies, by a warm standby that takes over at once: ``ftlm.launch.coordinator_process``)
-and each group as ``ftlm train`` processes (one per rank) with the environment of DESIGN.md
-section 10. It restarts a group whose process exits as a new incarnation and reports
+and each group as ``ftlm train`` processes (one per rank) with the environment of docs/design.md,
+'Environment'. It restarts a group whose process exits as a new incarnation and reports
 the death to the coordinator (``POST /v1/dead``); restarts a group stopped from outside before the
 last step (a SIGTERM, as a spot reclaim sends: it left the quorum and exited 0) as a preempted
 pod or a requeued Slurm job comes back; kills a group that is hung so that it restarts:
@@ -39,8 +39,7 @@ from pathlib import Path
 
 from ftlm import startup_beacon
 from ftlm.config import RunConfig, save_config
-from ftlm.errors import ConfigError, FtlmError
-from ftlm.ft.quorum import FAILS_ITS_STEPS
+from ftlm.errors import EXIT_RETIRED, ConfigError, FtlmError
 from ftlm.launch.chaos import ALL_RANKS, COORDINATOR, Chaos
 from ftlm.launch.console import ConsoleView
 from ftlm.launch.coordinator_process import (ERROR_PREFIX, CoordinatorProcess, CoordinatorUnreachable,
@@ -492,12 +491,11 @@ class LocalLauncher:
             # A group the coordinator declared dead (no progress: a hung rank) may exit on its
             # own when its heartbeat is refused: that is the hang, detected, not a crash. Status 2
             # is the group's own error (its heartbeat stopped first), never a refused heartbeat.
-            code = failed[0]
+            # Retired by the coordinator (any rank's exit status says so): attempts of a step without
+            # it committed where attempts with it failed (a bad link or device, ``ftlm.ft.quorum.Probe``).
+            retired = EXIT_RETIRED in failed
+            code = EXIT_RETIRED if retired else failed[0]
             hung = g.replica_id in self._declared_dead and code != EXIT_USAGE
-            # Retired by the coordinator: attempts of a step without it committed where attempts
-            # with it failed (a bad link or device, ``ftlm.ft.quorum.Probe``).
-            why = self._why(g) if code != EXIT_USAGE else ""
-            retired = FAILS_ITS_STEPS in why
             cause = g.cause or ("retired" if retired else "hung" if hung else "crash")
             events.emit("group_exit", step=-1, target=g.name, ok=False, code=code, cause=cause,
                         incarnation=g.incarnation)
@@ -508,7 +506,7 @@ class LocalLauncher:
                 # Its node's link (or device) stays bad: the job goes on without it.
                 g.lost, g.restart_at = True, None
                 reason = (f"the coordinator retired its last {g.retired_in_a_row} processes in a row: "
-                          f"{why}; not started again (fix its node, then launch again to "
+                          f"{self._why(g)}; not started again (fix its node, then launch again to "
                           "resume with every group)")
                 events.emit("group_lost", step=-1, target=g.name, reason=reason)
                 print(f"ftlm launch: WARNING: group {g.name} {reason}", file=sys.stderr, flush=True)

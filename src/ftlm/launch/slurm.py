@@ -11,9 +11,10 @@
   preemption) it signals the step's tasks with SIGTERM (never ``srun`` itself), the trainers
   finish their step, leave the quorum and exit, and the job requeues itself, appending to its log;
 * ``node.sh``: torchrun on one node (``--standalone``, or c10d rendezvous on the first node of a
-  multi-node group) with ``--shutdown-timeout`` inside the grace; with ``observe.metrics`` on it
-  gives each local rank its metrics port and publishes them in ``state/prometheus-<g>-node<n>.json``
-  (Prometheus file_sd);
+  multi-node group) with ``--shutdown-timeout`` inside the grace; it records a rank the
+  coordinator retired for failing its steps (``EXIT_RETIRED``) as ``state/<g>-<job id>.retired``
+  for the watcher; with ``observe.metrics`` on it gives each local rank its metrics port and
+  publishes them in ``state/prometheus-<g>-node<n>.json`` (Prometheus file_sd);
 * ``watch.sh``: polls squeue/scontrol/sacct and resubmits a group (or the coordinator) whose job
   ended with a failure, at most ``max_restarts`` times each; ends when the job is done;
 * ``submit-all.sh`` (forgets a previous run's state in the folder) and ``stop-all.sh``;
@@ -30,8 +31,7 @@ import shlex
 from pathlib import Path
 
 from ftlm.config import RunConfig
-from ftlm.errors import ConfigError
-from ftlm.ft.quorum import FAILS_ITS_STEPS
+from ftlm.errors import EXIT_RETIRED, ConfigError
 from ftlm.launch.cluster_config import ClusterConfig
 from ftlm.launch.slurm_watch import WATCH_SCRIPT
 
@@ -129,12 +129,19 @@ def _torchrun(run: RunConfig, cluster: ClusterConfig, run_dir: Path) -> str:
                      "--rdzv-id=\"$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}\"")
     train = (f"-m ftlm.cli train \"$OUT/config.toml\" --set ft.coordinator= "
              f"--set run.dir={q(str(run_dir))} --set observe.progress=false")
-    program = train
+    metrics = ""
     if group_metrics(run, cluster):
         # Each process serves on its node's base port + LOCAL_RANK (the ports node.sh publishes);
         # global ranks come in c10d's arrival order, so they cannot name the port.
-        program = ("--no-python sh -c 'export FTLM_METRICS_PORT=$((FTLM_METRICS_BASE + LOCAL_RANK)); "
-                   f"exec \"$0\" \"$@\"' {cluster.python} {train} --set observe.metrics_host=0.0.0.0")
+        metrics = "export FTLM_METRICS_PORT=$((FTLM_METRICS_BASE + LOCAL_RANK)); "
+        train += " --set observe.metrics_host=0.0.0.0"
+    # A rank that the coordinator retired for failing its steps exits with EXIT_RETIRED, but
+    # torchrun exits 1 whatever its ranks' status: sh records it in state/ for the watcher
+    # (``avoid_nodes``). Its trap defers the SIGTERM that torchrun sends the rank's process
+    # group (the trainer gets it too and stops) until the trainer has exited.
+    record = (f"trap : TERM; \"$0\" \"$@\"; rc=$?; if [ \"$rc\" = {EXIT_RETIRED} ]; then "
+              ": > \"$OUT/state/$FTLM_GROUP_ID-$SLURM_JOB_ID.retired\"; fi; exit \"$rc\"")
+    program = f"--no-python sh -c '{metrics}{record}' {cluster.python} {train}"
     return (f"{cluster.python} -m torch.distributed.run {placement} "
             f"--nproc-per-node={cluster.ranks_per_node} "
             f"--shutdown-timeout={cluster.shutdown_timeout} {program}")
@@ -180,8 +187,7 @@ def node_script(run: RunConfig, cluster: ClusterConfig, workdir: Path) -> str:
         *_metrics_lines(run, cluster),
         "stopped=0",
         "trap 'stopped=1; kill -TERM \"$pid\" 2>/dev/null' TERM",
-        *(["# shellcheck disable=SC2016  # sh expands it in each rank's process"]
-          if group_metrics(run, cluster) else []),
+        "# shellcheck disable=SC2016  # sh expands it in each rank's process",
         _torchrun(run, cluster, run_dir) + " &",
         "pid=$!",
         "while :; do wait \"$pid\"; rc=$?; kill -0 \"$pid\" 2>/dev/null || break; done",
@@ -288,7 +294,7 @@ mkdir -p "$OUT/state" "$OUT/logs"
 # A new job in an old folder: forget the last one's addresses, restarts and finished groups
 # (a stale g<i>.done would make the watcher end at once and cancel the coordinator).
 rm -f "$OUT/state/coordinator.url" "$OUT/state/STOP" "$OUT/state/"*.restarts "$OUT/state/exclude" \\
-  "$OUT/state/"*.done "$OUT/state/"relay-*.port "$OUT/state/"prometheus-g*.json
+  "$OUT/state/"*.done "$OUT/state/"*.retired "$OUT/state/"relay-*.port "$OUT/state/"prometheus-g*.json
 sbatch --parsable "$OUT/coordinator.sbatch" > "$OUT/state/coordinator.jobid"
 for g in {groups}; do
   sbatch --parsable "$OUT/group-$g.sbatch" > "$OUT/state/$g.jobid"
@@ -322,7 +328,6 @@ def watch_script(cluster: ClusterConfig, out: Path) -> str:
         f"GROUPS_LIST=({' '.join(cluster.group_names())})",
         f"MAX_RESTARTS={cluster.max_restarts}",
         f"MAX_EXCLUDED={MAX_EXCLUDED}",
-        f"RETIRED_LINE={shlex.quote(FAILS_ITS_STEPS)}",
         f"INTERVAL=${{FTLM_WATCH_INTERVAL:-{cluster.watch_interval}}}",
     ])
     return WATCH_SCRIPT.replace("# @SETTINGS@", settings)

@@ -9,10 +9,11 @@ resubmitted, groups still pending are cancelled (they would have nobody to recov
 the coordinator is cancelled when no group is left.
 
 A group whose job ended because the coordinator retired its process for failing every step it
-took part in (its log has ``ftlm.ft.quorum.FAILS_ITS_STEPS``: a bad link or device on one of its
-nodes) is resubmitted away from the nodes that job ran on: they join ``state/exclude`` (at most
-MAX_EXCLUDED entries), which every later group submission passes to ``sbatch --exclude``; Slurm
-would otherwise often place it on the node it just freed, where it fails the same way.
+took part in (a rank exited with ``ftlm.errors.EXIT_RETIRED``, which ``node.sh`` records as
+``state/<g>-<job id>.retired``: a bad link or device on one of its nodes) is resubmitted away
+from the nodes that job ran on: they join ``state/exclude`` (at most MAX_EXCLUDED entries),
+which every later group submission passes to ``sbatch --exclude``; Slurm would otherwise often
+place it on the node it just freed, where it fails the same way.
 """
 
 WATCH_SCRIPT = r'''#!/bin/bash
@@ -59,10 +60,11 @@ job_nodes() {
 }
 
 # avoid_nodes NAME ID: if group NAME's job ID ended because the coordinator retired its process
-# for failing every step it took part in, its nodes join state/exclude (bounded).
+# for failing every step it took part in (a rank's exit status, recorded by node.sh), its nodes
+# join state/exclude (bounded).
 avoid_nodes() {
   local name=$1 id=$2 nodes count
-  grep -qF "$RETIRED_LINE" "$OUT/logs/$name-$id.log" 2>/dev/null || return 0
+  [ -e "$OUT/state/$name-$id.retired" ] || return 0
   nodes=$(job_nodes "$id")
   if [ -z "$nodes" ]; then
     log "$name: job $id was retired for failing its steps; its nodes are unknown (not avoided)"

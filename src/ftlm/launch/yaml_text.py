@@ -76,7 +76,3 @@ def dump_yaml(obj: Any) -> str:
     """One YAML document for ``obj``."""
     return "\n".join(_lines(obj, 0)) + "\n"
 
-
-def dump_yaml_all(objs: list[Any]) -> str:
-    """Several YAML documents separated by ``---``."""
-    return "---\n".join(dump_yaml(o) for o in objs)

@@ -86,7 +86,7 @@ NOT_FAILURES = {"none": "slowed", "SIGTERM": "preempted"}
 """``failure_injected`` signals that disturb a group without failing it, and their one word."""
 
 REQUIRED_FIELDS: tuple[str, ...] = ("ts", "kind", "group", "step")
-"""Fields every line must carry (DESIGN.md section 10)."""
+"""Fields every line must carry (docs/design.md, 'events.jsonl')."""
 
 _RESERVED = frozenset(("ts", "kind", "group", "rank", "step"))
 

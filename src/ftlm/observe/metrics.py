@@ -13,7 +13,7 @@ Not responsible for: deciding when to report (the trainer and manager call the `
 the coordinator's own bookkeeping (``ftlm.ft.coordinator`` fills the coordinator families), or
 the run report (``ftlm.observe.report``).
 
-Conventions (DESIGN.md section 10): names start with ``ftlm_``, values are in base units
+Conventions (docs/design.md, 'Metrics'): names start with ``ftlm_``, values are in base units
 (``_seconds``, ``_bytes``, ``_ratio``, ``_watts``), counters end in ``_total``, and the only labels
 are ``job``, ``group`` and ``rank`` (the coordinator's heartbeat age carries ``group``). Each
 exporter has its own ``CollectorRegistry``, so several can live in one process (tests, threads).

@@ -1,9 +1,9 @@
 """Run summary: what ``summary.json`` says about a run, computed from its events.
 
 Pure functions over a list of event dicts (as ``read_events`` returns them); the only I/O is
-``write_summary``. This module defines how ftlm measures itself (DESIGN.md section 10): data
-accounting (every sample exactly once), stall per failure, the steady token rate and ETT. It does
-not read the run directory, hash state or render anything (``report.py`` renders).
+``write_summary``. This module defines how ftlm measures itself (docs/design.md, 'summary.json'):
+data accounting (every sample exactly once), stall per failure, the steady token rate and ETT. It
+does not read the run directory, hash state or render anything (``report.py`` renders).
 
 Vocabulary used below:
 
@@ -579,7 +579,7 @@ def record_wall_seconds(events: list[dict], wall_seconds: float) -> float:
 
 def ett(tokens_committed: float, wall_seconds: float, steady_tps: float) -> float:
     """Effective training time, token-weighted: ``tokens_committed / (wall_seconds *
-    steady_tps)`` (DESIGN.md section 10); 0.0 when the denominator is 0.
+    steady_tps)`` (docs/design.md, 'summary.json'); 0.0 when the denominator is 0.
 
     It is at most 1 when both inputs describe the same record, as ``build_summary`` ensures:
     ``wall_seconds`` covers every incarnation (``record_wall_seconds``) and ``steady_tps`` is at
@@ -630,14 +630,15 @@ def final_eval_loss(events: list[dict]) -> float | None:
 
 def build_summary(events: list[dict], *, wall_seconds: float, state_hashes: dict[str, str],
                   config: dict, groups: list[str]) -> dict:
-    """Every field of ``summary.json`` (DESIGN.md section 10), plus ``median_step_seconds``,
-    ``steady_tokens_per_second``, ``failures_undetected`` (injected failures nobody noticed),
-    ``failures_unexplained`` (detected failures nobody injected: crashes, false hang alarms)
-    and ``unexplained_failures`` (each of them, with its reason: ``_unexplained_rows``),
-    ``timeline`` (start-up, longest gap between commits, end: ``commit_timeline``),
-    ``crashes`` (group processes that failed on their own), ``checkpoints_failed`` (durable
-    checkpoint saves that failed; training went on), ``gpu_hours`` by state and ``cost``
-    when ``config`` prices GPU-hours (``ftlm.observe.cost``) and ``problems`` (``proof_problems``).
+    """Every field of ``summary.json`` (docs/design.md, 'summary.json'), plus
+    ``median_step_seconds``, ``steady_tokens_per_second``, ``failures_undetected`` (injected
+    failures nobody noticed), ``failures_unexplained`` (detected failures nobody injected: crashes,
+    false hang alarms) and ``unexplained_failures`` (each of them, with its reason:
+    ``_unexplained_rows``), ``timeline`` (start-up, longest gap between commits, end:
+    ``commit_timeline``), ``crashes`` (group processes that failed on their own),
+    ``checkpoints_failed`` (durable checkpoint saves that failed; training went on), ``gpu_hours``
+    by state and ``cost`` when ``config`` prices GPU-hours (``ftlm.observe.cost``) and ``problems``
+    (``proof_problems``).
 
     Commits a ``restore`` superseded are left out of every figure (``final_history``);
     ``replicas_identical`` means one hash per group of ``groups``, all equal."""

@@ -4,7 +4,7 @@ The trainer's loader hands rows out by global position (the exactly-once cursor)
 ``__len__`` and ``samples(indices)`` of fixed-shape rows (``ftlm.train.objective``). Three kinds:
 
 * **SFT** rows ``[3, seq_len + 1]``: tokens, learn mask, document ids. Conversations (chat
-  template, ``ftlm.post.chat``) are packed in file order into rows, next-fit: a conversation that
+  template, ``ftlm.data.chat``) are packed in file order into rows, next-fit: a conversation that
   does not fit in what is left of a row starts the next one; the rest is ``<|pad|>`` with mask 0
   and a document id of its own. Every conversation lies in exactly one row, so the cursor over
   rows is a cursor over examples.
@@ -31,7 +31,7 @@ import numpy as np
 
 from ftlm.data.tokenizer import Tokenizer
 from ftlm.errors import DataError
-from ftlm.post.chat import completion_ids, prompt_ids, render
+from ftlm.data.chat import completion_ids, prompt_ids, render
 from ftlm.tasks import Task, generate, read_tasks
 from ftlm.tasks.files import task_record
 

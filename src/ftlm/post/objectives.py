@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ftlm.data.tokenizer import Tokenizer
-from ftlm.post.chat import completion_text, prompt_ids
+from ftlm.data.chat import completion_text, prompt_ids
 from ftlm.post.forward import completion_logprobs, packed_logits, token_logprobs
 from ftlm.post.rollout import sample_groups, sample_seed
 from ftlm.tasks import Task, check

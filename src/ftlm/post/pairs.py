@@ -24,7 +24,7 @@ from pathlib import Path
 from torch import nn
 
 from ftlm.data.tokenizer import Tokenizer
-from ftlm.post.chat import completion_text, prompt_ids
+from ftlm.data.chat import completion_text, prompt_ids
 from ftlm.post.rollout import sample_seed
 from ftlm.tasks import Task, check
 

@@ -3,22 +3,21 @@
 ``build(kind, config)`` turns the ``[post]`` section into an ``Objective`` and a ``TrainData``;
 ``run(kind, config)`` trains one replica group with them, alone or, under ``FTLM_COORDINATOR``
 (``ftlm launch local`` starts groups that way), as a fault-tolerant group of the job, exactly as
-``ftlm train`` does for pretraining; ``launch(kind, config, ...)`` starts the coordinator and the
-groups locally (``ftlm.launch.local`` with ``command=kind``).
+``ftlm train`` does for pretraining.
 
 Not responsible for: the objectives (``ftlm.post.objectives``), data formats (``ftlm.post.data``),
-argument parsing (``ftlm.post.cli``).
+argument parsing or launching a job of several groups (``ftlm.post_cli``).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from ftlm.config import RunConfig
 from ftlm.data.split import split_heldout
 from ftlm.data.tokenizer import Tokenizer
 from ftlm.errors import ConfigError, DataError
@@ -36,6 +35,9 @@ from ftlm.post.forward import check_packing_config
 from ftlm.post.objectives import DPO, GRPO, SFT
 from ftlm.tasks import VERIFIERS
 from ftlm.train.objective import Objective, TrainData
+
+if TYPE_CHECKING:  # the composition root; post-training never imports it (nor, through it, launch)
+    from ftlm.config import RunConfig
 
 KINDS = ("sft", "dpo", "grpo")
 
@@ -175,13 +177,3 @@ def run(kind: str, config: RunConfig) -> dict:
         return summary
     from ftlm.train.job import run_group
     return run_group(config, coordinator, lambda **kw: _trainer(kind, config, **kw))
-
-
-def launch(kind: str, config: RunConfig, groups: int, chaos_mtbf: float = 0.0,
-           chaos_hang: bool = False, chaos_seed: int = 0, ranks_per_group: int = 1) -> dict:
-    """Coordinator + ``groups`` local groups running ``ftlm KIND``, optionally with chaos."""
-    from ftlm.launch.local import LocalLauncher
-    build(kind, config)  # a bad config or file fails here, once, not in every group
-    return LocalLauncher(config, groups=groups, chaos_mtbf=chaos_mtbf, chaos_hang=chaos_hang,
-                         chaos_seed=chaos_seed, ranks_per_group=ranks_per_group,
-                         command=kind).run()

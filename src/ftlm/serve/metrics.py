@@ -2,7 +2,7 @@
 
 Responsible for: the ``ftlm_serve_*`` families (names, types, help texts in ``SERVE_METRICS``)
 and recording what the server and its decode loop report. Conventions as in
-``ftlm.observe.metrics`` (DESIGN.md section 10): ``ftlm_`` names, base units, ``_total``
+``ftlm.observe.metrics`` (docs/design.md, 'Metrics'): ``ftlm_`` names, base units, ``_total``
 counters, and the only label is ``job`` (the served model's name).
 
 Not responsible for: serving them (``GET /metrics`` of ``ftlm.serve.server``) or deciding when to

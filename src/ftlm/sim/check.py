@@ -7,7 +7,6 @@ and the command that replays it. Not responsible for the simulation itself (``ft
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections import Counter
@@ -134,6 +133,3 @@ def replay_command(seed: int, steps: int, config: SimConfig) -> str:
         cmd += f" --bad-links {config.bad_links}"
     return cmd
 
-
-def default_jobs() -> int:
-    return max(1, min(4, os.cpu_count() or 1))

@@ -19,7 +19,8 @@ step even when asked to stop meanwhile, and, recovering, loads an arrived snapsh
 its backlog of buffered updates while its zero contribution to the all-reduce waits (over
 several steps when it is long), reporting the head after the vote of the step it reached it in.
 
-After every event the simulator checks the invariants of DESIGN.md section 3b; a violation stops
+After every event the simulator checks the invariants listed in docs/ft-protocol.md,
+'The simulator'; a violation stops
 the run with the seed and the trace of events that led to it, so ``run(seed)`` replays it
 exactly. Not responsible for: timing or cost at scale (that is the goodput model), nor tensors.
 """

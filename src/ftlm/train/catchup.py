@@ -1,10 +1,10 @@
 """Buffer of averaged gradients that a recovering group replays once its snapshot arrives.
 
-While a restarted group pulls a peer's state of step ``n`` in the background it keeps taking part
-in every all-reduce (with zero gradients) and records what it receives: the averaged gradient of
-each committed step with the step's metadata. Replaying these through the same update function as
-the peers reproduces their state bit for bit (DESIGN.md section 4). The buffer is bounded; when it
-overflows the group drops it and asks for a fresher snapshot.
+While a restarted group pulls a peer's state of step ``n`` in the background it keeps taking part in
+every all-reduce (with zero gradients) and records what it receives: the averaged gradient of each
+committed step with the step's metadata. Replaying these through the same update function as the
+peers reproduces their state bit for bit (docs/design.md, 'Joining and catching up'). The buffer is
+bounded; when it overflows the group drops it and asks for a fresher snapshot.
 
 Once the snapshot is loaded, the group replays the buffered updates a few at a time, while its
 zero contribution to each step's all-reduce waits for the participants' gradients, and keeps

@@ -148,7 +148,8 @@ class CheckpointConfig:
     """Durable checkpoints for whole-job restarts (live recovery needs none)."""
 
     every: int = 0
-    """Save every this many committed steps, and the last step; 0 disables durable checkpoints."""
+    """Save every this many committed steps; 0: no periodic checkpoints. The last step is always
+    saved (``Trainer._save_final``)."""
     keep: int = 2
     """Number of most recent valid checkpoints kept on disk."""
     dir: str = ""

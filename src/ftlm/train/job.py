@@ -1,10 +1,10 @@
 """One replica group as a member of a fault-tolerant job (``FTLM_COORDINATOR`` is set).
 
-Shared by ``ftlm train`` and the post-training commands: read the group's place in the job from
-the environment (DESIGN.md section 10: ``FTLM_GROUP_ID``, ``FTLM_TOKEN``, ``FTLM_INCARNATION``,
-``FTLM_GROUPS``), build the trainer, attach the fault-tolerance manager once the model and data
-are ready, train, and print the ``FTLM_RESULT`` line the supervisor collects final state hashes
-from. Not here: a group on its own (the commands train and report directly), the launchers.
+Shared by ``ftlm train`` and the post-training commands: read the group's place in the job from the
+environment (docs/design.md, 'Environment': ``FTLM_GROUP_ID``, ``FTLM_TOKEN``, ``FTLM_INCARNATION``,
+``FTLM_GROUPS``), build the trainer, attach the fault-tolerance manager once the model and data are
+ready, train, and print the ``FTLM_RESULT`` line the supervisor collects final state hashes from.
+Not here: a group on its own (the commands train and report directly), the launchers.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ two things, injected here:
 * an ``Objective``: the mean loss of a micro-batch of rows (``loss``) and the held-out sums
   (``eval_sums``), plus how many tokens a row accounts for;
 * a ``TrainData``: the tokenizer and the training / held-out ``SampleSource`` whose rows the loader
-  hands out by global position (the exactly-once cursor of DESIGN.md section 7 does not care what
-  a row holds, as long as it is a fixed-shape int64 array).
+  hands out by global position (the exactly-once cursor of docs/design.md, 'Data exactly once', does
+  not care what a row holds, as long as it is a fixed-shape int64 array).
 
 A row is an int64 array of fixed shape per data set: ``[seq_len + 1]`` tokens for language
 modelling; an objective that needs more per row (a loss mask, document ids, a chosen and a rejected

@@ -1,8 +1,8 @@
 """The training loop of one replica group.
 
-Per step (DESIGN.md section 3): ask fault tolerance for this step's plan, train this group's data
-slice (or contribute zeros while recovering), average gradients across groups, and apply the
-update only if the commit vote passes. The trainer owns the model, optimizer, data loader,
+Per step (docs/design.md, 'One training step'): ask fault tolerance for this step's plan, train this
+group's data slice (or contribute zeros while recovering), average gradients across groups, and
+apply the update only if the commit vote passes. The trainer owns the model, optimizer, data loader,
 durable checkpoints and this group's events; it does not know how quorums or transfers work
 (``ftlm.ft``) and is the same code with or without fault tolerance (``NoFaultTolerance``).
 """
@@ -473,7 +473,8 @@ class Trainer:
         gradients: load the peer's snapshot if it arrived, then replay buffered updates until
         the all-reduce completes (at least ``REPLAY_AT_LEAST``), so the catch-up never holds
         the participants up, however large the state. A backlog left over is replayed in the
-        next steps, behind which the new steps' averages are recorded (DESIGN.md section 4)."""
+        next steps, behind which the new steps' averages are recorded (docs/design.md, 'Joining
+        and catching up')."""
         # The buckets in flight write this step's average into these gradients, and the
         # replay needs the parameters' .grad for its own updates: set them aside meanwhile.
         held = [p.grad for p in self.params]

@@ -1,7 +1,9 @@
-"""``ftlm generate`` and ``ftlm serve``: the command lines of the inference engine and server.
+"""``ftlm generate``, ``ftlm serve`` and ``ftlm verifier``: the command lines of the inference
+engine, its server and the verifier.
 
-Not responsible for: generation (``ftlm.infer.engine``), strategies (``ftlm.infer.strategies``)
-or HTTP (``ftlm.serve``); this module parses arguments, loads the model and prints.
+Not responsible for: generation (``ftlm.infer.engine``), strategies (``ftlm.infer.strategies``),
+HTTP (``ftlm.serve``) or training the verifier (``ftlm.post.run``); this module parses arguments,
+loads the model, composes those and prints.
 """
 
 from __future__ import annotations
@@ -42,12 +44,19 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed (sample i of a prompt uses seed+i)")
 
 
+def _load_run(path: str | Path, **kwargs):
+    """A finished run's model (``ftlm.infer.load.load_run``), its config.toml read by the
+    composition root (``ftlm.config``)."""
+    from ftlm.config import load_config
+    from ftlm.infer.load import load_run
+    return load_run(path, read_config=load_config, **kwargs)
+
+
 def _load(args: argparse.Namespace):
     from ftlm.errors import ConfigError
     from ftlm.infer.engine import Engine
-    from ftlm.infer.load import load_run
-    loaded = load_run(args.model, tokenizer=args.tokenizer or None, device=args.device,
-                      dtype=args.dtype)
+    loaded = _load_run(args.model, tokenizer=args.tokenizer or None, device=args.device,
+                       dtype=args.dtype)
     if loaded.tokenizer is None:
         raise ConfigError(f"no tokenizer found for {args.model}: pass --tokenizer tokenizer.json")
     tok = loaded.tokenizer
@@ -192,7 +201,6 @@ def _sample_verifier_data(args: argparse.Namespace, policy_path: str, families: 
     from ftlm.errors import ConfigError
     from ftlm.infer.chat import chat_stop_ids
     from ftlm.infer.engine import Engine
-    from ftlm.infer.load import load_run
     from ftlm.infer.sampling import SamplingParams
     from ftlm.infer.verifier_data import sampled_records
     from ftlm.tasks import generate as generate_tasks
@@ -201,7 +209,7 @@ def _sample_verifier_data(args: argparse.Namespace, policy_path: str, families: 
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
-    policy = load_run(policy_path, device=args.device)
+    policy = _load_run(policy_path, device=args.device)
     if policy.tokenizer is None:
         raise ConfigError(f"no tokenizer found for the policy {policy_path}")
     tok = policy.tokenizer
@@ -224,7 +232,6 @@ def cmd_verifier_train(args: argparse.Namespace) -> int:
     """Sample the policy on train tasks, label by the checkers, then ``ftlm sft`` the verifier."""
     from ftlm.config import load_config
     from ftlm.errors import ConfigError
-    from ftlm.infer.load import load_run
     from ftlm.infer.verifier_data import write_records
     from ftlm.model.counts import param_count
     from ftlm.observe.report import format_summary
@@ -232,7 +239,7 @@ def cmd_verifier_train(args: argparse.Namespace) -> int:
     if args.n < 1:
         raise ConfigError(f"--n={args.n} must be at least 1")
     config = load_config(args.config, args.overrides)
-    policy_cfg = load_run(args.policy, device="cpu").model.cfg
+    policy_cfg = _load_run(args.policy, device="cpu").model.cfg
     small, big = param_count(config.model), param_count(policy_cfg)
     if small >= big and not args.allow_larger:
         raise ConfigError(f"the verifier ({small / 1e6:.2f}M parameters, [model] of {args.config}) "
@@ -273,9 +280,8 @@ def _verifier(path: str, device: str, dtype: str, head: str = ""):
     """A ``Verifier`` over the model of run directory ``path``; with ``head`` (a JSON file of
     ``ftlm verifier head``), an ``OutcomeVerifier`` of that model and head."""
     from ftlm.errors import ConfigError
-    from ftlm.infer.load import load_run
     from ftlm.infer.verifier import Verifier
-    judge = load_run(path, device=device, dtype=dtype)
+    judge = _load_run(path, device=device, dtype=dtype)
     if judge.tokenizer is None:
         raise ConfigError(f"no tokenizer found for the verifier {path}")
     if head:
@@ -292,7 +298,6 @@ def cmd_verifier_head(args: argparse.Namespace) -> int:
     from ftlm.infer import strategies as st
     from ftlm.infer.chat import chat_stop_ids, render_chat
     from ftlm.infer.engine import Engine
-    from ftlm.infer.load import load_run
     from ftlm.infer.outcome import fit_head, likelihood_features, save_head
     from ftlm.infer.sampling import SamplingParams
     from ftlm.infer.verifier_data import check_train_split
@@ -303,8 +308,8 @@ def cmd_verifier_head(args: argparse.Namespace) -> int:
         raise ConfigError(f"--n={args.n} and --samples={args.samples} must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    judge = load_run(args.model, device=args.device)
-    policy = load_run(args.policy, device=args.device)
+    judge = _load_run(args.model, device=args.device)
+    policy = _load_run(args.policy, device=args.device)
     if judge.tokenizer is None or policy.tokenizer is None:
         raise ConfigError(f"no tokenizer found for {args.model if judge.tokenizer is None else args.policy}")
     small, big = param_count(judge.model.cfg), param_count(policy.model.cfg)

@@ -5,7 +5,9 @@
 supervisor, optional chaos), whose groups each run ``ftlm sft CONFIG``. ``dpo`` and ``grpo`` are the
 same. ``ftlm pairs CONFIG --out FILE`` samples preference pairs for DPO from the task suite.
 
-Not responsible for: anything but parsing and printing (``ftlm.post.run``, ``ftlm.post.pairs``).
+Not responsible for: anything but parsing, composing and printing: building and training a
+group (``ftlm.post.run``), sampling pairs (``ftlm.post.pairs``), supervising a job
+(``ftlm.launch.local``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ftlm.config import RunConfig
 
 
 def _config(args: argparse.Namespace):
@@ -25,6 +31,17 @@ def _config(args: argparse.Namespace):
     return config
 
 
+def launch(kind: str, config: RunConfig, groups: int, chaos_mtbf: float = 0.0,
+           chaos_hang: bool = False, chaos_seed: int = 0, ranks_per_group: int = 1) -> dict:
+    """Coordinator + ``groups`` local groups running ``ftlm KIND``, optionally with chaos."""
+    from ftlm.launch.local import LocalLauncher
+    from ftlm.post.run import build
+    build(kind, config)  # a bad config or file fails here, once, not in every group
+    return LocalLauncher(config, groups=groups, chaos_mtbf=chaos_mtbf, chaos_hang=chaos_hang,
+                         chaos_seed=chaos_seed, ranks_per_group=ranks_per_group,
+                         command=kind).run()
+
+
 def cmd_post(args: argparse.Namespace) -> int:
     from ftlm.errors import ConfigError
     from ftlm.observe.report import format_summary
@@ -34,14 +51,14 @@ def cmd_post(args: argparse.Namespace) -> int:
         if os.environ.get("FTLM_COORDINATOR"):
             raise ConfigError("--groups starts a job of its own; a group of a job (FTLM_COORDINATOR "
                               "set) runs without it")
-        summary = run.launch(args.kind, config, args.groups, chaos_mtbf=args.chaos_mtbf,
-                             chaos_hang=args.chaos_hang, chaos_seed=args.chaos_seed,
-                             ranks_per_group=args.ranks_per_group)
+        summary = launch(args.kind, config, args.groups, chaos_mtbf=args.chaos_mtbf,
+                         chaos_hang=args.chaos_hang, chaos_seed=args.chaos_seed,
+                         ranks_per_group=args.ranks_per_group)
         for problem in summary.get("problems", []):
             print(f"ftlm: run failed its checks: {problem}", file=sys.stderr)
         return 1 if summary.get("problems") else 0
-    from ftlm.cli import _init_group
-    _init_group(config)
+    from ftlm.train.group import init_group
+    init_group(config.train, config.ft)
     result = run.run(args.kind, config)
     coordinator = config.ft.coordinator or os.environ.get("FTLM_COORDINATOR", "")
     if not coordinator and int(os.environ.get("RANK", "0")) == 0:

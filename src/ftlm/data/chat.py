@@ -8,6 +8,8 @@ A conversation renders as::
 no text can forge a turn (``ftlm.data.tokenizer``). The mask is 1 on the tokens of every assistant
 turn's content and on its closing ``<|end|>`` (the model learns to answer and to stop), 0 on
 everything else; ``mask[t] = 1`` means token ``t`` is a target, predicted from the tokens before it.
+Post-training learns this template (``ftlm.post.data``) and inference prompts in it
+(``ftlm.infer.chat``), so a fine-tuned model is served exactly as it learnt.
 
 Not responsible for: reading files (``ftlm.post.data``) or sampling (``ftlm.post.rollout``).
 """

@@ -12,7 +12,7 @@ import pytest
 
 
 def _register_hypothesis_profiles() -> None:
-    """Hypothesis settings shared by the property-based and fuzz tests (DESIGN.md section 11).
+    """Hypothesis settings shared by the property-based and fuzz tests (docs/design.md, 'Testing').
 
     * Profile ``ftlm`` (loaded for every test): no per-example deadline, since timings on a loaded
       CI machine mean nothing; failing examples are kept under .pytest_cache (ignored by git)

@@ -78,3 +78,32 @@ def test_allreduce_fails_holds_from_its_step_on(monkeypatch) -> None:
     assert not link.nonfinite(40, 0, 4)
     with pytest.raises(ConfigError, match="no 'hang:' or 'term:'"):
         FaultSchedule.parse("term:allreduce_fails@3")
+
+
+def test_a_point_at_a_step_or_later_fires_the_first_time_it_is_reached_from_that_step_on(monkeypatch) -> None:
+    """``before_allreduce@10+``: a group that started late recovered through step 10 (it never
+    reached the point at step 10) and is killed at the first step after it where it does;
+    ``@10`` alone would never fire there."""
+    sent: list[int] = []
+    monkeypatch.setattr("ftlm.ft.faults.os.kill", lambda pid, sig: sent.append(sig))
+    schedule = FaultSchedule.parse("before_allreduce@10+,hang:before_commit@3+")
+    assert [(p.point, p.step, p.or_later, p.hang) for p in schedule.plans] == [
+        ("before_allreduce", 10, True, False), ("before_commit", 3, True, True)]
+    fired: list[tuple] = []
+    emit = lambda kind, **f: fired.append((f["point"], f["step"]))  # noqa: E731
+    for step in (0, 9, 57, 58):  # recovering at 0 (its committed step), then caught up at 57
+        schedule.maybe_fire("before_allreduce", step, emit)
+    assert fired == [("before_allreduce", 57)] and sent == [signal.SIGKILL]
+    schedule.maybe_fire("before_commit", 3, emit)  # the step itself still counts
+    assert fired[-1] == ("before_commit", 3) and sent[-1] == signal.SIGSTOP
+    exact = FaultSchedule.parse("before_allreduce@10")
+    exact.maybe_fire("before_allreduce", 57, emit)
+    assert not exact.plans[0].fired
+
+
+@pytest.mark.parametrize("text, why", [("before_allreduce@+", "must be an integer"),
+                                       ("nonfinite@5+", "condition, not a moment: no '\\+'"),
+                                       ("allreduce_fails@5+", "condition, not a moment: no '\\+'")])
+def test_a_misplaced_or_later_says_why(text, why) -> None:
+    with pytest.raises(ConfigError, match=why):
+        FaultSchedule.parse(text)

@@ -1,13 +1,15 @@
 """Failure injection at named points of the step protocol, for tests and chaos drills.
 
-A group process started with ``FTLM_FAULT=<point>[@<step>]`` kills itself with SIGKILL (or stops
-itself with SIGSTOP when the point is prefixed ``hang:``) the first time it reaches that point at
-that step (any step when omitted). It writes a ``failure_injected`` event first, so the run can
-account for it. Prefixed ``term:``, the process sends itself SIGTERM there and goes on: a stop
-request (a preemption notice) landing at that moment in that one rank, which is not a failure and
-logs no event (the group's ``member_left`` and ``group_exit`` record the stop). The launcher
-passes one entry per incarnation (``faults={"g1": [...]}``); an entry may list several points
-separated by commas (``slow_serve,before_commit@12``), each firing once.
+A group process started with ``FTLM_FAULT=<point>[@<step>[+]]`` kills itself with SIGKILL (or
+stops itself with SIGSTOP when the point is prefixed ``hang:``) the first time it reaches that
+point at that step (any step when omitted; with ``+``, at that step or the first time after it:
+a group may not reach the point at that very step, as one that started late and was still
+recovering then, and a planned fault must fire). It writes a ``failure_injected`` event first, so
+the run can account for it. Prefixed ``term:``, the process sends itself SIGTERM there and goes
+on: a stop request (a preemption notice) landing at that moment in that one rank, which is not a
+failure and logs no event (the group's ``member_left`` and ``group_exit`` record the stop). The
+launcher passes one entry per incarnation (``faults={"g1": [...]}``); an entry may list several
+points separated by commas (``slow_serve,before_commit@12``), each firing once.
 
 ``slow_serve`` is not a crash but a slow link: the first time the group serves a chunk of state
 it holds the transfer until the group committed ``FTLM_FAULT_STEPS`` more steps (when set; at
@@ -62,6 +64,8 @@ class FaultPlan:
     hang: bool = False
     fired: bool = False
     term: bool = False
+    or_later: bool = False
+    """``@STEP+``: fire at ``step`` or the first time the point is reached at a later step."""
 
     @classmethod
     def parse(cls, text: str) -> FaultPlan | None:
@@ -70,6 +74,8 @@ class FaultPlan:
         hang, term = text.startswith("hang:"), text.startswith("term:")
         body = text[5:] if hang or term else text
         point, _, step = body.partition("@")
+        or_later = step.endswith("+")
+        step = step.removesuffix("+")
         if term and point == "slow_serve":
             raise ConfigError(f"FTLM_FAULT={text!r}: slow_serve is a slow link, not a moment to "
                               "stop at; give 'term:' one of the other points")
@@ -77,21 +83,29 @@ class FaultPlan:
             raise ConfigError(f"FTLM_FAULT={text!r}: {point} is a condition, not a moment: no "
                               "'hang:' or 'term:'" + (", and it needs '@POSITION'"
                                                       if point == "nonfinite_sample" else ""))
+        if point in CONDITIONS and or_later:
+            raise ConfigError(f"FTLM_FAULT={text!r}: {point} is a condition, not a moment: no '+' "
+                              "(a condition holds from its step on already)")
         if point not in POINTS + CONDITIONS:
             raise ConfigError(f"FTLM_FAULT={text!r}: unknown point {point!r}; valid: "
-                              f"{', '.join(POINTS)} (optionally '@STEP', prefix 'hang:' to SIGSTOP, "
+                              f"{', '.join(POINTS)} (optionally '@STEP', or '@STEP+' for that step or "
+                              "the first one after it; prefix 'hang:' to SIGSTOP, "
                               "'term:' to send SIGTERM), or the conditions nonfinite[@STEP], "
                               "nonfinite_sample@POSITION")
         try:
-            return cls(point, int(step) if step else None, hang, term=term)
+            if or_later and not step:
+                raise ValueError
+            return cls(point, int(step) if step else None, hang, term=term, or_later=or_later)
         except ValueError:
             raise ConfigError(f"FTLM_FAULT={text!r}: step must be an integer") from None
 
     def maybe_fire(self, point: str, step: int, emit,
                    committed: Callable[[], int] | None = None) -> None:
-        """Fire if this is the planned point (and step). ``committed`` returns the group's
-        committed step now (``slow_serve`` waits on it)."""
-        if self.fired or point != self.point or (self.step is not None and step != self.step):
+        """Fire if this is the planned point (and step, or a later one with ``or_later``).
+        ``committed`` returns the group's committed step now (``slow_serve`` waits on it)."""
+        if self.fired or point != self.point:
+            return
+        if self.step is not None and (step < self.step if self.or_later else step != self.step):
             return
         self.fired = True
         if point == "slow_serve":

@@ -46,7 +46,7 @@ SECTION = "fault_matrix"
 STEADY = ("before_allreduce", "inside_allreduce", "after_allreduce", "before_commit")
 KINDS = {"kill": "", "hang": "hang:", "stop": "term:"}
 CELL_TIMEOUT_S = 900.0
-FIRST_FAULT = "before_allreduce@10"
+FIRST_FAULT = "before_allreduce@10+"
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def cells() -> list[Cell]:
         for rank in (0, 1):
             key = "g1" if rank == 0 else "g1.r1"
             for point in STEADY:
-                out.append(Cell(point, rank, kind, {key: [f"{prefix}{point}@10"]}))
+                out.append(Cell(point, rank, kind, {key: [f"{prefix}{point}@10+"]}))
             # g1's first incarnation dies at step 10 (its rank 0 is killed); the second one is
             # struck while it catches up.
             recv = ({"g1": [FIRST_FAULT, f"{prefix}during_receive"]} if rank == 0 else

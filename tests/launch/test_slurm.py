@@ -416,10 +416,15 @@ def _results(out: Path, group: str) -> list[dict]:
     return found
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_cancelled_group_is_resubmitted_rejoins_and_replicas_match(tmp_path, tiny_config, slurm):
     steps = 1000
-    config = tiny_config(train={"steps": steps})
+    # The resubmitted g1 must recover from g0, not resume from disk: on a loaded machine g0 may
+    # reach the last step (always made durable) before g1's new job starts, and g1 would then
+    # resume at the final step with nothing to recover. Without resuming it pulls from g0, which
+    # waits for it at the end for up to ft.quorum_timeout.
+    config = tiny_config(train={"steps": steps}, checkpoint={"resume": False},
+                         ft={"quorum_timeout": 180.0, "give_up_seconds": 240.0})
     run_dir = config.run.path
     out = generate(tmp_path, config, groups=2, python=sys.executable, slurm_cpus_per_rank=1,
                    coordinator_port=_port(), watch_interval=1, grace_seconds=30)
@@ -436,7 +441,7 @@ def test_cancelled_group_is_resubmitted_rejoins_and_replicas_match(tmp_path, tin
             lambda: (out / "state" / "g1.jobid").read_text().strip() != first_g1
             and (out / "state" / "g1.jobid").read_text().strip(), 60, "g1 to be resubmitted")
         assert (out / "state" / "g1.restarts").read_text().strip() == "1"
-        assert watcher.wait(timeout=300) == 0, (tmp_path / "watch.log").read_text()
+        assert watcher.wait(timeout=480) == 0, (tmp_path / "watch.log").read_text()
     finally:
         if watcher.poll() is None:
             watcher.send_signal(signal.SIGTERM)

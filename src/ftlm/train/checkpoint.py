@@ -28,7 +28,6 @@ encryption, and live recovery between groups (``ftlm.ft.transport``).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import hmac
 import io
@@ -57,6 +56,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ftlm.errors import CheckpointError
 from ftlm.observe.iostats import timed_io
 from ftlm.train.checkpoint_files import MARKER, checkpoint_dir, valid_checkpoints
+from ftlm.train.model_file import file_lock
 from ftlm.train.checkpoint_files import PREFIX as _PREFIX
 from ftlm.train.state import TrainState
 
@@ -421,22 +421,13 @@ def load_verified(checkpoint: Verified, state_dict: dict[str, Any],
 
 @contextlib.contextmanager
 def _dir_lock(root: Path, held: bool) -> Iterator[None]:
-    """Hold ``root/.save.lock`` (an advisory ``flock``) when ``held``; where the file system has
-    no locks, go on without it (the groups of a job then may write one checkpoint twice, each
-    valid: a save replaces a directory whole only in its writer's own group)."""
+    """Hold ``root/.save.lock`` when ``held`` (``model_file.file_lock``)."""
     if not held:
         yield
         return
     root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root / ".save.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as e:
-            log.warning("cannot lock %s (%s): saving without it", root / ".save.lock", e)
+    with file_lock(root / ".save.lock", "saving"):
         yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 # Verdicts of one rank on one checkpoint; the group acts on the highest any rank reached.

@@ -79,20 +79,28 @@ def install_model(tmp: Path, path: Path, step: int, joined: bool, final_step: in
 
 @contextlib.contextmanager
 def model_lock(run_dir: Path) -> Iterator[None]:
-    """Hold the run directory's model lock (``.model.lock``, an advisory ``flock``): the check of
-    the file in place and its replacement are one step for the groups of the job. Where the
-    file system has no locks the two are done without it (the window is a few ms)."""
+    """Hold the run directory's model lock (``.model.lock``): the check of the file in place and
+    its replacement are one step for the groups of the job."""
+    with file_lock(run_dir / ".model.lock", "writing the model"):
+        yield
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, doing: str) -> Iterator[None]:
+    """Hold an advisory ``flock`` on ``path`` (created when missing) while ``doing``. Where the
+    file system has no locks, ``doing`` goes on without it, with a warning: the groups of a job
+    then may race over the few ms of a check and a rename."""
     try:
-        fd = os.open(run_dir / ".model.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        log.warning("cannot open the model lock in %s (%s): writing the model without it", run_dir, e)
+        log.warning("cannot open the lock %s (%s): %s without it", path, e, doing)
         yield
         return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as e:
-            log.warning("cannot lock %s (%s): writing the model without it", run_dir / ".model.lock", e)
+            log.warning("cannot lock %s (%s): %s without it", path, e, doing)
         yield
     finally:
         os.close(fd)  # releases the lock

@@ -421,3 +421,31 @@ def test_a_sigterm_during_set_up_ends_a_lone_rank_and_is_noted_by_a_rank_of_a_gr
         assert (exits, handler.requested) == (([0], False) if world == "1" else ([], True))
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_relaunched_train_continues_its_record_without_a_gap_across_the_pause(
+        demo_data: Path, tmp_path: Path, monkeypatch) -> None:
+    """The last step is always saved: a second ``ftlm train`` with more steps resumes there and
+    continues the record. Each run marks its start (``run_start``), so the time between the two
+    is neither a gap between commits nor a stall."""
+    import time
+    monkeypatch.delenv("FTLM_COORDINATOR", raising=False)
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY_TOML)
+    run_dir = tmp_path / "run"
+    for steps in (3, 6):
+        code, _, err = _run(["train", str(cfg), "--set", f"train.steps={steps}",
+                             "--set", f"run.dir={run_dir}", "--set", f"data.dir={demo_data}"])
+        assert code == 0, err
+        if steps == 3:
+            time.sleep(3.0)  # the pause between the two runs
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    starts = [e for e in events if e["kind"] == "run_start"]
+    assert [s["resume_from"] for s in starts] == [None, 3]
+    assert sorted(e["step"] for e in events if e["kind"] == "commit") == list(range(6))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["data"]["duplicates"] == 0 and summary["data"]["gaps"] == 0
+    commits = {e["step"]: e["ts"] for e in events if e["kind"] == "commit"}
+    across = commits[3] - commits[2]  # the pause, a process start-up and a checkpoint load
+    assert across >= 3.0
+    assert summary["timeline"]["max_commit_gap_seconds"] < across, summary["timeline"]

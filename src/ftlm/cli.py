@@ -87,9 +87,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         from ftlm.train.run_record import resume_step, set_aside
         with lock_run_dir(config.run.path):
             key = (os.environ.get("FTLM_TOKEN", "") or config.ft.read_token()).encode() or None
-            moved = set_aside(config.run.path, resume_step(config.checkpoint, config.run.path, key))
+            resume = resume_step(config.checkpoint, config.run.path, key)
+            moved = set_aside(config.run.path, resume)
             if moved:
                 print(f"ftlm: {moved}", file=sys.stderr)
+            # Marks where this run begins in a record a relaunch continues, as a launch does: the
+            # time between two runs is neither a stall nor a gap between commits.
+            from ftlm.observe.events import EventLog
+            EventLog(config.run.path / "events.jsonl", group="supervisor").emit(
+                "run_start", step=-1, groups=1, resume_from=resume)
             summary = Trainer.for_run(config).train()
             _leave_group()
             from ftlm.observe.report import format_summary, write_report

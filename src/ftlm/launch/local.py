@@ -611,11 +611,11 @@ class LocalLauncher:
             if not g.running() or g.finished or g.restart_at is not None or g.killed:
                 continue  # (killed: still exiting; the loop reaps and restarts it)
             reason = "" if g.progressed else self._stalled_start(g, now)
-            if not reason and not g.registered:
+            if reason:
+                pass  # stopped while starting: none of the checks below applies
+            elif not g.registered:
                 if self._up_seconds(g.started, now) > ft.startup_timeout:
                     reason = "start-up timeout"
-            elif reason:
-                pass  # stopped while starting: none of the checks below applies
             elif g.left_at is not None:
                 if self._results(g) is not None:  # every rank printed its result: only the exit is left
                     g.exiting_since = g.exiting_since or now

@@ -17,6 +17,12 @@ jobs' events by ``ftlm.observe.summary`` (the baselines' workers log ftlm-format
    durable checkpoint on every failure, as torchrun elastic does).
 
     python -m bench.ft_vs_torchft [--quick] [--parts 1 2 3 4] [--chaos-seconds S] [--no-write]
+    python -m bench.ft_vs_torchft --parts 2 3 4 --repeat 3 --json runs/ft_vs_torchft.jsonl
+    python -m bench.ft_vs_torchft --merge runs/a.jsonl runs/b.jsonl runs/c.jsonl
+
+With ``--repeat N`` every cell is the median over N whole repetitions with its min-max (single
+runs on a shared box move by 2-3x); ``--json`` keeps each repetition's numbers, and ``--merge``
+writes the section from repetitions run separately.
 
 torchft is an optional dependency (``pip install -e '.[bench]'``); without it the torchft columns
 say so and the rest still runs.
@@ -25,12 +31,17 @@ say so and the rest still runs.
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
+import json
+import re
 import sys
 import time
+from pathlib import Path
 
 from bench import ft_overhead
 from bench.baselines import JobResult, Plan, run_ckpt_restart, run_ftlm, run_torchft
-from bench.common import (commits_by_group, ensure_demo, median, section_header, steady, table,
+from bench.common import (BENCHMARKS_MD, command_line, commits_by_group, ensure_demo,
+                          machine_description, median, section_header, steady, table,
                           write_section)
 
 SECTION = "ft_vs_torchft"
@@ -65,7 +76,8 @@ def params_of(model: dict) -> int:
 
 
 # -- 1. steady state -------------------------------------------------------------------------------
-def part1(quick: bool, have_torchft: bool) -> str:
+def part1(quick: bool, have_torchft: bool) -> list[dict]:
+    """Median step seconds of ftlm, torchft (None without it) and DDP, per model."""
     cases = ([ft_overhead.Case("tiny", 8, 12, 4)] if quick else
              [ft_overhead.Case("tiny", 8, 30, 5), ft_overhead.Case("small", 8, 12, 3)])
     rows = []
@@ -73,20 +85,12 @@ def part1(quick: bool, have_torchft: bool) -> str:
         ft = ft_overhead.run_ftlm(case)
         tf = _torchft_steady(case) if have_torchft else None
         ddp = ft_overhead.run_ddp(case)
-        f, d = median(ft.step_seconds), median(ddp.step_seconds)
-        t = median(tf) if tf else None
-        print(f"  steady {case.size}: ftlm {f:.4f} torchft {t} ddp {d:.4f}", flush=True)
-        rows.append([case.size, f"{f:.4f}", f"{t:.4f}" if t else "n/a", f"{d:.4f}",
-                     f"{f / d:.2f}", f"{t / d:.2f}" if t else "n/a",
-                     f"{f / t:.2f}" if t else "n/a"])
-    head = ["model", "ftlm step s", "torchft step s", "DDP step s", "ftlm/DDP", "torchft/DDP",
-            "ftlm/torchft"]
-    steps = ", ".join(f"{c.size}: {c.steps} steps, first {c.warmup} skipped" for c in cases)
-    return ("### 1. Steady-state step time, 2 groups, no failures\n\n"
-            f"One run each, in the order ftlm, torchft, DDP per model ({steps}); batch 8 per "
-            "group, 1 thread per process, `ft.heartbeat_timeout=5` on both FT sides (see the "
-            "ft_overhead section for why). Step s: median over both processes of quorum (DDP: "
-            "batch fetch) to end of the optimizer step.\n\n" + table(head, rows) + "\n")
+        row = {"model": case.size, "steps": case.steps, "warmup": case.warmup,
+               "ftlm": median(ft.step_seconds), "torchft": median(tf) if tf else None,
+               "ddp": median(ddp.step_seconds)}
+        print(f"  steady {case.size}: {row}", flush=True)
+        rows.append(row)
+    return rows
 
 
 def _torchft_steady(case: ft_overhead.Case) -> list[float]:
@@ -134,9 +138,11 @@ def _fault_plan(model: str, batch: int, fault: str, duration: float) -> Plan:
 
 
 def part23(sizes: list[tuple[str, int, int]], signals: list[str], have_torchft: bool,
-           duration: float) -> tuple[str, str]:
-    rows2, rows3 = [], []
+           duration: float) -> list[dict]:
+    """One record per model, signal and system: median step, failure stall, rejoin stall (s)."""
+    rows = []
     for model, batch, at in sizes:
+        params = params_of(model_of(model))
         for sig in signals:
             if sig == "stop" and model != sizes[0][0]:
                 continue  # the hang is measured at the smallest size only
@@ -149,22 +155,10 @@ def part23(sizes: list[tuple[str, int, int]], signals: list[str], have_torchft: 
                 plan.hang_kill_after = plan.ft_value("allreduce_timeout") + 1.0
                 results["torchft"] = _stalls(run_torchft(plan))
             print(f"  stalls {model} {fault}: {results}", flush=True)
-            f, t = results["ftlm"], results.get("torchft")
-            fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
-            row = [model, f"{params_of(model_of(model)) / 1e6:.1f}M", "SIGKILL" if sig == "kill"
-                   else "SIGSTOP", fmt(f["median"]), fmt(f["failure"]),
-                   fmt(t["median"]) if t else "n/a", fmt(t["failure"]) if t else "n/a"]
-            if sig == "kill" and model == sizes[0][0] or sig == "stop":
-                rows2.append(row)
-            if sig == "kill":
-                rows3.append(row[:2] + [fmt(f["median"]), fmt(f["rejoin"]),
-                                        fmt(t["median"]) if t else "n/a",
-                                        fmt(t["rejoin"]) if t else "n/a"])
-    h2 = ["model", "params", "signal", "ftlm median step s", "ftlm stall s", "torchft median "
-          "step s", "torchft stall s"]
-    h3 = ["model", "params", "ftlm median step s", "ftlm rejoin stall s", "torchft median "
-          "step s", "torchft rejoin stall s"]
-    return (table(h2, rows2), table(h3, rows3))
+            for system, r in results.items():
+                rows.append({"model": model, "params": params, "batch": batch, "at": at,
+                             "signal": sig, "system": system, **r})
+    return rows
 
 
 # -- 4. chaos goodput ------------------------------------------------------------------------------
@@ -185,7 +179,8 @@ def _ett(res: JobResult) -> tuple[float, int, int]:
     return s["ett"], s["steps_committed"], s["failures_injected"]
 
 
-def part4(seconds: float, mtbf: float, seed: int, have_torchft: bool) -> tuple[str, list]:
+def part4(seconds: float, mtbf: float, seed: int, have_torchft: bool) -> list[dict]:
+    """ETT, steps committed and failures injected of each system under the same chaos draws."""
     plan = lambda: Plan(model=model_of("tiny"), batch=8, groups=4, chaos_mtbf=mtbf,  # noqa: E731
                         chaos_seed=seed, duration=seconds, ckpt_every=10)
     sides = [("ftlm", run_ftlm)] + ([("torchft", run_torchft)] if have_torchft else []) + [
@@ -194,11 +189,187 @@ def part4(seconds: float, mtbf: float, seed: int, have_torchft: bool) -> tuple[s
     for name, fn in sides:
         ett, steps, fails = _ett(fn(plan()))
         print(f"  chaos {name}: ETT {ett:.3f}, {steps} steps, {fails} failures", flush=True)
-        rows.append([name, f"{ett:.3f}", steps, fails])
-    return table(["system", "ETT", "steps committed", "failures injected"], rows), rows
+        rows.append({"system": name, "ett": ett, "steps": steps, "failures": fails,
+                     "seconds": seconds, "mtbf": mtbf, "seed": seed})
+    return rows
+
+
+# -- several repetitions: medians and their spread -------------------------------------------------
+def cell(values: list[float | None], digits: int = 3) -> str:
+    """The median of one measurement over repetitions, with its min-max when there are several;
+    'n/a' where no repetition measured it (a repetition that did not is counted in brackets)."""
+    got = sorted(v for v in values if v is not None)
+    if not got:
+        return "n/a"
+    text = f"{median(got):.{digits}f}"
+    if len(got) > 1:
+        text += f" ({got[0]:.{digits}f}-{got[-1]:.{digits}f})"
+    if len(got) < len(values):
+        text += f" [{len(values) - len(got)} of {len(values)} n/a]"
+    return text
+
+
+def _ratio(a: list[float | None], b: list[float | None]) -> str:
+    pairs = [x / y for x, y in zip(a, b) if x is not None and y]
+    return cell(pairs, 2) if pairs else "n/a"
+
+
+def _runs_line(reps: list[dict]) -> str:
+    """Which runs a part's table summarises: dates, commands and how many repetitions."""
+    dates = sorted(r["date"] for r in reps)
+    when = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
+    commands = ", ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in reps))
+    n = len(reps)
+    how = "one run" if n == 1 else f"{n} repetitions; each cell the median (min-max) over them"
+    return f"*Measured* {when} by {commands}: {how}.\n\n"
+
+
+def _by(reps: list[dict], part: str, **match) -> list[dict | None]:
+    """For each repetition, its record of ``part`` matching every field of ``match`` (or None)."""
+    return [next((r for r in rep.get(part, []) if all(r.get(k) == v for k, v in match.items())),
+                 None) for rep in reps]
+
+
+def render_part1(reps: list[dict]) -> str:
+    reps = [r for r in reps if r.get("part1")]
+    rows = []
+    for first in reps[0]["part1"]:
+        recs = _by(reps, "part1", model=first["model"])
+        ft, tf, ddp = ([r[k] if r else None for r in recs] for k in ("ftlm", "torchft", "ddp"))
+        rows.append([first["model"], cell(ft, 4), cell(tf, 4), cell(ddp, 4), _ratio(ft, ddp),
+                     _ratio(tf, ddp), _ratio(ft, tf)])
+    steps = ", ".join(f"{r['model']}: {r['steps']} steps, first {r['warmup']} skipped"
+                      for r in reps[0]["part1"])
+    head = ["model", "ftlm step s", "torchft step s", "DDP step s", "ftlm/DDP", "torchft/DDP",
+            "ftlm/torchft"]
+    return ("### 1. Steady-state step time, 2 groups, no failures\n\n" + _runs_line(reps)
+            + f"ftlm, torchft and DDP in turn per model ({steps}); batch 8 per group, 1 thread "
+            "per process, `ft.heartbeat_timeout=5` on both FT sides. Step s: median over both "
+            "processes of quorum (DDP: batch fetch) to end of the optimizer step.\n\n"
+            + table(head, rows) + "\n")
+
+
+def render_part2(reps: list[dict]) -> str:
+    reps = [r for r in reps if r.get("part23")]
+    first = reps[0]["part23"]
+    keys = list(dict.fromkeys((r["model"], r["signal"]) for r in first))
+    rows = []
+    for model, sig in keys:
+        ft = _by(reps, "part23", model=model, signal=sig, system="ftlm")
+        tf = _by(reps, "part23", model=model, signal=sig, system="torchft")
+        params = next(r["params"] for r in first if r["model"] == model)
+        rows.append([model, f"{params / 1e6:.1f}M", "SIGKILL" if sig == "kill" else "SIGSTOP",
+                     cell([r and r["median"] for r in ft]), cell([r and r["failure"] for r in ft]),
+                     cell([r and r["median"] for r in tf]), cell([r and r["failure"] for r in tf])])
+    at = dict.fromkeys((r["model"], r["at"]) for r in first)
+    plan = ", ".join(f"{m}: step {a}" for m, a in at)
+    head = ["model", "params", "signal", "ftlm median step s", "ftlm stall s",
+            "torchft median step s", "torchft stall s"]
+    return ("### 2. Stall of the healthy groups per failure, 3 groups\n\n" + _runs_line(reps)
+            + f"g2 kills or stops itself after the forward pass of the step in the plan ({plan}); "
+            "ftlm and torchft both with a 1 s heartbeat timeout, a 2 s join timeout and a 10 s "
+            "all-reduce (process group) timeout. A stopped ftlm group is killed by the launcher "
+            "once its heartbeat is lost; a stopped torchft worker is killed by the bench "
+            "supervisor 11 s after it stopped (torchft has no hang detector of its own; its peers "
+            "wait for the process-group timeout).\n\n" + table(head, rows) + "\n")
+
+
+def render_part3(reps: list[dict]) -> str:
+    reps = [r for r in reps if r.get("part23")]
+    first = [r for r in reps[0]["part23"] if r["signal"] == "kill"]
+    rows = []
+    for model in dict.fromkeys(r["model"] for r in first):
+        ft = _by(reps, "part23", model=model, signal="kill", system="ftlm")
+        tf = _by(reps, "part23", model=model, signal="kill", system="torchft")
+        params = next(r["params"] for r in first if r["model"] == model)
+        rows.append([model, f"{params / 1e6:.1f}M", cell([r and r["median"] for r in ft]),
+                     cell([r and r["rejoin"] for r in ft]), cell([r and r["median"] for r in tf]),
+                     cell([r and r["rejoin"] for r in tf])])
+    batch = dict.fromkeys((r["model"], r["batch"]) for r in first)
+    batches = ", ".join(f"{m}: {b}" for m, b in batch)
+    head = ["model", "params", "ftlm median step s", "ftlm rejoin stall s",
+            "torchft median step s", "torchft rejoin stall s"]
+    return ("### 3. Stall of the healthy groups per rejoin as the state grows\n\n"
+            + _runs_line(reps)
+            + "The SIGKILL runs of part 2; the restarted g2 rejoins and takes the state "
+            "(parameters and AdamW moments) from a peer; the stall is the one charged to its "
+            f"`recovery_start`. Batches per group: {batches}.\n\n" + table(head, rows) + "\n")
+
+
+def render_part4(reps: list[dict]) -> str:
+    reps = [r for r in reps if r.get("part4")]
+    first = reps[0]["part4"]
+    rows = []
+    for system in [r["system"] for r in first]:
+        recs = _by(reps, "part4", system=system)
+        rows.append([system, cell([r and r["ett"] for r in recs]),
+                     cell([r and r["steps"] for r in recs], 0),
+                     cell([r and r["failures"] for r in recs], 0)])
+    f = first[0]
+    return (f"### 4. Chaos goodput, 4 groups, tiny, SIGKILL every ~{f['mtbf']:g} s "
+            f"(seed {f['seed']}), {f['seconds']:.0f} s per system\n\n" + _runs_line(reps)
+            + "ETT = committed tokens / (window x steady token rate), by `ftlm.observe.summary`, "
+            "over the window from the job's first commit to the end of the run (start-up excluded "
+            "on every side). Checkpoint-restart: one plain DDP job of 4 ranks checkpointing every "
+            "10 steps; any failure kills every rank and the job restarts from the latest "
+            "checkpoint after `ft.restart_delay`.\n\n"
+            + table(["system", "ETT", "steps committed", "failures injected"], rows) + "\n")
+
+
+def render(reps: list[dict]) -> dict[int, str]:
+    """Part number -> its subsection, for the parts these repetitions measured."""
+    out = {}
+    if any(r.get("part1") for r in reps):
+        out[1] = render_part1(reps)
+    if any(r.get("part23") and 2 in r["parts"] for r in reps):
+        out[2] = render_part2([r for r in reps if 2 in r["parts"]])
+    if any(r.get("part23") and 3 in r["parts"] for r in reps):
+        out[3] = render_part3([r for r in reps if 3 in r["parts"]])
+    if any(r.get("part4") for r in reps):
+        out[4] = render_part4(reps)
+    return out
+
+
+def read_reps(paths: list[str]) -> list[dict]:
+    """Repetitions saved by ``--json`` (one JSON object per line), from one or more files."""
+    reps = []
+    for path in paths:
+        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rep = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{path}:{n}: not a JSON line ({e}); --merge takes the files "
+                                 "that --json wrote") from e
+            if not isinstance(rep, dict) or "parts" not in rep:
+                raise SystemExit(f"{path}:{n}: no 'parts' field: not a repetition written by "
+                                 "--json")
+            reps.append(rep)
+    if not reps:
+        raise SystemExit(f"--merge: no repetitions in {', '.join(paths)}")
+    return reps
 
 
 # -- the benchmark ---------------------------------------------------------------------------------
+def measure(args: argparse.Namespace, parts: list[int], sizes: list[tuple[str, int, int]],
+            have_torchft: bool) -> dict:
+    """One repetition of the chosen parts, as a JSON-ready record."""
+    rep: dict = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                 "command": command_line(), "machine": machine_description(), "parts": parts,
+                 "torchft": _torchft_version() if have_torchft else "not measured"}
+    if 1 in parts:
+        rep["part1"] = part1(args.quick, have_torchft)
+    if 2 in parts or 3 in parts:
+        signals = ["kill"] if args.quick else ["kill", "stop"]
+        rep["part23"] = part23(sizes if 3 in parts else sizes[:1], signals, have_torchft,
+                               duration=55.0 if args.quick else 300.0)
+    if 4 in parts:
+        rep["part4"] = part4(args.chaos_seconds or (45.0 if args.quick else 240.0),
+                             args.mtbf or (15.0 if args.quick else 30.0), args.seed, have_torchft)
+    return rep
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.ft_vs_torchft", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -213,100 +384,84 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default=None,
                    help="parts 2 and 3: only these models, e.g. large or tiny,large (default all; "
                         "a written section then has only their rows)")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run the chosen parts N times, one whole repetition after another; each "
+                        "cell is then the median over them with its min-max (default 1)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="append each repetition's measurements to PATH as one JSON line, as it "
+                        "finishes (for --merge)")
+    p.add_argument("--merge", nargs="+", default=None, metavar="PATH",
+                   help="measure nothing: write the section from the repetitions that --json "
+                        "saved in these files (e.g. three separate runs), medians over all")
     p.add_argument("--no-write", action="store_true", help="print, leave BENCHMARKS.md alone")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.repeat < 1:
+        p.error(f"--repeat must be at least 1, got {args.repeat}")
+    if args.merge:
+        reps = read_reps(args.merge)
+        _write(reps, args, "", None, final=True)
+        return 0
     ensure_demo()
     missing = torchft_missing()
     if missing:
         print(f"ft_vs_torchft: {missing}; measuring ftlm and the other baselines only",
               file=sys.stderr, flush=True)
+    parts = sorted(args.parts or ([2] if args.quick else [1, 2, 3, 4]))
+    sizes = ([("tiny", 8, 4)] if args.quick else
+             [("tiny", 8, 8), ("small", 4, 5), ("medium", 2, 4), ("large", 1, 4)])
+    if args.sizes:
+        wanted = args.sizes.split(",")
+        unknown = sorted(set(wanted) - {m for m, _, _ in sizes})
+        if unknown:
+            p.error(f"--sizes: unknown {', '.join(unknown)}; choose from "
+                    f"{', '.join(m for m, _, _ in sizes)}")
+        sizes = [s for s in sizes if s[0] in wanted]
     t0 = time.perf_counter()
-    quick = args.quick
-    chaos_s = args.chaos_seconds or (45.0 if quick else 240.0)
-    mtbf = args.mtbf or (15.0 if quick else 30.0)
-    parts = args.parts or ([2] if quick else [1, 2, 3, 4])
-    body = []
-    if 1 in parts:
-        body.append(part1(quick, not missing))
-        _write(body, args, missing, t0, final=False)
-    if 2 in parts or 3 in parts:
-        sizes = ([("tiny", 8, 4)] if quick else
-                 [("tiny", 8, 8), ("small", 4, 5), ("medium", 2, 4), ("large", 1, 4)])
-        signals = ["kill"] if quick else ["kill", "stop"]
-        if 3 not in parts:
-            sizes = sizes[:1]
-        if args.sizes:
-            wanted = args.sizes.split(",")
-            unknown = sorted(set(wanted) - {m for m, _, _ in sizes})
-            if unknown:
-                p.error(f"--sizes: unknown {', '.join(unknown)}; choose from "
-                        f"{', '.join(m for m, _, _ in sizes)}")
-            sizes = [s for s in sizes if s[0] in wanted]
-        t2, t3 = part23(sizes, signals, not missing, duration=55.0 if quick else 300.0)
-        if 2 in parts:
-            body.append("### 2. Stall of the healthy groups per failure, 3 groups\n\n"
-                        "g2 kills or stops itself after the forward pass of the step in the plan "
-                        f"({', '.join(f'{m}: step {a}' for m, _, a in sizes)}); ftlm and torchft "
-                        "both with a 1 s heartbeat timeout, a 2 s join timeout and a 10 s "
-                        "all-reduce (process group) timeout. A stopped ftlm group is killed by "
-                        "the launcher once its heartbeat is lost; a stopped torchft worker is "
-                        "killed by the bench supervisor 11 s after it stopped (torchft has no "
-                        "hang detector of its own; its peers wait for the process-group "
-                        "timeout).\n\n" + t2 + "\n")
-        if 3 in parts:
-            body.append("### 3. Stall of the healthy groups per rejoin as the state grows\n\n"
-                        "The same SIGKILL runs; the restarted g2 rejoins and takes the state "
-                        "(parameters and AdamW moments) from a peer; the stall is the one "
-                        "charged to its `recovery_start`. Batches per group: "
-                        f"{', '.join(f'{m}: {b}' for m, b, _ in sizes)}.\n\n" + t3 + "\n")
-        _write(body, args, missing, t0, final=False)
-    if 4 in parts:
-        t4, _ = part4(chaos_s, mtbf, args.seed, not missing)
-        body.append(f"### 4. Chaos goodput, 4 groups, tiny, SIGKILL every ~{mtbf:g} s "
-                    f"(seed {args.seed}), {chaos_s:.0f} s per system\n\n"
-                    "ETT = committed tokens / (window x steady token rate), by "
-                    "`ftlm.observe.summary`, over the window from the job's first commit to the "
-                    "end of the run (start-up excluded on every side). Checkpoint-restart: one "
-                    "plain DDP job of 4 ranks checkpointing every 10 steps; any failure kills "
-                    "every rank and the job restarts from the latest checkpoint after "
-                    "`ft.restart_delay`.\n\n" + t4 + "\n")
-    if not body:
-        return 0
-    _write(body, args, missing, t0, final=True)
+    reps: list[dict] = []
+    for i in range(args.repeat):
+        print(f"ft_vs_torchft: repetition {i + 1} of {args.repeat}, parts {parts}", flush=True)
+        reps.append(measure(args, parts, sizes, not missing))
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(reps[-1]) + "\n")
+        # Written after every repetition, so that a run cut short keeps what it finished.
+        _write(reps, args, missing, t0, final=i + 1 == args.repeat)
     return 0
 
 
-def _write(body: list[str], args: argparse.Namespace, missing: str, t0: float,
+def _write(reps: list[dict], args: argparse.Namespace, missing: str, t0: float | None,
            final: bool) -> None:
-    """Print the section and (unless --no-write) rewrite it; called after every part so that a
-    run cut short still leaves the parts it finished."""
+    """Print the section and (unless --no-write) rewrite it, keeping from BENCHMARKS.md the
+    subsections of the parts these repetitions did not measure."""
     flags = (["--quick"] if args.quick else []) + (
-        [f"--parts {' '.join(map(str, args.parts))}"] if args.parts else [])
-    took = f"Took {time.perf_counter() - t0:.0f} s" + ("." if final else " so far (unfinished).")
-    body = _with_earlier_parts(body, args.parts)
-    text = (section_header("ftlm vs torchft vs checkpoint-restart",
-                           "bench.ft_vs_torchft", flags)
-            + f"* torchft: {'not measured: ' + missing if missing else _torchft_version()}\n"
-            + f"* {took}\n\n" + "\n".join(body))
+        [f"--parts {' '.join(map(str, args.parts))}"] if args.parts else []) + (
+        [f"--repeat {args.repeat}"] if args.repeat > 1 else [])
+    if t0 is None:
+        took = f"Merged from {len(reps)} repetition(s) saved by `--json`."
+    else:
+        took = (f"Took {time.perf_counter() - t0:.0f} s"
+                + ("." if final else f" so far ({len(reps)} of {args.repeat} repetitions)."))
+    torchft = "; ".join(dict.fromkeys(r.get("torchft", "unknown") for r in reps))
+    if missing:
+        torchft = f"not measured: {missing}"
+    blocks = _earlier_parts()
+    blocks.update(render(reps))
+    text = (section_header("ftlm vs torchft vs checkpoint-restart", "bench.ft_vs_torchft", flags)
+            + f"* torchft: {torchft}\n"
+            + f"* {took} Each part's subsection names the runs it comes from.\n\n"
+            + "\n".join(blocks[k] for k in sorted(blocks)))
     if final:
         print(text)
     if not args.no_write:
         write_section(SECTION, text)
 
 
-def _with_earlier_parts(body: list[str], parts: list[int] | None) -> list[str]:
-    """With --parts, keep the subsections of the other parts from BENCHMARKS.md, in order."""
-    if not parts:
-        return body
-    import re
-    from bench.common import BENCHMARKS_MD
+def _earlier_parts() -> dict[int, str]:
+    """Part number -> its subsection as BENCHMARKS.md holds it now."""
     text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.is_file() else ""
     m = re.search(rf"<!-- bench:{SECTION} -->(.*?)<!-- /bench:{SECTION} -->", text, re.DOTALL)
-    blocks = {int(b[0]): "### " + b.rstrip() + "\n"
-              for b in (m.group(1).split("\n### ")[1:] if m else []) if b[:1].isdigit()}
-    for b in body:
-        blocks[int(b[4])] = b
-    return [blocks[k] for k in sorted(blocks)]
+    return {int(b[0]): "### " + b.rstrip() + "\n"
+            for b in (m.group(1).split("\n### ")[1:] if m else []) if b[:1].isdigit()}
 
 
 def _torchft_version() -> str:

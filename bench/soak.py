@@ -292,7 +292,11 @@ def render(records: list[dict], settings: Settings, flags: list[str]) -> str:
     passed = sum(r["ok"] for r in records)
     faults = sum(r["kills"] + r["hangs"] + r["coordinator_kills"] + r.get("preemptions", 0)
                  for r in records)
-    title = "Soak: chaos runs of `ftlm launch local`" + (", with preemptions" if settings.preempt else "")
+    # One title per section (settings.section()): BENCHMARKS.md has no heading twice.
+    title = ("Soak: chaos runs of `ftlm launch local`"
+             + (", with preemptions" if settings.preempt else "")
+             + (f", {settings.layout[0]} groups x {settings.layout[1]} rank(s), {settings.steps} "
+                f"steps" if settings.layout else ""))
     preempt = (" `--chaos-preempt` (a third of the groups' failures are SIGTERMs, to every rank or, "
                "one time in three with 2 ranks, to one rank alone: the group must leave gracefully, "
                "exit 0 and come back; a preemption is not a failure to detect)" if settings.preempt else "")

@@ -32,6 +32,8 @@ class Job:
     """The flags of its smoke run (None: it has none)."""
     needs: str = ""
     """What it needs beyond this repository; such a job runs only when named in --only."""
+    gpu_section: str = ""
+    """The section the same command writes instead when it runs on a CUDA machine."""
 
     def command(self, quick: bool = False) -> str:
         flags = self.quick if quick else self.args
@@ -49,7 +51,7 @@ TEST_TIME_SCALING = ("--from-json", "bench/results/test_time_scaling/outcome_add
                      "--note-file", "bench/results/test_time_scaling/note.md")
 
 JOBS = (
-    Job("train_throughput", "train_throughput"),  # on a CUDA machine: train_throughput_gpu
+    Job("train_throughput", "train_throughput", gpu_section="train_throughput_gpu"),
     Job("train_throughput_bf16", "train_throughput", ("--dtype", "bfloat16"),
         ("--quick", "--dtype", "bfloat16")),
     Job("ft_overhead", "ft_overhead", ("--reps", "5")),
@@ -71,7 +73,7 @@ JOBS = (
     Job("serve_impact", "serve_impact"),
     Job("transfer_priority", "transfer_priority", (), None),
     Job("goodput", "goodput", ("--real-runs", "5", "--steps", "400")),
-    Job("inference", "inference"),
+    Job("inference", "inference", gpu_section="inference_gpu"),
     Job("lifecycle", "lifecycle", LIFECYCLE),
     Job("test_time_scaling", "test_time_scaling", TEST_TIME_SCALING),
 )
@@ -96,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for job in JOBS:
             print(f"{job.section}: {job.command(args.quick)}"
-                  + (f"  (needs {job.needs})" if job.needs else ""))
+                  + (f"  (needs {job.needs})" if job.needs else "")
+                  + (f"  (on a CUDA machine: {job.gpu_section})" if job.gpu_section else ""))
         return 0
     chosen = [BENCHMARKS[s] for s in args.only] if args.only else [j for j in JOBS if not j.needs]
     failed = []

@@ -169,6 +169,36 @@ HEADERS = ["point", "rank", "kind", "struck", "fired at step", "wall s", "restar
            "identical", "duplicates", "gaps", "code", "result"]
 
 
+def outcome(r: dict) -> str:
+    """One cell of the section's table: the verdict and what the run took."""
+    if not r["ok"]:
+        return "FAIL: " + "; ".join(r["reasons"])[:200]
+    step = "" if r["fired_at_step"] is None else f"step {r['fired_at_step']}, "
+    rollbacks = f", {r['rollbacks']} rollback(s)" if r["rollbacks"] else ""
+    return f"pass ({step}{r['wall_seconds']:.0f} s, {r['restarts']} restart(s){rollbacks})"
+
+
+def matrix(records: list[dict]) -> str:
+    """The section's table: one row per fault point and rank, one column per kind of fault (a
+    cell's whole record is on the console and in the results file), and the commits they ran."""
+    kinds = [k for k in KINDS if any(r["kind"] == k for r in records)]
+    places = list(dict.fromkeys((r["point"], r["rank"]) for r in records))
+    by = {(r["point"], r["rank"], r["kind"]): r for r in records}
+    rows = []
+    for point, rank in places:
+        struck = dict.fromkeys(by[point, rank, k]["target"] for k in kinds
+                               if (point, rank, k) in by)
+        rows.append([point, rank, ", ".join(struck)]
+                    + [outcome(by[point, rank, k]) if (point, rank, k) in by else "not run"
+                       for k in kinds])
+    codes = "; ".join(
+        f"{k}: {', '.join(sorted({r.get('commit', '?') for r in records if r['kind'] == k}))}"
+        for k in kinds)
+    return (table(["point", "rank", "struck", *kinds], rows)
+            + "\n\nEvery passing cell: 2 identical final hashes, 0 duplicates, 0 gaps. Code run: "
+            + f"{codes}.")
+
+
 def row(r: dict) -> list[object]:
     return [r["point"], r["rank"], r["kind"], r["target"], r["fired_at_step"], r["wall_seconds"],
             r["restarts"], r["rollbacks"], r["identical"], r["duplicates"], r["gaps"],
@@ -225,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
               "`FTLM_FAULT` plans; pass = clean exit, 2 identical hashes, 0 duplicates, 0 gaps, "
               "every step committed, every failure explained and detected, the fault fired.\n"
             + f"* Result: {passed} of {len(records)} cell(s) passed.\n\n"
-            + table(HEADERS, [row(r) for r in records]) + "\n\n" + READING)
+            + matrix(records) + "\n\n" + READING)
     print(body)
     if not args.no_write:
         write_section(SECTION, body)

@@ -103,15 +103,16 @@ def sweeps(models: dict[str, JobModel], days: float, runs: int, names: list[str]
                   "checkpoint-restart": paper_sync(days * DAYS)}
     plot_timeline({k: run(m, 0, record=True) for k, m in comparison.items()},
                   PLOTS / "timeline.png", hours=3.0)
-    lines = ["![timeline](docs/goodput/timeline.png)", ""]
+    # One row per sweep, its points in order: five sweeps in one table (plots in docs/goodput/).
+    rows = []
     for name in names:
         sweep = run_sweep(name, comparison, runs=runs)
         plot_sweep(sweep, PLOTS / f"sweep_{name}.png")
-        rows = [[k] + [_pct(e) for e in etts] for k, etts in sweep.ett.items()]
-        lines += [f"ETT vs {sweep.label}:", "",
-                  table(["job"] + [f"{v:g}" for v in sweep.values], rows), "",
-                  f"![ETT vs {name}](docs/goodput/sweep_{name}.png)", ""]
-    return "\n".join(lines)
+        rows.append([f"{sweep.label}: {' / '.join(f'{v:g}' for v in sweep.values)}"]
+                    + [" / ".join(f"{e * 100:.1f}" for e in sweep.ett[job]) for job in comparison])
+    return ("ETT (%) along each sweep, the other settings as in table 2 (plots: "
+            "`docs/goodput/sweep_*.png`, a 3-hour timeline: `docs/goodput/timeline.png`):\n\n"
+            + table(["sweep", *comparison], rows) + "\n")
 
 
 def real_runs(k: int, steps: int, mtbf: float) -> list[Path]:

@@ -33,6 +33,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -279,13 +280,46 @@ HEADERS = ["seed", "groups x ranks", "wall s", "faults", "group kills", "group h
            "of which non-leader", "at start-up", "coordinator kills", "detected",
            "not injected", "restarts",
            "rollbacks", "final hashes", "duplicates", "gaps", "crashes", "result"]
+"""Of one run's line on the console (``row``)."""
 PREEMPT_HEADERS = ["preemptions", "of which one rank", "preempted exits"]
 """With ``--preempt``: after ``coordinator kills``."""
+SUMMED = ["kills", "hangs", "nonleader_hangs", "at_startup", "coordinator_kills", "detected",
+          "unexplained", "restarts", "rollbacks", "duplicates", "gaps", "crashes"]
+"""The record fields the section's table sums over the runs of a layout, in its column order."""
+PREEMPT_SUMMED = ["preemptions", "one_rank_preemptions", "preempted_exits"]
 
 
 def headers(preempt: bool) -> list[str]:
     at = HEADERS.index("coordinator kills") + 1
     return HEADERS[:at] + (PREEMPT_HEADERS if preempt else []) + HEADERS[at:]
+
+
+def layout_headers(preempt: bool) -> list[str]:
+    at = HEADERS.index("coordinator kills") + 1
+    return (["groups x ranks", "runs", "passed", "median wall s", "faults"] + HEADERS[4:at]
+            + (PREEMPT_HEADERS if preempt else []) + HEADERS[at:13]
+            + ["identical final hashes", "duplicates", "gaps", "crashes"])
+
+
+def layout_rows(records: list[dict], preempt: bool) -> list[list[object]]:
+    """One row per layout: its runs, how many passed, and every count summed over them (a run's
+    own line is on the console and in the results file)."""
+    rows = []
+    for groups, ranks in sorted({(r["groups"], r["ranks"]) for r in records}, reverse=True):
+        runs = [r for r in records if (r["groups"], r["ranks"]) == (groups, ranks)]
+        total = {k: sum(r.get(k, 0) for r in runs) for k in SUMMED + PREEMPT_SUMMED}
+        faults = (total["kills"] + total["hangs"] + total["coordinator_kills"]
+                  + total["preemptions"])
+        at = SUMMED.index("coordinator_kills") + 1
+        counts = ([total[k] for k in SUMMED[:at]]
+                  + ([total[k] for k in PREEMPT_SUMMED] if preempt else [])
+                  + [total[k] for k in SUMMED[at:at + 4]]
+                  + [f"{sum(r['hashes'].startswith('1 distinct') for r in runs)} of {len(runs)}"]
+                  + [total[k] for k in SUMMED[at + 4:]])
+        wall = statistics.median(r["wall_seconds"] for r in runs)
+        rows.append([f"{groups}x{ranks}", len(runs), sum(r["ok"] for r in runs), f"{wall:.0f}",
+                     faults, *counts])
+    return rows
 
 
 def render(records: list[dict], settings: Settings, flags: list[str]) -> str:
@@ -315,8 +349,10 @@ def render(records: list[dict], settings: Settings, flags: list[str]) -> str:
               f"crashed or was taken for hung that chaos did not hit, and every injected "
               f"failure was detected.\n"
             + f"* Result: {passed} of {len(records)} run(s) passed; {faults} faults injected.\n\n"
-            + table(headers(settings.preempt),
-                    [row(r, settings.preempt) for r in sorted(records, key=lambda r: r["seed"])]))
+            + table(layout_headers(settings.preempt), layout_rows(records, settings.preempt))
+            + "".join(f"\n\nSeed {r['seed']} ({r['groups']}x{r['ranks']}) failed: "
+                      + "; ".join(r["reasons"])[:300]
+                      for r in sorted(records, key=lambda r: r["seed"]) if not r["ok"]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -408,8 +408,11 @@ def report(data: dict, note: str, figure: Path) -> str:
     results = summarise(per_seed)
     figure = plot(results, figure,
                   (interval(large["accs"])[0], statistics.fmean(large["flops"])) if large else None)
-    rows = [[name, n, f"{acc:.3f} ± {half:.3f}", f"{flops:.3g}"]
-            for name, per_n in results.items() for n, (acc, half, flops) in sorted(per_n.items())]
+    # One row per strategy, one column per N: a strategy's scaling reads along its row.
+    ns = sorted({n for per_n in results.values() for n in per_n})
+    rows = [[name] + [f"{per_n[n][0]:.3f} ± {per_n[n][1]:.3f} at {per_n[n][2]:.2g}"
+                      if n in per_n else "" for n in ns]
+            for name, per_n in results.items()]
     seconds = meta["seconds"] + (large["seconds"] if large else 0.0)
     body = (section_header("Test-time scaling: accuracy vs N and vs inference FLOPs",
                            "bench.test_time_scaling", [])
@@ -427,8 +430,8 @@ def report(data: dict, note: str, figure: Path) -> str:
                f"task's scores: "
                f"{'; '.join(' / '.join(f'{x:.3f}' for x in auc) for auc in meta['verifier_auc'])}\n"
                if meta.get("verifier_auc") else "")
-            + "\n"
-            + table(["strategy", "N", "accuracy (95% CI)", "FLOPs per task"], rows))
+            + "\nEach cell: accuracy (95% CI) at the inference FLOPs per task of N samples.\n\n"
+            + table(["strategy"] + [f"N = {n}" for n in ns], rows))
     if large:
         big, half = interval(large["accs"])
         body += (f"\n\nMatched inference FLOPs: the larger policy `{large['path']}` with one "

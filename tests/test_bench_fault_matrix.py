@@ -55,3 +55,22 @@ def test_a_stop_cell_is_exercised_by_the_group_leaving_preempted(tmp_path):
              "ok": True, "preempted": True}]
     assert verdict(cell, 0, 50.0, _run_dir(tmp_path, left), 300)["ok"]
     assert not verdict(cell, 0, 50.0, _run_dir(tmp_path, []), 300)["ok"]
+
+
+def test_the_table_has_a_row_per_point_and_rank_and_a_column_per_kind():
+    from bench.fault_matrix import matrix
+
+    def record(point, rank, kind, ok=True, step=10, rollbacks=0):
+        return {"point": point, "rank": rank, "kind": kind, "target": f"g1.r{rank}",
+                "fired_at_step": step, "wall_seconds": 50.4, "restarts": 1,
+                "rollbacks": rollbacks, "commit": "abc1234", "ok": ok,
+                "reasons": [] if ok else ["2 distinct final hashes"]}
+    text = matrix([record("before_commit", 0, "kill"), record("before_commit", 0, "hang"),
+                   record("before_commit", 1, "kill", ok=False),
+                   record("before_commit", 1, "hang", step=None, rollbacks=1)])
+    assert "| point | rank | struck | kill | hang |" in text
+    assert ("| before_commit | 0 | g1.r0 | pass (step 10, 50 s, 1 restart(s)) | "
+            "pass (step 10, 50 s, 1 restart(s)) |") in text
+    assert ("| before_commit | 1 | g1.r1 | FAIL: 2 distinct final hashes | "
+            "pass (50 s, 1 restart(s), 1 rollback(s)) |") in text
+    assert "Code run: kill: abc1234; hang: abc1234." in text

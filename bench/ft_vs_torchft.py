@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import re
 import sys
 import time
@@ -221,7 +222,10 @@ def _runs_line(reps: list[dict]) -> str:
     commands = ", ".join(f"`{c}`" for c in dict.fromkeys(r["command"] for r in reps))
     n = len(reps)
     how = "one run" if n == 1 else f"{n} repetitions; each cell the median (min-max) over them"
-    return f"*Measured* {when} by {commands}: {how}.\n\n"
+    loads = sorted(r["load"] for r in reps if "load" in r)
+    load = (f", load average {loads[0]:.1f}" + (f"-{loads[-1]:.1f}" if len(loads) > 1 else "")
+            + " at the start" if loads else "")
+    return f"*Measured* {when} by {commands}: {how}{load}.\n\n"
 
 
 def _by(reps: list[dict], part: str, **match) -> list[dict | None]:
@@ -357,7 +361,8 @@ def measure(args: argparse.Namespace, parts: list[int], sizes: list[tuple[str, i
     """One repetition of the chosen parts, as a JSON-ready record."""
     rep: dict = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                  "command": command_line(), "machine": machine_description(), "parts": parts,
-                 "torchft": _torchft_version() if have_torchft else "not measured"}
+                 "torchft": _torchft_version() if have_torchft else "not measured",
+                 "load": os.getloadavg()[0]}
     if 1 in parts:
         rep["part1"] = part1(args.quick, have_torchft)
     if 2 in parts or 3 in parts:
@@ -442,12 +447,13 @@ def _write(reps: list[dict], args: argparse.Namespace, missing: str, t0: float |
         took = (f"Took {time.perf_counter() - t0:.0f} s"
                 + ("." if final else f" so far ({len(reps)} of {args.repeat} repetitions)."))
     torchft = "; ".join(dict.fromkeys(r.get("torchft", "unknown") for r in reps))
+    machines = "; ".join(dict.fromkeys(r.get("machine", "unknown") for r in reps))
     if missing:
         torchft = f"not measured: {missing}"
     blocks = _earlier_parts()
     blocks.update(render(reps))
     text = (section_header("ftlm vs torchft vs checkpoint-restart", "bench.ft_vs_torchft", flags)
-            + f"* torchft: {torchft}\n"
+            + f"* Repetitions measured on: {machines}\n* torchft: {torchft}\n"
             + f"* {took} Each part's subsection names the runs it comes from.\n\n"
             + "\n".join(blocks[k] for k in sorted(blocks)))
     if final:

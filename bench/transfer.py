@@ -26,6 +26,16 @@ server process, its CPU seconds are added), which says
 where the time goes on a machine with few cores: the kernel's two copies of every byte (send and
 receive), page faults of the fresh destination buffer, and the digests.
 
+``python -m bench.transfer --formats [--sizes 64,512] [--reps 3] [--baseline-src DIR]`` measures
+instead the wire format's cost: one whole transfer (the source's snapshot and publish, then the
+receiver's fetch with 4 connections and its tensors ready) of a fresh state in a fresh process,
+through the zero-copy path of ``ftlm.ft.framing`` (safetensors layout, written and read in place)
+and through ``safetensors.torch.save`` / ``load`` of the whole file (``save`` makes the file as
+one ``bytes``, which the source serves; the receiver fetches it and ``load`` s it). It gives the
+seconds and the peak memory above the state on each side (``VmHWM``, reset before each side).
+``--baseline-src`` runs the zero-copy path once more with another checkout's ``src`` (an earlier
+wire format) in the same interleaved run.
+
 Not measured here: the healthy groups' step time during a rejoin, which needs whole jobs
 (``python -m bench.ft_vs_torchft --parts 3``).
 """
@@ -34,21 +44,27 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import resource
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
 
-from bench.common import publish, section_header, table
-from ftlm.ft.framing import ChunkTable, chunk_digest
+from bench.common import REPO_ROOT, publish, section_header, table
+from ftlm.ft.framing import ChunkTable, chunk_digest, layout
 from ftlm.ft.serve_process import ProcessSnapshotServer
 from ftlm.ft.snapshot_reserve import SnapshotReserve
-from ftlm.ft.transport import SnapshotServer, fetch_snapshot, snapshot_state
+from ftlm.ft.transport import (
+    Snapshot, SnapshotServer, expected_layout, fetch_snapshot, snapshot_state,
+)
 
 SECTION = "transfer"
 CHUNK = 4 << 20
@@ -223,6 +239,113 @@ def render(out: dict[str, list[tuple[float, float]]], mb: int, reps: int, flags:
             + table(["operation", "seconds", "GB/s", "of loopback", "CPU s"], rows) + "\n")
 
 
+# -- wire formats ---------------------------------------------------------------------------------
+
+FORMAT_PATHS = {
+    "zero_copy": "ftlm.ft.framing: safetensors layout written and read in place",
+    "save_load": "safetensors.torch.save, serve the bytes, fetch, safetensors.torch.load",
+    "baseline": "zero-copy path of --baseline-src (an earlier wire format)",
+}
+
+
+def _memory(field: str) -> int:
+    """Bytes of ``field`` (VmRSS, VmHWM) in /proc/self/status."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) << 10
+    raise RuntimeError(f"{field} is not in /proc/self/status (needs Linux)")
+
+
+def _reset_peak() -> int:
+    """Reset this process's peak RSS (VmHWM) to its RSS now, and return that."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _memory("VmRSS")
+
+
+def format_child(path: str, mb: int) -> dict[str, float]:
+    """One transfer of a fresh ``mb`` MiB state through ``path`` (zero_copy or save_load), in
+    this process: seconds and peak bytes above what was resident before, per side."""
+    n = (mb << 20) // 8
+    state = {"w": torch.randn(n), "m": torch.randn(n)}
+    server = SnapshotServer(chunk_bytes=CHUNK, keep=1)
+    server.start()
+    try:
+        base = _reset_peak()
+        start = time.perf_counter()
+        if path == "save_load":
+            from safetensors.torch import load, save
+            blob = save(state)
+            with warnings.catch_warnings():  # bytes are read-only; nobody writes this view
+                warnings.simplefilter("ignore")
+                file = torch.frombuffer(blob, dtype=torch.uint8)
+            entries, _ = layout({"file": file})
+            server.publish(Snapshot(1, {}, entries, file))
+        else:
+            server.publish(snapshot_state(state, {"step": 1}, 1))
+        source_s, source_peak = time.perf_counter() - start, _memory("VmHWM") - base
+        base = _reset_peak()
+        start = time.perf_counter()
+        if path == "save_load":
+            fetched, _ = fetch_snapshot(server.url, 1, parallel=4, timeout=120)
+            tensors = load(fetched["file"].numpy().tobytes())
+        else:
+            tensors, _ = fetch_snapshot(server.url, 1, parallel=4, timeout=120,
+                                        expected=expected_layout(state))
+        receive_s, receive_peak = time.perf_counter() - start, _memory("VmHWM") - base
+        assert all(torch.equal(tensors[k], state[k]) for k in state)
+    finally:
+        server.stop()
+    return {"source_s": source_s, "receive_s": receive_s, "source_peak": source_peak,
+            "receive_peak": receive_peak}
+
+
+def measure_formats(sizes: list[int], reps: int, baseline_src: str | None
+                    ) -> dict[tuple[str, int], list[dict[str, float]]]:
+    """Each path at each size ``reps`` times, each in a fresh process, interleaved (the order of
+    the paths rotates with each repetition)."""
+    runs = [("zero_copy", str(REPO_ROOT / "src")), ("save_load", str(REPO_ROOT / "src"))]
+    if baseline_src is not None:
+        runs.append(("baseline", baseline_src))
+    out: dict[tuple[str, int], list[dict[str, float]]] = {}
+    for rep in range(reps):
+        for mb in sizes:
+            for key, src in runs[rep % len(runs):] + runs[:rep % len(runs)]:
+                path = "zero_copy" if key == "baseline" else key
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, str(REPO_ROOT)])}
+                done = subprocess.run(
+                    [sys.executable, "-m", "bench.transfer", "--format-child", path, str(mb)],
+                    cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+                if done.returncode != 0:
+                    raise RuntimeError(f"{key} at {mb} MiB failed: {done.stderr[-2000:]}")
+                result = json.loads(done.stdout.splitlines()[-1])
+                out.setdefault((key, mb), []).append(result)
+                print(f"  rep {rep + 1}/{reps} {mb} MiB {key}: {result}", flush=True)
+    return out
+
+
+def render_formats(out: dict[tuple[str, int], list[dict[str, float]]], reps: int,
+                   flags: list[str]) -> str:
+    rows = []
+    for (key, mb), results in out.items():
+        med = {k: statistics.median(r[k] for r in results) for k in results[0]}
+        state = 2 * ((mb << 20) // 8) * 4
+        total = med["source_s"] + med["receive_s"]
+        rows.append([FORMAT_PATHS[key], str(mb), f"{med['source_s']:.3f}",
+                     f"{med['receive_s']:.3f}", f"{state / total / 1e9:.2f}",
+                     f"{med['source_peak'] / state:.2f}", f"{med['receive_peak'] / state:.2f}"])
+    return (section_header("Wire format: zero-copy safetensors layout vs safetensors.torch "
+                           "save/load", "bench.transfer", flags)
+            + f"\nOne transfer of a fresh float32 state (two tensors) in a fresh process, source "
+              f"and receiver in it (fetch: 4 connections, {CHUNK >> 20} MiB chunks); median of "
+              f"{reps} interleaved repetitions. GB/s: state bytes over source plus receive "
+              "seconds. Peak: the most resident memory above what was resident before that "
+              "side started (VmHWM), in multiples of the state's size.\n\n"
+            + table(["path", "MiB", "source s", "receive s", "GB/s", "source peak x",
+                     "receive peak x"], rows) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.transfer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -230,7 +353,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
     p.add_argument("--quick", action="store_true", help="64 MiB, one repetition")
     p.add_argument("--no-write", action="store_true", help="print, leave BENCHMARKS.md alone")
+    p.add_argument("--formats", action="store_true",
+                   help="measure the wire format's cost instead (see above)")
+    p.add_argument("--sizes", default="64,512", help="--formats: state sizes in MiB")
+    p.add_argument("--baseline-src", help="--formats: another checkout's src/ to compare with")
+    p.add_argument("--format-child", nargs=2, metavar=("PATH", "MB"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.format_child:
+        print(json.dumps(format_child(args.format_child[0], int(args.format_child[1]))))
+        return 0
+    if args.formats:
+        try:
+            sizes = [int(x) for x in args.sizes.split(",")]
+        except ValueError:
+            p.error(f"--sizes={args.sizes!r} must be MiB counts separated by commas, e.g. 64,512")
+        if min(sizes) < 1 or args.reps < 1:
+            p.error(f"--sizes={args.sizes} and --reps={args.reps} must be at least 1")
+        flags = ["--formats", f"--sizes {args.sizes}", f"--reps {args.reps}"]
+        body = render_formats(measure_formats(sizes, args.reps, args.baseline_src), args.reps,
+                              flags)
+        return publish("transfer_formats", body, write=not args.no_write)
     mb, reps = (64, 1) if args.quick else (args.mb, args.reps)
     if mb < 1 or reps < 1:
         p.error(f"--mb={mb} and --reps={reps} must be at least 1")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ftlm.ft.framing import (
-    ALIGN, DIGEST, DTYPES, MAX_CHUNKS, ExpectedLayout, FramingError, Header, LayoutMismatch,
+    DIGEST, DTYPES, MAX_CHUNKS, ExpectedLayout, FramingError, Header, LayoutMismatch,
     decode_header, expected_layout, layout, parse_header, tensors_from_buffer,
 )
 
@@ -34,9 +35,10 @@ SMALL_INTS = st.one_of(st.integers(-3, 70), st.sampled_from([2**31, 2**40, 2**48
                                                              2**64, -2**63, 10**30]))
 JSON_SCALARS = st.one_of(st.none(), st.booleans(), SMALL_INTS,
                          st.floats(allow_nan=False, allow_infinity=False),
-                         st.text(max_size=8), st.sampled_from(list(DTYPES) + ["complex64"]))
-HEADER_KEYS = ["step", "meta", "total_bytes", "tensors", "chunk_bytes", "digest",
-               "name", "dtype", "shape", "offset", "nbytes"]
+                         st.text(max_size=8),
+                         st.sampled_from(list(DTYPES) + ["complex64", "float32", "7", "01", "{}"]))
+HEADER_KEYS = ["__metadata__", "step", "meta", "chunk_bytes", "digest", "dtype", "shape",
+               "data_offsets", "w", "b"]
 
 
 def nest(inner: st.SearchStrategy, keys: st.SearchStrategy) -> st.SearchStrategy:
@@ -67,18 +69,34 @@ def state_tensors(spec: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, tor
 def valid_header(spec: dict, step: int, chunks: int) -> dict[str, Any]:
     """The header a SnapshotServer would send for a state of this spec (`chunks` chunks at most).
 
-    Computed in plain Python (the layout rules of framing.layout) to keep each example cheap;
-    the round-trip tests of test_transport.py cover the real layout and hashes.
+    Computed in plain Python (safetensors' layout: larger dtypes first, then by name, no holes)
+    to keep each example cheap; the round-trip tests of test_transport.py cover the real layout
+    and hashes, and its parity with safetensors' own writer.
     """
-    tensors, end = [], 0
+    order = sorted(spec, key=lambda name: (list(DTYPES).index(spec[name][0]), name))
+    offsets, end = {}, 0
+    for name in order:
+        dtype, shape = spec[name]
+        offsets[name] = end
+        end += math.prod(shape) * DTYPES[dtype].itemsize
+    header: dict[str, Any] = {"__metadata__": {
+        "step": str(step), "meta": json.dumps({"step": step, "cursor": [step, 4]}),
+        "chunk_bytes": str(max(1, -(-end // chunks))), "digest": DIGEST}}
     for name, (dtype, shape) in spec.items():
-        offset = -(-end // ALIGN) * ALIGN
         nbytes = math.prod(shape) * DTYPES[dtype].itemsize
-        tensors.append({"name": name, "dtype": dtype, "shape": list(shape), "offset": offset,
-                        "nbytes": nbytes})
-        end = offset + nbytes
-    return {"step": step, "meta": {"step": step, "cursor": [step, 4]}, "total_bytes": end,
-            "tensors": tensors, "chunk_bytes": max(1, -(-end // chunks)), "digest": DIGEST}
+        header[name] = {"dtype": dtype, "shape": list(shape),
+                        "data_offsets": [offsets[name], offsets[name] + nbytes]}
+    return header
+
+
+def framed(body: bytes) -> bytes:
+    """A header answer: the 8-byte little-endian length, then `body`."""
+    return struct.pack("<Q", len(body)) + body
+
+
+def spec_of(header: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {name: (t["dtype"], tuple(t["shape"])) for name, t in header.items()
+            if name != "__metadata__"}
 
 
 VALID_HEADERS = st.builds(valid_header, STATES, st.integers(0, 2**40), st.integers(1, 4))
@@ -107,7 +125,7 @@ def mutate(header: dict, data: st.DataObject) -> dict:
     if action == "delete" and isinstance(parent, dict):
         del parent[key]
     elif action == "nudge" and isinstance(old, int) and not isinstance(old, bool):
-        parent[key] = old + data.draw(st.sampled_from([-1, 1, -old - 1, 2**40, 2**64, ALIGN]))
+        parent[key] = old + data.draw(st.sampled_from([-1, 1, -old - 1, 2**40, 2**64, 8]))
     elif action == "stray" and isinstance(parent, dict):
         parent[data.draw(st.text(max_size=4))] = data.draw(JSON_VALUES)
     else:
@@ -128,11 +146,14 @@ def check_parsed(header: Header, expected: ExpectedLayout | None = None) -> None
         assert all(c.nbytes >= 1 for c in (chunks[0], chunks[-1]))
     else:
         assert header.total_bytes == 0
-    for t in header.tensors:
-        assert 0 <= t.offset and t.offset + t.nbytes <= header.total_bytes
+    end = 0
+    for t in sorted(header.tensors, key=lambda t: (t.offset, t.nbytes)):  # no hole, no overlap
+        assert t.offset == end
         assert t.nbytes == math.prod(t.shape) * DTYPES[t.dtype].itemsize
-    if expected is not None:
-        assert header.total_bytes <= expected.max_total_bytes
+        end += t.nbytes
+    assert end == header.total_bytes
+    if expected is not None:  # the receiver allocates exactly its own state's size
+        assert header.total_bytes == expected.nbytes
         assert {t.name: (t.dtype, t.shape) for t in header.tensors} == dict(expected.tensors)
 
 
@@ -160,16 +181,22 @@ OWN = expected_layout({"w": torch.zeros(2, 3), "step": torch.zeros((), dtype=tor
 # -- fuzz tests --------------------------------------------------------------------------------
 
 
+BIG = {"__metadata__": {"step": "1", "meta": "{}", "chunk_bytes": str(2**40), "digest": DIGEST},
+       "w": {"dtype": "U8", "shape": [2**40], "data_offsets": [0, 2**40]}}
+
+
 @FUZZ
 @given(st.one_of(st.binary(max_size=300),
-                 JSON_VALUES.map(lambda v: json.dumps(v).encode()),
-                 st.integers(0, 100_000).map(lambda n: b"[" * n + b"]" * n),
+                 st.binary(max_size=300).map(framed),
+                 JSON_VALUES.map(lambda v: framed(json.dumps(v).encode())),
+                 st.integers(0, 100_000).map(lambda n: framed(b"[" * n + b"]" * n)),
                  st.sampled_from([b"NaN", b'{"step": Infinity}', b"1e999", b"\xff\xfe{}",
-                                  b'{"a": "\xed\xa0\x80"}', b"9" * 5000])))
-@example(json.dumps({"step": 1, "meta": {}, "total_bytes": 2**40, "tensors": [],
-                     "chunk_bytes": 2**40, "digest": DIGEST}).encode())
-@example(json.dumps({"step": 1, "meta": {}, "total_bytes": 2**29, "tensors": [],
-                     "chunk_bytes": 1, "digest": DIGEST}).encode())
+                                  b'{"a": "\xed\xa0\x80"}', b"9" * 5000, b'{"a":1,"a":2}',
+                                  '{"é": 1}'.encode("utf-16")]).map(framed)))
+@example(framed(json.dumps(BIG).encode()))
+@example(framed(json.dumps({**BIG, "__metadata__": {**BIG["__metadata__"],
+                                                     "chunk_bytes": "1"}}).encode()))
+@example(struct.pack("<Q", 2**64 - 1) + b"{}")
 def test_fuzz_arbitrary_bytes_decode_to_a_header_or_framing_error(data: bytes):
     decode_or_framing_error(data)
     decode_or_framing_error(data, OWN)
@@ -185,8 +212,7 @@ def test_fuzz_arbitrary_json_parses_to_a_header_or_framing_error(obj: Any):
 @FUZZ
 @given(VALID_HEADERS, st.data())
 def test_fuzz_mutated_valid_headers_parse_or_raise_framing_error(header: dict, data):
-    spec = {t["name"]: (t["dtype"], tuple(t["shape"])) for t in header["tensors"]}
-    own = ExpectedLayout(spec)
+    own = ExpectedLayout(spec_of(header))
     assert parse_or_framing_error(header, own) is not None  # the unmutated header is accepted
     mutated = mutate(header, data)
     parse_or_framing_error(mutated)
@@ -200,9 +226,12 @@ EDIT = st.tuples(st.integers(0, 1 << 16), st.sampled_from(["flip", "insert", "de
 
 
 @FUZZ
-@given(VALID_HEADERS, EDIT)
-def test_fuzz_corrupted_encoded_headers_decode_or_raise_framing_error(header: dict, edit):
-    raw = bytearray(json.dumps(header).encode())
+@given(VALID_HEADERS, EDIT, st.booleans())
+def test_fuzz_corrupted_encoded_headers_decode_or_raise_framing_error(header: dict, edit,
+                                                                      reframe: bool):
+    """An edit anywhere in the encoded header, length prefix included; with `reframe`, of the
+    JSON only, the prefix then saying its new length (so the JSON decoder sees the damage)."""
+    raw = bytearray(json.dumps(header).encode() if reframe else framed(json.dumps(header).encode()))
     position, action, piece = edit
     at = position % (len(raw) + 1)
     if action == "flip" and at < len(raw):
@@ -213,9 +242,9 @@ def test_fuzz_corrupted_encoded_headers_decode_or_raise_framing_error(header: di
         del raw[at:at + len(piece)]
     else:
         del raw[at:]
-    decode_or_framing_error(bytes(raw))
-    decode_or_framing_error(bytes(raw), expected_layout(state_tensors(
-        {t["name"]: (t["dtype"], tuple(t["shape"])) for t in header["tensors"]})))
+    data = framed(bytes(raw)) if reframe else bytes(raw)
+    decode_or_framing_error(data)
+    decode_or_framing_error(data, expected_layout(state_tensors(spec_of(header))))
 
 
 @FUZZ
@@ -229,6 +258,7 @@ def test_fuzz_buffers_rebuild_tensors_or_raise_framing_error(header: dict, buffe
         return
     assert [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()] == [
         (t.name, DTYPES[t.dtype], t.shape) for t in parsed.tensors]
+    assert list(tensors) == list(spec_of(header))  # in the sender's order
 
 
 def test_layout_mismatch_is_a_framing_error():
@@ -237,10 +267,14 @@ def test_layout_mismatch_is_a_framing_error():
 
 
 def test_the_fuzzers_valid_header_is_what_a_server_sends():
-    spec = {"w": ("float32", (3, 2)), "m": ("bool", (3,)), "s": ("int64", ())}
+    spec = {"w": ("F32", (3, 2)), "m": ("BOOL", (3,)), "s": ("I64", ()), "h": ("F16", (2,))}
     entries, total = layout(state_tensors(spec))
     header = parse_header(valid_header(spec, step=5, chunks=3))
     assert header.tensors == entries and header.total_bytes == total
     assert len(header.chunks) == 3
-    sent = Header(5, {"step": 5, "cursor": [5, 4]}, total, entries, header.chunk_bytes)
-    assert sent.to_json() == valid_header(spec, step=5, chunks=3)  # what SnapshotServer encodes
+    sent = Header(5, {"step": 5, "cursor": [5, 4]}, total, entries, header.chunk_bytes).encode()
+    assert len(sent) % 8 == 0 and struct.unpack_from("<Q", sent)[0] == len(sent) - 8
+    # What SnapshotServer encodes (the meta as canonical JSON, the key order kept).
+    expected = valid_header(spec, step=5, chunks=3)
+    expected["__metadata__"]["meta"] = '{"cursor":[5,4],"step":5}'
+    assert list(json.loads(sent[8:])) == list(expected) and json.loads(sent[8:]) == expected

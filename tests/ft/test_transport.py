@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ftlm.ft import snapshot_routes, transport
-from ftlm.ft.framing import DTYPES, FramingError, chunk_digest, parse_header
+from ftlm.ft.framing import DTYPES, FramingError, chunk_digest, decode_header, parse_header
 from ftlm.ft.tls import client_context, server_context
 from ftlm.ft.transport import (
     SnapshotServer, TransferError, expected_layout, fetch_snapshot, list_snapshots,
@@ -51,6 +51,21 @@ def mixed_state() -> dict[str, torch.Tensor]:
     }
     assert {t.dtype for t in state.values()} == set(DTYPES.values())
     return state
+
+
+def framed(body: bytes) -> bytes:
+    """A header answer: safetensors' 8-byte little-endian length, then ``body``."""
+    return struct.pack("<Q", len(body)) + body
+
+
+def wire_header(tensors: dict[str, tuple[str, list[int], int, int]], step: int = 7,
+                chunk_bytes: int = 1, meta: str = "{}") -> dict:
+    """A safetensors header as a source sends it: name -> (dtype, shape, begin, end)."""
+    out: dict = {"__metadata__": {"step": str(step), "meta": meta, "chunk_bytes": str(chunk_bytes),
+                                  "digest": "xxh3_128"}}
+    for name, (dtype, shape, begin, end) in tensors.items():
+        out[name] = {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+    return out
 
 
 def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -208,9 +223,9 @@ def test_the_header_is_answered_before_any_digest_and_each_chunk_is_hashed_once(
     snapshot = snapshot_state(state, META, step=7)
     server.publish(snapshot)
     with urllib.request.urlopen(f"{server.url}/v1/snapshot/7/header", timeout=10) as answer:
-        header = json.loads(answer.read())
+        header = decode_header(answer.read())
     assert answer.status == 200 and hashed == []  # nothing hashed to answer the header
-    assert header["chunk_bytes"] == 256 and header["digest"] == "xxh3_128"
+    assert header.chunk_bytes == 256 and header.step == 7 and header.meta == META
     chunks = -(-snapshot.total_bytes // 256)
 
     tensors, _ = fetch_snapshot(server.url, 7, parallel=3, timeout=5)
@@ -243,11 +258,43 @@ def test_snapshot_is_isolated_from_later_mutation(make_server):
     assert state_digest(*snapshot.state()) == expected_digest
 
 
-def test_alignment_padding_is_zeroed_and_an_empty_state_round_trips(make_server):
+def test_the_header_and_chunks_make_a_file_that_safetensors_reads(make_server):
+    from safetensors.torch import load, save
+    state = {name: t.contiguous() for name, t in mixed_state().items()}
+    server = make_server(chunk_bytes=100)
+    snapshot = snapshot_state(state, META, step=7)
+    server.publish(snapshot)
+    with urllib.request.urlopen(f"{server.url}/v1/snapshot/7/header", timeout=10) as answer:
+        header = answer.read()
+    chunks = b"".join(urllib.request.urlopen(f"{server.url}/v1/snapshot/7/chunk/{i}",
+                                             timeout=10).read()
+                      for i in range(-(-snapshot.total_bytes // 100)))
+
+    loaded = load(header + chunks)
+    assert_bitwise_equal({name: loaded[name] for name in state}, state)
+    # The same layout as safetensors' own writer: the data section is byte for byte its own.
+    reference = save(state)
+    assert chunks == reference[8 + struct.unpack_from("<Q", reference)[0]:]
+    assert len(header) % 8 == 0  # the data of the file starts aligned
+
+
+def test_a_header_written_by_safetensors_is_read():
+    from safetensors.torch import save
+    state = {name: t.contiguous() for name, t in mixed_state().items()}
+    raw = save(state, metadata={"step": "7", "meta": json.dumps(META), "chunk_bytes": "64",
+                                "digest": "xxh3_128"})
+    header = decode_header(raw[:8 + struct.unpack_from("<Q", raw)[0]],
+                           expected=expected_layout(state))
+    assert (header.step, header.meta, header.chunk_bytes) == (7, META, 64)
+    assert header.total_bytes == len(raw) - 8 - struct.unpack_from("<Q", raw)[0]
+
+
+def test_tensors_lie_larger_dtypes_first_without_holes_and_an_empty_state_round_trips(
+        make_server):
     snapshot = snapshot_state({"a": torch.full((3,), 255, dtype=torch.uint8),
                                "b": torch.ones(2)}, {}, step=1)
-    assert snapshot.tensors[1].offset == 8
-    assert snapshot.buffer[3:8].tolist() == [0] * 5
+    assert [(t.name, t.offset, t.nbytes) for t in snapshot.tensors] == [("a", 8, 3), ("b", 0, 8)]
+    assert snapshot.total_bytes == 11
     server = make_server()
     server.publish(snapshot)
     server.publish(snapshot_state({}, {"note": "nothing yet"}, step=2))
@@ -323,27 +370,48 @@ def test_snapshot_rejects_meta_that_is_not_json():
 
 
 def _valid_header() -> dict:
-    return {"step": 1, "meta": {}, "total_bytes": 16,
-            "tensors": [{"name": "a", "dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8},
-                        {"name": "b", "dtype": "int64", "shape": [], "offset": 8, "nbytes": 8}],
-            "chunk_bytes": 10, "digest": "xxh3_128"}
+    return wire_header({"a": ("F32", [2], 8, 16), "b": ("I64", [], 0, 8)}, step=1,
+                       chunk_bytes=10)
+
+
+def _tensor(name: str, **fields):
+    return lambda h: h[name].update(fields)
+
+
+def _metadata(**fields):
+    return lambda h: h["__metadata__"].update(fields)
 
 
 @pytest.mark.parametrize("corrupt, problem", [
-    (lambda h: h["tensors"][0].update(dtype="complex64"), "unknown"),
-    (lambda h: h["tensors"][1].update(name="a"), "unique"),
-    (lambda h: h["tensors"][0].update(shape=[3]), "nbytes=8 but shape"),
-    (lambda h: h["tensors"][0].update(shape=[-2]), "shape must be"),
-    (lambda h: h["tensors"][1].update(offset=12), "outside the buffer"),
-    (lambda h: h["tensors"][1].update(offset=4), "overlaps"),
-    (lambda h: h["tensors"][0].update(offset=True), "offset must be an integer"),
-    (lambda h: h.pop("chunk_bytes"), "chunk_bytes must be an integer >= 1"),
-    (lambda h: h.update(chunk_bytes=0), "chunk_bytes must be an integer >= 1"),
-    (lambda h: h.update(total_bytes=2**30, chunk_bytes=1), "more than 16777216 chunks"),
-    (lambda h: h.update(digest="sha256"), "digest must be 'xxh3_128'"),
-    (lambda h: h.pop("digest"), "digest must be 'xxh3_128', got None"),
-    (lambda h: h.update(total_bytes=2**50), "exceeds the limit"),
-    (lambda h: h.update(meta=[]), "meta must be"),
+    (_tensor("a", dtype="complex64"), "unknown"),
+    (_tensor("a", dtype="float32"), "unknown"),  # torch's name, not safetensors'
+    (_tensor("a", shape=[3]), r"hold 8 bytes but shape \[3\] of F32 needs 12"),
+    (_tensor("a", shape=[-2]), "shape must be"),
+    (_tensor("a", data_offsets=[12, 20]), r"leaves a hole: bytes \[8, 12\)"),
+    (_tensor("a", data_offsets=[4, 12]), "overlaps"),
+    (_tensor("a", data_offsets=[True, 8]), "data_offsets must be"),
+    (_tensor("a", data_offsets=[16, 8]), "data_offsets must be"),
+    (_tensor("a", data_offsets=[8]), "data_offsets must be"),
+    (lambda h: h.update(a=[1]), "must be an object"),
+    (lambda h: h.update({"": h.pop("a")}), "name must not be empty"),
+    (lambda h: h.pop("__metadata__"), "__metadata__ must be an object of strings"),
+    (_metadata(chunk_bytes=10), "__metadata__ must be an object of strings"),
+    (lambda h: h["__metadata__"].pop("chunk_bytes"), "chunk_bytes must be a decimal integer >= 1"),
+    (_metadata(chunk_bytes="0"), "chunk_bytes must be a decimal integer >= 1"),
+    (_metadata(chunk_bytes="010"), "chunk_bytes must be a decimal integer >= 1"),
+    (_metadata(chunk_bytes=" 10"), "chunk_bytes must be a decimal integer >= 1"),
+    (_metadata(step="-1"), "step must be a decimal integer >= 0"),
+    (_metadata(step="9" * 30), "step must be a decimal integer >= 0"),
+    (lambda h: h.update(a={"dtype": "F32", "shape": [2**27], "data_offsets": [8, 8 + 2**29]},
+                        __metadata__={**h["__metadata__"], "chunk_bytes": "1"}),
+     "more than 16777216 chunks"),
+    (_metadata(digest="sha256"), "digest must be 'xxh3_128'"),
+    (lambda h: h["__metadata__"].pop("digest"), "digest must be 'xxh3_128', got None"),
+    (_tensor("a", shape=[2**48], data_offsets=[8, 8 + 2**50]), "beyond the limit"),
+    (_metadata(meta="[]"), "meta must hold a JSON object"),
+    (_metadata(meta='{"lr": NaN}'), "NaN, which is not JSON"),
+    (_metadata(meta='{"a": 1, "a": 2}'), "names 'a' twice"),
+    (lambda h: h["__metadata__"].pop("meta"), "has no meta"),
 ])
 def test_header_from_the_network_is_validated_strictly(corrupt, problem):
     parse_header(_valid_header())
@@ -351,6 +419,18 @@ def test_header_from_the_network_is_validated_strictly(corrupt, problem):
     corrupt(header)
     with pytest.raises(FramingError, match=problem):
         parse_header(header)
+
+
+@pytest.mark.parametrize("data, problem", [
+    (b"\x01\x02", "shorter than its 8-byte length prefix"),
+    (struct.pack("<Q", 2**63) + b"{}", "exceeds the limit"),
+    (struct.pack("<Q", 3) + b"{}", "says 3 bytes but 2 follow it"),
+    (framed(b'{"w": {}, "w": {}}'), "names 'w' twice"),
+    (framed('{"é": 1}'.encode("utf-16")), "not valid UTF-8 JSON"),
+])
+def test_an_encoded_header_is_validated_strictly(data, problem):
+    with pytest.raises(FramingError, match=problem):
+        decode_header(data)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned-memory path)")
@@ -409,8 +489,9 @@ class LyingPeer:
 def lying_peer():
     peers: list[LyingPeer] = []
 
-    def make(body: bytes | dict, status: int = 200) -> LyingPeer:
-        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    def make(body: bytes | dict | list, status: int = 200) -> LyingPeer:
+        """A peer answering ``body``: bytes as they are, JSON data as a framed header."""
+        raw = body if isinstance(body, bytes) else framed(json.dumps(body).encode())
         peers.append(LyingPeer(raw, status))
         return peers[-1]
 
@@ -419,12 +500,14 @@ def lying_peer():
         peer.close()
 
 
-def claim(nbytes: int, name: str = "w", step: int = 7) -> dict:
+def claim(nbytes: int, name: str = "w", step: int = 7, dtype: str = "U8",
+          meta: str = "{}") -> dict:
     """A well-formed header for one uint8 tensor of `nbytes` bytes in one chunk."""
-    return {"step": step, "meta": {}, "total_bytes": nbytes,
-            "tensors": [{"name": name, "dtype": "uint8", "shape": [nbytes], "offset": 0,
-                         "nbytes": nbytes}],
-            "chunk_bytes": max(nbytes, 1), "digest": "xxh3_128"}
+    return wire_header({name: (dtype, [nbytes], 0, nbytes)}, step, max(nbytes, 1), meta)
+
+
+def with_tensor(header: dict, name: str, **fields) -> dict:
+    return {**header, name: {**header[name], **fields}}
 
 
 OWN_STATE = {"w": torch.zeros(1000, dtype=torch.uint8)}
@@ -434,7 +517,8 @@ def test_header_claiming_a_tebibyte_hits_the_hard_cap_not_memory_error(lying_pee
     peer = lying_peer(claim(1 << 40))
     assert len(peer.body) < 320  # "a 300-byte header"
 
-    with pytest.raises(TransferError, match=r"total_bytes=1099511627776 exceeds the limit") as e:
+    with pytest.raises(TransferError, match=r"data_offsets end at 1099511627776, beyond the "
+                                            r"limit") as e:
         fetch_snapshot(peer.url, 7, timeout=5, wait_available=0)
     assert peer.url in str(e.value) and "\n" not in str(e.value)
     assert not any("/chunk/" in path for path in peer.paths)
@@ -443,21 +527,23 @@ def test_header_claiming_a_tebibyte_hits_the_hard_cap_not_memory_error(lying_pee
 def test_header_claiming_a_tebibyte_is_refused_by_the_receivers_own_layout(lying_peer):
     peer = lying_peer(claim(1 << 40))
 
-    with pytest.raises(TransferError, match=r"does not match this group's: header.total_bytes="
-                                            r"1099511627776 but this receiver expects at most "
-                                            r"1007 bytes") as e:
+    with pytest.raises(TransferError, match=r"does not match this group's: header\['w'\]: "
+                                            r"tensor 'w' is U8 \[1099511627776\] in the header "
+                                            r"but U8 \[1000\] in this receiver") as e:
         fetch_snapshot(peer.url, 7, timeout=5, wait_available=0,
                        expected=expected_layout(OWN_STATE))
     assert peer.url in str(e.value)
 
 
 @pytest.mark.parametrize("lie, problem", [
-    (claim(1001), r"expects at most 1007 bytes|'w' is uint8 \[1001\]"),  # within padding slack
-    (claim(2000), "expects at most 1007 bytes"),
+    (claim(1001), r"'w' is U8 \[1001\]"),
+    (claim(2000), r"'w' is U8 \[2000\]"),
     (claim(1000, name="v"), "'v' is not part of this receiver's state"),
-    ({**claim(1000), "tensors": [{**claim(1000)["tensors"][0], "dtype": "int8"}]},
-     r"'w' is int8 \[1000\] in the header but uint8 \[1000\] in this receiver"),
-    ({**claim(1000), "tensors": []}, "describes 0 tensors but this receiver expects 1"),
+    (claim(1000, dtype="I8"), r"'w' is I8 \[1000\] in the header but U8 \[1000\] in this receiver"),
+    ({"__metadata__": claim(1000)["__metadata__"]},
+     "describes 0 tensors but this receiver expects 1"),
+    ({**claim(1000), "v": {"dtype": "U8", "shape": [2**40], "data_offsets": [1000, 1000 + 2**40]}},
+     "describes 2 tensors but this receiver expects 1"),
 ])
 def test_a_header_unlike_the_receivers_state_is_refused_before_allocating(
         lying_peer, monkeypatch, lie, problem):
@@ -477,32 +563,38 @@ def _deep(depth: int) -> dict:
     value: object = 0
     for _ in range(depth):
         value = [value]
-    return {**claim(8), "meta": {"deep": value}}
+    return claim(8, meta=json.dumps({"deep": value}))
 
 
 MALFORMED = {
-    "not utf-8": b"\xff\xfe{\x00\x00}",
-    "not json": b"<html>gateway timeout</html>",
-    "NaN": json.dumps({**claim(8), "meta": {"lr": float("nan")}}).encode(),
-    "nested past the decoder": b"[" * 200_000 + b"]" * 200_000,
+    "not framed": b"<html>gateway timeout</html>",
+    "shorter than the length": b"\x08\x00",
+    "length beyond the body": struct.pack("<Q", 100) + b"{}",
+    "length over the limit": struct.pack("<Q", 2**64 - 1) + b"{}",
+    "not utf-8": framed(b"\xff\xfe{\x00\x00}"),
+    "not json": framed(b"<html>gateway timeout</html>"),
+    "NaN": claim(8, meta='{"lr": NaN}'),
+    "nested past the decoder": framed(b"[" * 200_000 + b"]" * 200_000),
     "nested past the meta limit": _deep(500),
-    "int of 5000 digits": b'{"step": ' + b"9" * 5000 + b"}",
+    "int of 5000 digits": framed(b'{"w": {"data_offsets": [0, ' + b"9" * 5000 + b"]}}"),
+    "a key twice": framed(b'{"w": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]}, '
+                          b'"w": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}'),
     "a list": [1, 2, 3],
     "missing fields": {},
-    "missing shape": {**claim(8), "tensors": [{"name": "w", "dtype": "uint8", "offset": 0,
-                                               "nbytes": 8}]},
-    "dtype a list": {**claim(8), "tensors": [{**claim(8)["tensors"][0], "dtype": ["uint8"]}]},
-    "dtype an object": {**claim(8), "tensors": [{**claim(8)["tensors"][0], "dtype": {}}]},
-    "total a string": {**claim(8), "total_bytes": "8"},
-    "negative total": {**claim(8), "total_bytes": -8},
-    "negative chunk size": {**claim(8), "chunk_bytes": -8},
-    "shape overflowing int64": {**claim(0), "tensors": [{**claim(0)["tensors"][0],
-                                                        "shape": [2**70, 0]}]},
-    "shape overflowing strides": {**claim(0), "tensors": [{**claim(0)["tensors"][0],
-                                                          "shape": [2**40, 2**40, 0]}]},
-    "too many dims": {**claim(0), "tensors": [{**claim(0)["tensors"][0], "shape": [0] * 65}]},
-    "chunk size a string": {**claim(8), "chunk_bytes": "8"},
-    "another digest": {**claim(8), "digest": "sha256"},
+    "metadata not strings": {**claim(8), "__metadata__": {**claim(8)["__metadata__"], "step": 7}},
+    "missing shape": {**claim(8), "w": {"dtype": "U8", "data_offsets": [0, 8]}},
+    "dtype a list": with_tensor(claim(8), "w", dtype=["U8"]),
+    "dtype an object": with_tensor(claim(8), "w", dtype={}),
+    "offsets strings": with_tensor(claim(8), "w", data_offsets=["0", "8"]),
+    "negative offsets": with_tensor(claim(8), "w", data_offsets=[-8, 0]),
+    "offsets past int64": with_tensor(claim(8), "w", data_offsets=[2**64, 2**64 + 8]),
+    "negative chunk size": {**claim(8), "__metadata__": {**claim(8)["__metadata__"],
+                                                         "chunk_bytes": "-8"}},
+    "shape overflowing int64": with_tensor(claim(0), "w", shape=[2**70, 0]),
+    "shape overflowing strides": with_tensor(claim(0), "w", shape=[2**40, 2**40, 0]),
+    "too many dims": with_tensor(claim(0), "w", shape=[0] * 65),
+    "another digest": {**claim(8), "__metadata__": {**claim(8)["__metadata__"],
+                                                    "digest": "sha256"}},
     "another step": claim(8, step=8),
 }
 
@@ -531,7 +623,7 @@ def test_malformed_error_answers_raise_transfer_error(lying_peer, status, body):
 
 def test_a_header_larger_than_the_header_limit_is_refused(lying_peer, monkeypatch):
     monkeypatch.setattr(transport, "_MAX_HEADER_BYTES", 1 << 20)
-    peer = lying_peer({**claim(8), "meta": {"pad": "x" * (2 << 20)}})
+    peer = lying_peer(claim(8, meta=json.dumps({"pad": "x" * (2 << 20)})))
     with pytest.raises(TransferError, match="exceeds 1048576 bytes"):
         fetch_snapshot(peer.url, 7, timeout=5, wait_available=0)
 
@@ -551,8 +643,8 @@ def test_the_receivers_own_layout_accepts_the_peers_snapshot(make_server):
     (lambda s: s.update(extra=torch.zeros(1)), "describes 14 tensors but this receiver expects 15"),
     (lambda s: s.pop("empty"), "describes 14 tensors but this receiver expects 13"),
     (lambda s: s.update({"w.float32": torch.zeros(17, 33)}),
-     r"'w.float32' is float32 \[33, 17\] in the header but float32 \[17, 33\]"),
-    (lambda s: s.update({"n.int8": torch.zeros(2, 2, dtype=torch.uint8)}), "'n.int8' is int8"),
+     r"'w.float32' is F32 \[33, 17\] in the header but F32 \[17, 33\]"),
+    (lambda s: s.update({"n.int8": torch.zeros(2, 2, dtype=torch.uint8)}), "'n.int8' is I8"),
 ])
 def test_a_peer_with_another_model_is_refused_before_any_chunk(make_server, change, problem):
     served: list[int] = []
@@ -663,10 +755,7 @@ class BrokenSource:
 
     def header(self) -> bytes:
         n = len(self.PAYLOAD)
-        return json.dumps({"step": 7, "meta": {}, "total_bytes": n, "chunk_bytes": self.CHUNK,
-                           "digest": "xxh3_128",
-                           "tensors": [{"name": "w", "dtype": "uint8", "shape": [n],
-                                        "offset": 0, "nbytes": n}]}).encode()
+        return framed(json.dumps(wire_header({"w": ("U8", [n], 0, n)}, 7, self.CHUNK)).encode())
 
     def _accept(self) -> None:
         while True:
@@ -790,11 +879,12 @@ def test_a_source_that_serves_every_chunk_correctly_round_trips():
 
 
 DYING_SOURCE = r"""
-import json, socket, time
+import json, socket, struct, time
 n = 1 << 20
-header = json.dumps({"step": 7, "meta": {}, "total_bytes": n, "chunk_bytes": n,
-                     "digest": "xxh3_128", "tensors": [{"name": "w", "dtype": "uint8",
-                     "shape": [n], "offset": 0, "nbytes": n}]}).encode()
+header = json.dumps({"__metadata__": {"step": "7", "meta": "{}", "chunk_bytes": str(n),
+                                      "digest": "xxh3_128"},
+                     "w": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}}).encode()
+header = struct.pack("<Q", len(header)) + header
 listener = socket.create_server(("127.0.0.1", 0))
 print(listener.getsockname()[1], flush=True)
 while True:  # the header and the chunks come on separate connections

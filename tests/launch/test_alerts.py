@@ -16,10 +16,9 @@ import pytest
 import yaml
 
 from ftlm.errors import ConfigError
-from ftlm.launch.alerts import AlertBounds, prometheus_rule_groups, rules_file
+from ftlm.launch.alerts import AlertBounds, dump_yaml, prometheus_rule_groups, rules_file
 from ftlm.launch.cluster_config import ClusterConfig
 from ftlm.launch.k8s import build_manifests
-from ftlm.launch.yaml_text import dump_yaml
 from ftlm.observe.metrics import metric_names
 
 PROMETHEUS = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
@@ -74,6 +73,21 @@ def test_kubernetes_prometheus_rule_is_valid_and_selects_the_job(tmp_path, tiny_
                        timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     assert yaml.safe_load(path.read_text())["groups"] == groups
+
+
+@pytest.mark.parametrize("text", [
+    "a script\nof two lines\n", "no final newline\nhere", "two final newlines\n\n",
+    " leading space\nx\n", "trailing space \nx\n", "tab\tand\r\ncarriage return\n",
+    "yes", "true", "null", "0123", "1e3", "", "- dash", "a: colon", "#hash", "{{ $labels.job }}",
+    "ünïcode ✓\n\u2028line separator\n", "\x00\x07 control"])
+def test_yaml_keeps_any_text_exact(text):
+    doc = {"key": text, "list": [text, {"nested": text}], text or "empty": 1}
+    assert yaml.safe_load(dump_yaml(doc)) == doc
+
+
+def test_yaml_keeps_key_order_and_writes_blocks():
+    text = dump_yaml({"z": 1, "a": {"script": "set -e\nrun\n"}, "m": [True, None, 1.5]})
+    assert text == "z: 1\na:\n  script: |\n    set -e\n    run\nm:\n- true\n- null\n- 1.5\n"
 
 
 @pytest.mark.parametrize("field,value", [("ett_ratio", 1.5), ("no_commit_window", "ten"),

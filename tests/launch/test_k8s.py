@@ -191,6 +191,19 @@ def test_regenerating_with_fewer_groups_removes_old_group_files(tmp_path, tiny_c
         "job-g0.yaml", "kustomization.yaml"]
 
 
+def test_written_files_load_back_to_exactly_the_built_objects(tmp_path, tiny_config, monkeypatch):
+    from ftlm.launch import k8s
+    monkeypatch.setattr(k8s.secrets, "token_hex", lambda n: "ab" * n)
+    config = tiny_config()
+    docs = _generate(tmp_path, config, **CLUSTER)
+    built = k8s.build_manifests(config, ClusterConfig(**CLUSTER), config.to_toml(), "ab" * 32,
+                                read_dashboards(tmp_path / "grafana"))
+    built.update(k8s.kustomizations(list(built)))
+    assert docs == built
+    text = (tmp_path / "k8s/base/configmap.yaml").read_text()
+    assert "config.toml: |\n" in text  # a config file reads as a literal block, not one long line
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("groups", 0, "cluster.groups=0"), ("memory", "lots", "cluster.memory"),
     ("name", "Bad_Name", "cluster.name"), ("tolerations", ["x:Sometimes"], "effect"),

@@ -168,7 +168,7 @@ class _Serving:
                 # last view of them (a published entry, a chunk being sent) is gone.
                 data = (memoryview(mmap.mmap(fds[0], total, prot=mmap.PROT_READ)) if total
                         else memoryview(b""))
-                self.routes.add(message["step"], message["header"].encode(), data,
+                self.routes.add(message["step"], message["header"].encode("latin-1"), data,
                                 message["chunks"])
             elif op == "retain":
                 self.routes.retain(set(message["steps"]))

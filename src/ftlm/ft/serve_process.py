@@ -165,15 +165,16 @@ class ProcessSnapshotServer:
 
         Writes one frame and returns: the child maps the snapshot's shared memory when it reads
         the frame (pullers asking before then get 404 and ask again, as before any publish)."""
-        from ftlm.ft.transport import header_json
+        from ftlm.ft.transport import encoded_header
         if self._stopping:
             raise RuntimeError("ProcessSnapshotServer is stopped; publish to a running server")
         if snapshot.shared is None:
             raise ValueError("ProcessSnapshotServer serves snapshots in shared memory: take "
                              "them with snapshot_state(..., shared=True)")
-        header, chunks = header_json(snapshot, self.chunk_bytes)
+        header, chunks = encoded_header(snapshot, self.chunk_bytes)
         with self._lock:
-            self._send({"op": "publish", "step": snapshot.step, "header": header.decode(),
+            # latin-1: the header is bytes (a binary length prefix), carried in a JSON frame.
+            self._send({"op": "publish", "step": snapshot.step, "header": header.decode("latin-1"),
                         "total_bytes": snapshot.total_bytes, "chunks": chunks},
                        fd=snapshot.shared.fd)
             self._steps = sorted({*self._steps, snapshot.step})[-self.keep:]

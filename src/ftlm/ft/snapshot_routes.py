@@ -1,6 +1,6 @@
 """The snapshot endpoints a source serves, whichever process serves them.
 
-`SnapshotRoutes` holds the published snapshots (raw bytes plus the header JSON that describes
+`SnapshotRoutes` holds the published snapshots (raw bytes plus the encoded header that describes
 them) and answers the transfer protocol of `ftlm.ft.transport` over a `BulkHTTPServer`: the job
 token, the routes, the error answers, each chunk's digest computed when it is first served and
 kept, and the throttle. Two servers are built on it: `ftlm.ft.transport.SnapshotServer` serves
@@ -36,7 +36,7 @@ log = logging.getLogger("ftlm.ft.transport")
 @dataclass(eq=False)
 class _Published:
     data: memoryview  # read-only bytes of the whole snapshot; keeps its buffer alive
-    header_json: bytes
+    header: bytes  # the encoded header (ftlm.ft.framing.Header.encode)
     digests: list[str | None]  # per chunk, computed when the chunk is first served
 
 
@@ -100,13 +100,13 @@ class SnapshotRoutes:
         with self._lock:
             return sorted(self._published)
 
-    def add(self, step: int, header_json: bytes, data: memoryview, chunk_count: int) -> None:
-        """Serve `data` (described by `header_json`, cut in `chunk_count` chunks) as the snapshot
+    def add(self, step: int, header: bytes, data: memoryview, chunk_count: int) -> None:
+        """Serve `data` (described by `header`, cut in `chunk_count` chunks) as the snapshot
         of `step`, replacing one of the same step; keep the newest `keep`. Cheap: each chunk's
         digest is computed when that chunk is first served, on the serving thread."""
         if self._http.stopping.is_set():
             raise RuntimeError(f"{type(self).__name__} is stopped; publish to a running server")
-        published = _Published(data, header_json, [None] * chunk_count)
+        published = _Published(data, header, [None] * chunk_count)
         with self._lock:
             self._published[step] = published
             for old in sorted(self._published)[:-self.keep]:
@@ -174,7 +174,7 @@ class SnapshotRoutes:
         found = self._lookup(step_text)
         if isinstance(found, Response):
             return found
-        return Response(200, found[1].header_json)
+        return Response(200, found[1].header, "application/octet-stream")
 
     def _chunk(self, step_text: str, index_text: str) -> Response:
         found = self._lookup(step_text)

@@ -5,15 +5,15 @@ A healthy peer takes a CPU `Snapshot` of its replicated state at a step boundary
 calls `fetch_snapshot`, which downloads the chunks in parallel, verifies every chunk's digest and
 rebuilds the tensors. Bytes travel as described in `ftlm.ft.framing`; nothing is ever unpickled.
 
-The protocol: the header (JSON: tensors, meta, total size, chunk size) is answered as soon as a
-snapshot is published; each chunk's answer is the raw bytes with the chunk's XXH3-128 digest in
-its `X-Ftlm-Digest` header, computed by the source when it first serves that chunk (and kept:
-later pulls are checked against that first digest). So no request waits for a hash of the whole
-state, and a receiver verifies each chunk as it lands, naming the chunk that is corrupt. The
-server writes chunks with `socket.sendall` straight from the snapshot's buffer, one thread per
-connection (`ftlm.ft.bulk_http`), and the receiver reads them with `recv_into` straight into its
-destination buffer: no copy in user space on either side. A snapshot's buffer is never written
-after `snapshot_state` returns, so digests and served bytes are always consistent.
+The protocol: the header (safetensors: the tensors, and in its metadata the step, meta and chunk
+size) is answered as soon as a snapshot is published; each chunk's answer is the raw bytes with the
+chunk's XXH3-128 digest in its `X-Ftlm-Digest` header, computed by the source when it first serves
+that chunk (and kept: later pulls are checked against that first digest). So no request waits for a
+hash of the whole state, and a receiver verifies each chunk as it lands, naming the chunk that is
+corrupt. The server writes chunks with `socket.sendall` straight from the snapshot's buffer, one
+thread per connection (`ftlm.ft.bulk_http`), and the receiver reads them with `recv_into` straight
+into its destination buffer: no copy in user space on either side. A snapshot's buffer is never
+written after `snapshot_state` returns, so digests and served bytes are always consistent.
 
 Two servers answer the same protocol (`ftlm.ft.snapshot_routes`): `SnapshotServer` from threads
 of this process, and `ftlm.ft.serve_process.ProcessSnapshotServer` from a process of its own at
@@ -53,7 +53,7 @@ import torch
 
 from ftlm.errors import FaultError
 from ftlm.ft.framing import (
-    DEFAULT_MAX_TOTAL_BYTES, DIGEST, DIGEST_HEX, MAX_HEADER_BYTES, ChunkEntry, ExpectedLayout,
+    DEFAULT_MAX_TOTAL_BYTES, DIGEST, DIGEST_HEX, MAX_WIRE_HEADER_BYTES, ChunkEntry, ExpectedLayout,
     FramingError, Header, LayoutMismatch, TensorEntry, canonical_json, chunk_digest,
     decode_header, expected_layout, layout, state_digest, tensors_from_buffer,
 )
@@ -68,7 +68,7 @@ __all__ = ["ExpectedLayout", "Snapshot", "SnapshotServer", "TransferError", "def
            "expected_layout", "fetch_snapshot", "list_snapshots", "snapshot_state",
            "state_digest"]
 
-_MAX_HEADER_BYTES = MAX_HEADER_BYTES
+_MAX_HEADER_BYTES = MAX_WIRE_HEADER_BYTES
 log = logging.getLogger(__name__)
 
 
@@ -78,7 +78,8 @@ class TransferError(FaultError):
 
 @dataclass(frozen=True, eq=False)
 class Snapshot:
-    """An immutable CPU copy of replicated state at one step: one flat byte buffer + layout."""
+    """An immutable CPU copy of replicated state at one step: one flat byte buffer + layout
+    (`ftlm.ft.framing.layout`: safetensors' order, no holes)."""
 
     step: int
     meta: dict[str, Any]
@@ -129,10 +130,8 @@ def snapshot_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
     if got is None:
         got = allocate_snapshot_buffer(total, shared=shared, pinned=pinned)
     buffer, memory = got.buffer, got.memory
-    end = 0
+    # The entries cover the buffer without a hole, so no byte of stale process memory is sent.
     for entry, t in zip(entries, tensors.values()):
-        buffer[end:entry.offset].zero_()  # alignment padding: never send stale process memory
-        end = entry.offset + entry.nbytes
         if entry.nbytes == 0:
             continue
         src = t.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -143,12 +142,12 @@ def snapshot_state(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
     return Snapshot(step, meta_copy, entries, buffer, memory)
 
 
-def header_json(snapshot: Snapshot, chunk_bytes: int) -> tuple[bytes, int]:
-    """The header a server answers for `snapshot` cut in chunks of `chunk_bytes`, and how many
-    chunks that makes."""
+def encoded_header(snapshot: Snapshot, chunk_bytes: int) -> tuple[bytes, int]:
+    """The header a server answers for `snapshot` cut in chunks of `chunk_bytes` (safetensors:
+    length prefix and JSON), and how many chunks that makes."""
     header = Header(snapshot.step, snapshot.meta, snapshot.total_bytes, snapshot.tensors,
                     chunk_bytes)
-    return json.dumps(header.to_json()).encode(), len(header.chunks)
+    return header.encode(), len(header.chunks)
 
 
 class SnapshotServer(SnapshotRoutes):
@@ -167,7 +166,7 @@ class SnapshotServer(SnapshotRoutes):
         Cheap: the header names the chunk size only; each chunk's digest is computed when that
         chunk is first served (`chunk_digest`, on the serving thread) and kept for later pulls.
         """
-        header, chunks = header_json(snapshot, self.chunk_bytes)
+        header, chunks = encoded_header(snapshot, self.chunk_bytes)
         self.add(snapshot.step, header, snapshot.view(), chunks)
 
 

@@ -12,6 +12,8 @@ above a rate; effective training time (ETT, the share of wall time spent in comm
 below a bound; the newest durable checkpoint older than a bound (``ftlm_checkpoint_age_seconds``,
 which every rank computes from the checkpoint directory when scraped).
 
+``dump_yaml`` writes these rules and ``ftlm.launch.k8s``'s manifests as YAML (PyYAML).
+
 It only writes rules: it does not evaluate them, and it reads no metric (names come from
 ``ftlm.observe.metrics``, so a rule never refers to a family nobody exports).
 """
@@ -22,9 +24,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
+
 from ftlm.errors import ConfigError
 from ftlm.observe.metrics import metric_names
-from ftlm.launch.yaml_text import dump_yaml
 
 CHECKPOINT_AGE = "ftlm_checkpoint_age_seconds"
 """Seconds since the newest durable checkpoint, as each rank sees its checkpoint directory."""
@@ -124,6 +127,27 @@ def prometheus_rule_groups(bounds: AlertBounds, job: str = "") -> list[dict[str,
              "space (ftlm_run_dir_free_bytes)."),
     ]
     return [{"name": f"ftlm-{job}" if job else "ftlm", "rules": rules}]
+
+
+class _ManifestDumper(yaml.SafeDumper):
+    """``yaml.safe_dump`` that writes multi-line text (a config file, a script) as a ``|`` block."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    # PyYAML falls back to a quoted scalar on its own where a block could not keep the text exact
+    # (trailing spaces on a line, control characters).
+    style = "|" if "\n" in value.rstrip("\n") else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_ManifestDumper.add_representer(str, _represent_str)
+
+
+def dump_yaml(obj: Any) -> str:
+    """One YAML document for ``obj`` (plain data): keys in their order, block style, no line
+    folding (a PromQL expression stays on one line)."""
+    return yaml.dump(obj, Dumper=_ManifestDumper, sort_keys=False, default_flow_style=False,
+                     allow_unicode=True, width=1 << 20)
 
 
 def rules_file(bounds: AlertBounds | None = None, job: str = "") -> str:

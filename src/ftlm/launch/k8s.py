@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from ftlm.config import RunConfig
-from ftlm.launch.alerts import AlertBounds, prometheus_rule_groups
+from ftlm.launch.alerts import AlertBounds, dump_yaml, prometheus_rule_groups
 from ftlm.launch.cluster_config import ClusterConfig
-from ftlm.launch.yaml_text import dump_yaml
 
 CONFIG_DIR = "/etc/ftlm"  # the ConfigMap's mount: config.toml
 TOKEN_DIR = "/var/run/ftlm"  # the Secret's mount: token (the coordinator reads a file)

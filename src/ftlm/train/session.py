@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ftlm import startup_beacon
-from ftlm.errors import ConfigError
+from ftlm.errors import EXIT_RETIRED, ConfigError, RetiredError
 from ftlm.ft.group import TooManyFailures
 from ftlm.ft.history import extend_chain
 from ftlm.ft.protocol import FaultTolerance, NoFaultTolerance, ReloadCheckpoint, StepPlan, StopRequested
@@ -615,15 +615,25 @@ class Session:
         write_summary(self.run_dir / "summary.json", summary)
         return summary
 
+    def abort(self) -> None:
+        """Release what the session holds after an error (no records, no model file, no leave:
+        the job finds this group gone as it finds a crash)."""
+        self._fail()
+        self._release()
+
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 *_: Any) -> None:
         if kind is None:
             self.close()
         elif kind is KeyboardInterrupt and self._phase in ("training", "ended"):
             self.interrupt()
             self.close()
         else:
-            self._fail()
-            self._release()
+            self.abort()
+            if isinstance(error, RetiredError):
+                # The launchers count a group retired by its exit status, not by a message.
+                log.error("%s", error)
+                raise SystemExit(EXIT_RETIRED) from error

@@ -199,7 +199,7 @@ class Trainer:
     def train(self) -> dict:
         """Train until the last step, a stop request or ``train.max_seconds``."""
         session = self.session
-        with session:
+        try:
             if not session.standalone:
                 self._warm_up()
             bar = self._progress()
@@ -217,6 +217,10 @@ class Trainer:
                 bar.close()
                 self.loader.close()
             return session.close()
+        except BaseException:
+            # The command line maps the error to the exit status (a retired group: 3).
+            session.abort()
+            raise
 
     def train_step(self, step: Step) -> bool:
         """Train this rank's rows of ``step`` and commit; True if the step committed."""

@@ -141,7 +141,8 @@ def test_a_hugging_face_causal_lm_trains_through_the_session(tmp_path, monkeypat
 
 # -- groups of a job -----------------------------------------------------------------------------
 
-# Starting a process (importing torch) takes seconds, minutes on a loaded box: bounds are generous.
+# Starting a process (importing torch) takes seconds, minutes on a loaded box: the replacement of
+# the killed group is started with the others and waits, imports done, for the test's go.
 WORKER = r"""
 import os, sys, time
 from pathlib import Path
@@ -150,11 +151,16 @@ from torch import nn
 torch.set_num_threads(1)
 sys.path.insert(0, sys.argv[1])
 from test_session import ROWS, dataset, model
+import ftlm.ft.manager
 from ftlm.train import Session
 
+pace, go = Path(sys.argv[2]), Path(sys.argv[3]) if len(sys.argv) > 3 else None
+deadline = time.monotonic() + 600
+while go is not None and not go.exists():
+    assert time.monotonic() < deadline, "no go within 600 s"
+    time.sleep(0.05)
 x, y = dataset()
 net = model()
-pace = Path(sys.argv[2])
 with Session(net, torch.optim.AdamW(net.parameters()), lr=1e-2, grad_clip=1.0) as session:
     for step in session:
         rows = [p % ROWS for p in step.samples]
@@ -162,20 +168,20 @@ with Session(net, torch.optim.AdamW(net.parameters()), lr=1e-2, grad_clip=1.0) a
         loss.backward()
         session.commit(loss)
         if pace.exists():  # until the test saw the restarted group recover
-            time.sleep(0.05)
+            time.sleep(0.1)
 """
 
 FT = dict(heartbeat_interval=0.05, heartbeat_timeout=1.0, join_timeout=2.0,
-          allreduce_timeout=5.0, quorum_timeout=20.0, groups=3, min_replicas=1)
-STEPS = 300
+          allreduce_timeout=5.0, quorum_timeout=60.0, groups=3, min_replicas=1)
+STEPS = 600
 
 
-def _start(tmp_path: Path, url: str, group: str, fault: str = "") -> subprocess.Popen:
+def _start(tmp_path: Path, url: str, group: str, fault: str = "", go: str = "") -> subprocess.Popen:
     env = dict(os.environ, FTLM_CONFIG=str(tmp_path / "config.toml"), FTLM_COORDINATOR=url,
                FTLM_GROUP_ID=group, FTLM_FAULT=fault, PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(Path(__file__).parent),
-                             str(tmp_path / "pace")], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    args = [str(Path(__file__).parent), str(tmp_path / "pace")] + ([go] if go else [])
+    return subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _wait_for(events: Path, what, timeout: float) -> None:
@@ -187,6 +193,7 @@ def _wait_for(events: Path, what, timeout: float) -> None:
     raise AssertionError(f"not seen in {events} within {timeout} s")
 
 
+@pytest.mark.timeout(900)  # four processes importing torch: minutes on a loaded 2-core box
 def test_three_groups_one_killed_mid_step_and_restarted_end_identical_with_each_sample_once(
         tmp_path) -> None:
     run = tmp_path / "run"
@@ -195,14 +202,16 @@ def test_three_groups_one_killed_mid_step_and_restarted_end_identical_with_each_
         f'[run]\ndir = "{run}"\n[train]\nsteps = {STEPS}\nbatch_size = 8\n[ft]\n{ft_lines}\n')
     (tmp_path / "worker.py").write_text(WORKER)
     (tmp_path / "pace").touch()
+    go = tmp_path / "go"
     coordinator = Coordinator(FTConfig(**FT).coordinator_config())
     coordinator.start()
     procs: list[subprocess.Popen] = []
     try:
         procs = [_start(tmp_path, coordinator.url, f"g{i}", "before_commit@5+" if i == 1 else "")
                  for i in range(3)]
-        assert procs[1].wait(timeout=240) == -9, procs[1].stdout.read()  # killed by its fault
-        procs.append(_start(tmp_path, coordinator.url, "g1"))
+        procs.append(_start(tmp_path, coordinator.url, "g1", go=str(go)))  # g1's replacement
+        assert procs[1].wait(timeout=600) == -9, procs[1].stdout.read()  # killed by its fault
+        go.touch()
         events = run / "events.jsonl"
         _wait_for(events, lambda e: e["kind"] == "recovery_end" and e["group"] == "g1", 240)
         (tmp_path / "pace").unlink()

@@ -159,7 +159,7 @@ class Session:
             coordinator = config.ft.coordinator or os.environ.get("FTLM_COORDINATOR", "")
         # Alone: no coordinator, so no catch-up budget to check and no buckets from hooks.
         self.standalone = not coordinator if standalone is None else standalone
-        self.group, self.groups = os.environ.get("FTLM_GROUP_ID", "g0") if coordinator else "g0", 1
+        self.group, self.groups = "g0", 1
         if coordinator:
             member = join_job(config, coordinator, self.device, self.rank, metrics)
             self.group, self.groups, ft, metrics = member.group, member.groups, member.ft, member.metrics
@@ -421,7 +421,7 @@ class Session:
             loss = torch.tensor(float(loss), device=self.device)
         try:
             return self._finish_step(plan, loss.detach().float().reshape(()), t0)
-        except BaseException:
+        except Exception:  # (Ctrl-C is the caller's: ``interrupt``, then ``close``)
             self._fail()
             raise
 

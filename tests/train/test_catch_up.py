@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import torch
 
 from ftlm.ft.history import GENESIS, extend_chain
-from ftlm.ft.protocol import NoFaultTolerance, Recovered, StepPlan
+from ftlm.ft.protocol import NoFaultTolerance, Recovered, StepPlan, StopRequested
 from ftlm.train.trainer import Trainer
 
 STEPS = 9
@@ -26,9 +26,11 @@ class Recording(NoFaultTolerance):
         super().__init__()
         self.grads: dict[int, list[torch.Tensor]] = {}
         self.snapshots: dict[int, tuple[dict, dict]] = {}
+        self.chains: dict[int, str] = {}
         self.step = 0
 
     def start_step(self, step, chain, snapshot):
+        self.chains[step] = chain
         tensors, meta = snapshot()
         self.snapshots[step] = ({k: v.clone() for k, v in tensors.items()}, copy.deepcopy(meta))
         self.step = step
@@ -108,22 +110,18 @@ class Recovering(NoFaultTolerance):
 def _source(tiny_config, tmp_path) -> tuple[Trainer, Recording, dict[int, str]]:
     source_ft = Recording()
     source = Trainer.for_run(tiny_config(tmp_path / "source", train={"steps": STEPS}), ft=source_ft)
-    chains = {}
-    for _ in range(STEPS):
-        chains[source.state.step] = source.state.chain
-        source.step()
+    source.train()
+    chains = dict(source_ft.chains)
     chains[source.state.step] = source.state.chain
     return source, source_ft, chains
 
 
 def _catch_up(tiny_config, tmp_path, source: Trainer, ft: "Recovering") -> Trainer:
     joiner = Trainer.for_run(tiny_config(tmp_path / "joiner", train={"steps": STEPS}), ft=ft)
-    while joiner.state.step < STEPS:
-        joiner.step()
+    joiner.train()  # recovering steps run inside the session's next(); then it trains
     assert joiner.state_hash() == source.state_hash()
     assert (joiner.state.step, joiner.state.cursor, joiner.state.chain) == (
         source.state.step, source.state.cursor, source.state.chain)
-    joiner.loader.close()
     return joiner
 
 
@@ -143,7 +141,6 @@ def test_a_recovering_group_catches_up_while_its_all_reduce_waits_and_ends_with_
     # It asks for its next quorum right after its vote, as a participant does, with the state
     # the step leaves: before, in step 2, its own (fresh) state; here the head's successor.
     assert ft.asked[:2] == [(0, GENESIS), (4, chains[4])]
-    source.loader.close()
 
 
 def test_a_long_backlog_is_replayed_over_several_steps_without_holding_the_peers_up(
@@ -156,7 +153,6 @@ def test_a_long_backlog_is_replayed_over_several_steps_without_holding_the_peers
     _catch_up(tiny_config, tmp_path, source, ft)
     assert "caught_up 8" in ft.calls  # 1..4 buffered; at 5 replays 1,2; at 6: 3,4; at 7: 5,6
     assert ft.calls.count("poll") == 5  # at steps 1 to 5, until it arrived; never after
-    source.loader.close()
 
 
 def test_the_backlog_is_replayed_for_as_long_as_the_peers_compute(tiny_config, tmp_path) -> None:
@@ -164,20 +160,30 @@ def test_the_backlog_is_replayed_for_as_long_as_the_peers_compute(tiny_config, t
     ft = Recovering(source_ft, chains, snapshot_step=1, transfer_steps=4, peers_busy_for=3)
     _catch_up(tiny_config, tmp_path, source, ft)
     assert "caught_up 6" in ft.calls  # at 5: replays 1..4 (3 while busy, then the minimum)
-    source.loader.close()
 
 
 def test_an_overflowing_backlog_restarts_the_recovery_naming_the_limit_it_exceeded(
         tiny_config, tmp_path) -> None:
     source, source_ft, chains = _source(tiny_config, tmp_path)
     step_bytes = sum(p.numel() * p.element_size() for p in source.params)
-    ft = Recovering(source_ft, chains, snapshot_step=1, transfer_steps=6)
+    ft = StoppedAfter(3, source_ft, chains, snapshot_step=1, transfer_steps=6)
     reasons: list[str] = []
     ft.restart_recovery = reasons.append
     joiner = Trainer.for_run(tiny_config(tmp_path / "joiner", train={"steps": STEPS},
                                          ft={"catchup_max_bytes": 2 * step_bytes}), ft=ft)
-    for _ in range(3):  # three buffered steps: one more than the bytes allow
-        joiner.step()
+    joiner.train()  # three buffered steps: one more than the bytes allow
     assert len(reasons) == 1 and "ft.catchup_max_bytes" in reasons[0], reasons
-    joiner.loader.close()
-    source.loader.close()
+
+
+class StoppedAfter(Recovering):
+    """``Recovering``, stopped (SIGTERM) while it waits for the quorum after ``steps`` steps."""
+
+    def __init__(self, steps: int, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.left = steps
+
+    def start_step(self, step, chain, snapshot):
+        if not self.left:
+            raise StopRequested("stopped by the test")
+        self.left -= 1
+        return super().start_step(step, chain, snapshot)

@@ -467,14 +467,15 @@ def test_a_failed_periodic_save_is_recorded_and_training_goes_on(
 
 def _stopped_after(trainer: Trainer, step: int) -> Trainer:
     """``trainer`` with a stop request (the SIGTERM handler) right after its ``step``-th commit."""
-    step_once = trainer.step
+    step_once = trainer.train_step
 
-    def step_then_stop() -> None:
-        step_once()
+    def step_then_stop(this) -> bool:
+        ok = step_once(this)
         if trainer.state.step == step:
             trainer.request_stop()
+        return ok
 
-    trainer.step = step_then_stop
+    trainer.train_step = step_then_stop
     return trainer
 
 
@@ -569,14 +570,15 @@ def test_ctrl_c_saves_nothing_on_the_way_out(make_tiny_config, tmp_path: Path) -
     config = make_tiny_config(tmp_path / "run", train={"steps": 10, "warmup_steps": 3},
                               checkpoint={"every": 4, "keep": 2})
     trainer = Trainer.for_run(config)
-    step_once = trainer.step
+    step_once = trainer.train_step
 
-    def step_then_interrupt() -> None:
-        step_once()
+    def step_then_interrupt(step) -> bool:
+        ok = step_once(step)
         if trainer.state.step == 6:
             raise KeyboardInterrupt
+        return ok
 
-    trainer.step = step_then_interrupt
+    trainer.train_step = step_then_interrupt
     trainer.train()
     assert trainer.state.step == 6
     assert _steps_on_disk(trainer.run_dir / "checkpoints") == ["step-00000004"]

@@ -23,6 +23,12 @@ from ftlm.observe.metrics import TrainingMetrics
 from ftlm.train.evaluate import Evaluator, NoEvaluation
 from ftlm.train.trainer import Trainer
 
+
+def advance(trainer: Trainer) -> bool:
+    """One step through the trainer's session, as its loop takes it (``next``, then train and
+    commit); True if it committed."""
+    return trainer.train_step(next(trainer.session))
+
 BATCH, SEQ = 4, 64
 
 
@@ -48,7 +54,7 @@ def test_loss_is_the_mean_cross_entropy_over_the_first_heldout_batches(tiny_conf
 def test_evaluation_changes_no_state_no_rng_and_no_mode(tiny_config) -> None:
     trainer = Trainer.for_run(tiny_config(train={"steps": 6, "eval_every": 3}))
     for _ in range(3):
-        trainer.step()  # a trained model, optimizer state and cursor, not just the initial ones
+        advance(trainer)  # a trained model, optimizer state and cursor, not just the initial ones
     try:
         before = trainer.state_hash()
         rng = torch.get_rng_state()

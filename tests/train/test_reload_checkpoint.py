@@ -41,24 +41,23 @@ def _events(run_dir, kind: str) -> list[dict]:
 
 def test_a_group_behind_loads_the_newest_checkpoint_then_asks_with_it(tiny_config, tmp_path) -> None:
     ckpt = {"every": 2, "keep": 3, "dir": str(tmp_path / "shared"), "async_save": False}
-    writer = Trainer.for_run(tiny_config(tmp_path / "writer", train={"steps": STEPS}, checkpoint=ckpt))
-    for _ in range(STEPS):
-        writer.step()
-    writer.checkpointer.wait()
-    # A group restarted before those checkpoints existed (or from an older one) is at step 0.
+    # A group started before the writer's checkpoints existed (or from an older one) is at step 0.
     ft = ToldToReload(head=STEPS + 1)
     behind = Trainer.for_run(tiny_config(tmp_path / "behind", train={"steps": STEPS + 2},
                                          checkpoint={**ckpt, "resume": True}), ft=ft)
+    writer = Trainer.for_run(tiny_config(tmp_path / "writer", train={"steps": STEPS}, checkpoint=ckpt))
+    writer.train()
     assert behind.state.step == 0
-    behind.step()  # told: loads the checkpoint of step 6, trains nothing
+    step = next(behind.session)  # told: loads the checkpoint of step 6, then asks again
     assert (behind.state.step, behind.state.chain, behind.state.cursor) == (
         writer.state.step, writer.state.chain, writer.state.cursor)
     assert behind.state_hash() == writer.state_hash()
     assert ft.restarted == [f"loaded the durable checkpoint of step {STEPS}"]  # a pull in flight is dropped
     [event] = _events(tmp_path / "behind", "checkpoint_reloaded")
     assert (event["step"], event["from_step"], event["head"]) == (STEPS, 0, STEPS + 1)
-    behind.step()  # asks with the state it loaded, and trains on from there
-    assert ft.asked_with == [0, STEPS] and behind.state.step == STEPS + 1
+    assert step.step == STEPS and ft.asked_with == [0, STEPS]  # asked with the state it loaded
+    behind.train_step(step)  # and trains on from there
+    assert behind.state.step == STEPS + 1
     for t in (writer, behind):
         t.loader.close()
 
@@ -66,21 +65,21 @@ def test_a_group_behind_loads_the_newest_checkpoint_then_asks_with_it(tiny_confi
 def test_nothing_newer_on_disk_or_resume_off_leaves_the_state_alone(tiny_config, tmp_path) -> None:
     ckpt = {"every": 2, "dir": str(tmp_path / "shared"), "async_save": False}
     writer = Trainer.for_run(tiny_config(tmp_path / "writer", train={"steps": 2}, checkpoint=ckpt))
-    writer.step()
-    writer.step()
-    writer.checkpointer.wait()
+    writer.train()
     ahead = Trainer.for_run(tiny_config(tmp_path / "ahead", train={"steps": 4}), ft=ToldToReload(head=9))
+    told = ahead.session.ft
     for _ in range(3):  # step 3 is newer than the checkpoint of step 2
-        ahead.ft.times = 0
-        ahead.step()
-    ahead.checkpointer = writer.checkpointer
-    ahead.ft.times = 1
+        told.times = 0
+        ahead.train_step(next(ahead.session))
+    ahead.session.disk.checkpointer = writer.checkpointer
+    told.times = 1
     before = ahead.state_hash()
-    ahead.step()  # told, but the newest checkpoint (step 2) is older than its state
-    assert ahead.state.step == 3 and ahead.state_hash() == before and ahead.ft.restarted == []
+    next(ahead.session)  # told, but the newest checkpoint (step 2) is older than its state
+    assert told.asked_with[-2:] == [3, 3] and told.times == 0
+    assert ahead.state.step == 3 and ahead.state_hash() == before and told.restarted == []
     off = Trainer.for_run(tiny_config(tmp_path / "off", train={"steps": 4},
                                       checkpoint={**ckpt, "resume": False}), ft=ToldToReload(head=9))
-    off.step()  # checkpoint.resume=false: nothing is ever loaded from the directory
+    next(off.session)  # checkpoint.resume=false: nothing is ever loaded from the directory
     assert off.state.step == 0 and _events(tmp_path / "off", "checkpoint_reloaded") == []
     for t in (writer, ahead, off):
         t.loader.close()

@@ -15,6 +15,12 @@ from ftlm.train.catchup import CatchUpBuffer, unflatten_into
 from ftlm.train.trainer import Trainer
 
 
+def advance(trainer: Trainer) -> bool:
+    """One step through the trainer's session, as its loop takes it (``next``, then train and
+    commit); True if it committed."""
+    return trainer.train_step(next(trainer.session))
+
+
 @pytest.fixture
 def trainers(tiny_config, tmp_path):
     """Two trainers of the same run config in separate run directories; loaders closed after."""
@@ -27,7 +33,7 @@ def trainers(tiny_config, tmp_path):
     yield make
     for t in made:
         t.loader.close()
-        t.events.close()
+        t.session.events.close()
 
 
 def _transfer(tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]:
@@ -37,7 +43,7 @@ def _transfer(tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict, dict]
 
 def test_flat_is_tensors_plus_json(trainers) -> None:
     a = trainers("a")
-    a.step()
+    advance(a)
     tensors, meta = a.state.flat()
     assert tensors and all(isinstance(k, str) and torch.is_tensor(v) for k, v in tensors.items())
     assert json.loads(json.dumps(meta)) == meta
@@ -50,7 +56,7 @@ def test_flat_is_tensors_plus_json(trainers) -> None:
 def test_load_flat_round_trip_gives_equal_hash_and_identical_next_steps(trainers) -> None:
     a, b = trainers("a"), trainers("b")
     for _ in range(3):
-        a.step()
+        advance(a)
     assert b.state_hash() != a.state_hash()
 
     b.state.load_flat(*_transfer(*a.state.flat()))
@@ -58,8 +64,8 @@ def test_load_flat_round_trip_gives_equal_hash_and_identical_next_steps(trainers
     assert (b.state.step, b.state.cursor, b.state.seed) == (3, 3 * 4, a.state.seed)
     assert b.state_hash() == a.state_hash()
     for _ in range(2):
-        a.step()
-        b.step()
+        advance(a)
+        advance(b)
         assert b.losses[-1] == a.losses[-1]  # bitwise: the same update from the same state
         assert b.state_hash() == a.state_hash()
     assert b.state.step == a.state.step == 5
@@ -73,11 +79,11 @@ def test_load_flat_does_not_alias_the_source_tensors(trainers) -> None:
     reuses or mutates its tensors after ``load_flat`` silently changes the loaded replica.
     """
     a, b = trainers("a"), trainers("b")
-    a.step()
+    advance(a)
     tensors, meta = a.state.flat()
     b.state.load_flat(tensors, meta)
     loaded = b.state_hash()
-    a.step()  # mutates a's parameters and optimizer moments in place
+    advance(a)  # mutates a's parameters and optimizer moments in place
     assert b.state_hash() == loaded
 
 

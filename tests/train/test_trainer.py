@@ -115,14 +115,15 @@ def test_grad_accum_two_matches_one_at_equal_batch(tiny_config, tmp_path: Path) 
 
 def test_keyboard_interrupt_still_writes_the_summary(tiny_config) -> None:
     trainer = Trainer.for_run(tiny_config(train={"steps": 10}))
-    step_once = trainer.step
+    step_once = trainer.train_step
 
-    def step_then_interrupt() -> None:
-        step_once()
+    def step_then_interrupt(step) -> bool:
+        ok = step_once(step)
         if trainer.state.step == 3:
             raise KeyboardInterrupt
+        return ok
 
-    trainer.step = step_then_interrupt
+    trainer.train_step = step_then_interrupt
     summary = trainer.train()
     assert summary["steps_committed"] == 3
     on_disk = json.loads((trainer.run_dir / "summary.json").read_text())

@@ -1,13 +1,27 @@
-"""What the trainer asks of fault tolerance each step, and the null object used without it.
+"""The internal seam between a training ``Session`` and fault tolerance, and its null object.
 
-The trainer calls ``join`` once with its committed state, then once per step: ``start_step``
-(join the quorum, learn whether this group trains data, recovers or drains at the end),
-``allreduce`` (average gradients across participating groups), ``commit`` (may the update be
-applied?), and after a commit ``ask`` (request the next quorum while the update is applied). A recovering group also calls ``poll_recovery`` until the peer's snapshot has arrived
-and ``caught_up`` once its replay reached the head; at the last step ``finish`` serves late
-groups and leaves the job. ``start_step`` raises ``ReloadCheckpoint`` when the group should
-load a newer durable checkpoint before it asks again. ``NoFaultTolerance`` answers for a lone group at no cost, so the
-single-group path stays as fast as plain PyTorch.
+``ftlm.train.session.Session`` (with ``ftlm.train.recovery``) is the only caller; users reach fault
+tolerance through the session, never through this protocol. The call order:
+
+* ``join(step, chain)`` once, with the committed state (after a resume from a checkpoint);
+* per step, ``start_step(step, chain, snapshot)``: join the step's quorum and learn whether this
+  group trains data (``participant_index``), recovers (``recovering``) or drains at the job's end
+  (``drain``); it raises ``ReloadCheckpoint`` (load a newer durable checkpoint, then ask again),
+  ``StopRequested`` (a stop while waiting) or ``TooManyFailures``;
+* ``allreduce_start(bucket)`` for each gradient bucket as backward finishes it, then
+  ``allreduce([loss, flags])``, which waits for every bucket; ``fail_step(reason)`` when the step
+  must not commit (a non-finite loss or gradient); ``commit()``: the vote;
+* after a successful vote, ``ask(step + 1, chain)`` requests the next quorum while the update is
+  applied (its answer is what the next ``start_step`` returns);
+* a recovering group polls ``poll_recovery()`` while its zero contribution waits
+  (``allreduce_in_flight``), ``restart_recovery(reason)`` when the snapshot plus its buffer does
+  not lead to the head, ``caught_up(step, chain)`` once it holds the head, and ``fire(point)`` at
+  named points of the replay (fault injection);
+* at the end: ``finish(step, chain, snapshot)`` after the last step (serve late groups, leave), or
+  ``leave(reason)`` after a stop; ``head_step()`` before writing the model file; ``close()``.
+
+``request_stop`` may come from a signal handler at any time. ``NoFaultTolerance`` answers for a
+lone group at no cost, so the single-group path stays as fast as plain PyTorch.
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ class CheckpointConfig:
 
     every: int = 0
     """Save every this many committed steps; 0: no periodic checkpoints. The last step is always
-    saved (``Trainer._save_final``)."""
+    saved (``Durability.save_final``)."""
     keep: int = 2
     """Number of most recent valid checkpoints kept on disk."""
     dir: str = ""

@@ -20,7 +20,7 @@ participant's slice is a fixed range of global positions at the step's cursor), 
   stop the job with the right diagnosis, instead of being taken for a device fault forever.
 
 Responsible for: that judgement, from what every group sees after the all-reduce. Not
-responsible for: computing the flags (``ftlm.train.trainer``), the restart (the launcher).
+responsible for: computing the flags (``ftlm.train.session``), the restart (the launcher).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ modelling; an objective that needs more per row (a loss mask, document ids, a ch
 sequence) stacks them in extra leading dimensions, e.g. ``[3, seq_len + 1]``. The trainer slices rows
 across ranks and micro-batches along dimension 0 only.
 
-Not here: the optimizer, the LR schedule, fault tolerance (``ftlm.train.trainer``, ``ftlm.ft``).
+Not here: the optimizer, the LR schedule, fault tolerance (``ftlm.train.session``, ``ftlm.ft``).
 """
 
 from __future__ import annotations
@@ -60,6 +60,19 @@ class TrainData:
     heldout: SampleSource
 
 
+def logits_of(output: object) -> torch.Tensor:
+    """The logits of a model's output: the tensor itself, or its ``logits`` (a Hugging Face
+    ``CausalLMOutput``, or a dict holding them)."""
+    if torch.is_tensor(output):
+        return output
+    logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+    if not torch.is_tensor(logits):
+        raise TypeError(f"the model returned a {type(output).__name__} without logits: language "
+                        "modelling needs a forward(tokens) that returns logits [batch, seq, vocab] "
+                        "or an output with a .logits field")
+    return logits
+
+
 class LanguageModeling:
     """Next-token cross-entropy over ``[seq_len + 1]`` token rows (pretraining)."""
 
@@ -68,12 +81,12 @@ class LanguageModeling:
 
     def loss(self, model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
         inputs, targets = rows[:, :-1], rows[:, 1:]
-        logits = model(inputs)
+        logits = logits_of(model(inputs))
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
     def eval_sums(self, model: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = rows[:, :-1], rows[:, 1:]
-        logits = model(inputs)
+        logits = logits_of(model(inputs))
         total = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
                                 reduction="sum").double()
         return total, torch.tensor(float(targets.numel()), dtype=torch.float64)

@@ -24,12 +24,20 @@ _TENSOR = "__tensor__"
 
 
 class TrainState:
-    """Model + optimizer + progress counters of one replica."""
+    """Model + optimizer + progress counters of one replica, and any ``extra`` objects with a
+    ``state_dict`` / ``load_state_dict`` of their own (an LR scheduler, a data iterator's
+    position) that must be replicated with them."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int,
-                 mesh: Any = None):
+                 mesh: Any = None, extra: dict[str, Any] | None = None):
         self.model = model
         self.optimizer = optimizer
+        self.extra = dict(extra or {})
+        for name, obj in self.extra.items():
+            if not (callable(getattr(obj, "state_dict", None))
+                    and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"state[{name!r}] is a {type(obj).__name__}, which has no "
+                                "state_dict() and load_state_dict(): pass objects that have both")
         self.mesh = mesh  # the group's device mesh when the model is sharded (FSDP2)
         self.step = 0
         self.cursor = 0
@@ -40,17 +48,22 @@ class TrainState:
     # -- durable checkpoints (DCP Stateful protocol) -------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {
+        sd = {
             "model": model_sd,
             "optim": optim_sd,
             "progress": torch.tensor([self.step, self.cursor, self.seed], dtype=torch.int64),
             "history": torch.tensor(list(bytes.fromhex(self.chain)), dtype=torch.uint8),
         }
+        if self.extra:
+            sd["extra"] = {name: obj.state_dict() for name, obj in self.extra.items()}
+        return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"],
                        optim_state_dict=sd["optim"])
         self.step, self.cursor, self.seed = (int(v) for v in sd["progress"].tolist())
+        for name, obj in self.extra.items():
+            obj.load_state_dict(sd["extra"][name])
         history = sd.get("history")
         self.chain = bytes(history.tolist()).hex() if history is not None else GENESIS
 

@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from ftlm import native
-from ftlm.ft import quorum as quorum_module
 from ftlm.ft.history import GENESIS
+from ftlm.ft.quorum.index import progress_at
 from ftlm.ft.quorum import (
     CoordinatorState,
     Heartbeat,
@@ -688,62 +687,7 @@ def test_quorum_rules_hold_over_random_histories(actions, min_replicas, expected
         last_id = quorum.quorum_id
 
 
-# ----------------------------------------------------- the index answers what the scan answers
-
-
-def _by_scan(fn, *args):
-    """``fn(*args)`` with the index's shortcuts off: every decision from a pass over the tables."""
-    real_steady, real_due = quorum_module._steady, quorum_module._nobody_due
-    quorum_module._steady = lambda *a: False
-    quorum_module._nobody_due = lambda *a: False
-    try:
-        return fn(*args)
-    finally:
-        quorum_module._steady, quorum_module._nobody_due = real_steady, real_due
-
-
-@pytest.mark.skipif(native.active(), reason=native.INTERPRETED_ONLY)
-def test_the_index_decides_exactly_as_a_scan_over_simulated_jobs(monkeypatch) -> None:
-    """Whole simulated jobs with every kind of fault; at every decision the index takes a shortcut
-    for, the plain scan over a copy of the state must give the same answer and the same state."""
-    from ftlm.sim.protocol import SimConfig, run
-
-    steady_compute, steady_advance, due = (quorum_module._compute_quorum_steady,
-                                           quorum_module._advance_head_steady, quorum_module._nobody_due)
-    used = {"compute": 0, "advance": 0, "expire": 0}
-
-    def compute(now, state, options):
-        fast = steady_compute(now, state, options)
-        if fast is not None:
-            used["compute"] += 1
-            slow = _by_scan(compute_quorum, now, state, options)
-            assert fast[1] == slow[1]
-            assert (fast[0] and fast[0].to_json()) == (slow[0] and slow[0].to_json())
-        return fast
-
-    def advance(now, state, options):
-        before = copy.deepcopy(state)
-        fast = steady_advance(now, state, options)
-        if fast is not None:
-            used["advance"] += 1
-            assert fast == _by_scan(advance_head, now, before, options)
-            assert state == before
-        return fast
-
-    def nobody_due(now, state, options):
-        if not due(now, state, options):
-            return False
-        used["expire"] += 1
-        assert _by_scan(expire, now, copy.deepcopy(state), options) == []
-        return True
-
-    monkeypatch.setattr(quorum_module, "_compute_quorum_steady", compute)
-    monkeypatch.setattr(quorum_module, "_advance_head_steady", advance)
-    monkeypatch.setattr(quorum_module, "_nobody_due", nobody_due)
-    for seed in (3, 901):
-        result = run(seed, SimConfig(steps=20))
-        assert result.ok, result.error
-    assert min(used.values()) > 100, used  # the shortcuts were really taken
+# ----------------------------------------------------------------- the index over the tables
 
 
 def test_the_index_follows_direct_writes_and_copies() -> None:
@@ -788,7 +732,7 @@ def test_the_deadline_bounds_answer_what_a_scan_answers() -> None:
                 state.pending.pop(rid, None)
             probe = now + rng.choice([0.0, 0.4, 1.0, 3.5])
             stale = any(probe - hb.last_seen >= timeout for hb in state.heartbeats.values())
-            overdue = any(probe - quorum_module._progress_at(hb) > progress_timeout
+            overdue = any(probe - progress_at(hb) > progress_timeout
                           for r, hb in state.heartbeats.items() if r not in state.pending)
             assert index.oldest_fresh_violation(probe, timeout) == stale, (trial, probe)
             assert index.progress_overdue(probe, progress_timeout) == overdue, (trial, probe)

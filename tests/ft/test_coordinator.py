@@ -22,7 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from ftlm.errors import ConfigError
 from ftlm.ft.client import CoordinatorClient, CoordinatorUnavailable, Heartbeater, QuorumTimeout
 from ftlm.ft.config import CoordinatorConfig
-from ftlm.ft.coordinator import STATUS_LIMIT, Coordinator, describe_address
+from ftlm.ft.coordinator import Coordinator
+from ftlm.ft.coordinator_address import describe_address
+from ftlm.ft.coordinator_status import STATUS_LIMIT
 from ftlm.ft.dashboard import render_page
 from ftlm.ft.history import GENESIS
 from ftlm.ft.membership import MAX_DEAD_LISTED, Issued

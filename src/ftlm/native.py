@@ -1,7 +1,7 @@
 """The coordinator's hot path (``ftlm.ft``) compiled to C with mypyc, and the interpreted modules as fallback.
 
 The modules every heartbeat and quorum request goes through (``COMPILED``: the state machine,
-its index, the answers, the lean HTTP path) are ordinary typed Python. ``build`` compiles them
+the ``quorum`` package, the answers, the lean HTTP path) are ordinary typed Python. ``build`` compiles them
 with mypyc into ``ftlm/ft/_compiled/`` (``make setup`` does, when a C compiler and the
 Python headers are there), with a manifest of the sources it compiled; ``ftlm.ft``'s
 ``__init__`` calls ``select`` at import, which puts ``_compiled/`` first on the package's
@@ -11,7 +11,7 @@ modules run: the same code, slower (coordinator
 load bench in BENCHMARKS.md).
 
 ``FTLM_NATIVE``: unset or ``auto`` (the compiled modules when they match), ``0`` (always the
-interpreted ones: how the suite checks the fallback), ``1`` (the compiled ones or an ImportError
+interpreted ones: how ``make test`` runs the suite), ``1`` (the compiled ones or an ImportError
 saying why not: benchmarks). ``STATUS`` says which runs and why; the coordinator logs it at start.
 """
 
@@ -152,8 +152,8 @@ def active() -> bool:
     return STATUS.startswith("compiled")
 
 
-INTERPRETED_ONLY = ("patches module functions that compiled callers call directly: `make test` runs it "
-                    "again with FTLM_NATIVE=0")
+INTERPRETED_ONLY = ("patches module functions that compiled callers call directly: `make test` runs the "
+                    "suite with FTLM_NATIVE=0")
 """Why a test that patches ``COMPILED`` modules skips where they run compiled (``pytest.mark.skipif``)."""
 
 

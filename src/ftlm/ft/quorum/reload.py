@@ -41,11 +41,12 @@ def await_reloads(now: float, state: CoordinatorState, options: QuorumOptions,
 
 def end_reloads(state: CoordinatorState) -> None:
     """A live member holds the head (again), or a new head was chosen: nobody is to look on disk."""
+    if not state.reloads:  # nobody was told (every tick of a healthy job): the others are empty too
+        return
     state.reloads.clear()
     state.looked_below.clear()
     state.looked_high = -1
     state.reload_rounds.clear()
-
 
 
 def reload_due(now: float, state: CoordinatorState, options: QuorumOptions) -> tuple[int, list[MemberRequest]]:

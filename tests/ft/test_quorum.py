@@ -690,6 +690,31 @@ def test_quorum_rules_hold_over_random_histories(actions, min_replicas, expected
 # ----------------------------------------------------------------- the index over the tables
 
 
+def test_a_decision_before_expiry_counts_only_the_live_members() -> None:
+    """``compute_quorum`` and ``advance_head`` read the index, which counts every heartbeat in the
+    table: called before ``expire`` (a stale heartbeat still there) or with a request written
+    without a heartbeat, they decide on the live members alone, as after ``expire``."""
+    o = opts()
+    state = CoordinatorState(head=(0, GENESIS), started_at=0.0, head_seen_at=0.0)
+    for g in ("g0", "g1", "g2"):
+        record_request(state, ask(g, at=0.0))
+    state.heartbeats[rid("g2")] = Heartbeat(rid("g2"), "g2", 0.0, 0)  # g2 asked, then went silent
+    for g in ("g0", "g1"):
+        record_heartbeat(state, Heartbeat(rid(g), g, 0.4, 0))
+    state.pending[rid("g3")] = ask("g3", at=0.4)  # a request without a heartbeat (a direct write)
+    now = 0.1 + HB_TIMEOUT  # g2's heartbeat is stale, not expired yet
+    assert advance_head(now, state, o) == ([], "") and state.head_seen_at == now  # g0, g1 hold it
+    before = copy.deepcopy(state)
+    quorum, reason = compute_quorum(now, state, o)
+    assert state == before and quorum is not None
+    assert quorum.replica_ids() == [rid("g0"), rid("g1")] and reason == "all 2 heartbeating groups asked"
+    expired = copy.deepcopy(state)
+    assert expire(now, expired, o) == [(rid("g2"), "heartbeat timeout")]
+    del expired.pending[rid("g3")]
+    after, why = compute_quorum(now, expired, o)
+    assert after is not None and after.to_json() == quorum.to_json() and why == reason
+
+
 def test_the_index_follows_direct_writes_and_copies() -> None:
     state = CoordinatorState(head=(0, GENESIS), started_at=0.0, head_seen_at=0.0)
     state.heartbeats["g0:a"] = Heartbeat("g0:a", "g0", 0.0, 0)

@@ -15,7 +15,7 @@ what members do with the answer (``ftlm.ft.group``).
 
 from ftlm.ft.quorum.bad_link import FAILS_ITS_STEPS, Probe, convict
 from ftlm.ft.quorum.decision import compute_quorum
-from ftlm.ft.quorum.head import advance_head, classify
+from ftlm.ft.quorum.head import advance_head
 from ftlm.ft.quorum.members import (
     commit_quorum,
     expire,
@@ -37,13 +37,11 @@ from ftlm.ft.quorum.types import (
     QuorumOptions,
     Restore,
     StaleIncarnation,
-    membership_digest,
 )
 
 __all__ = [
     "FAILS_ITS_STEPS", "MAX_CLAIM", "MAX_WATCH", "Convicted", "CoordinatorState", "Heartbeat", "Member",
     "MemberRequest", "Probe", "Quorum", "QuorumOptions", "Restore", "StaleIncarnation", "advance_head",
-    "classify", "commit_quorum", "compute_quorum", "convict", "expire", "membership_digest",
-    "record_heartbeat", "record_request", "reload_due", "reload_hint", "reload_round", "remove_member",
+    "commit_quorum", "compute_quorum", "convict", "expire", "record_heartbeat", "record_request", "reload_due", "reload_hint", "reload_round", "remove_member",
     "withdraw_request",
 ]

@@ -15,10 +15,15 @@ $(STAMP): pyproject.toml
 	$(PIP) install -e '.[test,native]'
 	touch $(STAMP)
 
-# The coordinator's hot path compiled to C with mypyc (ftlm.native; about 30 s), again whenever
-# the build's manifest does not match its sources or this Python (`python -m ftlm.native status`
-# says which runs and why). Without a C compiler or the Python headers the build says why and
-# the interpreted modules run: the same code, slower.
+# The coordinator's hot path compiled to C with mypyc (ftlm.native; about 30 s on a quiet box), again
+# whenever the build's manifest does not match its sources or this Python (`python -m ftlm.native
+# status` says which runs and why). Without a C compiler or the Python headers the build says why
+# and the interpreted modules run: the same code, slower. It stays in `setup`: at 2,000 groups the
+# interpreted coordinator misses the quorum p99 target of 100 ms except on a quiet box (quiet, it
+# measured 63-98 ms against compiled 53-67 ms; an hour later 94-149 against 84-98 ms; under a load
+# of 13-19 on 2026-12-03 both missed by a factor of ten, interpreted 644-1470 ms, compiled 538-3128
+# ms), and the compiled one is what meets it when the box allows (docs/ft-protocol.md, 'The
+# compiled hot path'). `make test` runs the suite interpreted either way (below).
 .PHONY: native
 native: $(STAMP)
 	@$(BIN)/python -m ftlm.native status >/dev/null || $(BIN)/python -m ftlm.native build --optional
@@ -59,16 +64,13 @@ system-deps-cluster:
 # longer real-process variants: every all-reduce kill point, a source killed mid-transfer, a
 # SIGSTOPped group resumed, a catch-up that overflows its buffer, Slurm requeues, compiles.
 .PHONY: test-slow
-# The state machine's tests run a second time on the interpreted modules (FTLM_NATIVE=0), the
-# fallback where the compiled ones cannot be built (and the tests that patch their functions).
-INTERPRETED_TESTS := tests/ft/test_quorum.py tests/ft/test_quorum_answer.py tests/ft/test_membership_probe.py \
-	tests/ft/test_membership_leave.py tests/ft/test_membership_reload.py tests/ft/test_membership_suspect.py \
-	tests/ft/test_coordinator.py tests/ft/test_coordinator_fuzz.py tests/ft/test_coordinator_hot_path.py tests/ft/test_client_bodies.py \
-	tests/sim/test_protocol_sim.py tests/test_native.py
+# Each suite runs once, on the interpreted modules (FTLM_NATIVE=0): every test, those that patch
+# module functions a compiled caller would call directly included. The compiled build is checked
+# against them by tests/test_native.py (the same simulated jobs, event for event), which runs where
+# the build exists (`setup` makes it) and skips, saying why, elsewhere.
 test: setup system-deps system-deps-cluster
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -m "not slow" --durations=25
-	FTLM_NATIVE=0 $(BIN)/python -m pytest -q -m "not slow" $(INTERPRETED_TESTS)
+	FTLM_NATIVE=0 $(BIN)/python -m pytest -q -m "not slow" --durations=25
 
 test-slow: setup system-deps system-deps-cluster
 	$(BIN)/python -m pytest -q -m slow

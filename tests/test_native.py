@@ -1,18 +1,15 @@
 """The coordinator's hot path compiled with mypyc (``ftlm.native``): which modules run, and why.
 
-The suite runs against whichever modules ``make setup`` left (compiled where a C compiler is
-there); ``make test`` also runs the state machine's tests with ``FTLM_NATIVE=0`` (interpreted)."""
+``make test`` runs the suite once, on the interpreted modules; the tests of the build itself run
+where it is built (``make native``) and skip, saying why, elsewhere."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
@@ -33,8 +30,9 @@ def _copy_sources(tmp_path: Path) -> tuple[Path, Path]:
     package, compiled = tmp_path / "ft", tmp_path / "_compiled"
     package.mkdir()
     compiled.mkdir()
-    for m in native.COMPILED:
-        shutil.copy(native.PACKAGE_DIR / f"{m}.py", package / f"{m}.py")
+    for rel in native.sources():
+        (package / rel).parent.mkdir(exist_ok=True)
+        shutil.copy(native.PACKAGE_DIR / rel, package / rel)
     return package, compiled
 
 
@@ -42,7 +40,7 @@ def test_ftlm_native_0_runs_the_interpreted_modules() -> None:
     out = _python("import ftlm.ft.quorum as q, ftlm.native as n; print(q.__file__); print(n.STATUS)", FTLM_NATIVE="0")
     assert out.returncode == 0, out.stderr
     path, status = out.stdout.splitlines()
-    assert path == str(native.PACKAGE_DIR / "quorum.py") and status == "interpreted (FTLM_NATIVE=0)"
+    assert path == str(native.PACKAGE_DIR / "quorum" / "__init__.py") and status == "interpreted (FTLM_NATIVE=0)"
 
 
 def test_a_bad_ftlm_native_value_says_which_values_work() -> None:
@@ -104,28 +102,18 @@ def test_a_compiled_library_that_does_not_load_falls_back_at_import(tmp_path: Pa
     assert out.returncode != 0 and "FTLM_NATIVE=1 but the compiled hot path cannot run" in out.stderr
 
 
-def _can_build() -> str:
-    """Empty where ``make setup`` builds the compiled modules, else why it cannot."""
-    if importlib.util.find_spec("mypyc") is None:
-        return "mypyc is not installed"
-    if not (shutil.which("cc") or shutil.which("gcc")):
-        return "no C compiler"
-    if not Path(sysconfig.get_paths()["include"], "Python.h").exists():
-        return "no Python headers"
-    return ""
+NOT_BUILT = native.why_not()
+"""Empty where the compiled hot path is built for these sources (``make native``), else why not."""
 
 
-def test_where_it_can_be_built_the_hot_path_runs_compiled() -> None:
-    if os.environ.get("FTLM_NATIVE") == "0":
-        pytest.skip("FTLM_NATIVE=0: this run checks the interpreted modules")
-    if _can_build():
-        pytest.skip(f"{_can_build()}: the interpreted modules run")
-    assert native.why_not() == "", f"{native.why_not()} (make setup builds it)"
-    for name in native.COMPILED:
-        module = importlib.import_module(f"ftlm.ft.{name}")
-        assert native.is_compiled(module), module.__file__
-    assert native.STATUS == "compiled (mypyc)" and native.active()
-    assert not native.is_compiled(importlib.import_module("ftlm.ft.coordinator"))
+@pytest.mark.skipif(bool(NOT_BUILT), reason=f"the compiled hot path is not built ({NOT_BUILT})")
+def test_the_built_hot_path_runs_compiled() -> None:
+    code = ("import importlib, ftlm.native as n; "
+            "print(all(n.is_compiled(importlib.import_module(m)) for m in n.modules())); "
+            "print(n.is_compiled(importlib.import_module('ftlm.ft.coordinator'))); print(n.STATUS)")
+    out = _python(code, FTLM_NATIVE="1")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["True", "False", "compiled (mypyc)"]
 
 
 def test_status_exits_1_unless_the_compiled_modules_can_run(tmp_path: Path) -> None:
@@ -141,15 +129,6 @@ def test_status_exits_1_unless_the_compiled_modules_can_run(tmp_path: Path) -> N
     (package / "history.py").write_text("# edited\n")
     out = _python(code, str(package), str(compiled))
     assert out.returncode == 1 and "history.py changed since the build" in out.stdout
-
-
-def test_the_index_lists_every_attribute_it_copies() -> None:
-    """``_Index.__deepcopy__`` copies ``ATTRIBUTES`` (the compiled class has no ``__dict__``)."""
-    out = _python("from ftlm.ft.quorum import _Index; print(' '.join(vars(_Index())))", FTLM_NATIVE="0")
-    assert out.returncode == 0, out.stderr
-    from ftlm.ft.quorum import _Index
-
-    assert tuple(out.stdout.split()) == _Index.ATTRIBUTES
 
 
 _SIM_OUTCOMES = """
@@ -170,8 +149,8 @@ json.dump({"hot_path": native.STATUS, "runs": out}, sys.stdout)
 def test_compiled_and_interpreted_modules_run_the_same_simulated_jobs_event_for_event() -> None:
     """Seeded fault schedules (every fault kind, two bad links at once) through the real state
     machine, once on each: the same outcome, the same simulated times, the same last events."""
-    if not native.active():
-        pytest.skip(f"the compiled modules do not run here: {native.STATUS}")
+    if NOT_BUILT:
+        pytest.skip(f"the compiled hot path is not built ({NOT_BUILT})")
     compiled = _python(_SIM_OUTCOMES, FTLM_NATIVE="1")
     interpreted = _python(_SIM_OUTCOMES, FTLM_NATIVE="0")
     assert compiled.returncode == 0 and interpreted.returncode == 0, compiled.stderr + interpreted.stderr

@@ -1,7 +1,7 @@
 """The coordinator's hot path (``ftlm.ft``) compiled to C with mypyc, and the interpreted modules as fallback.
 
 The modules every heartbeat and quorum request goes through (``COMPILED``: the state machine,
-its index, the answers, the lean HTTP path) are ordinary typed Python. ``build`` compiles them
+the ``quorum`` package, the answers, the lean HTTP path) are ordinary typed Python. ``build`` compiles them
 with mypyc into ``ftlm/ft/_compiled/`` (``make setup`` does, when a C compiler and the
 Python headers are there), with a manifest of the sources it compiled; ``ftlm.ft``'s
 ``__init__`` calls ``select`` at import, which puts ``_compiled/`` first on the package's
@@ -11,7 +11,7 @@ modules run: the same code, slower (coordinator
 load bench in BENCHMARKS.md).
 
 ``FTLM_NATIVE``: unset or ``auto`` (the compiled modules when they match), ``0`` (always the
-interpreted ones: how the suite checks the fallback), ``1`` (the compiled ones or an ImportError
+interpreted ones: how ``make test`` runs the suite), ``1`` (the compiled ones or an ImportError
 saying why not: benchmarks). ``STATUS`` says which runs and why; the coordinator logs it at start.
 """
 
@@ -30,7 +30,8 @@ from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
 COMPILED = ("history", "quorum", "membership", "quorum_answer", "coordinator_requests", "hot_path")
-"""Modules of ``ftlm.ft`` that ``build`` compiles (one mypyc group: calls between them are C calls)."""
+"""Modules and packages of ``ftlm.ft`` that ``build`` compiles (one mypyc group: calls between them
+are C calls); a package's every module is compiled."""
 
 PACKAGE_DIR = Path(__file__).resolve().parent / "ft"
 COMPILED_DIR = PACKAGE_DIR / "_compiled"
@@ -41,8 +42,25 @@ STATUS = "interpreted (not selected yet)"
 """``compiled (...)`` or ``interpreted (why)``; set by ``select``."""
 
 
+def sources(package_dir: Path = PACKAGE_DIR) -> list[str]:
+    """The files ``build`` compiles, relative to ``package_dir`` (``quorum/decision.py``)."""
+    out: list[str] = []
+    for m in COMPILED:
+        if (package_dir / m).is_dir():
+            out += sorted(f"{m}/{p.name}" for p in (package_dir / m).glob("*.py"))
+        else:
+            out.append(f"{m}.py")
+    return out
+
+
+def modules(package_dir: Path = PACKAGE_DIR) -> list[str]:
+    """The dotted names of the modules ``build`` compiles (``ftlm.ft.quorum.decision``)."""
+    names = [f"ftlm.ft.{rel[:-3].replace('/', '.')}" for rel in sources(package_dir)]
+    return [n[: -len(".__init__")] if n.endswith(".__init__") else n for n in names]
+
+
 def _digests(package_dir: Path = PACKAGE_DIR) -> dict[str, str]:
-    return {m: hashlib.sha256((package_dir / f"{m}.py").read_bytes()).hexdigest() for m in COMPILED}
+    return {rel: hashlib.sha256((package_dir / rel).read_bytes()).hexdigest() for rel in sources(package_dir)}
 
 
 def _tag() -> str:
@@ -69,7 +87,8 @@ def why_not(compiled_dir: Path = COMPILED_DIR, package_dir: Path = PACKAGE_DIR) 
         digests = _digests(package_dir)
     except OSError as e:
         return f"cannot read the sources to compare with the build ({e})"
-    changed = [f"{m}.py" for m, digest in digests.items() if built.get(m) != digest]
+    changed = [rel for rel, digest in digests.items() if built.get(rel) != digest]
+    changed += [rel for rel in built if rel not in digests]
     if changed:
         return (f"{', '.join(changed)} changed since the build: `make setup` or "
                 "`python -m ftlm.native build` compiles them again")
@@ -133,8 +152,8 @@ def active() -> bool:
     return STATUS.startswith("compiled")
 
 
-INTERPRETED_ONLY = ("patches module functions that compiled callers call directly: `make test` runs it "
-                    "again with FTLM_NATIVE=0")
+INTERPRETED_ONLY = ("patches module functions that compiled callers call directly: `make test` runs the "
+                    "suite with FTLM_NATIVE=0")
 """Why a test that patches ``COMPILED`` modules skips where they run compiled (``pytest.mark.skipif``)."""
 
 
@@ -163,7 +182,7 @@ def build(out: Path = COMPILED_DIR, quiet: bool = False) -> Path:
         cwd = os.getcwd()
         os.chdir(src_root)  # mypyc names modules by their path from here
         try:
-            extensions = mypycify([f"ftlm/ft/{m}.py" for m in COMPILED], opt_level="3", group_name=GROUP,
+            extensions = mypycify([f"ftlm/ft/{rel}" for rel in digests], opt_level="3", group_name=GROUP,
                                   target_dir=str(work / "c"), verbose=False)
             dist = Distribution({"name": "ftlm-native", "ext_modules": extensions})
             cmd = dist.get_command_obj("build_ext")
@@ -179,17 +198,19 @@ def build(out: Path = COMPILED_DIR, quiet: bool = False) -> Path:
             os.chdir(cwd)
         if _digests() != digests:
             raise RuntimeError("the sources changed during the build: run it again")
-        built = sorted(p for p in (work / "lib" / "ftlm" / "ft").iterdir() if p.name.endswith(tuple(EXTENSION_SUFFIXES)))
-        names = {p.name.split(".")[0] for p in built}
-        if not set(COMPILED) <= names:
-            raise RuntimeError(f"mypyc built {sorted(names)}, not every module of {list(COMPILED)}")
+        lib = work / "lib" / "ftlm" / "ft"
+        built = sorted(p.relative_to(lib) for p in lib.rglob("*") if p.name.endswith(tuple(EXTENSION_SUFFIXES)))
+        names = {str(p.parent / p.name.split(".")[0]) + ".py" for p in built}
+        if not set(digests) <= names:
+            raise RuntimeError(f"mypyc built {sorted(names)}, not every module of {sorted(digests)}")
         # Staged beside ``out`` and swapped in by renames: a process importing meanwhile sees the
         # old build or the new one (or none, for a moment: the interpreted modules), and two
         # builds at once each finish with a whole build in place.
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
         for p in built:
-            shutil.copy2(p, staging / p.name)
+            (staging / p.parent).mkdir(parents=True, exist_ok=True)
+            shutil.copy2(lib / p, staging / p)
         (staging / MANIFEST).write_text(json.dumps(
             {"tag": _tag(), "sources": digests, "mypy": _mypy_version(),
              "seconds": round(time.monotonic() - started, 1)}, indent=1) + "\n")

@@ -13,7 +13,8 @@ import pytest
 
 from ftlm.ft.client import CoordinatorClient
 from ftlm.ft.config import CoordinatorConfig
-from ftlm.ft.coordinator import Coordinator, _HotEndpoints
+from ftlm.ft.coordinator import Coordinator
+from ftlm.ft.coordinator_hot import HotEndpoints
 from ftlm.ft.history import GENESIS
 from ftlm.ft.hot_path import HotPathProtocol
 
@@ -295,7 +296,7 @@ class _Recorder:
 def _four_groups(c: Coordinator) -> tuple[dict[str, HotPathProtocol], list]:
     """Four groups on the lean path's protocols over recording transports, each heartbeated once;
     returns their connections and the log of what was written to them."""
-    hot, log = _HotEndpoints(c), []
+    hot, log = HotEndpoints(c), []
     conns = {}
     for g in ("g0", "g1", "g2", "g3"):
         conns[g] = HotPathProtocol(hot, lambda: None)  # type: ignore[arg-type, return-value]
@@ -363,7 +364,7 @@ def test_a_burst_of_asks_is_evaluated_once_after_the_loop_pass_that_read_it(monk
     {"quorum_id": True, "dead": [], "dead_quorums": [], "epoch": "e", "rebuilding": 0},
 ])
 def test_a_heartbeats_answer_is_encoded_as_json_dumps_does(answer) -> None:
-    from ftlm.ft.coordinator import HeartbeatAnswerEncoder
+    from ftlm.ft.coordinator_hot import HeartbeatAnswerEncoder
 
     encoder = HeartbeatAnswerEncoder()
     for _ in range(2):  # the epoch's encoding is kept between answers

@@ -50,7 +50,7 @@ rebinding its own DNS name to 127.0.0.1 is refused). Bodies are at most ``max_re
 Two paths serve HTTP on the one port, so that thousands of groups cost it little:
 ``ftlm.ft.hot_path`` answers the common,
 well-formed heartbeat and quorum request straight from the connection's protocol (a quorum
-long-poll is a ``_Waiter``: a callback and a deadline in a heap, no task), after the same checks
+long-poll is a ``Waiter``: a callback and a deadline in a heap, no task), after the same checks
 and the same strict decoding; every other request, a refused one included, is handed from its
 first byte to aiohttp, which answers it as described above. The loop is uvloop's where installed.
 
@@ -61,8 +61,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
-import functools
 import gc
 import heapq
 import hmac
@@ -70,7 +68,6 @@ import itertools
 import json
 import logging
 import signal
-import socket
 import ssl
 import sys
 import threading
@@ -79,7 +76,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from ftlm import native
 from ftlm.errors import ConfigError
@@ -87,20 +83,19 @@ from ftlm.ft.config import CoordinatorConfig, is_loopback
 from ftlm.ft.connection_gate import AbuseLog, ConnectionGate, CountingLogger, fd_budget, loop_exception_handler
 from ftlm.ft.coordinator_requests import (ClientBodies, HeartbeatBody, QuorumBody, decode_body, parse_heartbeat,
                                           parse_kill, parse_member, parse_quorum_request)
-from ftlm.ft.dashboard import DashboardLog, member_state, render_page
-from ftlm.ft.hot_path import HOT_PATHS, HotPathProtocol, json_content_type
-from ftlm.ft.membership import MAX_DEAD_LISTED, Answer, Event, Issued, Membership, Output
-from ftlm.ft.quorum import Convicted, Heartbeat, MemberRequest, Quorum, QuorumOptions, StaleIncarnation
+from ftlm.ft.coordinator_address import LOCAL_ALIAS, describe_address, loopback_host, url_of
+from ftlm.ft.coordinator_hot import HeartbeatAnswerEncoder, HotEndpoints, Waiter, WaiterAnswer, member_request
+from ftlm.ft.coordinator_status import STATUS_LIMIT, CoordinatorMetrics, status_json
+from ftlm.ft.dashboard import DashboardLog, render_page
+from ftlm.ft.hot_path import HotPathProtocol
+from ftlm.ft.membership import Answer, Event, Issued, Membership, Output
+from ftlm.ft.quorum import Convicted, Heartbeat, QuorumOptions, StaleIncarnation
 from ftlm.ft.quorum_answer import AnswerEncoder
 from ftlm.ft.tls import server_context
-from ftlm.observe.metrics import make_metric
 
 log = logging.getLogger(__name__)
 
 MAX_POLL_SECONDS = 60.0  # longest a quorum long-poll may hold a connection
-STATUS_LIMIT = 1000
-"""Most members one ``GET /status`` lists (page with ``?offset=``), and most entries of each list
-of its ``last_quorum``: a status stays well under a megabyte at any job size."""
 LOG_INTERVAL = 10.0
 """Seconds between two summary lines of refused connections and requests."""
 _START_TIMEOUT = 10.0
@@ -127,117 +122,6 @@ class _SlowBody(Exception):
     """The request body did not arrive within ``read_timeout``."""
 
 
-# What a waiting long-poll is woken with: (HTTP status, JSON body or None, the body encoded). A
-# quorum answers each member with its own compact part (``ftlm.ft.quorum_answer``), whose common
-# part is encoded once per quorum, not once per member.
-_Answer = tuple[int, dict[str, Any] | None, bytes]
-
-
-class _Waiter:
-    """A quorum long-poll of the lean path (``ftlm.ft.hot_path``): answered by a direct write
-    when the state machine decides; no task, no future, no timer of its own (its deadline is in
-    the coordinator's heap, checked every ``tick_interval``: a timer handle per request was 5% of
-    the lean path's time). Has the ``done``/``set_result`` a future has, so
-    ``Coordinator._answer`` wakes both kinds alike."""
-
-    __slots__ = ("_done", "conn", "coord", "req")
-
-    def __init__(self, coord: Coordinator, conn: HotPathProtocol, req: MemberRequest) -> None:
-        self.coord = coord
-        self.conn = conn
-        self.req = req
-        self._done = False
-
-    def done(self) -> bool:
-        return self._done
-
-    def set_result(self, answer: _Answer) -> None:
-        """The coordinator's answer (already removed from its waiters)."""
-        if self._done:
-            return
-        self._done = True
-        status, _, raw = answer
-        self.conn.respond(status, raw)
-        if status != 200:  # told to ask again: do not issue it a quorum nobody receives
-            asyncio.get_running_loop().call_soon(self.coord.membership.withdraw, self.req)
-
-    def expire(self) -> None:
-        """No answer within the asker's timeout: 504 with the reason, as the aiohttp path."""
-        if self._done:
-            return
-        self._done = True
-        self._forget()
-        self.conn.respond(504, json.dumps({"error": "quorum timeout",
-                                           "reason": self.coord.membership.reason}).encode())
-        self.coord.membership.withdraw(self.req)
-
-    def lost(self) -> None:
-        """The asker's connection closed before its answer."""
-        if self._done:
-            return
-        self._done = True
-        self._forget()
-        self.coord.membership.withdraw(self.req)
-
-    def _forget(self) -> None:
-        waiting = self.coord._waiters.get(self.req.replica_id, [])
-        if self in waiting:
-            waiting.remove(self)
-            if not waiting:
-                del self.coord._waiters[self.req.replica_id]
-
-
-class _HotEndpoints:
-    """The coordinator as ``ftlm.ft.hot_path`` sees it: the checks, the two endpoints, the gate."""
-
-    def __init__(self, coord: Coordinator) -> None:
-        self.coord = coord
-        self.read_timeout = coord.config.read_timeout
-
-    def note(self, status: int) -> None:
-        self.coord.abuse.note(f"HTTP {status}", "POST (a hot path)")
-
-    def admits(self, headers: dict[str, str]) -> bool:
-        """Every check of ``Coordinator._refusal``, conservatively: a request with an Origin or a
-        Sec-Fetch-Site header, or any content type but plain JSON, goes to aiohttp to be judged."""
-        coord, cfg = self.coord, self.coord.config
-        host = headers.get("host")
-        if coord._loopback and host is not None and not _loopback_host(host):
-            return False
-        if "origin" in headers or "sec-fetch-site" in headers:
-            return False
-        if cfg.token and not hmac.compare_digest(headers.get("authorization", "").encode("utf-8", "replace"),
-                                                 coord._bearer):
-            return False
-        if not json_content_type(headers.get("content-type")):
-            return False
-        return int(headers["content-length"]) <= cfg.max_request_bytes
-
-    def serve(self, path: str, raw: bytes, conn: HotPathProtocol) -> bool:
-        coord = self.coord
-        try:
-            parsed = coord._bodies.heartbeat(raw) if path == HOT_PATHS[0] else coord._bodies.quorum(raw)
-        except ValueError:
-            return False  # aiohttp answers the 400 (and counts it)
-        try:
-            if isinstance(parsed, HeartbeatBody):
-                coord._queue_beat(parsed, conn)
-            else:
-                coord._quorum_hot(parsed, conn)
-        except Exception as e:  # noqa: BLE001 - a bug: answer 500, keep serving, log it (rate-limited)
-            coord.abuse.bug(f"coordinator failed answering POST {path}", e)
-            conn.respond(500, b'{"error": "internal error; see the coordinator\'s log"}')
-        return True
-
-    def started(self, transport: Any) -> Any:
-        gate = self.coord._gate
-        return gate.started(transport) if gate is not None else None
-
-    def finished(self, token: Any) -> None:
-        if self.coord._gate is not None:
-            self.coord._gate.finished(token)
-
-
 class Coordinator:
     """One job's coordinator, served from a background thread with its own event loop."""
 
@@ -251,7 +135,7 @@ class Coordinator:
         self._encoder = AnswerEncoder()
         self._bodies = ClientBodies()  # the lean path's body decoding
         self._beat_json = HeartbeatAnswerEncoder()
-        self.metrics = _Metrics()
+        self.metrics = CoordinatorMetrics()
         self.dashboard = DashboardLog()
         self.membership = Membership(self.options)
         self.abuse = AbuseLog(log, LOG_INTERVAL)
@@ -259,14 +143,14 @@ class Coordinator:
         self._ssl: ssl.SSLContext | None = None
         self._gate: ConnectionGate | None = None
         self._server: asyncio.AbstractServer | None = None
-        self._waiters: dict[str, list[asyncio.Future[_Answer] | _Waiter]] = {}
+        self._waiters: dict[str, list[asyncio.Future[WaiterAnswer] | Waiter]] = {}
         self._tick_pending = False  # a re-evaluation is queued for the end of this loop pass
         # The lean path's heartbeats not yet answered: (when read, body, connection), oldest first.
         self._beats: collections.deque[tuple[float, HeartbeatBody, HotPathProtocol]] = collections.deque()
         self._beats_pending = False  # ``_drain_beats`` is queued
         self._beat_max_wait = min(_BEAT_MAX_WAIT, config.heartbeat_timeout / 10)
         self._bearer = f"Bearer {config.token}".encode()
-        self._deadlines: list[tuple[float, int, _Waiter]] = []  # the lean path's long-polls (heap)
+        self._deadlines: list[tuple[float, int, Waiter]] = []  # the lean path's long-polls (heap)
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -291,7 +175,7 @@ class Coordinator:
     @property
     def url(self) -> str:
         """A URL that reaches the server from this machine (loopback when bound to all interfaces)."""
-        return _url(self.scheme, _LOCAL_ALIAS.get(self.config.host, self.config.host), self.port)
+        return url_of(self.scheme, LOCAL_ALIAS.get(self.config.host, self.config.host), self.port)
 
     def describe(self) -> str:
         """Where people can reach the server (``describe_address``)."""
@@ -416,7 +300,7 @@ class Coordinator:
             max_headers=64, logger=CountingLogger(self.abuse))
         await self._runner.setup()
         loop = asyncio.get_running_loop()
-        hot, fallback = _HotEndpoints(self), self._runner.server
+        hot, fallback = HotEndpoints(self), self._runner.server
         self._server = await loop.create_server(
             self._gate.factory(lambda: HotPathProtocol(hot, fallback)), cfg.host, cfg.port, ssl=self._ssl,
             backlog=_BACKLOG, ssl_handshake_timeout=cfg.read_timeout if self._ssl is not None else None)
@@ -618,7 +502,7 @@ class Coordinator:
         """Why the request must not reach a handler, as its answer; None when it may."""
         headers = request.headers
         host = headers.get("Host")
-        if self._loopback and host is not None and not _loopback_host(host):
+        if self._loopback and host is not None and not loopback_host(host):
             return _error(403, f"Host {host[:80]!r} is not this machine: the coordinator listens on "
                                f"{self.config.host} only; open it as {self.url}/")
         origin = headers.get("Origin")
@@ -740,16 +624,16 @@ class Coordinator:
             loop.call_soon(self._drain_beats)
 
     def _quorum_hot(self, body: QuorumBody, conn: HotPathProtocol) -> None:
-        """A quorum request on the lean path: as ``_handle_quorum``, the wait a ``_Waiter``."""
+        """A quorum request on the lean path: as ``_handle_quorum``, the wait a ``Waiter``."""
         now = time.monotonic()
-        req = _member_request(body, now)
+        req = member_request(body, now)
         rid = req.replica_id
         try:
             outputs = self.membership.request(now, req, tick=False)
         except StaleIncarnation as e:
             conn.respond(409, _stale_body(e))
             return
-        waiter = _Waiter(self, conn, req)
+        waiter = Waiter(self, conn, req)
         self._waiters.setdefault(rid, []).append(waiter)
         heapq.heappush(self._deadlines, (now + min(body.timeout, MAX_POLL_SECONDS), next(self._seq), waiter))
         conn.on_lost = waiter.lost
@@ -794,9 +678,9 @@ class Coordinator:
         except ValueError as e:
             return _error(400, str(e))
         now = time.monotonic()
-        req = _member_request(body, now)
+        req = member_request(body, now)
         rid = req.replica_id
-        fut: asyncio.Future[_Answer] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[WaiterAnswer] = asyncio.get_running_loop().create_future()
         try:
             outputs = self.membership.request(now, req, tick=False)
         except StaleIncarnation as e:
@@ -831,44 +715,8 @@ class Coordinator:
         return self.status(timeout)
 
     def _status_now(self, offset: int = 0, limit: int = STATUS_LIMIT, now: float | None = None) -> dict[str, Any]:
-        now = time.monotonic() if now is None else now
-        prev: Quorum | None = self._state.prev_quorum
-        ordered = sorted(self._state.heartbeats.items(), key=lambda kv: (kv[1].group, kv[0]))
-        page = ordered[offset:offset + limit]
-        members = []
-        for rid, hb in page:
-            state = member_state(rid, prev)
-            member = {"group": hb.group, "replica_id": rid, "incarnation": rid.partition(":")[2],
-                      "state": state, "step": hb.step,
-                      "heartbeat_age_seconds": round(now - hb.last_seen, 3),
-                      "pending": rid in self._state.pending}
-            if state == "recovering" and prev is not None:
-                member["source"] = prev.sources.get(rid, "")
-            members.append(member)
-        dead = self.membership.recent_dead(now)
-        end = offset + len(page)
-        return {
-            "quorum_id": self._state.quorum_id,
-            "reason": self.membership.reason,
-            "head_step": self._state.max_step,
-            "members": members,
-            "members_total": len(ordered),
-            "next_offset": end if end < len(ordered) else None,
-            "last_quorum": _quorum_view(prev, STATUS_LIMIT) if prev is not None else None,
-            "dead": [
-                {"replica_id": rid, "group": g, "reason": why, "seconds_ago": round(now - t, 3)}
-                for t, rid, g, why in dead[-MAX_DEAD_LISTED:]
-            ],
-            "dead_total": len(dead),
-            "left": [
-                {"replica_id": rid, "group": g, "reason": why, "seconds_ago": round(now - t, 3)}
-                for t, rid, g, why in self.membership.recent_departed(now)
-            ],
-            "convicted": [{"group": g, "times": n} for g, n in self._state.convicted.items()],
-            "min_replicas": self.config.min_replicas,
-            "hot_path": native.STATUS,
-            **self.dashboard.to_json(),
-        }
+        return status_json(self.membership, self.dashboard, self.config.min_replicas,
+                           time.monotonic() if now is None else now, offset, limit)
 
     async def _handle_status(self, request: web.Request) -> web.Response:
         try:
@@ -893,34 +741,6 @@ GC_THRESHOLDS = (50_000, 50, 1_000)
 2,000 groups' messages set off a full collection every few seconds, a pause that walked every
 member's records while a step's answers waited (p99 at 2,000 groups 274-403 ms with them,
 202-213 ms without). Cycles are rare here; reference counting frees the rest."""
-
-
-class HeartbeatAnswerEncoder:
-    """``json.dumps(answer).encode()`` of a heartbeat's answer, by one bytes formatting for the
-    common one (nobody dead, nothing to say but the ids): the bytes of ``json.dumps``, a test
-    checks it (the general encoder was a tenth of a heartbeat's cost)."""
-
-    _PLAIN = ("quorum_id", "dead", "dead_quorums", "epoch", "rebuilding")
-    _TEMPLATE = b'{"quorum_id": %d, "dead": [], "dead_quorums": [], "epoch": %s, "rebuilding": %s}'
-
-    def __init__(self) -> None:
-        self._epoch: tuple[Any, bytes] = (None, b"null")
-
-    def encode(self, answer: dict[str, Any]) -> bytes:
-        qid = answer.get("quorum_id")
-        if (tuple(answer) != self._PLAIN or answer["dead"] or answer["dead_quorums"] or type(qid) is not int
-                or type(answer["rebuilding"]) is not bool):
-            return json.dumps(answer).encode()
-        epoch = answer["epoch"]
-        if self._epoch[0] != epoch or type(epoch) is not type(self._epoch[0]):
-            self._epoch = (epoch, json.dumps(epoch).encode())
-        return self._TEMPLATE % (qid, self._epoch[1], b"true" if answer["rebuilding"] else b"false")
-
-
-def _member_request(body: QuorumBody, now: float) -> MemberRequest:
-    return MemberRequest(f"{body.group}:{body.incarnation}", body.group, body.step, body.last_quorum_id,
-                         body.failed, body.meta, now, body.chain, body.watch, body.disk_checked,
-                         body.disk_round)
 
 
 def quiet_collector() -> None:
@@ -967,107 +787,3 @@ def _query_int(request: web.Request, name: str, default: int, lowest: int, highe
     if not (raw.isascii() and raw.isdigit() and len(raw) <= 10 and lowest <= int(raw) <= highest):
         raise ValueError(f"{name}={raw[:20]!r} must be an integer in [{lowest}, {highest}]")
     return int(raw)
-
-
-_LOCAL_ALIAS = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # how this machine reaches a wildcard bind
-
-
-def _url(scheme: str, host: str, port: int) -> str:
-    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
-
-
-def describe_address(scheme: str, host: str, port: int, addresses: list[str] | None = None) -> str:
-    """Where people can reach a server bound to ``host``: its URL, or for a wildcard bind
-    (0.0.0.0, ::) the words "all interfaces" and a URL per address of this machine
-    (``addresses``, default: its name and what the name resolves to, and loopback)."""
-    if host not in _LOCAL_ALIAS:
-        return _url(scheme, host, port)
-    if addresses is None:
-        addresses = _host_addresses(socket.AF_INET if host == "0.0.0.0" else socket.AF_UNSPEC)
-    found = [_LOCAL_ALIAS[host], *addresses]
-    urls = dict.fromkeys(_url(scheme, a, port) for a in found)
-    return f"all interfaces ({host}) port {port}: " + ", ".join(urls)
-
-
-@functools.lru_cache(maxsize=256)
-def _loopback_host(host: str) -> bool:
-    """Whether a Host header names this machine (cached: parsing addresses on every request was
-    a twentieth of the coordinator's time at 1,000 groups; bounded, headers are untrusted)."""
-    return is_loopback(_host_name(host))
-
-
-def _host_name(host: str) -> str:
-    """The name or address of a Host header, without its port."""
-    if host.startswith("["):
-        return host[1:].partition("]")[0]
-    name, _, port = host.rpartition(":")
-    return name if name and port.isdigit() else host
-
-
-def _host_addresses(family: int) -> list[str]:
-    """This machine's name and the addresses of ``family`` it resolves to (best effort, for people)."""
-    name = socket.gethostname()
-    found = [name]
-    try:
-        found += [str(info[4][0]) for info in socket.getaddrinfo(name, None, family, socket.SOCK_STREAM)]
-    except OSError:
-        pass
-    return found
-
-
-def _quorum_view(quorum: Quorum, limit: int) -> dict[str, Any]:
-    """``quorum.to_json()``, with each list cut to ``limit`` entries (and the totals) when longer."""
-    if max(len(quorum.members), len(quorum.sources)) <= limit:
-        return quorum.to_json()
-    cut = dataclasses.replace(quorum, members=quorum.members[:limit],
-                              participants=quorum.participants[:limit],
-                              recovering=quorum.recovering[:limit],
-                              sources=dict(list(quorum.sources.items())[:limit]))
-    return {**cut.to_json(), "truncated": True, "members_total": len(quorum.members),
-            "participants_total": len(quorum.participants), "recovering_total": len(quorum.recovering)}
-
-
-# ----------------------------------------------------------------------------------- metrics
-
-
-class _Metrics:
-    """The coordinator's Prometheus metrics, in a registry of its own (several may share a process).
-
-    Names and help texts live in ``ftlm.observe.metrics``; members by state are one gauge per
-    state because the design allows no labels but job, group and rank.
-    """
-
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry(auto_describe=True)
-        self.quorum_id = make_metric("ftlm_coordinator_quorum_id", r)
-        self.members = make_metric("ftlm_coordinator_members", r)
-        self.by_state = {state: make_metric(f"ftlm_coordinator_members_{state}", r)
-                         for state in ("participating", "recovering", "joining", "dead")}
-        self.participants = make_metric("ftlm_coordinator_participants", r)
-        self.heartbeat_age = make_metric("ftlm_coordinator_heartbeat_age_seconds", r, ("group",))
-        self.quorums = make_metric("ftlm_coordinator_quorums_issued_total", r)
-        self.member_failures = make_metric("ftlm_coordinator_member_failures_total", r)
-        self.kill_requests = make_metric("ftlm_coordinator_kill_requests_total", r)
-        self.latency = make_metric("ftlm_coordinator_quorum_latency_seconds", r)
-
-    def quorum_issued(self, quorum: Quorum, latency: float) -> None:
-        self.quorums.inc()
-        self.latency.observe(max(latency, 0.0))
-        self.quorum_id.set(quorum.quorum_id)
-        self.participants.set(len(quorum.participants))
-
-    def refresh(self, now: float, state: Any, dead: int) -> None:
-        """Set the gauges that derive from the state (called on each scrape); ``dead``: recent deaths."""
-        self.members.set(len(state.heartbeats))
-        counts = {"participating": 0, "recovering": 0, "joining": 0}
-        for rid in state.heartbeats:
-            counts[member_state(rid, state.prev_quorum)] += 1
-        for name, n in counts.items():
-            self.by_state[name].set(n)
-        self.by_state["dead"].set(dead)
-        self.heartbeat_age.clear()  # groups that left must not linger as stale series
-        for hb in state.heartbeats.values():
-            self.heartbeat_age.labels(group=hb.group).set(max(now - hb.last_seen, 0.0))
-
-    def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST

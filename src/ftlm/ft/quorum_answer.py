@@ -1,8 +1,7 @@
 """What one member of an issued quorum is told: the compact quorum answer.
 
-A quorum used to be sent whole to each of its members: every member with its meta, about 170
-bytes each, so O(groups^2) bytes a step (330 KB to each of 2,000 members). A member needs only its
-own part, and that is what it now gets:
+The whole quorum, every member with its meta (about 170 bytes each), would be O(groups^2) bytes a
+step (330 KB to each of 2,000 members). A member needs only its own part, and that is what it gets:
 
 * the quorum's identity and history: id, epoch, step, the head's chain and the chain a commit
   reaches (``next_chain``: the participants' list stays at the coordinator), the reason;

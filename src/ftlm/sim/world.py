@@ -115,8 +115,9 @@ class Simulation:
         return inc if inc is not None and inc.replica_id == replica_id else None
 
     def alive(self, replica_id: str) -> bool:
-        inc = self.groups.get(replica_id.split(":")[0])
-        return (inc is not None and inc.replica_id == replica_id and inc.alive) or replica_id.split(":")[0] in self.finished
+        """``replica_id``'s process is alive, or its group finished the job."""
+        inc = self.incarnation(replica_id)
+        return (inc is not None and inc.alive) or replica_id.split(":")[0] in self.finished
 
     def settled(self) -> int:
         """Groups done: finished, or gone for good (lost, departed)."""

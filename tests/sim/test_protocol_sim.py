@@ -8,13 +8,15 @@ import sys
 
 import pytest
 
-import ftlm.sim.protocol as sim_protocol
+import ftlm.sim.recovery as sim_recovery
 from ftlm import native
 from ftlm.ft.group import GroupProtocol, ReplayCheck
 from ftlm.ft.history import extend_chain
 from ftlm.ft.membership import Membership
 from ftlm.sim.check import check, format_report, replay_command
-from ftlm.sim.job import copy_state
+from ftlm.sim.durable import Storage
+from ftlm.sim.invariants import Invariants
+from ftlm.sim.job import Incarnation, copy_state
 from ftlm.sim.protocol import FAULTS, SimConfig, Simulation, run
 
 CI_SEEDS = 800  # with faults at the end of each job (1000 before them, in the same time)
@@ -141,7 +143,8 @@ def test_two_bad_links_at_once_are_found_one_after_the_other() -> None:
     assert report.faults["bad_link"] > 100 and report.convictions >= report.faults["bad_link"]
 
 
-def test_without_the_search_a_bad_link_stalls_the_job_and_a_wrong_verdict_is_caught() -> None:
+def test_without_the_search_a_bad_link_stalls_the_job_and_a_wrong_verdict_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The simulator can fail: with the search off, a bad link fails every step until the
     groups give up (a stall past the progress bound); a coordinator that retires the wrong
     member (the first suspect left out, whatever happened) is flagged."""
@@ -149,21 +152,19 @@ def test_without_the_search_a_bad_link_stalls_the_job_and_a_wrong_verdict_is_cau
     errors = [run(seed, off).error for seed in range(5)]
     assert any("no step committed for 30 simulated s" in e for e in errors), errors
 
-    real = sim_protocol.Simulation.check_conviction
+    real = Invariants.check_conviction
 
-    def wrong(self: Simulation, replica_id: str) -> None:
-        at, rid, probe = self.coordinator.convictions[-1]
-        healthy = next((g for g in self.groups.values() if g is not None and g.alive and not g.bad_link), None)
-        if healthy is not None and (at, rid) == (self.now, replica_id):
-            self.coordinator.convictions[-1] = (at, healthy.replica_id, probe)  # blame a healthy one
+    def wrong(self: Invariants, replica_id: str) -> None:
+        sim = self.sim
+        at, rid, probe = sim.coordinator.convictions[-1]
+        healthy = next((g for g in sim.groups.values() if g is not None and g.alive and not g.bad_link), None)
+        if healthy is not None and (at, rid) == (sim.now, replica_id):
+            sim.coordinator.convictions[-1] = (at, healthy.replica_id, probe)  # blame a healthy one
             replica_id = healthy.replica_id
         real(self, replica_id)
-    sim_protocol.Simulation.check_conviction = wrong  # type: ignore[method-assign]
-    try:
-        quiet = SimConfig(groups=4, steps=100, faults=("bad_link",), fault_mtbf=2.0, loss=0.0)  # (no excuse)
-        errors = [run(seed, quiet).error for seed in range(5)]
-    finally:
-        sim_protocol.Simulation.check_conviction = real  # type: ignore[method-assign]
+    monkeypatch.setattr(Invariants, "check_conviction", wrong)
+    quiet = SimConfig(groups=4, steps=100, faults=("bad_link",), fault_mtbf=2.0, loss=0.0)  # (no excuse)
+    errors = [run(seed, quiet).error for seed in range(5)]
     assert any("was retired for failing step" in e and "its link is good" in e for e in errors), errors
 
 
@@ -226,7 +227,7 @@ def test_a_planted_catch_up_bug_is_found(monkeypatch: pytest.MonkeyPatch) -> Non
         for s, qid, parts in records:
             chain = extend_chain(chain, s, qid, parts)
         return ReplayCheck(True, len(records), chain)
-    monkeypatch.setattr(sim_protocol, "check_replay", blind)
+    monkeypatch.setattr(sim_recovery, "check_replay", blind)
     config = SimConfig(steps=100)
     errors = [r.error for r in check(20, config).failures]
     assert errors and all("replayed state differs from the checked head" in e for e in errors), errors
@@ -383,16 +384,16 @@ def test_the_trainer_s_end_of_run_before_the_fixes_is_found(monkeypatch: pytest.
     behind the last quorum it was in (0 if none) unless a newer file was written since it
     started. A group restarted after the others left then resumes from step 0: it is lost
     (seed 155), or stopped while it waits and writes step 0 over the final model (seed 5)."""
-    def save_final(self: Simulation, inc: sim_protocol.Incarnation, finishing: bool) -> None:
+    def save_final(self: Storage, inc: Incarnation, finishing: bool) -> None:
         if not finishing and self.checkpoint_every > 0 and inc.state.step not in self.disk:
             self.disk[inc.state.step] = copy_state(inc.state)
 
-    def may_write_model(self: Simulation, inc: sim_protocol.Incarnation) -> tuple[bool, str]:
+    def may_write_model(self: Storage, inc: Incarnation) -> tuple[bool, str]:
         head = inc.quorum.step if inc.quorum is not None else 0
         newer = self.model is not None and self.model.step > inc.state.step and self.model_at >= inc.started_at
         return inc.state.step >= head and not newer, ""
-    monkeypatch.setattr(Simulation, "save_final", save_final)
-    monkeypatch.setattr(Simulation, "may_write_model", may_write_model)
+    monkeypatch.setattr(Storage, "save_final", save_final)
+    monkeypatch.setattr(Storage, "may_write_model", may_write_model)
     lost, overwritten = run(155, SimConfig(steps=100)).error, run(5, SimConfig(steps=100)).error
     assert "g1 lost: died after every other group had finished" in lost, lost
     assert "replaced the job's model file (step 100) with its state at step 0" in overwritten, overwritten
@@ -402,3 +403,15 @@ def test_a_job_shape_the_command_has_no_option_for_is_replayed_from_python() -> 
     cmd = replay_command(5, 100, SimConfig(checkpoint_every=0, faults=("crash", "leave")))
     assert cmd == ('python -c "from ftlm.sim.protocol import SimConfig, run; print(run(5, SimConfig(groups=3, '
                    "faults=('crash', 'leave'), checkpoint_every=0, steps=100)).error or 'ok')\"")
+
+
+@pytest.mark.xfail(strict=True, reason="the final step is saved once per step, whatever its history "
+                                       "(Checkpointer.save_once, modelled by Storage.save_final)")
+def test_a_final_checkpoint_of_an_abandoned_history_never_strands_a_restarted_group() -> None:
+    """Seed 406 of the default job (200 steps): a group stopped by SIGTERM committed the last step
+    alone and left before the coordinator heard of it; the other two redid that step in another
+    quorum and finished. The leaver had saved the final step first, a history the job gave up,
+    so theirs was not saved (a checkpoint of that step was on disk); the leaver, started again
+    after they left, boots from it, its claim is refused, and it asks until the liveness bound."""
+    r = run(406, SimConfig())
+    assert r.ok, r.error

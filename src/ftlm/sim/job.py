@@ -1,7 +1,8 @@
 """What one simulated job is made of: its shape (``SimConfig``, the kinds of fault), the state of
 its groups' processes as far as the invariants care, and what a run found (``SimResult``).
 
-Not responsible for running it: ``ftlm.sim.protocol`` drives these through the real protocol code.
+Not responsible for running it: ``ftlm.sim.world`` and the parts it composes drive these through
+the real protocol code.
 """
 
 from __future__ import annotations
@@ -137,6 +138,11 @@ class State:
     chain: str = GENESIS
     cursor: int = 0
     ranges: tuple[tuple[int, int], ...] = ()
+
+    def after(self, chain: str, samples: int) -> State:
+        """The state one committed step later: history ``chain``, the next ``samples`` trained."""
+        return State(self.step + 1, chain, self.cursor + samples,
+                     self.ranges + ((self.cursor, self.cursor + samples),))
 
 
 @dataclass

@@ -405,13 +405,12 @@ def test_a_job_shape_the_command_has_no_option_for_is_replayed_from_python() -> 
                    "faults=('crash', 'leave'), checkpoint_every=0, steps=100)).error or 'ok')\"")
 
 
-@pytest.mark.xfail(strict=True, reason="the final step is saved once per step, whatever its history "
-                                       "(Checkpointer.save_once, modelled by Storage.save_final)")
 def test_a_final_checkpoint_of_an_abandoned_history_never_strands_a_restarted_group() -> None:
     """Seed 406 of the default job (200 steps): a group stopped by SIGTERM committed the last step
     alone and left before the coordinator heard of it; the other two redid that step in another
     quorum and finished. The leaver had saved the final step first, a history the job gave up,
     so theirs was not saved (a checkpoint of that step was on disk); the leaver, started again
-    after they left, boots from it, its claim is refused, and it asks until the liveness bound."""
+    after they left, booted from it, its claim was refused, and it asked until the liveness bound.
+    The finishers, whose last quorum confirmed their history, now replace that checkpoint."""
     r = run(406, SimConfig())
     assert r.ok, r.error

@@ -734,3 +734,25 @@ def test_sharded_checkpoint_damaged_in_one_ranks_share_falls_back_on_every_rank(
     assert "another rank" in ranks[0]["rejected"][0][1]
     assert (root / "rejected-step-00000002").is_dir()
     assert [s for s, _ in valid_checkpoints(root)] == [1]
+
+
+def test_the_final_step_is_saved_once_and_the_jobs_history_replaces_a_given_up_one(tmp_path) -> None:
+    """Two histories reach the last step: a group committed it alone and left before the
+    coordinator heard of it (its checkpoint lands first); the others redid that step in another
+    quorum. A second save of the step keeps what is on disk, unless its caller's history is
+    the job's (``job_history``: the coordinator's last quorum confirmed it): then the given-up
+    history's checkpoint is replaced, and a group restarted afterwards resumes the job's state."""
+    given_up, job = _state(seed=1), _state(seed=2)
+    for st, chain in ((given_up, "a" * 64), (job, "b" * 64)):
+        _advance(st, steps=3)
+        st.chain = chain
+    ck = Checkpointer(tmp_path, every=0, keep=2)
+    assert ck.save_once(given_up)
+    assert not ck.save_once(job)  # unconfirmed: the checkpoint on disk stays
+    assert not ck.save_once(given_up, job_history=True)  # the same history: nothing to do
+    assert ck.save_once(job, job_history=True)
+    assert not ck.save_once(job, job_history=True)
+    assert not ck.save_once(given_up)  # a late given-up save never replaces the job's
+    resumed = _state(seed=3)
+    assert ck.restore_latest(resumed) == 3
+    assert resumed.chain == job.chain and _digest(resumed) == _digest(job)

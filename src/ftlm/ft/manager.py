@@ -566,6 +566,12 @@ class Manager:
         or restarted from an older checkpoint) does not hold the job's newest state."""
         return self.quorum.step if self.quorum is not None else None
 
+    def holds_head(self, step: int, chain: str) -> bool:
+        """Whether the last quorum this group was in stood at ``step`` with history ``chain``:
+        the coordinator confirmed that state as the job's."""
+        q = self.quorum
+        return q is not None and q.step == step and q.chain == chain
+
     def poll_recovery(self) -> Recovered | None:
         fetch = self._fetch
         # Every rank of the group loads its shard in the same step, or none does.

@@ -18,7 +18,9 @@ tolerance through the session, never through this protocol. The call order:
   not lead to the head, ``caught_up(step, chain)`` once it holds the head, and ``fire(point)`` at
   named points of the replay (fault injection);
 * at the end: ``finish(step, chain, snapshot)`` after the last step (serve late groups, leave), or
-  ``leave(reason)`` after a stop; ``head_step()`` before writing the model file; ``close()``.
+  ``leave(reason)`` after a stop; ``holds_head(step, chain)`` after ``finish`` (whether the
+  final checkpoint is the job's history); ``head_step()`` before writing the model file;
+  ``close()``.
 
 ``request_stop`` may come from a signal handler at any time. ``NoFaultTolerance`` answers for a
 lone group at no cost, so the single-group path stays as fast as plain PyTorch.
@@ -106,6 +108,7 @@ class FaultTolerance(Protocol):
     def nonfinite_fault(self, step: int, start: int, stop: int) -> bool: ...
     def request_stop(self) -> None: ...
     def head_step(self) -> int | None: ...
+    def holds_head(self, step: int, chain: str) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -168,6 +171,10 @@ class NoFaultTolerance:
         """The step of the last quorum this group was in (the job's head as it knows it); a lone
         group is always at its own head (0: never ahead of it)."""
         return 0
+
+    def holds_head(self, step: int, chain: str) -> bool:
+        """A lone group has no coordinator to confirm its history by."""
+        return False
 
     def close(self) -> None:
         return None

@@ -60,9 +60,20 @@ class Storage:
     def save_final(self, inc: Incarnation, finishing: bool) -> None:
         """The trainer's ``_save_final``: the job's last step is made durable whatever
         ``checkpoint.every`` says, once (by its writer at the commit, or by whichever group
-        finishes first, ``finishing``): a group started after the others left resumes there."""
-        if inc.state.step >= self.c.steps and inc.state.step not in self.disk:
-            self.disk[inc.state.step] = copy_state(inc.state)
+        finishes first, ``finishing``): a group started after the others left resumes there.
+        A finishing group whose last quorum stood at its state (``holds_head``: the coordinator
+        confirmed that history as the job's) replaces a final checkpoint of another history
+        (``Checkpointer.save_once(job_history=True)``)."""
+        st = inc.state
+        if st.step < self.c.steps:
+            return
+        on_disk = self.disk.get(st.step)
+        q = inc.quorum
+        confirmed = finishing and q is not None and q.step == st.step and q.chain == st.chain
+        if on_disk is None or (confirmed and on_disk.chain != st.chain):
+            if on_disk is not None:
+                self.sim.log(f"{inc.replica_id} replaces the final checkpoint of another history")
+            self.disk[st.step] = copy_state(st)
 
     def may_write_model(self, inc: Incarnation) -> tuple[bool, str]:
         """The trainer's rule for replacing the job's model file with ``inc``'s state as its

@@ -419,6 +419,16 @@ def load_verified(checkpoint: Verified, state_dict: dict[str, Any],
            planner=WeightsOnlyLoadPlanner(), process_group=process_group)
 
 
+def _marker_chain(path: Path) -> str | None:
+    """The history a checkpoint holds, as its marker records it (None: not recorded, or the
+    marker is unreadable; such a checkpoint is never replaced)."""
+    try:
+        chain = json.loads((path / MARKER).read_text()).get("chain")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return chain if isinstance(chain, str) else None
+
+
 @contextlib.contextmanager
 def _dir_lock(root: Path, held: bool) -> Iterator[None]:
     """Hold ``root/.save.lock`` when ``held`` (``model_file.file_lock``)."""
@@ -470,7 +480,7 @@ class Checkpointer:
         self.wait()  # one save in flight at a time: bounded memory for staged copies
         path = checkpoint_dir(self.root, state.step)
         started = time.monotonic()
-        step, cursor = state.step, state.cursor
+        step, cursor, chain = state.step, state.cursor, state.chain
         try:
             if self.writer and path.exists():
                 shutil.rmtree(path)
@@ -478,28 +488,44 @@ class Checkpointer:
             if self.async_save:
                 written = _quiet(dcp.async_save, {"train": state}, checkpoint_id=str(path),
                                  process_group=self.process_group)
-                self._pending = (self._sealed_after(written, step, cursor, path), step, path, started)
+                self._pending = (self._sealed_after(written, step, cursor, chain, path), step, path, started)
                 return
             _quiet(dcp.save, {"train": state}, checkpoint_id=str(path),
                    process_group=self.process_group)
-            self._seal(step, cursor, path)
+            self._seal(step, cursor, chain, path)
         except (Exception, CheckpointException) as e:  # a full disk, a lost mount: one message
             raise CheckpointError(f"writing checkpoint {path} failed: {_reason(e)}") from e
         self._finish(step, path, started)
 
-    def save_once(self, state: TrainState) -> bool:
+    def save_once(self, state: TrainState, job_history: bool = False) -> bool:
         """Save ``state`` now, and wait until it is valid, unless a complete checkpoint of its
         step is on disk already (another group of the job wrote it); whether this call saved.
 
         For the last step, which every group that finishes the job makes sure of: under the
         checkpoint directory's lock (``.save.lock``, an advisory ``flock`` held by the writing
         rank), so that groups finishing at once write it once and never over each other. Every
-        rank of a group calls it (the save is a collective); the writing rank decides."""
+        rank of a group calls it (the save is a collective); the writing rank decides.
+
+        ``job_history``: the coordinator confirmed ``state`` as the job's (a quorum at its step
+        took this group in). A checkpoint of the same step from another history is then
+        replaced: a group that committed the last step alone and left before the coordinator
+        heard of it saved a history the job then gave up (the others redid that step), and a
+        group restarted after the others left would resume from it and never be let in."""
         self.wait()
         rank, ranks = self._share()
         with _dir_lock(self.root, held=self.writer):
-            on_disk = any(step == state.step for step, _ in valid_checkpoints(self.root))
-            if self._agree(int(on_disk) if rank == 0 else 0, ranks):
+            verdict = 0
+            if rank == 0:
+                chains = [_marker_chain(path) for step, path in valid_checkpoints(self.root)
+                          if step == state.step]
+                # 1: keep what is on disk; 0: save (none, or another history to replace).
+                replace = job_history and state.chain not in chains and None not in chains
+                verdict = int(bool(chains) and not replace)
+                if chains and not verdict:
+                    log.warning("replacing the checkpoint of step %d (history %s...) with the "
+                                "job's (history %s...): the other history was given up",
+                                state.step, str(chains[0])[:12], state.chain[:12])
+            if self._agree(verdict, ranks):
                 return False
             self.save(state)
             self.wait()
@@ -522,7 +548,8 @@ class Checkpointer:
             raise CheckpointError(f"writing checkpoint {path} failed: {_reason(e)}") from e
         self._finish(step, path, started)
 
-    def _sealed_after(self, written: Future, step: int, cursor: int, path: Path) -> Future:
+    def _sealed_after(self, written: Future, step: int, cursor: int, chain: str,
+                      path: Path) -> Future:
         """A future that completes once DCP's write has and the checkpoint is sealed.
 
         Sealing (hashing the files) runs in DCP's writer thread, off the training loop.
@@ -532,7 +559,7 @@ class Checkpointer:
         def seal(_: Future) -> None:
             try:
                 written.result()
-                self._seal(step, cursor, path)
+                self._seal(step, cursor, chain, path)
             except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is one
                 sealed.set_exception(e)
             else:
@@ -541,12 +568,12 @@ class Checkpointer:
         written.add_done_callback(seal)
         return sealed
 
-    def _seal(self, step: int, cursor: int, path: Path) -> None:
+    def _seal(self, step: int, cursor: int, chain: str, path: Path) -> None:
         """Manifest, then marker: the directory becomes valid only with the marker."""
         if not self.writer:
             return
         write_manifest(path, step, cursor, self.key)
-        marker = {"step": step, "cursor": cursor, "time": time.time()}
+        marker = {"step": step, "cursor": cursor, "time": time.time(), "chain": chain}
         _write_atomic(path / MARKER, json.dumps(marker).encode())
         _sync_dir(path)
 

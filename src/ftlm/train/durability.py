@@ -93,14 +93,15 @@ class Durability:
         step's checkpoints, ``checkpoint.on_stop`` is on and that step is not on disk already."""
         return writer and self.config.on_stop and not self.checkpointer.due(self.state.step)
 
-    def save_final(self) -> None:
+    def save_final(self, job_history: bool = False) -> None:
         """Make the job's last step durable, whatever ``checkpoint.every`` says, unless another
         group did (``Checkpointer.save_once``): a group restarted after the others finished and
-        left resumes there and ends at once holding the final state. A failure is logged, never
-        raised: the groups still hold the state."""
+        left resumes there and ends at once holding the final state. ``job_history``: the
+        coordinator confirmed this state as the job's; a final checkpoint of another history
+        is replaced. A failure is logged, never raised: the groups still hold the state."""
         t0 = time.perf_counter()
         try:
-            saved = self.checkpointer.save_once(self.state)
+            saved = self.checkpointer.save_once(self.state, job_history=job_history)
         except (CheckpointError, OSError) as e:
             log.warning("the final step %d was not saved (%s); a group restarted after the others "
                         "left would have no final state to resume", self.state.step, e)

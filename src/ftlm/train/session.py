@@ -308,6 +308,11 @@ class Session:
                 # Serve the groups still catching up, then leave the job (not a failure); a
                 # SIGTERM meanwhile ends the serving and still leaves.
                 self.ft.finish(self.state.step, self.state.chain, self.state.flat)
+                if self.ft.holds_head(self.state.step, self.state.chain):
+                    # A quorum at the last step took this group in: its history is the job's.
+                    # Another history's final checkpoint (a group that committed the last step
+                    # alone, then left before the coordinator heard of it) is replaced.
+                    self.disk.save_final(job_history=True)
             else:
                 self._leave_stopped()
         finally:

@@ -110,7 +110,7 @@ def test_the_watchdog_reads_each_ranks_start_up_beacon(tmp_path):
     """A rank whose beacon stopped (or never appeared) for ``ft.startup_stall_timeout`` hangs
     its group's start, named with the phase it stopped in; a rank that keeps it fresh does not,
     however long it takes; once the group made progress, the beacon no longer counts."""
-    from ftlm.launch.local import GroupProcess
+    from ftlm.launch.group_process import GroupProcess
     config = _config(tmp_path / "run", tmp_path, steps=10, ft={"startup_stall_timeout": 5.0})
     launcher = LocalLauncher(config, groups=1, progress=False)
     (launcher.run_dir / "logs").mkdir(parents=True)

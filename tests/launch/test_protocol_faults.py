@@ -18,8 +18,7 @@ from ftlm.launch.local import LocalLauncher
 from ftlm.observe.events import read_events
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_fault_tolerance import (ALL_IN_FIRST_QUORUM, CATCH_UP_FROM_PEERS,  # noqa: E402
-                                  STARVED_HEARTBEATS_TOLERATED, WAIT_FOR_PEERS,
+from test_fault_tolerance import (ALL_IN_FIRST_QUORUM, CATCH_UP_FROM_PEERS, WAIT_FOR_PEERS,  # noqa: E402
                                   injected)
 
 
@@ -69,8 +68,7 @@ def test_every_group_dead_resumes_from_the_newest_durable_checkpoint(tmp_path, d
     cursor, instead of refusing to go on. ``min_replicas=2``: both groups train every step from
     the first one, so both hold step 12 when they die there, whatever the machine's speed (a
     group that started late was still recovering, or had not started, at step 12)."""
-    cfg = config(tmp_path / "run", demo_data, steps=40, ft={"min_replicas": 2, **WAIT_FOR_PEERS,
-                                                         **STARVED_HEARTBEATS_TOLERATED},
+    cfg = config(tmp_path / "run", demo_data, steps=40, ft={"min_replicas": 2, **WAIT_FOR_PEERS},
                  checkpoint={"every": 5, "keep": 3, "async_save": False})
     summary = LocalLauncher(cfg, groups=2, progress=False,
                             faults={"g0": ["before_commit@12"], "g1": ["before_commit@12"]}).run()
@@ -89,8 +87,7 @@ def test_a_live_group_behind_loads_the_newest_checkpoint_before_the_rollback(tmp
     holds the newest state, loads that checkpoint, and the job goes on from it: before, the
     rollback went back to g1's older state although a newer checkpoint was on disk."""
     # min_replicas=2: g0 waits for g1's next incarnation instead of racing to the end alone.
-    cfg = config(tmp_path / "run", demo_data, steps=40, ft={"min_replicas": 2, **WAIT_FOR_PEERS,
-                                                         **STARVED_HEARTBEATS_TOLERATED},
+    cfg = config(tmp_path / "run", demo_data, steps=40, ft={"min_replicas": 2, **WAIT_FOR_PEERS},
                  checkpoint={"every": 5, "keep": 3, "async_save": False})
     # g0's first serve holds until g0 committed 8 more steps (a checkpoint among them), then it dies.
     summary = LocalLauncher(cfg, groups=2, progress=False,

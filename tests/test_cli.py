@@ -22,7 +22,7 @@ from ftlm.data.tokenizer import Tokenizer
 
 SUBCOMMANDS = [
     ["demo"], ["train"], ["coordinator"], ["launch"], ["launch", "local"], ["data"],
-    ["data", "prepare"], ["tokenizer"], ["tokenizer", "train"], ["report"],
+    ["data", "prepare"], ["tokenizer"], ["tokenizer", "train"], ["report"], ["run"],
 ]
 CONFIG_COMMANDS = [["train"], ["coordinator"], ["launch", "local"]]
 """Commands that read a run config and so accept ``--set`` overrides."""
@@ -449,3 +449,142 @@ def test_a_relaunched_train_continues_its_record_without_a_gap_across_the_pause(
     across = commits[3] - commits[2]  # the pause, a process start-up and a checkpoint load
     assert across >= 3.0
     assert summary["timeline"]["max_commit_gap_seconds"] < across, summary["timeline"]
+
+
+# -- ftlm run SCRIPT: a user's own training loop -----------------------------------------------
+
+def _script(tmp_path: Path, body: str, name: str = "my_train.py") -> Path:
+    path = tmp_path / name
+    path.write_text(body)
+    return path
+
+
+def test_run_executes_the_script_as_main_with_its_arguments_and_its_folder_on_the_path(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the command sets both, as python does
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    _script(tmp_path, "WHERE = 'next to the script'\n", name="my_helpers.py")
+    seen = tmp_path / "seen.json"
+    script = _script(tmp_path, f"""
+import json, sys
+import my_helpers
+json.dump({{"name": __name__, "argv": sys.argv, "helper": my_helpers.WHERE}}, open({str(seen)!r}, "w"))
+""")
+    code, _, err = _run(["run", str(script), "--lr", "3e-3", "--", "x"])
+    assert code == 0, err
+    assert json.loads(seen.read_text()) == {
+        "name": "__main__", "argv": [str(script), "--lr", "3e-3", "--", "x"],
+        "helper": "next to the script"}
+
+
+@pytest.mark.parametrize("body, status, line", [
+    ("pass", 0, ""),
+    ("import sys; sys.exit(5)", 5, ""),
+    ("import sys; sys.exit('no GPU here')", 1, "no GPU here"),
+    ("from ftlm.errors import ConfigError; raise ConfigError('train.steps=0 must be >= 1')", 2,
+     "ftlm: error: train.steps=0 must be >= 1"),
+    ("from ftlm.errors import FaultError; raise FaultError('no quorum within 30 s')", 1,
+     "ftlm: error: no quorum within 30 s"),
+], ids=["ends", "sys.exit(5)", "sys.exit(message)", "bad input", "fault"])
+def test_run_exits_with_the_scripts_status_and_ftlm_errors_as_every_command_does(
+        tmp_path, monkeypatch, body, status, line):
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    code, _, err = _run(["run", str(_script(tmp_path, body + "\n"))])
+    assert code == status
+    assert err.strip().splitlines()[-1:] == ([line] if line else []), err
+
+
+def test_run_of_a_missing_script_is_a_one_line_error(tmp_path):
+    code, _, err = _run(["run", str(tmp_path / "nope.py"), "--lr", "1"])
+    assert code == 2
+    assert err.strip() == (f"ftlm: error: script {tmp_path / 'nope.py'} does not exist or is not a "
+                           "file; give the path of a Python training script, e.g. ftlm run my_train.py")
+
+
+@pytest.mark.parametrize("in_job", [False, True], ids=["alone", "group process"])
+def test_run_as_a_group_process_beacons_from_the_start_and_exits_without_the_teardown(
+        tmp_path, in_job):
+    """What the launcher counts on from ``ftlm run``: the start-up beacon beats while the script
+    runs (the watchdog reads it), and under a coordinator the process ends without the
+    interpreter's teardown once the script returned (``cli._exit``), with the script's status."""
+    beacon = tmp_path / "g0.r0.beacon"
+    script = _script(tmp_path, f"""
+import atexit, pathlib, sys, time
+atexit.register(print, "interpreter teardown", flush=True)
+beacon = pathlib.Path({str(beacon)!r})
+def phase():
+    try:
+        return beacon.read_text().strip()
+    except OSError:  # not written yet, or being replaced
+        return ""
+deadline = time.monotonic() + 30  # the beacon is rewritten every 0.5 s
+while not phase().startswith("running") and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("beacon:", phase(), flush=True)
+sys.exit(7)
+""")
+    env = {k: v for k, v in os.environ.items() if k != "FTLM_COORDINATOR"}
+    env["FTLM_STARTUP_BEACON"] = str(beacon)
+    if in_job:  # never contacted: only its presence matters to the process's exit
+        env["FTLM_COORDINATOR"] = "http://127.0.0.1:9"
+    proc = subprocess.run([sys.executable, "-m", "ftlm.cli", "run", str(script)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 7, proc.stderr
+    assert "beacon: running my_train.py" in proc.stdout
+    assert ("interpreter teardown" in proc.stdout) is not in_job, proc.stdout
+
+
+class _Launcher:
+    """Stands in for ``LocalLauncher``: records what ``launch local`` passed it."""
+
+    seen: dict = {}
+
+    def __init__(self, config, **kwargs):
+        _Launcher.seen = {"config": config, **kwargs}
+
+    def run(self) -> dict:
+        return {"problems": []}
+
+
+def test_launch_local_passes_the_script_and_its_arguments_after_the_double_dash(tmp_path, monkeypatch):
+    monkeypatch.setattr("ftlm.launch.local.LocalLauncher", _Launcher)
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY_TOML)
+    code, _, err = _run(["launch", "local", str(cfg), "--groups", "3", "--set", "train.steps=7",
+                         "--", "my_train.py", "--lr", "1", "--", "--groups", "9"])
+    assert code == 0, err
+    seen = _Launcher.seen
+    assert (seen["groups"], seen["config"].train.steps) == (3, 7)
+    assert (seen["script"], seen["script_args"]) == ("my_train.py", ["--lr", "1", "--", "--groups", "9"])
+    # No CONFIG with a script: the defaults apply (the script's Session reads them).
+    code, _, err = _run(["launch", "local", "--groups", "1", "--", "my_train.py"])
+    assert code == 0, err
+    assert (_Launcher.seen["script"], _Launcher.seen["script_args"]) == ("my_train.py", [])
+    # No script: every rank runs ftlm train CONFIG, as before.
+    code, _, err = _run(["launch", "local", str(cfg)])
+    assert code == 0, err
+    assert (_Launcher.seen["script"], _Launcher.seen["script_args"]) == (None, [])
+
+
+def test_launch_local_without_config_or_script_or_with_nothing_after_the_dashes_is_refused(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr("ftlm.launch.local.LocalLauncher", _Launcher)
+    _Launcher.seen = {}
+    code, _, err = _run(["launch", "local", "--groups", "2"])
+    assert code == 2
+    assert err.strip() == ("ftlm: error: ftlm launch local needs a CONFIG (e.g. configs/tiny.toml), "
+                           "a script after -- (e.g. -- my_train.py), or both")
+    code, _, err = _run(["launch", "local", "--groups", "2", "--"])
+    assert code == 2
+    assert "nothing after --; give the script to run" in err
+    assert _Launcher.seen == {}
+
+
+def test_launch_local_help_documents_the_script_and_its_environment():
+    code, out, _ = _run(["launch", "local", "--help"])
+    assert code == 0
+    assert out.startswith("usage: ftlm launch local [CONFIG] [options] [-- SCRIPT [ARGS ...]]")
+    for word in ("ftlm run SCRIPT ARGS", "FTLM_CONFIG", "FTLM_RUN_DIR", "FTLM_RESULT", "events.jsonl"):
+        assert word in out
+

@@ -15,7 +15,7 @@ from typing import Any
 from pathlib import Path
 
 from ftlm import startup_beacon
-from ftlm.errors import EXIT_RETIRED, FaultError, FtlmError, RetiredError
+from ftlm.errors import EXIT_RETIRED, ConfigError, FaultError, FtlmError, RetiredError
 
 startup_beacon.start()  # a rank's sign of life while it starts, when its supervisor asks for one
 
@@ -43,9 +43,10 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _exit_on_sigterm_during_setup() -> None:
-    """Until the trainer takes over SIGTERM (it then leaves the quorum explicitly), a stop
-    request during set-up ends a group of one rank at once with status 0: it has not joined yet.
+def _exit_on_sigterm_during_setup(command: str = "train") -> None:
+    """Until the trainer (or a script's ``ftlm.train.Session``) takes over SIGTERM (it then
+    leaves the quorum explicitly), a stop request during set-up ends a group of one rank at once
+    with status 0: it has not joined yet.
 
     A rank of a larger group does not exit: its peers would wait for it in the set-up's
     collectives until a timeout (a node drain signals the ranks of one node only). It notes the
@@ -55,10 +56,11 @@ def _exit_on_sigterm_during_setup() -> None:
 
     def stop(signum: int, _frame: Any) -> None:
         if alone:
-            print(f"ftlm train: stopped by signal {signum} during set-up", file=sys.stderr, flush=True)
+            print(f"ftlm {command}: stopped by signal {signum} during set-up", file=sys.stderr,
+                  flush=True)
             os._exit(0)
             return  # (only where os._exit is replaced: tests)
-        print(f"ftlm train: signal {signum} during set-up; the group stops at its first step",
+        print(f"ftlm {command}: signal {signum} during set-up; the group stops at its first step",
               file=sys.stderr, flush=True)
         stop.requested = True  # type: ignore[attr-defined]
     stop.requested = False  # type: ignore[attr-defined]
@@ -109,6 +111,50 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run a user's training script as ``__main__`` (``sys.argv`` = [SCRIPT, *ARGS]), as
+    ``python SCRIPT ARGS`` would, inside the process set-up of every ``ftlm`` command: the start-up
+    beacon (from the import of this module), ``ftlm`` logging, ``FtlmError`` as one line with the
+    statuses of ``ftlm.errors``, and the group process's exit (``_exit``) under a coordinator.
+    The script's ``sys.exit(code)`` is its status. The fault tolerance itself is the script's
+    ``ftlm.train.Session``, which reads the launcher's environment (``FTLM_CONFIG``...)."""
+    import runpy
+    script = Path(args.script)
+    if not script.is_file():
+        raise ConfigError(f"script {script} does not exist or is not a file; give the path of a "
+                          "Python training script, e.g. ftlm run my_train.py")
+    in_job = bool(os.environ.get("FTLM_COORDINATOR"))
+    if in_job:  # a preemption during the imports leaves the job as ``ftlm train`` does
+        _exit_on_sigterm_during_setup("run")
+    from ftlm.observe.logs import configure_logging
+    configure_logging(_log_format(), group=os.environ.get("FTLM_GROUP_ID", "g0"),
+                      rank=int(os.environ.get("RANK", "0")))
+    startup_beacon.phase(f"running {script.name}")
+    sys.argv = [args.script, *args.args]
+    sys.path.insert(0, str(script.resolve().parent))  # the script's own modules, as python does
+    code = 0
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:  # sys.exit("message"): printed, status 1, as python does
+            print(e.code, file=sys.stderr)
+            code = 1
+    if code == 0 and "torch.distributed" in sys.modules:
+        _leave_group()
+    return code
+
+
+def _log_format() -> str:
+    """``observe.log_format`` of the launcher's config (``FTLM_CONFIG``), else text."""
+    path = os.environ.get("FTLM_CONFIG", "")
+    if not path:
+        return "text"
+    from ftlm.config import load_config
+    return load_config(path).observe.log_format
+
+
 def _leave_group() -> None:
     """After a run that ended well: destroy the group's process group before the interpreter's
     teardown, where gloo's native threads, still owned by a live process group, ended a rank with
@@ -139,12 +185,17 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 def cmd_launch_local(args: argparse.Namespace) -> int:
     from ftlm.config import load_config
     from ftlm.launch.local import LocalLauncher
+    script, *script_args = args.script_command or [None]
+    if args.config is None and script is None:
+        raise ConfigError("ftlm launch local needs a CONFIG (e.g. configs/tiny.toml), a script "
+                          "after -- (e.g. -- my_train.py), or both")
     config = load_config(args.config, args.overrides)
     summary = LocalLauncher(config, groups=args.groups, ranks_per_group=args.ranks_per_group,
                             chaos_mtbf=args.chaos_mtbf, chaos_hang=args.chaos_hang,
                             chaos_seed=args.chaos_seed,
                             chaos_coordinator=args.chaos_coordinator,
-                            chaos_preempt=args.chaos_preempt).run()
+                            chaos_preempt=args.chaos_preempt,
+                            script=script, script_args=script_args).run()
     # The run proves fault-tolerant training only with n identical final states of n groups and
     # every sample trained exactly once (a launch stopped on request: over the steps it committed).
     if summary.get("stopped"):
@@ -187,7 +238,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_sim_check(args: argparse.Namespace) -> int:
-    from ftlm.errors import ConfigError
     from ftlm.sim.check import check, format_report
     from ftlm.sim.protocol import FAULTS, SimConfig
     faults = tuple(f.strip() for f in args.faults.split(",") if f.strip()) if args.faults else FAULTS
@@ -237,6 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(fn=cmd_train)
 
+    p = sub.add_parser("run", help="run a Python training script (its own loop, fault tolerant through "
+                                   "ftlm.train.Session) as ftlm runs each rank of a job")
+    p.add_argument("script", help="the Python script to run as __main__, e.g. my_train.py")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments (its sys.argv[1:])")
+    p.set_defaults(fn=cmd_run)
+
     p = sub.add_parser("coordinator", help="run the coordinator (membership, per-step quorum, status page)")
     _add_config_args(p, required=False)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -251,8 +307,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("launch", help="launch a fault-tolerant job")
     lsub = p.add_subparsers(dest="target", required=True, metavar="TARGET")
-    lp = lsub.add_parser("local", help="coordinator + N replica groups as local processes, with chaos")
-    _add_config_args(lp)
+    lp = lsub.add_parser(
+        "local", help="coordinator + N replica groups as local processes, with chaos",
+        usage="ftlm launch local [CONFIG] [options] [-- SCRIPT [ARGS ...]]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Start a coordinator and N replica groups on this machine, restart the groups\n"
+                    "that fail, optionally inject failures, and check the run at the end\n"
+                    "(summary.json and report.md in the run directory).",
+        epilog="Every rank of every group runs `ftlm train CONFIG`, or, with a script after --,\n"
+               "`ftlm run SCRIPT ARGS`: your own training loop, fault tolerant through\n"
+               "ftlm.train.Session (CONFIG is then optional: its defaults apply). Each group\n"
+               "process gets FTLM_CONFIG (the resolved run config the launcher writes,\n"
+               "RUN_DIR/config.toml, TOML) and FTLM_RUN_DIR (the run directory), besides\n"
+               "FTLM_COORDINATOR, FTLM_GROUP_ID, FTLM_INCARNATION, FTLM_TOKEN, FTLM_GROUPS and\n"
+               "torchrun's RANK, WORLD_SIZE, MASTER_ADDR... A script must print the FTLM_RESULT\n"
+               "line at its end and write events.jsonl in FTLM_RUN_DIR (the Session does both):\n"
+               "the launcher's checks are the same as for ftlm train.\n\n"
+               "example: ftlm launch local configs/tiny.toml --groups 3 --chaos-mtbf 10 "
+               "-- my_train.py --lr 3e-3")
+    _add_config_args(lp, required=False)
     lp.add_argument("--groups", type=int, default=2, help="number of replica groups (default 2)")
     lp.add_argument("--ranks-per-group", type=int, default=1,
                     help="ranks (processes) per group; the model is sharded over them with FSDP2")
@@ -267,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     lp.add_argument("--chaos-preempt", action="store_true",
                     help="make a third of the failures of groups preemptions (SIGTERM, to every rank "
                          "or to one): the group leaves gracefully and the supervisor restarts it")
-    lp.set_defaults(fn=cmd_launch_local)
+    lp.set_defaults(fn=cmd_launch_local, script_command=[])
     for target, what in (("k8s", "Kubernetes manifests (coordinator, JobSet / Jobs / TrainJob, monitoring)"),
                          ("slurm", "Slurm batch scripts (coordinator, one requeueable job per group, watcher)")):
         cp = lsub.add_parser(target, help=f"write {what}")
@@ -323,8 +396,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _split_script_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """``ftlm launch local ... -- SCRIPT ARGS``: the launcher's own arguments, and the script's
+    command line (everything after the first ``--``, options included; None without one):
+    argparse alone would mix the two. Other commands are left whole."""
+    if argv[:2] != ["launch", "local"] or "--" not in argv:
+        return argv, None
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    own, script_command = _split_script_command(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    args = parser.parse_args(own)
+    if script_command is not None:
+        if not script_command:
+            parser.error("launch local: nothing after --; give the script to run, "
+                         "e.g. -- my_train.py")
+        args.script_command = script_command
     try:
         return args.fn(args)
     except FtlmError as e:

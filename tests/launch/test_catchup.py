@@ -21,8 +21,8 @@ from ftlm.observe.events import read_events
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_fault_tolerance import (ALL_IN_FIRST_QUORUM, CATCH_UP_FROM_PEERS, LONG,  # noqa: E402
-                                  WAIT_FOR_PEERS, check_invariants, injected, make_config,
-                                  recovered, run_job)
+                                  STARVED_HEARTBEATS_TOLERATED, WAIT_FOR_PEERS, check_invariants,
+                                  injected, make_config, recovered, run_job)
 
 
 def trained_step_seconds(events: list[dict], group: str) -> list[float]:
@@ -85,10 +85,11 @@ def test_kill_during_replay(tmp_path, demo_data):
     speed: both groups train from step 0 (a g1 that started late used to recover through step
     10, and no fault fired), and g0 waits for each of g1's restarts instead of racing to the
     end, so the slow pull is the one that replays. The quorum and give-up bounds cover a
-    restart on a loaded machine."""
+    restart on a loaded machine, and the heartbeat timeout a process starved for seconds."""
     steps = 100
     summary, events = run_job(tmp_path, demo_data, groups=2, steps=steps,
-                              ft={"catchup_max_steps": 2000, "min_replicas": 2, **WAIT_FOR_PEERS},
+                              ft={"catchup_max_steps": 2000, "min_replicas": 2, **WAIT_FOR_PEERS,
+                                  **STARVED_HEARTBEATS_TOLERATED},
                               extra_env={"FTLM_FAULT_STEPS": "3", "FTLM_FAULT_SECONDS": "120"},
                               faults={"g1": ["before_allreduce@10+", "during_replay"],
                                       "g0": ["slow_serve"]})

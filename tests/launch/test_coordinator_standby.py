@@ -9,7 +9,7 @@ import pytest
 
 from ftlm.config import build_config, save_config
 from ftlm.launch.coordinator_process import CoordinatorProcess
-from ftlm.launch.local import _free_port
+from ftlm.launch.group_process import free_port
 
 
 @pytest.fixture
@@ -20,7 +20,7 @@ def config_file(tmp_path):
 
 
 def test_a_killed_coordinator_is_replaced_by_the_standby_on_the_same_port(config_file, tmp_path):
-    coordinator = CoordinatorProcess(config_file, _free_port(), "tok", tmp_path / "events.jsonl",
+    coordinator = CoordinatorProcess(config_file, free_port(), "tok", tmp_path / "events.jsonl",
                                      tmp_path / "coordinator.log")
     try:
         coordinator.start(ready_timeout=120)
@@ -39,7 +39,7 @@ def test_a_killed_coordinator_is_replaced_by_the_standby_on_the_same_port(config
 
 
 def test_a_standby_the_supervisor_never_needed_exits_on_eof(config_file, tmp_path):
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ftlm.launch.coordinator_standby", str(config_file),
                              "--port", str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -68,7 +67,8 @@ def test_a_group_stopped_while_it_starts_is_found_in_seconds(tmp_path, demo_data
     assert stopped.is_set() and killed, "the stopped group was never killed"
     assert "start-up stalled" in killed[0]["reason"], killed[0]
     started = min(e["ts"] for e in events if e["kind"] == "run_start")
-    assert killed[0]["ts"] - started < 60, "found by the start-up timeout, not the beacon"
+    # (ft.startup_timeout is 600 s: far from any start on a loaded machine, as the stall's 4 s is not)
+    assert killed[0]["ts"] - started < config.ft.startup_timeout / 2, "found by the start-up timeout"
     _ended_well(summary, config.run.path, 2, 60)
 
 
@@ -91,14 +91,18 @@ def test_a_group_back_after_every_other_group_left_ends_with_the_final_state(tmp
         restart_due(events, config_file, url, now)
 
     launcher._restart_due = start_once_g0_has_left
-    t0 = time.monotonic()
     summary = launcher.run()
     events = read_events(config.run.path / "events.jsonl")
     assert [e for e in events if e["kind"] == "group_lost"] == []
     g1_start = [e for e in events if e["kind"] == "group_start" and e["group"] == "g1"]
     assert g1_start and g1_start[0]["step"] == steps, "g1 did not resume at the final step"
     _ended_well(summary, config.run.path, 2, steps)
-    assert time.monotonic() - t0 < 120
+    # g0 waited for the others at the end for its quorum timeout, then left: it did not wait
+    # again, nor until the launcher gave up (bounds from the config, not the machine's speed).
+    last = max(e["ts"] for e in events if e["kind"] == "commit" and e["group"] == "g0")
+    left = min(e["ts"] for e in events if e["kind"] == "member_left" and e.get("target") == "g0"
+               and e["ts"] > last)
+    assert left - last < 2 * config.ft.quorum_timeout, left - last
     # g0 waited ft.quorum_timeout (8 s) alone at the end: it asked again less and less often
     # while nothing changed (it asked every 0.25 s: about 30 quorum rounds).
     waiting = [e for e in events if e["kind"] == "quorum" and e["step"] == steps
@@ -110,7 +114,7 @@ def test_the_watchdog_reads_each_ranks_start_up_beacon(tmp_path):
     """A rank whose beacon stopped (or never appeared) for ``ft.startup_stall_timeout`` hangs
     its group's start, named with the phase it stopped in; a rank that keeps it fresh does not,
     however long it takes; once the group made progress, the beacon no longer counts."""
-    from ftlm.launch.local import GroupProcess
+    from ftlm.launch.group_process import GroupProcess
     config = _config(tmp_path / "run", tmp_path, steps=10, ft={"startup_stall_timeout": 5.0})
     launcher = LocalLauncher(config, groups=1, progress=False)
     (launcher.run_dir / "logs").mkdir(parents=True)

@@ -50,6 +50,13 @@ ALL_IN_FIRST_QUORUM = {"join_timeout": 30.0, **WAIT_FOR_PEERS}
 # Without resuming it pulls from a finished group, which waits for it at the end for up to
 # ft.quorum_timeout (so it goes with WAIT_FOR_PEERS).
 CATCH_UP_FROM_PEERS = {"resume": False}
+# For a test whose planned faults are all process exits or stops (the launcher reports an exit
+# at once; a group leaves on a stop), none of them a hang: the heartbeat timeout does not time
+# any of them, and the tests' usual 1 s is a wall-clock guess that a starved process misses on a
+# loaded machine (2 cores, load 10): its group was declared dead, restarted, and its next planned
+# fault went to the wrong incarnation or never fired. (The all-reduce timeout moves with it: the
+# timeouts form a chain, each below the next; with WAIT_FOR_PEERS.)
+STARVED_HEARTBEATS_TOLERATED = {"heartbeat_timeout": 10.0, "allreduce_timeout": 20.0}
 
 
 def make_config(run_dir: Path, data_dir: Path, steps: int = STEPS, ft: dict | None = None,
@@ -121,6 +128,9 @@ def recovered(events: list[dict], victim: str) -> list[dict]:
             and e.get("ok") and e["ts"] > after]
 
 
+@pytest.mark.slow  # 34 s at a load of ~20; the default tier's test_hsdp.py
+# test_hsdp_2x2_matches_one_group_of_2_and_a_single_process makes the same comparison (two groups
+# against one process on the same global batches) with two ranks per group
 def test_two_groups_match_single_process_on_same_global_batches(tmp_path, demo_data):
     # min_replicas=2: both groups train every step from the first one (no late start).
     summary, events = run_job(tmp_path / "ft", demo_data, groups=2, steps=40,
@@ -136,12 +146,15 @@ def test_two_groups_match_single_process_on_same_global_batches(tmp_path, demo_d
         torch.testing.assert_close(ft_weights[name], single_weights[name], rtol=2e-4, atol=2e-5)
 
 
-# inside_allreduce in the default tier (20 s each); the sim visits every point of the step.
+# Slow tier (20 s each idle, 100 s at a load of ~15): the sim visits every point of the step, and
+# the default tier breaks collectives for real: test_hsdp.py's
+# test_hsdp_rank_killed_group_restarts_and_recovers_shard_by_shard kills a rank while its peers are
+# in their collectives, test_catchup.py's test_kill_during_replay a group the other waits for in
+# the all-reduce.
 # A fault at ``@10+`` fires at step 10, or, in a g1 that started after the first quorum and was
 # still recovering at step 10 (a loaded machine), at its first step after it as a participant.
-@pytest.mark.parametrize("point", [pytest.param("before_allreduce", marks=pytest.mark.slow),
-                                   "inside_allreduce",
-                                   pytest.param("after_allreduce", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["before_allreduce", "inside_allreduce", "after_allreduce"])
 def test_group_killed_at_allreduce_point_others_continue(tmp_path, demo_data, point):
     summary, events = run_job(tmp_path, demo_data, groups=2, ft=ALL_IN_FIRST_QUORUM,
                               checkpoint=CATCH_UP_FROM_PEERS, faults={"g1": [f"{point}@10+"]})
@@ -193,6 +206,9 @@ def test_samples_that_break_training_stop_the_job_once_a_second_group_meets_them
     assert all(e["step"] < 10 for e in events if e["kind"] == "commit")  # never past the samples
 
 
+@pytest.mark.slow  # 56 s at a load of ~20; the default tier's test_catchup.py
+# test_kill_during_replay kills a restarted group again while it recovers (and its third
+# incarnation catches up), and tests/sim kills receivers mid-transfer thousands of times
 def test_group_killed_while_receiving_state(tmp_path, demo_data):
     # min_replicas=2: g1 trains from step 0 and g0 waits for each of its restarts, so both kills
     # come at the planned points whatever the machine's speed.
@@ -206,7 +222,7 @@ def test_group_killed_while_receiving_state(tmp_path, demo_data):
 
 
 @pytest.mark.slow  # 64 s; a source killed mid-transfer is visited thousands of times by tests/sim;
-# test_group_killed_while_receiving_state walks the transfer's other end for real
+# test_kill_during_replay walks the transfer's other end for real
 def test_source_killed_while_serving_state(tmp_path, demo_data):
     # g1 dies; g0 (the first participant) is its source and dies while serving; g2 takes over.
     summary, events = run_job(tmp_path, demo_data, groups=3, steps=LONG, ft=ALL_IN_FIRST_QUORUM,
@@ -232,7 +248,7 @@ def test_source_killed_while_serving_state(tmp_path, demo_data):
 
 
 @pytest.mark.slow  # 34 s; a hang at start-up is detected for real in the default tier
-# (test_group_hung_before_its_first_heartbeat_is_killed_and_restarts), a lost heartbeat by the
+# (test_end_of_run.py's test_a_group_stopped_while_it_starts_is_found_in_seconds), a lost heartbeat by the
 # watchdog's tests (test_local.py), and hangs mid-step by tests/sim thousands of times
 def test_hung_group_is_detected_killed_and_rejoins(tmp_path, demo_data):
     summary, events = run_job(tmp_path, demo_data, groups=2, steps=LONG, ft=ALL_IN_FIRST_QUORUM,
@@ -370,6 +386,10 @@ def test_crash_looping_group_stops_the_launch(tmp_path, demo_data):
                       extra_env={"PYTHONHOME": str(tmp_path / "nowhere")}).run()
 
 
+@pytest.mark.slow  # 101 s at a load of ~20; the default tier's test_end_of_run.py
+# test_a_group_back_after_every_other_group_left_ends_with_the_final_state runs a group that
+# comes back at the end for real, test_local.py the launcher's restart decisions near the end,
+# and tests/sim faults after the first group finished
 def test_group_killed_near_the_end_restarts_and_finishes(tmp_path, demo_data):
     """g1 dies 3 steps before the end: g0 reaches the last step and keeps serving until g1,
     restarted, has caught up from it; both end with the same state."""
@@ -411,6 +431,10 @@ def test_a_relaunch_resumes_from_the_checkpoint_and_proves_exactly_once_over_bot
     assert summary["data"]["rolled_back_steps"] == 5
 
 
+@pytest.mark.slow  # 83 s at a load of ~20; in the default tier tests/ft/test_membership_probe.py
+# convicts exactly the bad groups of seeded jobs, tests/ft/test_control_group.py ends every rank
+# of a retired group with EXIT_RETIRED, test_local.py restarts a group on that status, and
+# tests/sim runs bad links thousands of times
 def test_the_group_whose_link_fails_every_step_is_found_and_restarted_while_the_others_train(tmp_path, demo_data):
     """g1's all-reduce fails from step 8 on (FTLM_FAULT=allreduce_fails@8: a bad link). Every
     attempt with g1 fails for all three groups; after ft.probe_after_failures of them the
@@ -486,6 +510,10 @@ def test_groups_giving_up_on_a_bad_link_save_their_step_and_the_job_resumes_from
     check_invariants({**summary, "crashes": []}, events, 2, steps=steps)
 
 
+@pytest.mark.slow  # 110 s at a load of ~20; in the default tier test_protocol_faults.py
+# test_a_live_group_behind_loads_the_newest_checkpoint_before_the_rollback has the only holder die
+# mid-transfer and the joiner load the newest checkpoint, tests/train/test_checkpoint.py saves on
+# a stop (checkpoint.on_stop), test_hsdp.py stops groups by SIGTERM mid-step
 def test_the_last_holder_preempted_mid_transfer_saves_its_step_and_nobody_rolls_back(tmp_path, demo_data):
     """g1 dies at step 10 and pulls from g0, whose serving is slowed; g0, the only group holding
     the newest state, is preempted (SIGTERM) while it serves. It saves its committed step before

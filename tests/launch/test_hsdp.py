@@ -23,7 +23,8 @@ from ftlm.observe.events import read_events
 from ftlm.train.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_fault_tolerance import (ALL_IN_FIRST_QUORUM, CATCH_UP_FROM_PEERS, WAIT_FOR_PEERS,  # noqa: E402
+from test_fault_tolerance import (ALL_IN_FIRST_QUORUM, CATCH_UP_FROM_PEERS,  # noqa: E402
+                                  STARVED_HEARTBEATS_TOLERATED, WAIT_FOR_PEERS,
                                   check_invariants, commits_while_down, make_config, recovered)
 
 
@@ -108,7 +109,8 @@ def test_a_stop_request_reaching_one_rank_stops_its_whole_group_gracefully(tmp_p
     machine, so its stop comes at step 15 or its first commit vote after it (``@15+``)."""
     steps = 40
     config = make_config(tmp_path / "run", demo_data, steps=steps,
-                         ft={"min_replicas": 2, **WAIT_FOR_PEERS})
+                         ft={"min_replicas": 2, **WAIT_FOR_PEERS,
+                             **STARVED_HEARTBEATS_TOLERATED})
     summary = LocalLauncher(config, groups=2, ranks_per_group=2, progress=False,
                             faults={"g1.r1": ["term:before_commit@5+"],
                                     "g1": ["", "term:before_commit@15+"]}).run()
@@ -132,7 +134,9 @@ def test_a_stop_request_reaching_one_rank_stops_its_whole_group_gracefully(tmp_p
     check_invariants(summary, events, 2, steps=steps)
 
 
-@pytest.mark.parametrize("rank", [0, 1])
+# Rank 0 in the slow tier: the default tier's stop reaches a non-leader rank here, and rank 0 and
+# rank 1 in turn in test_a_stop_request_reaching_one_rank_stops_its_whole_group_gracefully.
+@pytest.mark.parametrize("rank", [pytest.param(0, marks=pytest.mark.slow), 1])
 def test_without_fault_tolerance_a_sigterm_to_one_rank_stops_both(tmp_path, demo_data, rank):
     """The same for one FSDP group of 2 ranks without fault tolerance (torchrun): the rank that
     gets SIGTERM and its peer finish the same step, save the same model and exit 0."""

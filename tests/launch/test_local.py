@@ -21,7 +21,9 @@ from ftlm.config import build_config
 from ftlm.errors import EXIT_RETIRED, FtlmError
 from ftlm.launch.chaos import ALL_RANKS, COORDINATOR, Chaos
 from ftlm.launch.console import ConsoleView
-from ftlm.launch.local import RETIRED_IN_A_ROW, TEARDOWN_SECONDS, GroupProcess, LocalLauncher
+from ftlm.launch.group_process import GroupProcess
+from ftlm.launch.local import RETIRED_IN_A_ROW, LocalLauncher
+from ftlm.launch.watchdog import TEARDOWN_SECONDS
 from ftlm.train.checkpoint_files import MARKER, PREFIX
 from ftlm.observe.events import EventLog, read_events
 
@@ -385,7 +387,7 @@ def test_a_rank_the_preemption_signal_ended_itself_stopped_as_asked(launcher):
     g.incarnation = "inc0"
     start(launcher, g, _result_line(g, 40) + "; exec sleep 30", ranks=2)  # no trap: SIGTERM ends it
     for _ in range(200):  # bounded: 10 s for the result lines
-        if launcher._results(g) is not None:
+        if g.final_result(launcher.run_dir, launcher.ranks) is not None:
             break
         time.sleep(0.05)
     launcher._inject(launcher.events, {"members": []})
@@ -406,7 +408,7 @@ def test_a_group_that_hangs_after_printing_its_result_is_killed_and_its_result_s
     g.incarnation = "inc0"
     start(launcher, g, _result_line(g, 40) + "; kill -STOP $$")
     for _ in range(200):  # bounded: 10 s for the result line
-        if launcher._has_result(g):
+        if g.printed_result(launcher.run_dir):
             break
         time.sleep(0.05)
     now = time.time()
@@ -432,7 +434,7 @@ def test_a_group_exiting_on_its_own_error_is_not_killed_as_hung_within_the_teard
     g = launcher.groups[0]
     start(launcher, g, "echo 'ftlm: error: the loss or gradient was not finite in 3 attempts' >&2; kill -STOP $$")
     for _ in range(200):  # bounded: 10 s for the error line
-        if launcher._printed_error(g):
+        if g.printed_error(launcher.run_dir):
             break
         time.sleep(0.05)
     t0 = time.time()
@@ -456,7 +458,7 @@ def test_a_group_exiting_on_its_own_error_is_not_killed_as_hung_within_the_teard
     start(launcher, third, ranks=2)
     with open(third.log(launcher.run_dir, 0), "ab") as f:  # rank 0's error; rank 1 says nothing
         f.write(b"ftlm: error: declared hung\n")
-    assert not launcher._printed_error(third)
+    assert not third.printed_error(launcher.run_dir)
     launcher._observe({"members": [member(third)], "dead": []}, t0)
     launcher._observe({"members": [], "dead": []}, t0 + 0.1)
     launcher._watchdog({"members": [], "dead": []}, launcher.events, t0 + 5.0)
@@ -473,7 +475,7 @@ def test_a_group_that_left_and_printed_its_result_gets_only_the_teardown_to_exit
     g.incarnation = "inc0"
     start(launcher, g, _result_line(g, 40) + "; kill -STOP $$")
     for _ in range(200):  # bounded: 10 s for the result line
-        if launcher._results(g) is not None:
+        if g.final_result(launcher.run_dir, launcher.ranks) is not None:
             break
         time.sleep(0.05)
     t0 = time.time()

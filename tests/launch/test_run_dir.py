@@ -23,7 +23,8 @@ from safetensors.torch import save_file
 from ftlm.cli import main
 from ftlm.config import build_config, save_config
 from ftlm.errors import DataError
-from ftlm.launch.local import GroupProcess, LocalLauncher, _run_token
+from ftlm.launch.group_process import GroupProcess
+from ftlm.launch.local import LocalLauncher, _run_token
 from ftlm.launch.run_lock import LOCK_FILE, RunDirInUse, lock_run_dir
 from ftlm.observe.events import EventLog, read_events
 from ftlm.train.checkpoint import Checkpointer

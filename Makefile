@@ -60,9 +60,12 @@ system-deps-cluster:
 	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge shellcheck
 
 # The default tier keeps one real-process test per fault path (the protocol simulation visits
-# thousands of schedules of each); the slow tier (`make test-slow`, about 11 minutes) runs the
-# longer real-process variants: every all-reduce kill point, a source killed mid-transfer, a
-# SIGSTOPped group resumed, a catch-up that overflows its buffer, Slurm requeues, compiles.
+# thousands of schedules of each); the slow tier (`make test-slow`) runs the longer real-process
+# variants: every all-reduce kill point, a group killed while it receives state or near the end,
+# the last holder preempted mid-transfer, a link failing every step, a SIGSTOPped group resumed,
+# a catch-up that overflows its buffer, Slurm requeues, compiles, the FSDP2 example under chaos,
+# every documented command run as written. Each slow test's docstring names what covers its path
+# in the default tier.
 .PHONY: test-slow
 # Each suite runs once, on the interpreted modules (FTLM_NATIVE=0): every test, those that patch
 # module functions a compiled caller would call directly included. The compiled build is checked

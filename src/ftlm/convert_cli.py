@@ -3,7 +3,7 @@
 The direction follows from SRC:
 
 * an HF folder (``config.json`` + safetensors) -> an ftlm model folder DST: ``model.safetensors``
-  (the layout ``Trainer.save_model`` writes; ``train.init_from`` takes it), ``config.toml``
+  (the layout ``Session``'s model file (``Durability.save_model``) writes; ``train.init_from`` takes it), ``config.toml``
   holding the ``[model]`` section to train or evaluate it with, and the HF tokenizer files;
 * an ftlm source -> an HF folder DST (``config.json``, ``model.safetensors``, the tokenizer as
   ``tokenizer.json`` + ``tokenizer_config.json``). An ftlm source is a run directory (its

@@ -9,7 +9,7 @@ stops changing means the whole process stopped, in seconds, whatever the phase; 
 never ends is left to ``ft.startup_timeout``.
 
 Standard library only: it starts before anything heavy is imported. It decides nothing about the
-process (``ftlm.launch.local``'s watchdog reads the beacons).
+process (``ftlm.launch.watchdog`` reads the beacons).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Loading a trained model (and its tokenizer) for inference.
 
 Responsible for: finding the pieces of a finished run (``config.toml``, ``model.safetensors``
-written by ``Trainer.save_model``, the tokenizer named by the run's data config) and building an
+written by the training session (``Durability.save_model``), the tokenizer named by the run's data config) and building an
 eval-mode ``Transformer`` on a device and dtype, with one-line errors for what is missing.
 
 Not responsible for: training checkpoints (DCP directories: ``ftlm convert`` or the trainer load

@@ -4,7 +4,7 @@
 does not matter, since equal steps of one history are equal states) and the job's model file.
 A periodic checkpoint is written by participant 0 of the step's quorum (``checkpoint.every``:
 10, or 0 on every third seed); the job's last step is saved whatever ``checkpoint.every`` says,
-once (the trainer's ``_save_final``); a group stopped by SIGTERM that wrote its last step's
+once (the session's ``Durability.save_final``); a group stopped by SIGTERM that wrote its last step's
 checkpoints saves that step on its way out (``checkpoint.on_stop``); each group's process
 writes the model file as it exits when the real rule ``ftlm.ft.end_of_run.may_write_model``
 lets it.
@@ -12,7 +12,7 @@ lets it.
 Not responsible for judging the model file (``Invariants.check_model_write`` and ``check_end``),
 for when a group loads a checkpoint (``ftlm.sim.processes``, ``ftlm.sim.recovery``), nor for
 files, bytes or partial writes: a save either happened at its moment or did not. The trainer's
-rules written here (``Checkpointer.due``, ``_saves_on_stop``, ``_save_final``) live in
+rules written here (``Checkpointer.due``, ``Durability.saves_on_stop``, ``Durability.save_final``) live in
 ``ftlm.train``, which ``ftlm.sim`` may not import.
 """
 
@@ -58,7 +58,7 @@ class Storage:
         return self.c.checkpoint_on_stop and inc.writer and not self.checkpoint_due(inc.state.step)
 
     def save_final(self, inc: Incarnation, finishing: bool) -> None:
-        """The trainer's ``_save_final``: the job's last step is made durable whatever
+        """The session's ``Durability.save_final``: the job's last step is made durable whatever
         ``checkpoint.every`` says, once (by its writer at the commit, or by whichever group
         finishes first, ``finishing``): a group started after the others left resumes there.
         A finishing group whose last quorum stood at its state (``holds_head``: the coordinator

@@ -392,7 +392,7 @@ class GroupModel:
         the manager stops its heartbeats and tells the coordinator (``Manager.leave``); the
         process exits 0 a moment later (it writes its model and summary first), and the
         launcher may start the group again later (a spot node coming back). With
-        ``checkpoint_on_stop`` the trainer's ``_leave_stopped`` saves the step first (``saved``:
+        ``checkpoint_on_stop`` the session's ``_leave_stopped`` saves the step first (``saved``:
         done already); heartbeats go on meanwhile."""
         sim = self.sim
         if inc.left or not inc.alive or (inc.phase == "saving" and not saved):

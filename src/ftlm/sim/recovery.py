@@ -6,7 +6,7 @@ or drops it), loads it once it arrived, replays the buffered updates behind it o
 steps (checked by the real ``ftlm.ft.group.check_replay`` against each step's head, as the
 trainer does) and reports the head after the vote of the step it reached it in
 (``GroupProtocol.caught_up``). Told that no live group holds the head, a group loads the newest
-durable checkpoint newer than its state (the trainer's ``_reload_checkpoint``).
+durable checkpoint newer than its state (the session's ``_reload_checkpoint``).
 
 Not responsible for when a recovery starts (the quorum's role, ``ftlm.sim.group``), nor for what
 is on disk (``ftlm.sim.durable``). The catch-up buffer is unbounded here: its overflow rule
@@ -48,7 +48,7 @@ class Recovery:
             self.reload(inc, head)
 
     def reload(self, inc: Incarnation, head: int) -> None:
-        """The trainer's ``_reload_checkpoint``: no live group holds the head, so load the newest
+        """The session's ``_reload_checkpoint``: no live group holds the head, so load the newest
         durable checkpoint if it is newer than this group's state, dropping a pull in flight or a
         snapshot being replayed; then ask again (saying it looked: ``disk_checked``)."""
         sim = self.sim
@@ -117,7 +117,7 @@ class Recovery:
         self.sim.log(f"{inc.replica_id} loaded the snapshot of step {inc.state.step}")
 
     def replay_backlog(self, inc: Incarnation, q: Quorum, until_head: bool) -> bool:
-        """The trainer's ``_replay_backlog``: the buffered updates from the state's step on
+        """The session's ``Recovery._replay``: the buffered updates from the state's step on
         (``CatchUpBuffer.run_from``) must lead to the head of ``q`` (``check_replay``); then at
         least ``REPLAY_AT_LEAST`` are applied, more while the all-reduce waits (a random number
         here), all of them with ``until_head``. False (and the pull starts over) when they do not

@@ -95,7 +95,7 @@ def build_model(config: TrainerConfig, device: torch.device) -> Transformer:
 
 
 def load_weights(model: Transformer, path: Path, field: str = "train.init_from") -> None:
-    """Load ``model.safetensors`` weights (as ``Trainer.save_model`` writes them) into ``model``;
+    """Load ``model.safetensors`` weights (as the session (``Durability.save_model``) writes them) into ``model``;
     errors name the config ``field`` the path came from."""
     from safetensors import SafetensorError
     from safetensors.torch import load_model

@@ -123,10 +123,8 @@ def _said_about(section: str, name: str, probe: Any, message: str) -> str:
     prefix = f"{section}.{name}={probe!r}"
     if not message.startswith(prefix):
         return ""
-    rest = message[len(prefix):].lstrip(":; ").strip()
-    if not re.match(r"must|valid", rest):
-        return ""
-    return rest.removeprefix("must be ").removeprefix("valid: ")
+    said = re.search(r"\b(?:must be|valid:)\s*(.+)", message[len(prefix):])
+    return said.group(1).strip() if said else ""
 
 
 def _cell(text: str) -> str:

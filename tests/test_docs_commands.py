@@ -176,6 +176,15 @@ NOT_RUNNABLE: dict[tuple[str, str], str] = {
     ("docs/slurm.md", "curl -s -H \"Authorization: Bearer $TOKEN\" \"$(cat /shared"):
         "a Slurm job's coordinator",
     ("docs/slurm.md", "scancel "): "a Slurm cluster",
+    ("docs/inference.md", "ftlm verifier head runs/sft-small"):
+        "fits a head on the policy's right and wrong samples; the prepared runs/sft (SFT shrunk "
+        "to 4 steps) answers none right, and a head needs both (the 300-step SFT of "
+        "docs/post-training.md does); parsed in the default tier",
+    ("docs/inference.md", "ftlm generate runs/sft --chat --tasks 200 -n 16 --strategy best-of-n "
+                          "--scorer verifier --verifier runs/sft-small --verifier-head"):
+        "reads runs/head.json, which the head command above writes",
+    ("docs/inference.md", "ftlm serve runs/sft --verifier runs/sft-small --verifier-head"):
+        "reads runs/head.json, which the head command above writes",
     ("docs/post-training.md", "ftlm train configs/tiny.toml --set run.dir=runs/1b"):
         "the 1b shape: about 20 GB of float32 weights and AdamW state, a GPU's worth; parsed "
         "and validated in the default tier",
@@ -208,9 +217,11 @@ SHRINK: tuple[tuple[tuple[str, ...], str, tuple[str, ...]], ...] = (
     (("ftlm", "eval"), "", ("--n", "4", "--max-new-tokens", "24")),
     (("ftlm", "generate"), "--tasks", ("--tasks", "2")),
     (("ftlm", "generate"), "", ("--max-new-tokens", "24")),
-    # Its held-out rows (data.eval_samples) come out of the few a shrunk --n labels.
-    (("ftlm", "verifier", "train"), "", ("--n", "4", "--samples", "2", "--max-new-tokens", "24",
-                                         "--set", "train.steps=4", "--set", "data.eval_samples=2")),
+    # A shrunk --n labels a few rows (packed 512 tokens each): all of them train, none held out.
+    (("ftlm", "verifier", "train"), "", ("--n", "24", "--samples", "2", "--max-new-tokens", "24",
+                                         "--set", "train.steps=4", "--set", "train.batch_size=2",
+                                         "--set", "data.eval_samples=0",
+                                         "--set", "train.eval_every=0")),
     (("ftlm", "verifier", "head"), "", ("--n", "4", "--samples", "4", "--max-new-tokens", "24")),
     (("ftlm", "tasks", "write"), "--n", ("--n", "40")),
     (("ftlm", "sim", "check"), "", ("--seeds", "3", "--steps", "30")),

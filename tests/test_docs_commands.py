@@ -393,7 +393,7 @@ def run_doc(doc: str, workdir: Path) -> list[str]:
                 continue
             log = logs / f"{n:03d}.log"
             if command.python:
-                script = workdir / ".doc-logs" / f"{n:03d}.py"
+                script = logs / f"{n:03d}.py"
                 script.write_text(command.text)
                 argv = [sys.executable, str(script)]
             elif is_assignment(command):

@@ -188,6 +188,11 @@ NOT_RUNNABLE: dict[tuple[str, str], str] = {
     ("docs/post-training.md", "ftlm train configs/tiny.toml --set run.dir=runs/1b"):
         "the 1b shape: about 20 GB of float32 weights and AdamW state, a GPU's worth; parsed "
         "and validated in the default tier",
+    ("README.md", "with Session(model, optimizer"):
+        "a fragment of examples/hf_causal_lm.py, which tests/examples runs whole under chaos",
+    ("docs/api.md", "from ftlm.train import Session"):
+        "the call order around a user's model, optimizer and data (names the block leaves to "
+        "the reader); examples/hf_causal_lm.py is that loop whole, run by tests/examples",
     ("docs/post-training.md", "python -m bench.lifecycle"):
         "the lifecycle benchmark: an hour and more of CPU per setting (`make lifecycle`); its "
         "stages are this page's own commands, which run here",
@@ -227,6 +232,15 @@ SHRINK: tuple[tuple[tuple[str, ...], str, tuple[str, ...]], ...] = (
     (("ftlm", "sim", "check"), "", ("--seeds", "3", "--steps", "30")),
     (("ftlm", "simulate"), "--sweep", ("--runs", "2")),
 )
+
+
+def with_flags(text: str, flags: list[str]) -> str:
+    """``text`` with ``flags`` added to ftlm's own arguments: before a ``-- SCRIPT ...`` part,
+    which belongs to the script."""
+    if " -- " in text:
+        own, script = text.split(" -- ", 1)
+        return " ".join([own, *flags, "--", script])
+    return " ".join([text, *flags])
 
 
 def shrink_flags(argv: list[str]) -> list[str]:
@@ -284,6 +298,8 @@ def test_every_ftlm_command_parses_and_its_config_loads(monkeypatch):
         argv = _ftlm_argv(argv_of(command, variables))
         if argv is None:
             continue
+        # `ftlm launch local ... -- SCRIPT`: what follows `--` is the script's (as ftlm.cli splits it).
+        argv = argv[:argv.index("--")] if "--" in argv else argv
         # As written, and as the slow tier runs it (its shrinking flags must be valid too).
         for extra in ([], shrink_flags(["ftlm", *argv])):
             try:
@@ -309,7 +325,7 @@ def test_every_python_block_compiles():
 def test_python_blocks_that_need_no_server_run(tmp_path, monkeypatch):
     """A block that talks to no server (no URL in it) needs nothing the slow tier prepares."""
     monkeypatch.chdir(tmp_path)
-    blocks = [c for c in ALL_COMMANDS if c.python and "://" not in c.text]
+    blocks = [c for c in ALL_COMMANDS if c.python and "://" not in c.text and not not_runnable(c)]
     assert blocks
     for command in blocks:
         exec(compile(command.text, str(command), "exec"), {"__name__": "__doc_block__"})
@@ -403,7 +419,7 @@ def run_doc(doc: str, workdir: Path) -> list[str]:
                 continue
             else:
                 words = argv_of(command, variables)
-                text = " ".join([command.text, *map(shlex.quote, shrink_flags(words))])
+                text = with_flags(command.text, list(map(shlex.quote, shrink_flags(words))))
                 head = next((h for h in SERVERS if tuple(words[:len(h)]) == h), None)
                 if head is not None:
                     if server is not None:

@@ -115,15 +115,32 @@ def _stalls(res: JobResult) -> dict:
     med = median_step_seconds(events)
     fails = failure_events(events)
     stalls = stall_seconds(events, med)
-    out = {"median": med, "failure": None, "rejoin": None}
+    out = {"median": med, "failure": None, "rejoin": None, "doomed": None}
     t_fail = None
     for f, s in zip(fails, stalls):
         if f.kind == "failure_injected" and f.group == "g2" and t_fail is None:
             out["failure"], t_fail = s, f.ts
+            out["doomed"] = doomed_step(events, t_fail)
         elif f.kind == "recovery_start" and f.group == "g2" and t_fail is not None:
             out["rejoin"] = s
             break
     return out
+
+
+def doomed_step(events: list[dict], t_fail: float) -> float | None:
+    """Seconds the healthy groups spent on the step the failure at ``t_fail`` doomed: from the
+    job's last commit before it (the earliest healthy commit of that step) to the first healthy
+    ``step_failed`` after it (the moment a survivor learnt the step was lost). The rest of the
+    stall is the protocol's: the new quorum, the new process group, the redone step's excess over
+    a median one. None where a side logs no ``step_failed``."""
+    healthy = [e for e in events if not str(e.get("group", "")).startswith("g2")]
+    before = [e for e in healthy if e["kind"] == "commit" and e["ts"] <= t_fail]
+    failed = next((e["ts"] for e in healthy if e["kind"] == "step_failed" and e["ts"] > t_fail), None)
+    if not before or failed is None:
+        return None
+    last_step = max(e["step"] for e in before)
+    started = min(e["ts"] for e in before if e["step"] == last_step)
+    return failed - started
 
 
 def _fault_plan(model: str, batch: int, fault: str, duration: float) -> Plan:
@@ -264,18 +281,26 @@ def render_part2(reps: list[dict]) -> str:
         params = next(r["params"] for r in first if r["model"] == model)
         rows.append([model, f"{params / 1e6:.1f}M", "SIGKILL" if sig == "kill" else "SIGSTOP",
                      cell([r and r["median"] for r in ft]), cell([r and r["failure"] for r in ft]),
-                     cell([r and r["median"] for r in tf]), cell([r and r["failure"] for r in tf])])
+                     cell([r and r.get("doomed") for r in ft]),
+                     cell([r and r["median"] for r in tf]), cell([r and r["failure"] for r in tf]),
+                     cell([r and r.get("doomed") for r in tf])])
     at = dict.fromkeys((r["model"], r["at"]) for r in first)
     plan = ", ".join(f"{m}: step {a}" for m, a in at)
     head = ["model", "params", "signal", "ftlm median step s", "ftlm stall s",
-            "torchft median step s", "torchft stall s"]
+            "ftlm doomed step s", "torchft median step s", "torchft stall s",
+            "torchft doomed step s"]
     return ("### 2. Stall of the healthy groups per failure, 3 groups\n\n" + _runs_line(reps)
             + f"g2 kills or stops itself after the forward pass of the step in the plan ({plan}); "
             "ftlm and torchft both with a 1 s heartbeat timeout, a 2 s join timeout and a 10 s "
             "all-reduce (process group) timeout. A stopped ftlm group is killed by the launcher "
             "once its heartbeat is lost; a stopped torchft worker is killed by the bench "
             "supervisor 11 s after it stopped (torchft has no hang detector of its own; its peers "
-            "wait for the process-group timeout).\n\n" + table(head, rows) + "\n")
+            "wait for the process-group timeout). *Doomed step*: what the survivors had spent "
+            "on the step the failure doomed before they learnt it was lost (`doomed_step`: from "
+            "the job's last commit to the first healthy `step_failed`); the stall is about that "
+            "plus the protocol's own part (the new quorum and process group, the redone step's "
+            "excess over a median one). n/a: no `step_failed` logged, or a repetition from "
+            "before this column.\n\n" + table(head, rows) + "\n")
 
 
 def render_part3(reps: list[dict]) -> str:

@@ -67,7 +67,6 @@ import hmac
 import itertools
 import json
 import logging
-import signal
 import ssl
 import sys
 import threading
@@ -91,6 +90,7 @@ from ftlm.ft.hot_path import HotPathProtocol
 from ftlm.ft.membership import Answer, Event, Issued, Membership, Output
 from ftlm.ft.quorum import Convicted, Heartbeat, QuorumOptions, StaleIncarnation
 from ftlm.ft.quorum_answer import AnswerEncoder
+from ftlm.until_signal import wait_until_signalled
 from ftlm.ft.tls import server_context
 
 log = logging.getLogger(__name__)
@@ -219,24 +219,13 @@ class Coordinator:
         """Serve until SIGINT or SIGTERM (for the ``ftlm coordinator`` command)."""
         self.start()
         quiet_collector()
-        stop = threading.Event()
-        previous: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                previous[sig] = signal.signal(sig, lambda *_: stop.set())
         print(f"ftlm coordinator listening on {self.describe()} (hot path {native.STATUS}; Ctrl-C to stop)",
               flush=True)
         if not self.config.token:
             who = "any process on this machine" if self._loopback else "anyone who reaches this port"
             print(f"ftlm coordinator: warning: no job token (FTLM_TOKEN or ft.token_file): {who} "
                   f"can read the job's status, kill groups and report deaths", file=sys.stderr, flush=True)
-        try:
-            while not stop.wait(0.5) and self._thread is not None and self._thread.is_alive():
-                pass
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            self.stop()
+        wait_until_signalled(lambda: self._thread is not None and self._thread.is_alive(), self.stop)
 
     def call_in_loop(self, fn: Callable[[], T], timeout: float = 5.0) -> T:
         """Run ``fn`` on the server's event loop thread and return its result; from any thread."""

@@ -22,7 +22,6 @@ import asyncio
 import hmac
 import json
 import logging
-import signal
 import sys
 import threading
 import time
@@ -41,6 +40,7 @@ from ftlm.serve.config import ServeConfig
 from ftlm.serve.metrics import ServeMetrics
 from ftlm.serve.protocol import APIError
 from ftlm.serve.runner import EngineRunner, Overloaded, Stopped, Update
+from ftlm.until_signal import wait_until_signalled
 
 log = logging.getLogger(__name__)
 
@@ -114,23 +114,12 @@ class Server:
     def serve_forever(self) -> None:
         """Serve until SIGINT or SIGTERM (for ``ftlm serve``)."""
         self.start()
-        stop = threading.Event()
-        previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                previous[sig] = signal.signal(sig, lambda *_: stop.set())
         print(f"ftlm serve: {self.config.model_name!r} on {self.url}/v1 (Ctrl-C to stop)",
               flush=True)
         if not self.config.token:
             print("ftlm serve: warning: no token (FTLM_TOKEN or ft.token_file): any process that "
                   "reaches the port can use the model", file=sys.stderr, flush=True)
-        try:
-            while not stop.wait(0.5) and self._thread is not None and self._thread.is_alive():
-                pass
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            self.stop()
+        wait_until_signalled(lambda: self._thread is not None and self._thread.is_alive(), self.stop)
 
     def _run_loop(self) -> None:
         loop = asyncio.new_event_loop()

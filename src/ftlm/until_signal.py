@@ -1,0 +1,32 @@
+"""Block a server's command until the user stops it (SIGINT, SIGTERM) or the server stops alone.
+
+Shared by ``ftlm coordinator`` and ``ftlm serve``: each starts its server thread, prints what it
+serves, then waits here. Standard library only. Not here: starting or stopping the servers.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+POLL_SECONDS = 0.5
+"""How often the wait looks whether the server thread is still alive."""
+
+
+def wait_until_signalled(alive: Callable[[], bool], stop: Callable[[], None]) -> None:
+    """Wait until SIGINT or SIGTERM arrives (handled only from the main thread, and restored
+    after) or ``alive()`` turns false, then call ``stop``."""
+    stopping = threading.Event()
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda *_: stopping.set())
+    try:
+        while not stopping.wait(POLL_SECONDS) and alive():
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        stop()

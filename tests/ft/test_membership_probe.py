@@ -21,9 +21,9 @@ class Job:
     least one other member (a bad link: alone, a group has nobody to talk to)."""
 
     def __init__(self, n: int, bad: set[str], probe_after: int = 3, min_replicas: int = 1,
-                 expected: int | None = None) -> None:
+                 expected: int | None = None, progress_timeout: float = 0.0) -> None:
         self.m = Membership(QuorumOptions(min_replicas, 2.0, 30.0, n if expected is None else expected, rebuild_grace=0.0,
-                                          probe_after=probe_after), epoch="e")
+                                          probe_after=probe_after, progress_timeout=progress_timeout), epoch="e")
         self.bad = bad
         self.now = 0.0
         self.inc = {f"g{i}": "a" for i in range(n)}
@@ -337,6 +337,42 @@ def test_an_attempt_failed_by_a_member_that_hangs_clears_nobody() -> None:
     assert [r for r, _ in job.retired] == ["g2:a"]
     left = left_out(job)
     assert left[:2] == ["g0,g1", "g2"] and left[-1] == "g2", left
+
+
+def test_the_next_attempt_waits_for_a_slow_member_of_the_failed_one() -> None:
+    """A bad link fails some members of an attempt at once and others at their all-reduce
+    timeout, later than ``join_timeout``: the next attempt waits for the slow one (a recovering
+    member here; participants are waited for as unsettled), so that the failed attempt counts as
+    evidence, and goes without it only once ``progress_timeout`` declares it hung."""
+    job = Job(3, bad=set(), progress_timeout=5.0)
+    first = [q for g in ("g0", "g1", "g2") for q in job.ask(g)]
+    job.run(first[0])  # step 0 commits for everyone
+    job.bad = {"g2"}
+    job.inc["g1"], job.state["g1"] = "b", (0, GENESIS)  # g1 restarted from step 0: it recovers
+    job.last_id["g1"], job.failed["g1"] = -1, False
+    job.m.heartbeat(job.now, Heartbeat("g1:b", "g1", job.now, 0))
+    issued = [q for g in ("g0", "g1", "g2") for q in job.ask(g)]
+    assert len(issued) == 1 and issued[0].recovering == ["g1:b"]
+    job.run(issued[0])  # it fails for everyone: g2 takes part
+    assert not job.ask("g2") and not job.ask("g0")  # g1 is still in its collective
+    job.now += 1.5 * job.m.options.join_timeout  # (past it, within progress_timeout)
+    assert not job.feed(job.m.tick(job.now))
+    assert "waiting for g1" in job.m.reason and "failed attempt of step 1" in job.m.reason
+    again = job.ask("g1")
+    assert len(again) == 1 and set(again[0].replica_ids()) == {"g0:a", "g1:b", "g2:a"}
+    assert job.m.state.probe is not None and job.m.state.probe.failed == 1  # the attempt counted
+    # A member that never asks again is waited for until progress_timeout declares it hung.
+    job.run(again[0])
+    stuck_since = job.now
+    assert not job.ask("g2") and not job.ask("g0")
+    job.now += job.m.options.join_timeout
+    assert not job.feed(job.m.heartbeat(job.now, Heartbeat("g1:b", "g1", job.now, 0, progress_at=stuck_since))[1])
+    assert "waiting for g1" in job.m.reason
+    job.now = stuck_since + job.m.options.progress_timeout - 0.5
+    assert not job.ask("g2") and not job.ask("g0")  # their long-polls ended: they ask again
+    job.now = stuck_since + job.m.options.progress_timeout + 0.1
+    later = job.feed(job.m.tick(job.now))
+    assert len(later) == 1 and set(later[0].replica_ids()) == {"g0:a", "g2:a"}, job.m.reason
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -72,6 +72,22 @@ FOCUSED = [
 ]
 
 
+# Seeds of the default job (every fault kind, 200 steps) kept as regressions.
+DEFAULT_JOB = [
+    (1251, "a bad link outlived the 30 s progress bound: a recovering member of each failed attempt asked "
+           "again at its all-reduce timeout, after the join timeout, so the next attempt went without it "
+           "and the search counted no evidence (hangs, lags, a restore and a lost answer struck meanwhile)"),
+    (3928, "same as seed 1251, after three coordinator crashes had each started the search over"),
+    (4550, "same as seed 1251, the groups without the bad link hanging and restarting meanwhile"),
+]
+
+
+@pytest.mark.parametrize("seed,what", DEFAULT_JOB, ids=[str(s) for s, _ in DEFAULT_JOB])
+def test_default_job_regression_seeds(seed: int, what: str) -> None:
+    result = run(seed, SimConfig(steps=200))
+    assert result.ok, f"{what}: {result.error}\n" + "\n".join(result.trace)
+
+
 def test_hundreds_of_seeded_jobs_hold_every_invariant() -> None:
     config = SimConfig(steps=CI_STEPS)
     report = check(CI_SEEDS, config, jobs=2)

@@ -104,6 +104,8 @@ class Faults:
         if kind == "bad_link" and (self.c.groups < 3 or self.links_bad() >= min(
                 self.c.bad_links, self.c.groups - 2)):
             return  # at most ``bad_links``, and two good groups must remain (see FAULTS)
+        if self.links_bad():
+            sim.invariants.fault_during_search(kind)
         self.counts[kind] = self.counts.get(kind, 0) + 1
         self.last_fault = sim.now
         if kind != "bad_link":

@@ -10,7 +10,8 @@ never go back, the job's model file never goes back and is written only by a gro
 the job's state, a group retired for its link had a bad one (``check_conviction``), a member
 declared dead for its silence was silent at the coordinator's door (``check_silence``), and at
 the end every group finished alike, the model file holds the final state and the job's record
-proves every sample trained once. Liveness: some group commits every ``progress_seconds``, the
+proves every sample trained once. Liveness: some group commits every ``progress_seconds`` (plus
+what the faults striking during a bad-link search may cost it), the
 job finishes within ``liveness_seconds`` of its last fault, every injected hang is detected,
 and a graceful leave in quiet times never makes the others wait for a timeout
 (``watch_leave``, ``check_leaves``).
@@ -22,6 +23,7 @@ record of commits and restores).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from ftlm.ft.group import Role
@@ -44,6 +46,7 @@ class Invariants:
         self.head: tuple[int, str] | None = None
         self.seen_states: dict[str, State] = {}  # chain -> state (same chain, same history)
         self.last_commit = 0.0
+        self.storm_allowance = 0.0  # seconds the progress bound grows by for faults during a search
         self.leave_watches: list[LeaveWatch] = []
         self.leaves_judged = 0
         self.convictions = self.wrong_convictions = 0  # see SimResult
@@ -59,7 +62,7 @@ class Invariants:
         sim = self.sim
         if self.leave_watches:
             self.check_leaves()
-        bound = self.c.progress_seconds * self.c.bad_links  # (each bad link may take a search)
+        bound = self.c.progress_seconds * self.c.bad_links + self.storm_allowance  # (each bad link may take a search)
         if not sim.faults.endgame and sim.now - self.last_commit > bound:  # draining is no livelock
             self.fail(f"no step committed for {bound:g} simulated s (a livelock?)")
         if self.c.fault_mtbf and sim.now - sim.faults.last_fault > self.c.liveness_seconds:
@@ -166,6 +169,19 @@ class Invariants:
             self.fail(f"{inc.replica_id}: protocol and state disagree after a commit")
         self.remember(inc.state)
         self.last_commit = self.sim.now
+        self.storm_allowance = 0.0
+
+    def fault_during_search(self, kind: str) -> None:
+        """A fault struck while a bad link is in the job: the progress bound grows by what the
+        fault may cost the search for it (docs/ft-protocol.md, 'A bad link'). A coordinator crash
+        loses the search (its evidence is the coordinator's soft state): a whole search again,
+        ``probe_after`` + log2(groups) + 1 failed attempts of up to ``allreduce_timeout``; any other
+        fault (a member killed, hung, restarted behind, a pause) may fail or void one attempt."""
+        c = self.c
+        if kind == "coordinator_crash":
+            self.storm_allowance += (c.probe_after + math.ceil(math.log2(c.groups)) + 1) * c.allreduce_timeout
+        else:
+            self.storm_allowance += c.allreduce_timeout
 
     def record_commit(self, inc: Incarnation, q: Quorum, before: State, after: State) -> None:
         """The ``commit`` event the trainer writes (a participant's, or a recovering group's at the

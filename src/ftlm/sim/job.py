@@ -102,7 +102,9 @@ class SimConfig:
     """Whatever the faults, some group commits a step at least this often (every fault here is
     detected and healed well within it: a livelock shows as a violation); with ``bad_links``
     above one, this many seconds per bad link (the search finds them one after the other, each
-    failed attempt taking up to ``allreduce_timeout``)."""
+    failed attempt taking up to ``allreduce_timeout``). Faults that strike during a search add
+    what they may cost it (``Invariants.fault_during_search``): a coordinator crash a whole search,
+    any other one failed attempt."""
     max_seconds: float = 3600.0
     early_ask: bool = True
     """A participant asks for the next quorum right after its commit vote and applies its update

@@ -72,6 +72,12 @@ def compute_quorum(now: float, state: CoordinatorState, options: QuorumOptions) 
             return None, (f"waiting for {named}: it took part in step {head[0]} and may "
                           "have committed it (or it hangs: then progress_timeout declares it dead)")
 
+    if prev is not None and _search_waits(live, options, prev):
+        named = _named(_prev_not_asking(live), index.prev_idle)
+        return None, (f"waiting for {named}: it took part in quorum {prev.quorum_id}, a failed attempt of "
+                      f"step {head[0]} that a search for a bad link judges by the next attempt "
+                      "(or it hangs: then progress_timeout declares it dead)")
+
     started = state.round_started
     if started is None:
         started = index.oldest_request()
@@ -99,6 +105,35 @@ def _named(groups: list[str], total: int) -> str:
     """``groups`` (at most ``MISSING_NAMED`` of ``total``) for a reason, sorted, the rest counted."""
     more = f" and {total - len(groups)} more" if total > len(groups) else ""
     return ", ".join(sorted(groups)) + more
+
+
+def _search_waits(live: CoordinatorState, options: QuorumOptions, prev: Quorum) -> bool:
+    """Whether the next attempt of the head's step waits for the live members of ``prev`` that
+    have not asked again, some having asked: ``prev`` was an attempt of the head's step (it failed
+    for those who asked, or their answer was lost) in a job the search for a bad link may run in
+    (``bad_link``). The search judges an attempt by the next one, and an attempt without one of
+    its members tells it nothing (that member may be what failed it). A bad link fails some
+    members at once and others at their all-reduce timeout, so one attempt's members ask again
+    that far apart, longer than ``join_timeout``: without this wait the next attempt goes without
+    the slow one every time, recovering members most (participants are waited for already, as
+    unsettled), and the search never narrows. Bounded by ``progress_timeout`` (a member stuck
+    longer is declared hung), so only where that is set; reads the index's counts only."""
+    index = live.index
+    assert live.head is not None
+    return (options.probe_after > 0 and options.progress_timeout > 0 and index.prev_idle > 0
+            and index.prev_alive > index.prev_idle and len(index.hb_groups) >= 3
+            and (prev.step, prev.chain, prev.epoch) == (*live.head, live.epoch))
+
+
+def _prev_not_asking(live: CoordinatorState) -> list[str]:
+    """Up to ``MISSING_NAMED`` groups of live members of the previous quorum without a request."""
+    index, out = live.index, []
+    for r in index.idle:
+        if r in index.prev_ids:
+            out.append(live.heartbeats[r].group)
+            if len(out) == MISSING_NAMED:
+                break
+    return out
 
 
 def _not_asking(live: CoordinatorState) -> list[str]:

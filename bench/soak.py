@@ -168,13 +168,26 @@ def run_logged(cmd: list[str], log_path: Path, timeout_s: float, env: dict[str, 
         try:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            _stop_session(proc)
             return None
+        except BaseException:  # Ctrl-C, or SIGTERM to the bench (``main``): the run goes with it
+            _stop_session(proc)
+            raise
+
+
+def _interrupted(*_: object) -> None:
+    raise KeyboardInterrupt("SIGTERM")
+
+
+def _stop_session(proc: subprocess.Popen) -> None:
+    """SIGTERM to every process of ``proc``'s session (a launch stops its groups), SIGKILL a
+    minute later if any is still there."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _events(path: Path) -> list[dict]:
@@ -398,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     results = Path(args.results)
     results.parent.mkdir(parents=True, exist_ok=True)
     ensure_demo()
+    # SIGTERM ends the bench as Ctrl-C does, stopping the run in progress (``run_logged``).
+    signal.signal(signal.SIGTERM, _interrupted)
     done = {} if args.fresh else load(results, settings)
     wanted = range(args.first_seed, args.first_seed + seeds)
     print(f"soak: {len(wanted)} run(s), {settings.key()}; "

@@ -3,6 +3,9 @@ are a benchmark: ``bench.soak``)."""
 
 from __future__ import annotations
 
+import time
+
+from bench import soak
 from bench.soak import PREEMPT_SUMMED, SUMMED, layout_headers, layout_rows
 
 
@@ -31,3 +34,57 @@ def test_a_layout_row_sums_its_runs_and_counts_the_passes():
     assert len(head) == len(layout_rows(runs, preempt=True)[0])
     assert "preemptions" not in layout_headers(preempt=False)
     assert len(layout_headers(False)) == len(layout_rows(runs, preempt=False)[0])
+
+
+def test_a_stopped_soak_stops_the_run_it_started(tmp_path):
+    """SIGTERM (or Ctrl-C) to the bench while a run is in progress stops the run's whole session:
+    the launch is left running by nobody."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    child_pid = tmp_path / "child.pid"
+    script = textwrap.dedent(f"""
+        import sys, pathlib, signal
+        sys.path.insert(0, {str(soak.REPO_ROOT)!r})
+        from bench import soak
+        signal.signal(signal.SIGTERM, soak._interrupted)
+        cmd = [sys.executable, "-c",
+               "import os, pathlib, time; pathlib.Path({str(child_pid)!r}).write_text(str(os.getpid())); time.sleep(600)"]
+        try:
+            soak.run_logged(cmd, pathlib.Path({str(tmp_path / 'log')!r}), 600, dict())
+        except KeyboardInterrupt:
+            sys.exit(7)
+    """)
+    bench = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 60
+        while not child_pid.exists() or not child_pid.read_text():
+            assert time.monotonic() < deadline, "the run never started"
+            assert bench.poll() is None, "the bench exited before its run started"
+            time.sleep(0.05)
+        pid = int(child_pid.read_text())
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=90) == 7
+        deadline = time.monotonic() + 30
+        while _alive(pid):
+            assert time.monotonic() < deadline, f"the run (pid {pid}) outlived the bench"
+            time.sleep(0.05)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+
+
+def _alive(pid: int) -> bool:
+    import os
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie of a reaped-later child counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    return True

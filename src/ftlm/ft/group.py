@@ -238,6 +238,12 @@ class GroupProtocol:
         self.recover_request += 1
 
 
+REPLAY_AT_LEAST = 2
+"""Buffered updates a recovering group replays per step at least while it catches up (more while
+the all-reduce waits; all of them once it is the last step before the head): the catch-up never
+falls further behind, and never holds the participants' step up."""
+
+
 def check_replay(snapshot_step: int, snapshot_chain: str, records: list[tuple[int, int, list[str]]],
                  quorum: AnyQuorum, committed_now: bool) -> ReplayCheck:
     """Whether a snapshot plus buffered updates reproduces the head, and how far to apply.

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ftlm.ft.durable_rules import checkpoint_due, keeps_final_on_disk, saves_on_stop
 from ftlm.ft.end_of_run import may_write_model
 from ftlm.ft.group import Role
 from ftlm.sim.job import Incarnation, State, copy_state
@@ -42,7 +43,7 @@ class Storage:
 
     def checkpoint_due(self, step: int) -> bool:
         """``Checkpointer.due``: a periodic checkpoint of ``step``."""
-        return self.checkpoint_every > 0 and step > 0 and step % self.checkpoint_every == 0
+        return checkpoint_due(step, self.checkpoint_every)
 
     def committed(self, inc: Incarnation, role: Role) -> None:
         """``inc`` committed a step as a participant: its writer (participant 0) saves the job's
@@ -55,7 +56,7 @@ class Storage:
     def saves_on_stop(self, inc: Incarnation) -> bool:
         """The trainer's ``_saves_on_stop``: a group stopped by SIGTERM that wrote its last step's
         checkpoints saves that step on its way out unless it is on disk (periodic or not)."""
-        return self.c.checkpoint_on_stop and inc.writer and not self.checkpoint_due(inc.state.step)
+        return saves_on_stop(inc.writer, self.c.checkpoint_on_stop, self.checkpoint_due(inc.state.step))
 
     def save_final(self, inc: Incarnation, finishing: bool) -> None:
         """The session's ``Durability.save_final``: the job's last step is made durable whatever
@@ -70,7 +71,7 @@ class Storage:
         on_disk = self.disk.get(st.step)
         q = inc.quorum
         confirmed = finishing and q is not None and q.step == st.step and q.chain == st.chain
-        if on_disk is None or (confirmed and on_disk.chain != st.chain):
+        if not keeps_final_on_disk([on_disk.chain] if on_disk is not None else [], st.chain, confirmed):
             if on_disk is not None:
                 self.sim.log(f"{inc.replica_id} replaces the final checkpoint of another history")
             self.disk[st.step] = copy_state(st)

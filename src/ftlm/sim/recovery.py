@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ftlm.ft.group import check_replay
+from ftlm.ft.group import REPLAY_AT_LEAST, check_replay
 from ftlm.ft.history import extend_chain
 from ftlm.ft.quorum import Quorum
 from ftlm.sim.job import Incarnation, copy_state
@@ -25,9 +25,6 @@ from ftlm.sim.job import Incarnation, copy_state
 if TYPE_CHECKING:
     from ftlm.sim.world import Simulation
 
-REPLAY_AT_LEAST = 2
-"""Buffered updates a recovering group replays per step at least (the trainer's constant of the
-same name, which ``ftlm.sim`` may not import)."""
 
 
 class Recovery:

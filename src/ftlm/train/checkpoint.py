@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ftlm.errors import CheckpointError
+from ftlm.ft.durable_rules import checkpoint_due, keeps_final_on_disk
 from ftlm.observe.iostats import timed_io
 from ftlm.train.checkpoint_files import MARKER, checkpoint_dir, valid_checkpoints
 from ftlm.train.model_file import file_lock
@@ -471,7 +472,7 @@ class Checkpointer:
         self._pending: tuple[Future, int, Path, float] | None = None
 
     def due(self, step: int) -> bool:
-        return self.every > 0 and step > 0 and step % self.every == 0
+        return checkpoint_due(step, self.every)
 
     # -- saving ----------------------------------------------------------------------------------
     def save(self, state: TrainState) -> None:
@@ -519,8 +520,7 @@ class Checkpointer:
                 chains = [_marker_chain(path) for step, path in valid_checkpoints(self.root)
                           if step == state.step]
                 # 1: keep what is on disk; 0: save (none, or another history to replace).
-                replace = job_history and state.chain not in chains and None not in chains
-                verdict = int(bool(chains) and not replace)
+                verdict = int(keeps_final_on_disk(chains, state.chain, job_history))
                 if chains and not verdict:
                     log.warning("replacing the checkpoint of step %d (history %s...) with the "
                                 "job's (history %s...): the other history was given up",

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ftlm.errors import CheckpointError
+from ftlm.ft.durable_rules import saves_on_stop
 from ftlm.ft.end_of_run import may_write_model
 from ftlm.train.checkpoint import Checkpointer
 from ftlm.train.model_file import MODEL_FILE, install_model, stamp_metadata
@@ -91,7 +92,7 @@ class Durability:
     def saves_on_stop(self, writer: bool) -> bool:
         """Whether this group saves its committed state on its way out: it wrote the last
         step's checkpoints, ``checkpoint.on_stop`` is on and that step is not on disk already."""
-        return writer and self.config.on_stop and not self.checkpointer.due(self.state.step)
+        return saves_on_stop(writer, self.config.on_stop, self.checkpointer.due(self.state.step))
 
     def save_final(self, job_history: bool = False) -> None:
         """Make the job's last step durable, whatever ``checkpoint.every`` says, unless another

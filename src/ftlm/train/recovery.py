@@ -20,14 +20,13 @@ from typing import Any
 
 import torch
 
-from ftlm.ft.group import check_replay
+from ftlm.ft.group import REPLAY_AT_LEAST, check_replay
 from ftlm.ft.history import extend_chain
 from ftlm.ft.protocol import Recovered, StepPlan
 from ftlm.train.catchup import CatchUpBuffer, unflatten_into
 from ftlm.train.optim import apply_update
 from ftlm.train.state import TrainState
 
-REPLAY_AT_LEAST = 2
 """Buffered updates a recovering group replays per step at least, even when its all-reduce
 completed at once: the backlog grows by one a step, so it shrinks by at least one."""
 

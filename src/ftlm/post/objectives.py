@@ -1,7 +1,9 @@
 """The post-training objectives: SFT, DPO and GRPO, as ``Objective`` s of the trainer.
 
 * ``SFT``: next-token cross-entropy on completion tokens only, over packed rows with the
-  document mask (``ftlm.post.forward``), mean per completion token of the micro-batch.
+  document mask (``ftlm.post.forward``): the sum over the step's completion tokens divided by
+  their count over every micro-batch, rank and group (a ``SummedObjective`` of the trainer);
+  ``loss`` alone is the mean per completion token of the rows it is given.
 * ``DPO``: ``dpo_losses`` on summed completion log-probs of the policy and of a frozen reference
   (computed on the fly, no gradient): the sigmoid loss ``-log sigmoid(beta * h)`` or IPO's
   ``(h - 1 / (2 beta))^2`` on length-normalised log-probs, with
@@ -39,14 +41,25 @@ class SFT:
         tokens, mask, docs = rows[:, 0], rows[:, 1], rows[:, 2]
         logits = packed_logits(model, tokens[:, :-1], docs[:, :-1])
         nll = -token_logprobs(logits, tokens[:, 1:])
-        # A target counts when it is a completion token of the same document as its input.
-        learn = (mask[:, 1:] > 0) & (docs[:, 1:] == docs[:, :-1])
-        m = learn.float()
+        m = self._learn(mask, docs).float()
         return (nll * m).sum(), m.sum()
+
+    @staticmethod
+    def _learn(mask: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` bool: a target counts when it is a completion token of the same document
+        as its input."""
+        return (mask[:, 1:] > 0) & (docs[:, 1:] == docs[:, :-1])
 
     def loss(self, model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
         total, count = self._sums(model, rows)
         return total / count.clamp(min=1.0)
+
+    # A SummedObjective: the trainer divides the sums by the whole step's completion tokens.
+    def units(self, rows: torch.Tensor) -> float:
+        return float(self._learn(rows[:, 1], rows[:, 2]).sum())
+
+    def loss_sum(self, model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        return self._sums(model, rows)[0]
 
     def eval_sums(self, model: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         total, count = self._sums(model, rows)

@@ -5,7 +5,7 @@
   their count over every micro-batch, rank and group (a ``SummedObjective`` of the trainer);
   ``loss`` alone is the mean per completion token of the rows it is given.
 * ``DPO``: ``dpo_losses`` on summed completion log-probs of the policy and of a frozen reference
-  (computed on the fly, no gradient): the sigmoid loss ``-log sigmoid(beta * h)`` or IPO's
+  (computed on the fly, no gradient, or once at start: ``reference_table``): the sigmoid loss ``-log sigmoid(beta * h)`` or IPO's
   ``(h - 1 / (2 beta))^2`` on length-normalised log-probs, with
   ``h = (log pi(y_w) - log pi(y_l)) - (log ref(y_w) - log ref(y_l))`` (TRL's formulas),
   plus, with ``nll_coef``, RPO's NLL per chosen token.
@@ -20,6 +20,7 @@ Not responsible for: data (``ftlm.post.data``), sampling (``ftlm.post.rollout``)
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,7 +28,8 @@ from torch import nn
 from ftlm.post.forward import completion_logprobs, packed_logits, token_logprobs
 from ftlm.post.grpo import GRPO, group_advantages, grpo_loss
 
-__all__ = ["SFT", "DPO", "dpo_losses", "GRPO", "group_advantages", "grpo_loss"]
+__all__ = ["SFT", "DPO", "dpo_losses", "reference_table", "with_row_index", "GRPO",
+           "group_advantages", "grpo_loss"]
 
 
 # -- SFT ------------------------------------------------------------------------------------------
@@ -87,13 +89,30 @@ class DPO:
     token of the micro-batch, as TRL's ``loss_type=["sigmoid", "sft"]`` with
     ``loss_weights=[1, nll_coef]``. Without it DPO may lower the chosen answers' likelihood too
     (it only widens the margin), which on reasoning tasks costs accuracy.
+
+    ``reference_logps`` (``[N, 2]``: chosen, rejected sequence log-probs of the reference, from
+    ``reference_table``) replaces the reference model: rows then carry a fifth channel whose
+    first entry is the row's index into that table (``with_row_index``), and no reference
+    forward runs during training (TRL's ``precompute_ref_log_probs``).
     """
 
-    def __init__(self, reference: nn.Module, seq_len: int, beta: float = 0.1,
-                 loss_type: str = "sigmoid", nll_coef: float = 0.0) -> None:
-        self.reference = reference.eval().requires_grad_(False)
+    def __init__(self, reference: nn.Module | None, seq_len: int, beta: float = 0.1,
+                 loss_type: str = "sigmoid", nll_coef: float = 0.0,
+                 reference_logps: torch.Tensor | None = None) -> None:
+        if (reference is None) == (reference_logps is None):
+            raise ValueError("DPO needs either a reference model or its precomputed log-probs")
+        self.reference = None if reference is None else reference.eval().requires_grad_(False)
+        self.reference_logps = reference_logps
         self.beta, self.loss_type, self.nll_coef = beta, loss_type, nll_coef
         self.tokens_per_sample = 2 * seq_len
+
+    def _reference(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's (chosen, rejected) sequence log-probs ``[B]`` of ``rows``."""
+        if self.reference_logps is None:
+            with torch.no_grad():
+                return self.sequence_logps(self.reference, rows)
+        table = self.reference_logps[rows[:, 4, 0].cpu()].to(rows.device)
+        return table[:, 0], table[:, 1]
 
     def _logps(self, model: nn.Module, rows: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,8 +139,7 @@ class DPO:
     def _terms(self, model: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-pair preference losses ``[B]`` and the mean NLL per chosen token (a scalar)."""
         chosen, rejected, mc, mr = self._logps(model, rows)
-        with torch.no_grad():
-            ref_chosen, ref_rejected = self.sequence_logps(self.reference, rows)
+        ref_chosen, ref_rejected = self._reference(rows)
         losses = dpo_losses(self._sequence(chosen, mc), self._sequence(rejected, mr),
                             ref_chosen, ref_rejected, self.beta, self.loss_type)
         nll = -(chosen * mc).sum() / mc.sum().clamp(min=1.0)
@@ -140,3 +158,25 @@ class DPO:
         """Sum of held-out per-pair preference losses (the NLL term left out) and pairs."""
         losses = self.losses(model, rows)
         return losses.sum().double(), torch.tensor(float(len(losses)), dtype=torch.float64)
+
+
+@torch.no_grad()
+def reference_table(reference: nn.Module, rows: torch.Tensor, loss_type: str,
+                    batch: int = 32) -> torch.Tensor:
+    """``[N, 2]`` float32 (chosen, rejected) sequence log-probs of ``reference`` for preference
+    ``rows [N, 4 or 5, T]``, as ``DPO.sequence_logps`` computes them, on the CPU."""
+    reference.eval()
+    device = next(reference.parameters()).device
+    scorer = DPO(reference, rows.shape[-1] - 1, loss_type=loss_type)
+    parts = []
+    for start in range(0, len(rows), batch):
+        chosen, rejected = scorer.sequence_logps(reference, rows[start:start + batch].to(device))
+        parts.append(torch.stack((chosen, rejected), dim=1).float().cpu())
+    return torch.cat(parts) if parts else torch.zeros((0, 2))
+
+
+def with_row_index(rows: np.ndarray, first: int = 0) -> np.ndarray:
+    """Preference rows ``[N, 4, T]`` with a fifth channel holding ``first + i`` at position 0."""
+    index = np.zeros((len(rows), 1, rows.shape[-1]), dtype=rows.dtype)
+    index[:, 0, 0] = np.arange(first, first + len(rows))
+    return np.concatenate((rows, index), axis=1)

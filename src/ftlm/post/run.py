@@ -32,7 +32,7 @@ from ftlm.post.data import (
     training_tasks,
 )
 from ftlm.post.forward import check_packing_config
-from ftlm.post.objectives import DPO, GRPO, SFT
+from ftlm.post.objectives import DPO, GRPO, SFT, reference_table, with_row_index
 from ftlm.post.rewards import reward_function
 from ftlm.train.objective import Objective, TrainData
 
@@ -118,9 +118,22 @@ def build_dpo(config: RunConfig, tokenizer: Tokenizer,
         train, heldout = Rows(rows), Rows(_rows_of("dpo", post.heldout, tokenizer, seq_len))
     else:
         train, heldout = _split(rows, config, post.data)
-    objective = DPO(load_reference(config, device), seq_len, beta=post.beta,
-                    loss_type=post.dpo_loss, nll_coef=post.dpo_nll)
-    return objective, TrainData(tokenizer, train, heldout)
+    reference = load_reference(config, device)
+    if not post.dpo_precompute:
+        objective = DPO(reference, seq_len, beta=post.beta, loss_type=post.dpo_loss,
+                        nll_coef=post.dpo_nll)
+        return objective, TrainData(tokenizer, train, heldout)
+    # Every row gets its index into one table of the reference's log-probs (training rows, then
+    # held-out ones); the reference model is dropped once the table is made.
+    train_rows = train.samples(np.arange(len(train)))
+    held_rows = heldout.samples(np.arange(len(heldout)))
+    table = reference_table(reference, torch.from_numpy(np.concatenate((train_rows, held_rows))),
+                            post.dpo_loss)
+    del reference
+    objective = DPO(None, seq_len, beta=post.beta, loss_type=post.dpo_loss,
+                    nll_coef=post.dpo_nll, reference_logps=table)
+    return objective, TrainData(tokenizer, Rows(with_row_index(train_rows)),
+                                Rows(with_row_index(held_rows, len(train_rows))))
 
 
 def build_grpo(config: RunConfig, tokenizer: Tokenizer,

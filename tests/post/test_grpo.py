@@ -211,3 +211,19 @@ def test_grpo_settings_are_validated() -> None:
                                   ("mask_truncated", "yes", "true or false")):
         with pytest.raises(ConfigError, match=f"post.{field}=.*{message}"):
             PostConfig(**{field: value})
+
+
+def test_grpo_with_every_option_trains_one_group_to_the_end(post_config, demo_data, tmp_path,
+                                                            reward_module) -> None:
+    """Two passes per rollout, token-level loss, both filters, no KL (so no reference model:
+    without train.init_from, loading one would fail) and a user reward, through the trainer:
+    every step commits."""
+    from ftlm.post import run
+    config = post_config(tmp_path / "grpo", data={"tokenizer": str(demo_data / "tokenizer.json")},
+                         train={"steps": 2, "batch_size": 2, "grad_accum": 2},
+                         post={"kl_coef": 0.0, "ppo_epochs": 2, "grpo_loss": "dapo",
+                               "filter_zero_variance": True, "mask_truncated": True,
+                               "reward": f"{reward_module}:exact"})
+    summary = run.run("grpo", config)
+    assert summary["steps_committed"] == 2
+    assert summary["data"]["duplicates"] == 0 and summary["data"]["gaps"] == 0

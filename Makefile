@@ -83,7 +83,7 @@ test-slow: setup system-deps system-deps-cluster
 bench: setup
 	$(BIN)/python -m bench
 
-# The model lifecycle on a CPU (pretrain -> SFT -> DPO / GRPO, 3 seeds; an hour and more on 2 cores: the 800-step SFT alone took 39 min at load 11-20).
+# The model lifecycle on a CPU (pretrain -> SFT -> DPO / GRPO, 5 independent chains; hours on 2 cores: one 800-step SFT alone took 39 min at load 11-20).
 .PHONY: lifecycle
 lifecycle: setup
 	$(BIN)/python -m bench.lifecycle

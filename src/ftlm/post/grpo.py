@@ -269,6 +269,7 @@ class GRPO:
         # taken here, once, for this pass and the later ones.
         fresh.old_logp = logp[:len(fresh.tokens), :fresh.tokens.shape[1] - 1].detach()
         old = _padded([r.old_logp for r in rollouts], width - 1, 0.0)
+        self.stats.pop("clipped", None)
         if earlier:
             n = len(fresh.tokens)
             self.stats["clipped"] = clipped_fraction(

@@ -5,7 +5,9 @@ and is the same for every kind of training. What differs between pretraining, SF
 two things, injected here:
 
 * an ``Objective``: the mean loss of a micro-batch of rows (``loss``) and the held-out sums
-  (``eval_sums``), plus how many tokens a row accounts for;
+  (``eval_sums``), plus how many tokens a row accounts for; a ``SummedObjective`` also gives sums
+  and counts, so that a step's loss is the mean over every token of the step (SFT) rather than a
+  mean of micro-batch means;
 * a ``TrainData``: the tokenizer and the training / held-out ``SampleSource`` whose rows the loader
   hands out by global position (the exactly-once cursor of docs/design.md, 'Data exactly once', does
   not care what a row holds, as long as it is a fixed-shape int64 array).

@@ -12,7 +12,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[test,native]'
+	# trl (the TRL parity tests) and otel (the OpenTelemetry tests) run in `make test` too; torch
+	# is named again so that no dependency of theirs swaps the CPU build for another.
+	$(PIP) install -e '.[test,native,otel,trl]' torch==2.13.0
 	touch $(STAMP)
 
 # The coordinator's hot path compiled to C with mypyc (ftlm.native; about 30 s on a quiet box), again
@@ -81,7 +83,7 @@ test-slow: setup system-deps system-deps-cluster
 bench: setup
 	$(BIN)/python -m bench
 
-# The model lifecycle on a CPU (pretrain -> SFT -> DPO / GRPO, 3 seeds; an hour and more on 2 cores: the 800-step SFT alone took 39 min at load 11-20).
+# The model lifecycle on a CPU (pretrain -> SFT -> DPO / GRPO, 5 independent chains; hours on 2 cores: one 800-step SFT alone took 39 min at load 11-20).
 .PHONY: lifecycle
 lifecycle: setup
 	$(BIN)/python -m bench.lifecycle

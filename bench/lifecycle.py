@@ -14,11 +14,17 @@ chaos invariants of the post-training commands are tested in tests/post, not her
 5. optionally (``--stages ...,grpo_dpo``) **GRPO from DPO**: the same GRPO from each seed's DPO
    model (its reference), a row of its own, compared with DPO.
 
-Every model is scored on the same held-out tasks (the suite's test split, which shares no problem
-with training) by greedy pass@1 (``ftlm eval``'s ``task_accuracy``), with a 95 % interval over
-tasks (normal approximation). The table gives per stage the mean over seeds and each seed's value
-with its interval, and the compute of the stage: wall seconds on this machine and the tokens it
-processed (committed training tokens; for pairs and evaluation, the sampling time).
+Each seed is an independent chain: its own SFT run (``sft_seeds`` = ``--seeds``, 5 by default),
+then its DPO and GRPO from that SFT model. Every model is scored on the same held-out tasks (the
+suite's test split, which shares no problem with training) by greedy pass@1 (``ftlm eval``'s
+``task_accuracy``). The table gives per stage the mean over chains with its 95 % interval over
+chains (Student t on the chains' values: the chain, not the task, is the unit, since what varies
+from one training run to the next is what a recipe's result depends on), each chain's value with
+its interval over tasks, and the compute of the stage: wall seconds on this machine and the
+tokens it processed (committed training tokens; for pairs and evaluation, the sampling time). A
+stage is above the one it started from when the mean over chains of each chain's difference
+(``chain_differences``) is above its interval over chains; with one chain, or chains that share
+the lower stage's model, the paired per-task difference and its interval over tasks decide.
 
     python -m bench.lifecycle [--quick] [--seeds N] [--no-write] [--set KEY=VALUE ...]
 
@@ -66,20 +72,20 @@ FULL = {
     "families": FAMILIES, "sft_families": SFT_FAMILIES, "pretrain_steps": 200,
     "heldout_tasks": 1600, "test_seed": 20261202, "max_new_tokens": 96,
     "train_tasks": 4000, "sft_steps": 800, "sft_lr": 3e-3, "sft_batch": 16, "sft_seq_len": 128,
-    "sft_seeds": 3,
+    "sft_seeds": 5,
     "pair_tasks": 300, "pair_samples": 4, "pair_temperature": 0.7,
     "dpo_steps": 120, "dpo_lr": 5e-5, "dpo_beta": 0.1, "dpo_nll": 10.0, "dpo_loss": "sigmoid",
     "grpo_steps": 40, "grpo_batch": 32, "group_size": 8, "grpo_lr": 5e-5, "grpo_kl": 0.04,
     "grpo_clip": 0.2, "grpo_temperature": 0.7, "grpo_tasks": 1000, "grpo_nll": 0.0,
     "verify": "answer",
 }
-"""Sizes and hyper-parameters of the full run (``--set KEY=VALUE`` overrides one): those of the
-pre-registered run in BENCHMARKS.md (bench/results/lifecycle/fresh20261202/), so that ``make
-lifecycle`` reproduces its table: three seeds, each with its own SFT run, scored on the draw of
-seed 20261202; DPO with the settings chosen on validation (pairs at temperature 0.7, 120 steps),
+"""Sizes and hyper-parameters of the full run (``--set KEY=VALUE`` overrides one): five
+independent chains (``sft_seeds`` 5 with ``--seeds 5``), each with its own SFT run; otherwise those
+of the pre-registered three-chain run in BENCHMARKS.md (bench/results/lifecycle/fresh20261202/,
+which ``--seeds 3 --set sft_seeds=3`` reproduces): scored on the draw of seed 20261202; DPO with the settings chosen on validation (pairs at temperature 0.7, 120 steps),
 GRPO 40 steps at lr 5e-5. The earlier tables used test_seed 1234, sft_seeds 1, pair temperature
 1.0, DPO 40 steps and GRPO 10 steps at lr 2e-4 (``--set`` them to rerun one)."""
-QUICK = {**FULL, "pretrain_steps": 20, "sft_steps": 10, "train_tasks": 100, "sft_seeds": 3, "heldout_tasks": 20,
+QUICK = {**FULL, "pretrain_steps": 20, "sft_steps": 10, "train_tasks": 100, "heldout_tasks": 20,
          "pair_tasks": 16, "dpo_steps": 4, "grpo_steps": 2, "group_size": 4, "grpo_batch": 2,
          "grpo_tasks": 100, "max_new_tokens": 48}
 VAL_SEED = 4321
@@ -92,6 +98,23 @@ seeds vary the SFT run (fixed before any score: bench/results/lifecycle/fresh202
 leaves out the problems of every draw before it; a seed not listed leaves out all of them."""
 FIRST_TEST = TEST_DRAWS[0]
 """The default draw, which leaves nothing out (the earlier tables' tasks)."""
+CHAINS = 5
+"""Independent chains (seeds, each with its own SFT run) of the default run."""
+
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+"""Student t's 97.5 % quantile for 1..30 degrees of freedom (two-sided 95 % intervals)."""
+
+
+def interval_over_chains(values: list[float]) -> tuple[float, float] | None:
+    """Mean of per-chain ``values`` and its 95 % interval over chains (Student t, n - 1 degrees
+    of freedom); None for fewer than two chains."""
+    if len(values) < 2:
+        return None
+    df = len(values) - 1
+    t = _T975[df - 1] if df <= len(_T975) else 1.96 + 2.4 / df
+    return statistics.fmean(values), t * statistics.stdev(values) / len(values) ** 0.5
 
 
 def _config(run_dir: Path, seed: int, **sections):
@@ -376,6 +399,22 @@ def paired(result: dict, better: str, worse: str) -> tuple[float, float] | None:
     return statistics.fmean(diffs), 1.96 * statistics.stdev(diffs) / len(diffs) ** 0.5
 
 
+def chain_differences(result: dict, better: str, worse: str) -> list[float] | None:
+    """Each chain's accuracy difference ``better - worse`` when the chains are independent:
+    every seed of ``better`` has its own ``worse`` model (the same seed), or ``worse`` is one
+    model shared by all, the starting point (the pretrained model); else None."""
+    stages = result["stages"]
+    high, low = stages.get(better, {}), stages.get(worse, {})
+    if not high or not low:
+        return None
+    if len(low) == 1 and worse == "pretrained":
+        start = next(iter(low.values()))["acc"]
+        return [e["acc"] - start for e in high.values()]
+    if not all(seed in low for seed in high):
+        return None
+    return [e["acc"] - low[seed]["acc"] for seed, e in high.items()]
+
+
 def verdict(result: dict) -> str:
     """The targets, judged from the numbers: a stage is above another when the paired
     per-task difference over the same tasks and seeds (``paired``) exceeds its 95 % interval
@@ -401,8 +440,18 @@ def verdict(result: dict) -> str:
         diff = mean(better) - mean(worse)
         interval = max(mean(better, "ci95"), mean(worse, "ci95"))
         pair = paired(result, better, worse)
-        met = "met" if (pair[0] > pair[1] if pair is not None else diff > interval) else "NOT met"
+        chains = chain_differences(result, better, worse)
+        over = interval_over_chains(chains) if chains else None
         line = f"{better} - {worse}: "
+        if over is not None:
+            met = "met" if over[0] > over[1] else "NOT met"
+            line += (f"over {len(chains)} chains {over[0]:+.3f} ± {over[1]:.3f}: {met} [per chain "
+                     + ", ".join(f"{d:+.3f}" for d in chains)
+                     + ("" if pair is None else
+                        f"; paired per task {pair[0]:+.3f} ± {pair[1]:.3f} over tasks") + "]")
+            lines.append(line)
+            continue
+        met = "met" if (pair[0] > pair[1] if pair is not None else diff > interval) else "NOT met"
         if pair is not None:
             low = stages[worse]
             per_seed = [e["acc"] - low.get(seed, next(iter(low.values())))["acc"]
@@ -413,8 +462,9 @@ def verdict(result: dict) -> str:
         else:
             line += f"{diff:+.3f} (interval {interval:.3f}): {met}"
         lines.append(line)
-    return "Targets (a stage above another by more than the interval; the " \
-        "statistic is the paired per-task difference, averaged over seeds per task): " + \
+    return "Targets (a stage above another by more than the interval; the statistic is the " \
+        "mean over independent chains of each chain's difference, with its interval over " \
+        "chains, else the paired per-task difference, averaged over seeds per task): " + \
         "; ".join(lines) + "."
 
 
@@ -484,6 +534,10 @@ varies with the SFT run, but not how much. 2026-12-01, 09:55-10:32 UTC:
   `run.sh`, the two runs as they were started)."""
 
 
+FINDINGS_RUN = Path(__file__).parent / "results/lifecycle/fresh20261202/dpo.json"
+"""The run ``FINDINGS`` reads (its families, test draw and chains)."""
+
+
 def _fmt(value: float) -> str:
     return f"{value:g}"
 
@@ -495,6 +549,7 @@ def format_section(result: dict, flags: list[str]) -> str:
         accs = [e["acc"] for e in by_seed.values()]
         mean = statistics.fmean(accs)
         sd = statistics.stdev(accs) if len(accs) > 1 else float("nan")
+        over = interval_over_chains(accs)
         seeds = "; ".join(f"{e['acc']:.3f} ± {e['ci95']:.3f}" for e in by_seed.values())
         secs = statistics.fmean(e["seconds"] for e in by_seed.values())
         tokens = statistics.fmean(e["tokens"] for e in by_seed.values())
@@ -504,7 +559,8 @@ def format_section(result: dict, flags: list[str]) -> str:
             extra += f" ({statistics.fmean(cpu):.0f} s CPU)"
         if base_stage(stage) == "DPO":
             extra += f" + {statistics.fmean(e['pair_seconds'] for e in by_seed.values()):.0f} s pairs"
-        rows.append([stage, f"{mean:.3f}" + ("" if len(accs) < 2 else f" (sd {sd:.3f})"), seeds,
+        rows.append([stage, f"{mean:.3f}" + ("" if over is None else
+                                             f" ± {over[1]:.3f} (sd {sd:.3f})"), seeds,
                      f"{secs:.0f} s{extra}", f"{tokens:,.0f}"])
     body = section_header("Lifecycle on CPU: pretrain -> SFT -> DPO / GRPO",
                           "bench.lifecycle", flags)
@@ -523,7 +579,8 @@ def format_section(result: dict, flags: list[str]) -> str:
     body += (f"* Model: tiny (configs/tiny.toml), one group, 1 thread. Tasks: {z['families']} "
              f"(SFT: {z.get('sft_families', z['families'])}); "
              + where.format(n=z["heldout_tasks"]) + ", greedy pass@1 with completions of up to "
-             f"{z['max_new_tokens']} tokens, ± = 95 % interval over tasks\n"
+             f"{z['max_new_tokens']} tokens; ± = 95 % interval over chains for a mean over "
+             "chains, over tasks for one chain's value\n"
              f"* Pretrain {z['pretrain_steps']} steps (seed 0, shared by the seeds); SFT "
              f"{z['sft_steps']} steps on {z['train_tasks']} tasks (lr {z['sft_lr']}, batch "
              f"{z['sft_batch']} rows of {z['sft_seq_len']} packed tokens; "
@@ -555,7 +612,8 @@ def format_section(result: dict, flags: list[str]) -> str:
             body += (f"* {stage}: the {base_stage(stage)} settings above"
                      + (", but " + ", ".join(differ) if differ else "") + "\n")
     body += "\n"
-    body += table(["stage", "pass@1, mean over seeds", "per seed (± 95 % CI)",
+    body += table(["stage", "pass@1, mean over chains (± 95 % CI over chains)",
+                   "per chain (± 95 % CI over tasks)",
                    "compute (wall)", "tokens"], rows)
     for stage, by_seed in result["stages"].items():
         pairs = [e["pairs"] for e in by_seed.values() if "pairs" in e]
@@ -564,8 +622,11 @@ def format_section(result: dict, flags: list[str]) -> str:
                      "incorrect / all correct, skipped): " + "; ".join(
                          f"{p['sample']} / {p['solution']} / {p['all_correct']}" for p in pairs))
     body += "\n\n" + verdict(result)
-    if result.get("split", "test") == "test" and sizes["families"] == FAMILIES:
-        body += "\n\n" + FINDINGS
+    registered = json.loads(FINDINGS_RUN.read_text())["sizes"] if FINDINGS_RUN.is_file() else None
+    if (registered is not None and result.get("split", "test") == "test"
+            and all(sizes.get(k) == registered[k] for k in ("families", "test_seed", "sft_seeds"))
+            and len(result["stages"].get("SFT", {})) == registered["sft_seeds"]):
+        body += "\n\n" + FINDINGS  # the reading of that run, not of another
     fams = {stage: {f: statistics.fmean(e["families"][f] for e in by_seed.values())
                     for f in next(iter(by_seed.values()))["families"]}
             for stage, by_seed in result["stages"].items()}
@@ -657,7 +718,8 @@ def _override(sizes: dict, assignments: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.lifecycle", description=__doc__)
     p.add_argument("--quick", action="store_true", help="smoke-test sizes (a few minutes)")
-    p.add_argument("--seeds", type=int, default=3, help="seeds of SFT, DPO and GRPO (default 3)")
+    p.add_argument("--seeds", type=int, default=CHAINS, help="chains: seeds of SFT, DPO and "
+                   f"GRPO (default {CHAINS}; each its own SFT run while sft_seeds >= seeds)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a size or hyper-parameter of FULL (repeatable)")
     p.add_argument("--eval-split", choices=("test", "val"), default="test",

@@ -18,7 +18,8 @@ import pytest
 
 from bench.lifecycle import (FIRST_TEST, FULL, STAGE_SIZES, TEST_DRAWS, _config,
                              _post_sections, _saved_settings_differ, base_stage, earlier_draws,
-                             evaluation_tasks, format_section, merge, training_problems, verdict)
+                             evaluation_tasks, format_section, merge, training_problems, verdict,
+                             CHAINS, interval_over_chains)
 from ftlm.tasks import generate
 
 FRESH_SEED = 20261201  # the fresh draw of the 2026-12-01 confirmation (chosen before scoring it)
@@ -29,12 +30,14 @@ def _keys(tasks) -> set[tuple[str, str]]:
     return {(t.family, t.key) for t in tasks}
 
 
-def test_the_defaults_are_the_pre_registered_run_and_the_first_draw_is_unchanged() -> None:
+def test_the_defaults_are_five_chains_with_the_pre_registered_settings_and_the_first_draw_is_unchanged() -> None:
     # `make lifecycle` reproduces the table: the settings recorded before that run was scored.
     registered = json.loads((REPO_ROOT / "bench/results/lifecycle/fresh20261202/dpo.json").read_text())["sizes"]
     grpo = json.loads((REPO_ROOT / "bench/results/lifecycle/fresh20261202/grpo.json").read_text())["sizes"]
-    for key in ("test_seed", "sft_seeds", "pair_temperature", "dpo_steps", "dpo_lr", "sft_steps"):
+    for key in ("test_seed", "pair_temperature", "dpo_steps", "dpo_lr", "sft_steps"):
         assert FULL[key] == registered[key], key
+    # Five independent chains by default; the registered run had three (--set sft_seeds=3).
+    assert FULL["sft_seeds"] == CHAINS == 5 and registered["sft_seeds"] == 3
     for key in ("grpo_steps", "grpo_lr", "group_size", "grpo_batch"):
         assert FULL[key] == grpo[key], key
     assert FULL["test_seed"] == TEST_DRAWS[-1][0]
@@ -159,3 +162,23 @@ def test_reuse_check_names_a_changed_setting_and_follows_linked_models(tmp_path:
     linked["post"]["beta"] = 0.5
     differ = _saved_settings_differ(saved.run.path, _config(saved.run.path, 0, **linked))
     assert differ == ["post.beta: 0.1 there, 0.5 now"]
+
+
+def test_independent_chains_are_judged_by_their_interval_over_chains() -> None:
+    """Five chains, each DPO from its own SFT model: the statistic is the mean of the chains'
+    differences with a Student-t interval over the chains, not an interval over tasks."""
+    mean, half = interval_over_chains([0.1, 0.2, 0.3])
+    assert mean == pytest.approx(0.2) and half == pytest.approx(4.303 * 0.1 / 3 ** 0.5)
+    assert interval_over_chains([0.4]) is None
+    sft = {s: [1] * s + [0] * (8 - s) for s in range(5)}
+    up = {s: [1] * (s + 1) + [0] * (7 - s) for s in range(5)}  # +1/8 in every chain
+    mixed = {s: [1] * (s + (1 if s % 2 else -1)) + [0] * (8 - s - (1 if s % 2 else -1))
+             for s in range(1, 5)} | {0: [1] + [0] * 7}
+    result = _run({"pretrained": {0: [0] * 8}, "SFT": sft, "DPO": up, "GRPO": mixed})
+    text = verdict(result)
+    assert "DPO - SFT: over 5 chains +0.125 ± 0.000: met" in text
+    assert "GRPO - SFT: over 5 chains +0.025 ± " in text
+    grpo = text.split("GRPO - SFT: ")[1]
+    assert "NOT met" in grpo.split(";")[0], "chains that disagree: not above the interval"
+    section = format_section(result, ["--no-write"])
+    assert "mean over chains (± 95 % CI over chains)" in section

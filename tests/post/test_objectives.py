@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from ftlm.post.data import pack
 from ftlm.post.forward import packed_logits
 from ftlm.post.objectives import DPO, GRPO, SFT, dpo_losses, group_advantages, grpo_loss
+from ftlm.post.rewards import checker_reward
 from ftlm.tasks import generate
 
 
@@ -193,10 +194,10 @@ def test_grpo_samples_are_seeded_by_step_and_task(model, tokenizer) -> None:
     objective.clock = lambda: 5
     later = objective.samples(model, rows)
     assert not torch.equal(first[0], later[0]), "another step samples afresh"
-    tokens, _, rewards = first
+    tokens, _, rewards, _ = first
     assert tokens.shape[0] == 6 and rewards.shape == (2, 3)
     # The reward is the verifier's verdict on each completion.
-    objective.verify = lambda task, completion: task is tasks[2]
+    objective.reward = checker_reward(lambda task, completion: task is tasks[2])
     assert objective.samples(model, rows)[2].tolist() == [[0.0] * 3, [1.0] * 3]
     loss = objective.loss(model, rows)
     loss.backward()

@@ -114,6 +114,25 @@ def test_grpo_under_chaos_ends_with_identical_replicas_and_exactly_once(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_grpo_with_two_passes_per_rollout_under_chaos_ends_with_identical_replicas(
+        tmp_path, demo_data) -> None:
+    """GRPO with ``post.ppo_epochs=2`` (each group keeps its last step's rollouts for a second
+    pass), the token-level loss and both filters, as 3 groups under SIGKILLs: a restarted group
+    starts with no earlier rollouts while its peers train theirs, and the replicas still end
+    identical, every row exactly once. Default tier: ``tests/post/test_grpo.py`` covers the passes
+    and filters in one group (``test_grpo_with_every_option_trains_one_group_to_the_end``)."""
+    sft = _chaos_config(tmp_path, demo_data, "base", steps=2)
+    run.run("sft", sft)
+    config = _chaos_config(tmp_path, demo_data, "grpo", steps=300, heartbeat_timeout=2.0,
+                           group_size=2, max_new_tokens=8, ppo_epochs=2, grpo_loss="dapo",
+                           filter_zero_variance=True, mask_truncated=True,
+                           train={"init_from": str(sft.run.path / "model.safetensors")})
+    summary = launch("grpo", config, groups=3, chaos_mtbf=10.0, chaos_seed=12)
+    _check_invariants(summary, config, 3)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_grpo_in_a_group_of_two_ranks_samples_and_trains_to_the_end(tmp_path, demo_data) -> None:
     """GRPO with the model sharded over 2 ranks (FSDP2): each rank samples its own prompt, whose

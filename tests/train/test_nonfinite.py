@@ -30,8 +30,8 @@ def test_a_single_non_finite_step_is_skipped_and_training_goes_on(tiny_config, m
     real = trainer._forward_backward
     calls = {"n": 0}
 
-    def once_nan(batch):
-        loss = real(batch)
+    def once_nan(batch, *step_units):
+        loss = real(batch, *step_units)
         calls["n"] += 1
         if calls["n"] == 3:  # the third attempt produces a NaN gradient
             next(trainer.model.parameters()).grad.view(-1)[0] = float("nan")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ftlm.errors import ConfigError
 
 DPO_LOSSES = ("sigmoid", "ipo")
+GRPO_LOSSES = ("grpo", "dapo", "dr_grpo")  # ftlm.post.grpo.LOSS_TYPES
 VERIFY = ("answer", "trace")  # the keys of ftlm.tasks.VERIFIERS
 
 
@@ -61,12 +62,33 @@ class PostConfig:
     """DPO loss: sigmoid (Rafailov et al.) or ipo (Azar et al., length-normalised log-probs)."""
     dpo_nll: float = 0.0
     """DPO: weight of the NLL per chosen token added to the loss (RPO; 0: plain DPO)."""
+    dpo_precompute: bool = False
+    """DPO: compute the reference's log-probs of every pair once at start and keep no reference
+    model during training (less memory, no reference forward per step; the same loss)."""
     group_size: int = 8
     """GRPO: completions sampled per prompt (G)."""
     clip: float = 0.2
     """GRPO: the policy ratio is clipped to [1 - clip, 1 + clip]."""
     kl_coef: float = 0.04
-    """GRPO: weight of the per-token KL estimate to the reference (0: no KL term)."""
+    """GRPO: weight of the per-token KL estimate to the reference (TRL's beta; 0: no KL term and
+    no reference model loaded)."""
+    grpo_loss: str = "grpo"
+    """GRPO loss reduction, as TRL's loss_type: grpo (each sequence's token mean, then the mean
+    over sequences), dapo (token mean over the micro-batch; TRL's default), dr_grpo (token sum /
+    (sequences x post.max_new_tokens))."""
+    ppo_epochs: int = 1
+    """GRPO: optimizer steps each rollout is trained in (TRL's num_iterations); its old
+    log-probs are taken once, at its first pass, so later passes clip the ratio."""
+    filter_zero_variance: bool = False
+    """GRPO: leave groups whose samples all got the same reward out of the loss and its
+    normaliser (their advantages are all 0)."""
+    mask_truncated: bool = False
+    """GRPO: completions cut at post.max_new_tokens (no end token) get no loss (TRL's
+    mask_truncated_completions)."""
+    reward: str = ""
+    """GRPO: a reward function 'module:function' importable from PYTHONPATH, called as
+    fn(prompts, completions, *, answer, family, key, solution) -> list[float] (one number per
+    completion; docs/post-training.md); empty: 1.0 when post.verify's checker accepts, else 0.0."""
     grpo_nll: float = 0.0
     """GRPO: weight of the NLL per token of the verified-correct samples added to the loss (an
     anchor like DPO's RPO term; 0: plain GRPO)."""
@@ -85,7 +107,7 @@ class PostConfig:
     def __post_init__(self) -> None:
         for name in ("train_tasks", "heldout_tasks", "task_seed", "top_k"):
             _int(name, getattr(self, name), 0)
-        for name in ("group_size", "max_new_tokens", "pair_samples"):
+        for name in ("group_size", "max_new_tokens", "pair_samples", "ppo_epochs"):
             _int(name, getattr(self, name), 1)
         if self.group_size < 2:
             _fail("group_size", self.group_size, "at least 2 (advantages compare samples of a group)")
@@ -99,6 +121,13 @@ class PostConfig:
         _real("temperature", self.temperature, 0.0)
         if self.verify not in VERIFY:
             _fail("verify", self.verify, f"one of {', '.join(VERIFY)}")
+        if self.grpo_loss not in GRPO_LOSSES:
+            _fail("grpo_loss", self.grpo_loss, f"one of {', '.join(GRPO_LOSSES)}")
+        for name in ("filter_zero_variance", "mask_truncated", "dpo_precompute"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "true or false")
+        if not isinstance(self.reward, str) or (self.reward and ":" not in self.reward):
+            _fail("reward", self.reward, "'module:function' (or empty for the built-in checker)")
         if self.dpo_loss not in DPO_LOSSES:
             _fail("dpo_loss", self.dpo_loss, f"one of {', '.join(DPO_LOSSES)}")
         if not isinstance(self.families, str) or not self.families.strip():

@@ -69,10 +69,17 @@ def completion_logprobs(model: nn.Module, tokens: torch.Tensor, mask: torch.Tens
 
     One sequence per row (right padding needs no attention mask under causal attention).
     """
+    return sequence_logprobs(model, tokens, temperature), mask[:, 1:].float()
+
+
+def sequence_logprobs(model: nn.Module, tokens: torch.Tensor,
+                      temperature: float = 1.0) -> torch.Tensor:
+    """Per-token log-probs ``[B, T - 1]`` of ``tokens[:, 1:]`` under ``softmax(logits / T)``, one
+    sequence per row."""
     logits = model(tokens[:, :-1])
     if temperature != 1.0:
         logits = logits.float() / temperature
-    return token_logprobs(logits, tokens[:, 1:]), mask[:, 1:].float()
+    return token_logprobs(logits, tokens[:, 1:])
 
 
 def check_packing_config(train) -> None:

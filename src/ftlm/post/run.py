@@ -32,8 +32,8 @@ from ftlm.post.data import (
     training_tasks,
 )
 from ftlm.post.forward import check_packing_config
-from ftlm.post.objectives import DPO, GRPO, SFT
-from ftlm.tasks import VERIFIERS
+from ftlm.post.objectives import DPO, GRPO, SFT, reference_table, with_row_index
+from ftlm.post.rewards import reward_function
 from ftlm.train.objective import Objective, TrainData
 
 if TYPE_CHECKING:  # the composition root; post-training never imports it (nor, through it, launch)
@@ -118,9 +118,22 @@ def build_dpo(config: RunConfig, tokenizer: Tokenizer,
         train, heldout = Rows(rows), Rows(_rows_of("dpo", post.heldout, tokenizer, seq_len))
     else:
         train, heldout = _split(rows, config, post.data)
-    objective = DPO(load_reference(config, device), seq_len, beta=post.beta,
-                    loss_type=post.dpo_loss, nll_coef=post.dpo_nll)
-    return objective, TrainData(tokenizer, train, heldout)
+    reference = load_reference(config, device)
+    if not post.dpo_precompute:
+        objective = DPO(reference, seq_len, beta=post.beta, loss_type=post.dpo_loss,
+                        nll_coef=post.dpo_nll)
+        return objective, TrainData(tokenizer, train, heldout)
+    # Every row gets its index into one table of the reference's log-probs (training rows, then
+    # held-out ones); the reference model is dropped once the table is made.
+    train_rows = train.samples(np.arange(len(train)))
+    held_rows = heldout.samples(np.arange(len(heldout)))
+    table = reference_table(reference, torch.from_numpy(np.concatenate((train_rows, held_rows))),
+                            post.dpo_loss)
+    del reference
+    objective = DPO(None, seq_len, beta=post.beta, loss_type=post.dpo_loss,
+                    nll_coef=post.dpo_nll, reference_logps=table)
+    return objective, TrainData(tokenizer, Rows(with_row_index(train_rows)),
+                                Rows(with_row_index(held_rows, len(train_rows))))
 
 
 def build_grpo(config: RunConfig, tokenizer: Tokenizer,
@@ -128,11 +141,16 @@ def build_grpo(config: RunConfig, tokenizer: Tokenizer,
     post = config.post
     train, heldout = training_tasks(post)
     tasks = train + heldout  # rows index this list: training tasks first, then held-out ones
-    objective = GRPO(tasks, tokenizer, load_reference(config, device), seq_len=config.data.seq_len,
+    reward = reward_function(post.reward, post.verify, probe=train[0])
+    # Without a KL term the reference is never read: not loaded (TRL's beta = 0).
+    reference = load_reference(config, device) if post.kl_coef else None
+    objective = GRPO(tasks, tokenizer, reference, seq_len=config.data.seq_len,
                      seed=config.run.seed, group_size=post.group_size, clip=post.clip,
                      kl_coef=post.kl_coef, max_new_tokens=post.max_new_tokens,
                      temperature=post.temperature, top_k=post.top_k, nll_coef=post.grpo_nll,
-                     verify=VERIFIERS[post.verify])
+                     reward=reward, loss_type=post.grpo_loss, ppo_epochs=post.ppo_epochs,
+                     filter_zero_variance=post.filter_zero_variance,
+                     mask_truncated=post.mask_truncated)
     index = np.arange(len(tasks), dtype=np.int64)[:, None]
     return objective, TrainData(tokenizer, Rows(index[:len(train)]), Rows(index[len(train):]))
 

@@ -5,7 +5,9 @@ and is the same for every kind of training. What differs between pretraining, SF
 two things, injected here:
 
 * an ``Objective``: the mean loss of a micro-batch of rows (``loss``) and the held-out sums
-  (``eval_sums``), plus how many tokens a row accounts for;
+  (``eval_sums``), plus how many tokens a row accounts for; a ``SummedObjective`` also gives sums
+  and counts, so that a step's loss is the mean over every token of the step (SFT) rather than a
+  mean of micro-batch means;
 * a ``TrainData``: the tokenizer and the training / held-out ``SampleSource`` whose rows the loader
   hands out by global position (the exactly-once cursor of docs/design.md, 'Data exactly once', does
   not care what a row holds, as long as it is a fixed-shape int64 array).
@@ -21,7 +23,7 @@ Not here: the optimizer, the LR schedule, fault tolerance (``ftlm.train.session`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +50,23 @@ class Objective(Protocol):
 
     def eval_sums(self, model: nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss sum, count)`` of held-out ``rows`` as float64 scalars; the mean is sum / count."""
+        ...
+
+
+@runtime_checkable
+class SummedObjective(Protocol):
+    """An objective whose step loss is a sum over units (e.g. completion tokens) divided by the
+    units of the whole step, every micro-batch, rank and group included: the token mean of the
+    step, not a mean of micro-batch means. The trainer counts the step's units from every
+    participant's rows (a pure function of the data cursor, so no exchange is needed) and scales
+    each micro-batch's ``loss_sum`` so that the gradient averages over ranks and groups give it."""
+
+    def units(self, rows: torch.Tensor) -> float:
+        """The units (e.g. tokens with a loss) in ``rows`` (on the CPU, as the loader gives them)."""
+        ...
+
+    def loss_sum(self, model: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        """The sum of the loss over the units of ``rows``, differentiable."""
         ...
 
 

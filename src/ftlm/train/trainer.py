@@ -33,7 +33,7 @@ from ftlm.model import Transformer, flops_per_token
 from ftlm.train.config import TrainerConfig
 from ftlm.train.evaluate import build_evaluator
 from ftlm.train.mfu import peak_flops
-from ftlm.train.objective import LanguageModeling, Objective, TrainData
+from ftlm.train.objective import LanguageModeling, Objective, SummedObjective, TrainData
 from ftlm.train.optim import build_optimizer
 from ftlm.train.parallelize import group_mesh, parallelize
 from ftlm.train.session import Session, Step
@@ -228,22 +228,41 @@ class Trainer:
         rows = self.loader.batch(step.cursor, step.index, step.participants, tc.batch_size)
         offset = step.samples.start - step.group_samples.start  # this rank's share of the slice
         rows = rows[offset:offset + len(step.samples)]
+        units = self._step_units(step)
         with self.session.metrics.phase("forward_backward"):
-            loss = self._forward_backward(rows.to(self.device, non_blocking=True))
+            loss = self._forward_backward(rows.to(self.device, non_blocking=True), units,
+                                          step.participants)
         return self.session.commit(loss)
 
-    def _forward_backward(self, batch: torch.Tensor) -> torch.Tensor:
-        """Accumulate the gradient of the mean loss over ``batch``; returns that loss (detached)."""
+    def _step_units(self, step: Step) -> float | None:
+        """The units every participant's rows of ``step`` hold, for a ``SummedObjective``."""
+        if not isinstance(self.objective, SummedObjective):
+            return None
+        size = self.config.train.batch_size
+        return sum(self.objective.units(self.loader.compute(step.cursor, i, step.participants, size))
+                   for i in range(step.participants))
+
+    def _forward_backward(self, batch: torch.Tensor, units: float | None = None,
+                          participants: int = 1) -> torch.Tensor:
+        """Accumulate the gradient of the step's loss over this rank's ``batch``: the mean of the
+        micro-batch losses, or for a ``SummedObjective`` its sums over the step's ``units`` (of
+        all ``participants``); returns this rank's share of that loss (detached)."""
         micro = batch.chunk(self.config.train.grad_accum)
+        # The gradient is averaged over the group's ranks and the participants: a summed loss is
+        # scaled up by both so that the averages leave sum / units.
+        share = self.ranks * participants / max(units, 1.0) if units is not None else 0.0
         total = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro):
             with self._autocast():
-                loss = self.objective.loss(self.step_model, mb)
+                if units is None:
+                    loss = self.objective.loss(self.step_model, mb) / len(micro)
+                else:
+                    loss = self.objective.loss_sum(self.step_model, mb) * share
             # Gradients are final in the last micro-batch's backward: buckets start from there.
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else self.session.no_sync():
-                (loss / len(micro)).backward()
-            total += loss.detach() / len(micro)
+                loss.backward()
+            total += loss.detach()
         return total
 
     def _evaluate(self) -> None:

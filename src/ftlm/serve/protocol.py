@@ -172,17 +172,16 @@ def parse_request(body: Any, kind: str, model_name: str, max_n: int,
         raise bad("strategy", "a strategy returns one picked text per prompt: drop logprobs "
                               "and echo, or the strategy")
     params = replace(params, top_logprobs=logprobs or 0)
-    extras = dict(logprobs=logprobs, echo=echo, skip_special_tokens=skip)
     if kind == "chat":
         messages = _messages(body.get("messages"))
         return Request(kind, [""], messages, params, n, stream, include_usage, model, strategy,
-                       **extras)
+                       logprobs=logprobs, skip_special_tokens=skip)
     prompts = _prompts(body.get("prompt"))
-    if len(prompts) * n > max_n:
+    if len(prompts) * n > max_n:  # counted before any prompt is tokenised
         raise bad("n", f"{len(prompts)} prompts x n={n} asks for {len(prompts) * n} "
                        f"completions; at most {max_n} per request", "integer_out_of_range")
     return Request(kind, prompts, [], params, n, stream, include_usage, model, strategy,
-                   **extras)
+                   logprobs=logprobs, echo=echo, skip_special_tokens=skip)
 
 
 def _logprobs(body: dict, kind: str) -> int | None:

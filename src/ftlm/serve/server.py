@@ -178,6 +178,7 @@ class Server:
                                max_field_size=8190, max_headers=64,
                                logger=CountingLogger(self.abuse))
         await runner.setup()
+        assert runner.server is not None  # set by setup()
         server = None
         try:
             server = await loop.create_server(self._gate.factory(runner.server), cfg.host,
@@ -390,7 +391,8 @@ class Server:
                 echoed.append(self._scores(prompt, lps, alts))
             else:
                 echoed.append(protocol.TokenScores([], [], []))
-        out_texts, out_logprobs = [], []
+        out_texts: list[str] = []
+        out_logprobs: list[dict | None] = []
         for i, text in enumerate(texts):
             prompt_index = i // req.n
             source = req.prompts[prompt_index] if req.kind == "completion" else ""

@@ -297,3 +297,20 @@ def test_non_utf8_config_file_names_the_file_the_line_and_the_fix(tmp_path: Path
 def test_unreadable_config_path_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path)  # a folder, not a file
+
+
+def test_a_model_too_large_to_build_is_refused_before_anything_is_allocated(tmp_path) -> None:
+    for override, needle in (("model.dim=1000000000", "parameters, above"),
+                             ("model.n_layers=1000000000", "n_layers=1000000000 is above"),
+                             ("model.max_seq_len=1000000000000", "max_seq_len=1000000000000")):
+        with pytest.raises(ConfigError, match=needle) as caught:
+            load_config(None, [override])
+        assert "\n" not in str(caught.value)
+
+
+def test_a_deeply_nested_toml_array_is_a_one_line_error(tmp_path: Path) -> None:
+    path = tmp_path / "deep.toml"
+    path.write_text("[train]\nsteps = " + "[" * 50_000 + "]" * 50_000 + "\n")
+    with pytest.raises(ConfigError, match="nests arrays or tables too deeply") as caught:
+        load_config(path)
+    assert "\n" not in str(caught.value)

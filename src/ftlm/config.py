@@ -25,6 +25,7 @@ from ftlm.errors import ConfigError
 from ftlm.ft.config import FTConfig
 from ftlm.launch.cluster_config import ClusterConfig
 from ftlm.model.config import ModelConfig
+from ftlm.model.counts import size_problem
 from ftlm.observe.config import ObserveConfig
 from ftlm.post.config import PostConfig
 from ftlm.observe.cost import CostConfig
@@ -193,6 +194,9 @@ def build_config(raw: dict[str, Any], overrides: list[str] | None = None) -> Run
                                   f"{', '.join(sorted(known))}")
             kwargs[key] = _coerce(name, key, hints[key], value, from_string)
         built[name] = cls(**kwargs)
+    too_large = size_problem(built["model"]) if "model" in built else None
+    if too_large:  # refused here, before a trainer or converter allocates the model
+        raise ConfigError(f"model: {too_large}; check the [model] section and --set overrides")
     return RunConfig(**built)
 
 
@@ -219,6 +223,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        except RecursionError:
+            raise ConfigError(f"config file {path} nests arrays or tables too deeply for a run "
+                              "config; flatten it") from None
     return build_config(raw, overrides)
 
 

@@ -91,6 +91,7 @@ def _read_model_file(path: Path, config_path: Path | None, explicit: bool):
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_model
     from ftlm.model import ModelConfig, Transformer
+    from ftlm.model.counts import size_problem
     try:
         with safe_open(str(path), "pt") as f:
             metadata = f.metadata() or {}
@@ -102,9 +103,13 @@ def _read_model_file(path: Path, config_path: Path | None, explicit: bool):
         config_path = None  # the file describes itself
         try:
             cfg = ModelConfig(**json.loads(metadata[METADATA_KEY]))
-        except (ValueError, TypeError) as e:
-            raise DataError(f"{path}: its {METADATA_KEY} metadata is not a model config ({e})"
-                            ) from None
+        except (ValueError, TypeError, RecursionError) as e:
+            raise DataError(f"{path}: its {METADATA_KEY} metadata is not a model config "
+                            f"({' '.join(str(e).split())[:200]})") from None
+        too_large = size_problem(cfg)
+        if too_large:
+            raise DataError(f"{path}: its {METADATA_KEY} metadata describes a model too large "
+                            f"to build: {too_large}")
     else:
         raise ConfigError(f"{path}: no config.toml next to it or in its run directory; pass "
                           "--config RUN_CONFIG.toml with the [model] section it was trained with")
@@ -242,9 +247,14 @@ def convert(src: Path, out: Path, config: Path | None = None, tokenizer: Path | 
     if source.kind == "hf":
         write_ftlm_folder(source.model, out, Path(src))
         return f"Hugging Face folder {src} -> ftlm model folder {out} ({_shape(source.model)})"
+    from ftlm.data.chat import HF_CHAT_TEMPLATE
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    save_hf_model(source.model, out, tokenizer=source.tokenizer, dtype=torch_dtype)
+    save_hf_model(source.model, out, tokenizer=source.tokenizer, dtype=torch_dtype,
+                  chat_template=HF_CHAT_TEMPLATE)
     note = "" if source.tokenizer else " (no tokenizer found: pass --tokenizer to include one)"
+    if source.tokenizer is not None and source.tokenizer.is_symlink():
+        note = (f" (tokenizer {source.tokenizer} is a symbolic link: the content of "
+                f"{source.tokenizer.resolve()} was copied as a plain file, mode 0644)")
     return (f"ftlm {source.kind} {source.path} -> Hugging Face folder {out} "
             f"({_shape(source.model)}, {dtype}){note}")
 

@@ -203,3 +203,12 @@ def test_fuzz_manifest_bytes_are_a_manifest_or_a_data_error(data: bytes) -> None
             del text[at:at + len(chunk)]
     note(f"bytes={bytes(text)!r}")
     _check(bytes(text))
+
+
+def test_a_shard_name_with_a_lone_surrogate_is_a_one_line_error() -> None:
+    from ftlm.data.manifest import FORMAT_VERSION
+    text = json.dumps({"format_version": FORMAT_VERSION, "seq_len": 8, "num_samples": 1,
+                       "shards": [{"file": "shard\ud800.parquet", "rows": 1, "sha256": "0" * 64}]})
+    with pytest.raises(DataError, match=r"shards\[0\]\.file=.* must be a relative path") as caught:
+        parse_manifest(text.encode(), "manifest.json")
+    assert "\n" not in str(caught.value)

@@ -155,6 +155,10 @@ def test_each_bad_input_gets_its_error(tmp_path, tok_path) -> None:
     no_field.write_text('{"text": "a"}\n{"body": "b"}\n')
     _expect(r"nofield\.jsonl:2: no field 'text' \(found \['body'\]\)", no_field, out, tok_path)
     _expect(r"nofield\.jsonl:1: no field 'body'", no_field, out, tok_path, text_field="body")
+    _expect(r"--field of `ftlm data prepare`", no_field, out, tok_path)  # the option's real name
+    huge = tmp_path / "huge.jsonl"
+    huge.write_text('{"text": "a", "n": ' + "9" * 5000 + "}\n")
+    _expect(r"huge\.jsonl:1: not readable JSON", huge, out, tok_path)
     not_str = tmp_path / "notstr.jsonl"
     not_str.write_text('{"text": 5}\n')
     _expect(r"notstr\.jsonl:1: field 'text' is a int", not_str, out, tok_path)

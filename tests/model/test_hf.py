@@ -120,3 +120,48 @@ def test_folders_ftlm_cannot_read_are_refused(tmp_path):
         load_hf_model(folder)
     with pytest.raises(DataError, match="not a Hugging Face model folder"):
         load_hf_model(tmp_path)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_hidden_layers": 10**9}, "n_layers=1000000000 is above"),
+    ({"max_position_embeddings": 10**12}, "max_seq_len=1000000000000 is above"),
+    ({"hidden_size": 2**20, "intermediate_size": 2**22}, "parameters, above"),
+])
+def test_sizes_are_checked_before_anything_is_allocated(tmp_path, change, message):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    small = {**LLAMA_32_1B, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 128, "head_dim": None,
+             **change}
+    (folder / "config.json").write_text(json.dumps(small))
+    with pytest.raises(ConfigError, match=message) as caught:
+        load_hf_model(folder)  # no weights file: the config alone is refused
+    assert "\n" not in str(caught.value)
+
+
+def test_a_deeply_nested_config_json_is_a_one_line_error(tmp_path):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(DataError, match="nests too deeply") as caught:
+        load_hf_model(folder)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_tokenizer_symlinked_from_outside_the_folder_is_not_copied(tmp_path):
+    from ftlm.model.hf import copy_tokenizer_files
+    src, dst = tmp_path / "hf", tmp_path / "out"
+    src.mkdir()
+    dst.mkdir()
+    secret = tmp_path / "secret.txt"
+    secret.write_text("a private key")
+    (src / "tokenizer.json").symlink_to(secret)
+    with pytest.raises(DataError, match="symbolic link .* outside"):
+        copy_tokenizer_files(src, dst)
+    assert not (dst / "tokenizer.json").exists()
+    (src / "tokenizer.json").unlink()
+    (src / "real.json").write_text("{}")
+    (src / "tokenizer.json").symlink_to(src / "real.json")  # inside the folder: copied
+    assert copy_tokenizer_files(src, dst) == ["tokenizer.json"]
+    copied = dst / "tokenizer.json"
+    assert not copied.is_symlink() and copied.stat().st_mode & 0o777 == 0o644

@@ -97,3 +97,34 @@ def test_post_config_names_the_bad_field() -> None:
         PostConfig(clip=1.5)
     with pytest.raises(ConfigError, match=r"post.verify='steps' must be one of answer, trace"):
         PostConfig(verify="steps")
+
+
+@pytest.mark.parametrize("line, message", [
+    (b'{"prompt": "caf\xe9", "completion": "x"}', r"bad.jsonl:2: not UTF-8 \(byte 0xe9"),
+    (b'{"prompt": "a\\ud800", "completion": "x"}', r"bad.jsonl:2: prompt holds a lone surrogate"),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", r"bad.jsonl:2: the JSON nests"),
+    (b'{"prompt": "x", "completion": "y", "n": ' + b"9" * 5000 + b"}", r"bad.jsonl:2: not JSON"),
+    (b'{"messages": ["hello", "hi"]}', r"bad.jsonl:2: messages\[0\] must be an object"),
+    (b'{"chosen": [{"role": "user", "content": 3}]}', r"bad.jsonl:2: chosen\[0\] must be"),
+])
+def test_broken_records_are_one_line_errors_naming_file_and_line(tmp_path, line, message) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"prompt": "fine", "completion": "ok"}\n' + line + b"\n")
+    with pytest.raises(DataError, match=message) as caught:
+        read_records(bad, "instruction")
+    assert "\n" not in str(caught.value)
+
+
+def test_an_overlong_line_is_refused_by_its_length(tmp_path, monkeypatch) -> None:
+    import ftlm.post.data as data
+    monkeypatch.setattr(data, "MAX_LINE_BYTES", 1 << 10)  # the rule at 1 KiB: no 100 MB file
+    bad = tmp_path / "big.jsonl"
+    bad.write_text(json.dumps({"prompt": "x" * 5000, "completion": "y"}) + "\n")
+    with pytest.raises(DataError, match=r"big.jsonl:1: the line is longer than"):
+        read_records(bad, "instruction")
+
+
+def test_messages_given_as_strings_are_refused_by_the_chat_template(tokenizer) -> None:
+    from ftlm.data.chat import render
+    with pytest.raises(DataError, match="a message must be"):
+        render(tokenizer, ["hello", "hi"])

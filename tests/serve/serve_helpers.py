@@ -28,7 +28,7 @@ def start_server(tokenizer, **overrides):
     engine = engine_cls(model, max_batch=overrides.pop("max_batch", 4), eos_id=tokenizer.eos_id,
                         detokenize=tokenizer.decode)
     scorer = overrides.pop("scorer", None)
-    config = ServeConfig(port=0, token=TOKEN, model_name="tiny", **overrides)
+    config = ServeConfig(port=0, token=overrides.pop("token", TOKEN), model_name="tiny", **overrides)
     server = Server(engine, tokenizer, config, scorer=scorer)
     server.start()
     return server

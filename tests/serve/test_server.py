@@ -43,7 +43,12 @@ def test_models_and_a_greedy_completion_match_the_engine(server, tokenizer):
     want = Engine(server.engine.model, max_batch=1).generate(
         [tokenizer.encode("the quick")], SamplingParams(max_new_tokens=8, temperature=0,
                                                          ignore_eos=True))[0]
-    assert out.choices[0].text == tokenizer.decode(want.tokens)
+    # Special tokens are left out of the text by default (as vLLM), kept on request.
+    assert out.choices[0].text == tokenizer.decode(want.tokens, skip_special_tokens=True)
+    assert any(t < 7 for t in want.tokens)  # this model draws a special token: the test bites
+    kept = c.completions.create(model="tiny", prompt="the quick", max_tokens=8, temperature=0,
+                                extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert kept.choices[0].text == tokenizer.decode(want.tokens)
     assert out.choices[0].finish_reason == "length"
     assert out.usage.completion_tokens == 8
     assert out.usage.prompt_tokens == len(tokenizer.encode("the quick"))

@@ -11,6 +11,16 @@ everything else; ``mask[t] = 1`` means token ``t`` is a target, predicted from t
 Post-training learns this template (``ftlm.post.data``) and inference prompts in it
 (``ftlm.infer.chat``), so a fine-tuned model is served exactly as it learnt.
 
+``HF_CHAT_TEMPLATE`` is the same rendering as a Jinja ``chat_template`` for a model exported to
+Hugging Face (``ftlm convert``): ``tokenizer.apply_chat_template(messages,
+add_generation_prompt=True)`` gives the ids ``ftlm.infer.chat.render_chat`` gives for text
+without special-token strings. For text with them it differs, and that is the one place role
+forgery can come back: transformers renders the template to a string and tokenises it with
+special tokens recognised (it must, to turn the template's own markers into ids), so a user
+message containing ``"<|user|>"`` becomes the role token there, while ftlm's ``encode`` never
+produces a special token from text. A user of an exported model who passes untrusted text must
+remove or escape those strings first (``docs/inference.md``).
+
 Not responsible for: reading files (``ftlm.post.data``) or sampling (``ftlm.post.rollout``).
 """
 
@@ -23,13 +33,28 @@ from ftlm.errors import DataError
 
 ROLES = ("system", "user", "assistant")
 
+HF_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set role = 'system' if message['role'] == 'developer' else message['role'] %}"
+    "{% if role not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('role ' + role + ' is not supported: use system, user or assistant') }}"
+    "{% endif %}"
+    "{% if message['content'] is not string %}"
+    "{{ raise_exception('message content must be a string') }}"
+    "{% endif %}"
+    "{{ '<|' + role + '|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+"""``render`` (plus the reply cue when ``add_generation_prompt``) as a transformers chat template."""
+
 
 def render(tokenizer: Tokenizer, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
     """Token ids of a conversation and its learn mask (1 on assistant content and its end)."""
     ids, mask = [tokenizer.bos_id], [0]
     end = tokenizer.token_id("<|end|>")
     for m in messages:
-        role, content = m.get("role"), m.get("content")
+        role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
         if role not in ROLES or not isinstance(content, str):
             raise DataError(f"a message must be {{role, content}} with role one of "
                             f"{', '.join(ROLES)} and text content, got {str(m)[:80]}")

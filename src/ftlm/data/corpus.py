@@ -135,10 +135,13 @@ def _iter_jsonl(file: Path, field: str) -> Iterator[str]:
             except RecursionError:
                 raise DataError(f"{file}:{lineno}: JSON nested too deeply to read; each line must "
                                 f"be a JSON object with a {field!r} field") from None
+            except ValueError as e:  # a number of more than 4,300 digits
+                raise DataError(f"{file}:{lineno}: not readable JSON ({' '.join(str(e).split())[:120]}); "
+                                f"each line must be a JSON object with a {field!r} field") from None
             if not isinstance(obj, dict) or field not in obj:
                 keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
                 raise DataError(f"{file}:{lineno}: no field {field!r} (found {keys}); set the "
-                                f"text field (text_field= / --text-field) to the right name")
+                                f"text field (--field of `ftlm data prepare` / `ftlm tokenizer train`) to the right name")
             value = obj[field]
             if not isinstance(value, str):
                 raise DataError(f"{file}:{lineno}: field {field!r} is a {type(value).__name__}, "

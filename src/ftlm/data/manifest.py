@@ -146,6 +146,10 @@ def _shards(value: Any, where: str) -> tuple[ShardEntry, ...]:
 def _is_relative_name(file: Any) -> bool:
     if not isinstance(file, str) or not file or "\0" in file:
         return False
+    try:
+        file.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: no file system can name it
+        return False
     path = PurePosixPath(file)
     return not path.is_absolute() and ".." not in path.parts and path.name not in ("", ".")
 

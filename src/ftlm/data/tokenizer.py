@@ -78,9 +78,10 @@ class Tokenizer:
         """Token ids of many texts; runs in parallel on Rust threads (releases the GIL)."""
         return [e.ids for e in self._inner.encode_batch(list(texts), add_special_tokens=False)]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``; special tokens come out as their literal strings."""
-        return self._inner.decode(list(ids), skip_special_tokens=False)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``; special tokens come out as their literal strings, or not at all with
+        ``skip_special_tokens``."""
+        return self._inner.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @property
     def vocab_size(self) -> int:

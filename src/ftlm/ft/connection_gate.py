@@ -1,5 +1,6 @@
-"""Connection-level defences of the coordinator's HTTP server: a cap on open connections, a
-deadline on every request, and logging that summarises abuse instead of echoing it.
+"""Connection-level defences of ftlm's HTTP servers (the coordinator, ``ftlm serve``): a cap on
+open connections, a deadline on every request, and logging that summarises abuse instead of
+echoing it.
 
 Why it is built this way. aiohttp parses HTTP carefully and bounds what it
 parses (``max_line_size``, ``max_field_size``, ``max_headers``, ``client_max_size``: the
@@ -29,7 +30,11 @@ So the coordinator creates its listening socket itself with ``loop.create_server
   event-loop accept errors) and writes one summary line per interval, never one per connection;
   ``CountingLogger`` is what aiohttp's handlers log to instead of ``aiohttp.server``.
 
-Not responsible for: authentication, parsing bodies or deciding anything (``ftlm.ft.coordinator``).
+The inference server (``ftlm.serve.server``) builds its listener the same way; its generation
+requests are inside a request too, bounded by its own ``request_timeout``.
+
+Not responsible for: authentication, parsing bodies or deciding anything (``ftlm.ft.coordinator``,
+``ftlm.serve.server``).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from typing import Any
 
 __all__ = ["AbuseLog", "ConnectionGate", "CountingLogger", "fd_budget"]
 
-_BUSY_BODY = b'{"error": "the coordinator is at its connection limit; try again"}'
+_BUSY_BODY = b'{"error": "the server is at its connection limit; try again"}'
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
          b"Content-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
 

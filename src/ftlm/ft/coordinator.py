@@ -82,7 +82,8 @@ from ftlm.ft.config import CoordinatorConfig, is_loopback
 from ftlm.ft.connection_gate import AbuseLog, ConnectionGate, CountingLogger, fd_budget, loop_exception_handler
 from ftlm.ft.coordinator_requests import (ClientBodies, HeartbeatBody, QuorumBody, decode_body, parse_heartbeat,
                                           parse_kill, parse_member, parse_quorum_request)
-from ftlm.ft.coordinator_address import LOCAL_ALIAS, describe_address, loopback_host, url_of
+from ftlm.ft.coordinator_address import LOCAL_ALIAS, describe_address, url_of
+from ftlm.ft.http_guard import foreign_request, non_json_post
 from ftlm.ft.coordinator_hot import HeartbeatAnswerEncoder, HotEndpoints, Waiter, WaiterAnswer, member_request
 from ftlm.ft.coordinator_status import STATUS_LIMIT, CoordinatorMetrics, status_json
 from ftlm.ft.dashboard import DashboardLog, render_page
@@ -490,17 +491,10 @@ class Coordinator:
     def _refusal(self, request: web.Request) -> web.StreamResponse | None:
         """Why the request must not reach a handler, as its answer; None when it may."""
         headers = request.headers
-        host = headers.get("Host")
-        if self._loopback and host is not None and not loopback_host(host):
-            return _error(403, f"Host {host[:80]!r} is not this machine: the coordinator listens on "
-                               f"{self.config.host} only; open it as {self.url}/")
-        origin = headers.get("Origin")
-        if origin is not None and not self._same_origin(origin, host):
-            return _error(403, f"cross-origin request refused (Origin {origin[:80]!r}): only the "
-                               f"coordinator's own page may call it")
-        site = headers.get("Sec-Fetch-Site", "same-origin")
-        if request.method not in ("GET", "HEAD") and site not in ("same-origin", "none"):
-            return _error(403, f"{site[:40]} request refused: only the coordinator's own page may call it")
+        foreign = foreign_request(request.method, headers, bound=self.config.host, scheme=self.scheme,
+                                  who="the coordinator", url=self.url)
+        if foreign is not None:
+            return _error(*foreign)
         token = self.config.token
         if token:
             given = headers.get("Authorization", "")
@@ -508,20 +502,13 @@ class Coordinator:
                 if request.method == "GET" and request.path == "/":
                     return web.Response(status=401, text=render_page(None), content_type="text/html")
                 return _error(401, "unauthorized: send 'Authorization: Bearer <token>'")
-        if request.method == "POST" and request.content_type != "application/json":
-            return _error(415, f"POST bodies must be JSON sent with 'Content-Type: application/json' "
-                               f"(got {request.content_type[:60]!r})")
+        not_json = non_json_post(request.method, request.content_type)
+        if not_json is not None:
+            return _error(*not_json)
         size = request.content_length
         if size is not None and size > self.config.max_request_bytes:
             return _too_large(size, self.config.max_request_bytes)
         return None
-
-    def _same_origin(self, origin: str, host: str | None) -> bool:
-        if host is None:
-            return False
-        default = ":443" if self.scheme == "https" else ":80"
-        mine = f"{self.scheme}://{host}".lower().removesuffix(default)
-        return origin.strip().lower().removesuffix(default) == mine
 
     def _count(self, request: web.Request, status: int) -> None:
         if status in _REFUSALS:

@@ -43,6 +43,9 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     """Log-probability of each generated token under the model (temperature 1, unfiltered)."""
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    """Per generated token, its ``params.top_logprobs`` most likely alternatives (token id,
+    log-probability), most likely first; empty when ``params.top_logprobs`` is 0."""
     finish_reason: str | None = None
     """``"stop"`` (EOS, a stop id or stop string), ``"length"`` (budget or context) or ``"abort"``."""
     slot: int | None = None
@@ -220,10 +223,18 @@ class Engine:
         ids = sample(logits, temperature, top_k, top_p, min_p, uniform)
         # log_softmax at the drawn token only (no [B, vocab] result to write and read back).
         scores = logits.float()
-        logprobs = scores.gather(-1, ids[:, None])[:, 0] - torch.logsumexp(scores, dim=-1)
+        norm = torch.logsumexp(scores, dim=-1)
+        logprobs = scores.gather(-1, ids[:, None])[:, 0] - norm
+        top = max((s.params.top_logprobs for s in live if s is not None), default=0)
+        alternatives: list[list[tuple[int, float]]] = [[] for _ in live]
+        if top:  # only when a request asked: a [B, k] top-k, not a [B, vocab] softmax
+            values, indices = scores.topk(min(top, scores.shape[-1]), dim=-1)
+            values = (values - norm[:, None]).tolist()
+            alternatives = [list(zip(row_ids, row_lps))
+                            for row_ids, row_lps in zip(indices.tolist(), values)]
         ids, logprobs = ids.tolist(), logprobs.tolist()  # one device sync per step
         now = time.perf_counter()
-        for seq, token, logprob in zip(live, ids, logprobs):
+        for seq, token, logprob, alts in zip(live, ids, logprobs, alternatives):
             if seq is None:
                 continue
             touched[seq.id] = seq
@@ -236,6 +247,8 @@ class Engine:
                 continue
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
+            if p.top_logprobs:
+                seq.top_logprobs.append(alts[:p.top_logprobs])
             if p.stop and any(s in self.detokenize(seq.tokens) for s in p.stop):
                 self._finish(seq, "stop")
             elif len(seq.tokens) >= p.max_new_tokens or len(seq.prompt) + len(seq.tokens) >= self.max_seq_len:

@@ -28,6 +28,10 @@ import torch
 from ftlm.errors import ConfigError
 
 
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives a sequence may record per position (OpenAI's limit for chat)."""
+
+
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops."""
@@ -50,6 +54,9 @@ class SamplingParams:
     """Keep generating past the end-of-sequence token (benchmarks)."""
     stop_ids: tuple[int, ...] = field(default=())
     """Extra token ids that end the sequence (the engine adds the tokenizer's EOS)."""
+    top_logprobs: int = 0
+    """Also record the ``top_logprobs`` most likely tokens (and their log-probabilities) at each
+    generated position, at most ``MAX_TOP_LOGPROBS``; 0: only the drawn token's."""
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
@@ -70,6 +77,9 @@ class SamplingParams:
             raise ConfigError(f"stop={self.stop!r} must be a list of non-empty strings")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise ConfigError(f"seed={self.seed!r} must be a non-negative integer or None")
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ConfigError(f"top_logprobs={self.top_logprobs!r} must be an integer in "
+                              f"[0, {MAX_TOP_LOGPROBS}]")
         self.stop_ids = tuple(self.stop_ids)
         if not all(_is_int(t) and t >= 0 for t in self.stop_ids):
             raise ConfigError(f"stop_ids={self.stop_ids!r} must be non-negative token ids")

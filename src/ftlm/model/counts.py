@@ -55,3 +55,26 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     matmul_params = cfg.n_layers * _block_matmul_params(cfg) + cfg.vocab_size * cfg.dim
     attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
     return float(6 * matmul_params + attention)
+
+
+MAX_PARAMETERS = 2 * 10**12
+"""Most parameters a model may have (five times the largest dense Llama): a shape beyond it is a
+typo (``dim=1000000000``), refused before anything is allocated."""
+MAX_LAYERS = 4096
+"""Most blocks a model may have (building a module per block is what a typo would cost)."""
+MAX_POSITIONS = 1 << 24
+"""Longest context (``max_seq_len``): the rotary table holds one row per position."""
+
+
+def size_problem(cfg: ModelConfig) -> str | None:
+    """Why ``cfg`` is too large to build (naming the field and the bound), or None."""
+    if cfg.n_layers > MAX_LAYERS:
+        return f"n_layers={cfg.n_layers} is above {MAX_LAYERS} layers"
+    if cfg.max_seq_len > MAX_POSITIONS:
+        return f"max_seq_len={cfg.max_seq_len} is above {MAX_POSITIONS} positions"
+    params = param_count(cfg)
+    if params > MAX_PARAMETERS:
+        return (f"the shape (dim={cfg.dim}, n_layers={cfg.n_layers}, ffn_dim={cfg.ffn_dim}, "
+                f"vocab_size={cfg.vocab_size}) has {params:.3g} parameters, above "
+                f"{MAX_PARAMETERS:.0e}")
+    return None

@@ -23,13 +23,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
 from ftlm.errors import ConfigError, DataError
 from ftlm.model.config import ROPE_SCALING_KEYS, SIZES, ModelConfig
+from ftlm.model.counts import size_problem
 from ftlm.model.llama import Transformer
 
 # ftlm name pattern -> HF name pattern ("{}" is the layer index).
@@ -138,12 +138,16 @@ def config_from_hf(config: dict, where: str = "config.json") -> ModelConfig:
     size = next((name for name, row in SIZES.items()
                  if all(row[k] == fields[k] for k in _SHAPE_FIELDS)), "tiny")
     try:
-        return ModelConfig(size=size, **fields)
+        cfg = ModelConfig(size=size, **fields)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
+    too_large = size_problem(cfg)
+    if too_large:  # checked before any tensor or module of that shape is made
+        raise ConfigError(f"{where}: {too_large}; this is not a model ftlm can load")
+    return cfg
 
 
-def config_to_hf(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = None,
+def config_to_hf(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | list[int] | None = None,
                  dtype: torch.dtype = torch.float32) -> dict:
     """The HF ``config.json`` (as a dict) of a model of shape ``cfg``.
 
@@ -214,8 +218,12 @@ def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> Transf
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise DataError(f"cannot read {path} as JSON ({e})") from None
+    except RecursionError:
+        raise DataError(f"cannot read {path} as JSON: it nests too deeply for a model "
+                        "config") from None
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and a 5,000-digit number included
+        raise DataError(f"cannot read {path} as JSON ({' '.join(str(e).split())[:200]})"
+                        ) from None
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -267,41 +275,54 @@ def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         tmp.write_bytes(data)
+        os.chmod(tmp, 0o644)  # readable as a published file, whatever the source's mode was
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
 
 def save_hf_model(model: Transformer, folder: Path, tokenizer: Path | None = None,
-                  dtype: torch.dtype = torch.float32) -> Path:
+                  dtype: torch.dtype = torch.float32, chat_template: str | None = None) -> Path:
     """Write ``model`` as an HF Llama folder; returns ``folder``.
 
-    ``tokenizer`` is an ftlm ``tokenizer.json`` (``ftlm.data.tokenizer``): it is copied, and a
-    ``tokenizer_config.json`` naming its special tokens is written, so
-    ``AutoTokenizer.from_pretrained(folder)`` loads it; its bos/eos ids go into the configs.
+    ``tokenizer`` is an ftlm ``tokenizer.json`` (``ftlm.data.tokenizer``): its content is copied
+    (a plain file of mode 0644, whatever ``tokenizer`` links to), and a
+    ``tokenizer_config.json`` naming its special tokens is written (with ``chat_template``, the
+    Jinja form of the chat format, when given), so ``AutoTokenizer.from_pretrained(folder)``
+    loads it and ``apply_chat_template`` renders ftlm's chat format. Its bos/eos ids go into the
+    configs; ``eos_token_id`` lists ``<|eos|>`` and the turn end ``<|end|>``, so
+    ``generate`` stops at the end of an assistant turn as ``ftlm serve`` does.
     """
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    bos_id = eos_id = pad_id = None
+    bos_id = pad_id = None
+    eos_ids: list[int] = []
     if tokenizer is not None:
         from tokenizers import Tokenizer as RawTokenizer
         try:
-            raw = RawTokenizer.from_file(str(tokenizer))
+            content = Path(tokenizer).read_bytes()
+            raw = RawTokenizer.from_str(content.decode("utf-8"))
         except Exception as e:  # the Rust side raises a bare Exception for any parse error
             raise DataError(f"cannot read tokenizer {tokenizer} ({e})") from None
-        bos_id, eos_id, pad_id = (raw.token_to_id(t) for t in ("<|bos|>", "<|eos|>", "<|pad|>"))
-        shutil.copyfile(tokenizer, folder / "tokenizer.json")
+        bos_id, pad_id = raw.token_to_id("<|bos|>"), raw.token_to_id("<|pad|>")
+        eos_ids = [i for i in (raw.token_to_id("<|eos|>"), raw.token_to_id("<|end|>"))
+                   if i is not None]
+        _atomic_write(folder / "tokenizer.json", content)
         special = {k: v for k, v in (("bos_token", "<|bos|>"), ("eos_token", "<|eos|>"),
                                      ("pad_token", "<|pad|>"))
                    if raw.token_to_id(v) is not None}
-        _atomic_write(folder / "tokenizer_config.json", json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.cfg.max_seq_len,
-            "clean_up_tokenization_spaces": False, **special}, indent=2).encode())
-    config = config_to_hf(model.cfg, bos_id=bos_id, eos_id=eos_id, dtype=dtype)
+        settings = {"tokenizer_class": "PreTrainedTokenizerFast",
+                    "model_max_length": model.cfg.max_seq_len,
+                    "clean_up_tokenization_spaces": False, **special}
+        if chat_template is not None:
+            settings["chat_template"] = chat_template
+        _atomic_write(folder / "tokenizer_config.json", json.dumps(settings, indent=2).encode())
+    eos: int | list[int] | None = (eos_ids[0] if len(eos_ids) == 1 else eos_ids) or None
+    config = config_to_hf(model.cfg, bos_id=bos_id, eos_id=eos, dtype=dtype)
     _atomic_write(folder / "config.json", json.dumps(config, indent=2).encode())
-    generation = {k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id),
+    generation = {k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos),
                                     ("pad_token_id", pad_id)) if v is not None}
     _atomic_write(folder / "generation_config.json", json.dumps(generation, indent=2).encode())
     weights = folder / "model.safetensors"
@@ -315,10 +336,22 @@ def save_hf_model(model: Transformer, folder: Path, tokenizer: Path | None = Non
 
 
 def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
-    """Copy the HF tokenizer files present in folder ``src`` to ``dst``; returns their names."""
+    """Copy the HF tokenizer files present in folder ``src`` to ``dst``; returns their names.
+
+    A file that is a symbolic link to something outside ``src`` is refused (converting a folder
+    must not publish a file the folder only points at, such as a key elsewhere on the machine);
+    a copy is a plain file of mode 0644.
+    """
+    folder = Path(src).resolve()
     copied = []
     for name in TOKENIZER_FILES:
-        if (Path(src) / name).is_file():
-            shutil.copyfile(Path(src) / name, Path(dst) / name)
-            copied.append(name)
+        path = Path(src) / name
+        if not path.is_file():
+            continue
+        target = path.resolve()
+        if path.is_symlink() and not target.is_relative_to(folder):
+            raise DataError(f"{path} is a symbolic link to {target}, outside {folder}; copy the "
+                            "file itself into the folder if it is the tokenizer you mean")
+        _atomic_write(Path(dst) / name, target.read_bytes())
+        copied.append(name)
     return copied

@@ -54,8 +54,23 @@ class Rows:
         return self.rows[idx]
 
 
+MAX_LINE_BYTES = 16 << 20
+"""Longest JSONL line read (16 MiB, far more text than any context holds): a longer one is
+refused by its length, before it is parsed or tokenised."""
+MESSAGE_LISTS = ("messages", "chosen", "rejected")
+"""Fields that, when they are lists, hold ``{role, content}`` messages."""
+
+
 def read_records(path: Path, what: str) -> list[dict]:
-    """The records of a ``.jsonl`` or ``.parquet`` file, as dicts."""
+    """The records of a ``.jsonl`` or ``.parquet`` file, as dicts.
+
+    Every record is checked as it is read, so a bad one is a one-line ``DataError`` naming
+    ``file:line`` (Parquet: the row): bytes that are not UTF-8, JSON that is not an object,
+    nests too deeply or holds a number Python will not read (over 4,300 digits), a line over
+    ``MAX_LINE_BYTES``, a string with a lone surrogate (a ``\\ud800`` escape; the tokenizer
+    cannot encode it), or a ``messages`` / ``chosen`` / ``rejected`` list whose items are not
+    ``{role, content}`` objects with string values.
+    """
     path = Path(path)
     if path.suffix not in SUFFIXES:
         raise DataError(f"{what} file {path} must end in .jsonl or .parquet")
@@ -64,24 +79,82 @@ def read_records(path: Path, what: str) -> list[dict]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
         try:
-            return pq.read_table(path).to_pylist()
+            records = pq.read_table(path).to_pylist()
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a corrupt file
             raise DataError(f"{path}: not a readable Parquet file ({e})") from None
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+        for number, record in enumerate(records, 1):
+            _check_record(record, f"{path} row {number}")
+    else:
+        records = list(_jsonl_records(path))
+    if not records:
+        raise DataError(f"{what} file {path} holds no records")
+    return records
+
+
+def _jsonl_records(path: Path):
+    with open(path, "rb") as f:
+        number = 0
+        while True:
+            raw = f.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            number += 1
+            where = f"{path}:{number}"
+            if len(raw) > MAX_LINE_BYTES:
+                raise DataError(f"{where}: the line is longer than {MAX_LINE_BYTES} bytes; "
+                                "one record per line, each shorter (split long documents)")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                                f"{e.start + 1}); re-save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{number}: not JSON ({e.msg})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{number}: a record must be a JSON object")
-            records.append(record)
-    if not records:
-        raise DataError(f"{what} file {path} holds no records")
-    return records
+            except RecursionError:
+                raise DataError(f"{where}: the JSON nests too deeply; a record is an object of "
+                                "strings and message lists") from None
+            except ValueError as e:  # JSONDecodeError, and a number of over 4,300 digits
+                raise DataError(f"{where}: not JSON ({' '.join(str(e).split())[:160]}); write "
+                                "one JSON object per line") from None
+            _check_record(record, where)
+            yield record
+
+
+def _check_record(record: object, where: str) -> None:
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: a record must be a JSON object, got "
+                        f"{type(record).__name__}")
+    _check_text(record, where, "")
+    for name in MESSAGE_LISTS:
+        value = record.get(name)
+        if not isinstance(value, list):
+            continue
+        for i, m in enumerate(value):
+            if (not isinstance(m, dict) or not isinstance(m.get("role"), str)
+                    or not isinstance(m.get("content"), str)):
+                raise DataError(f"{where}: {name}[{i}] must be an object {{\"role\": ..., "
+                                f"\"content\": ...}} with string values, got "
+                                f"{json.dumps(m)[:60]}")
+
+
+def _check_text(value: object, where: str, field: str) -> None:
+    """Refuse a lone surrogate anywhere in ``value`` (depth is bounded by the JSON parser)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DataError(f"{where}: {field or 'a string'} holds a lone surrogate "
+                            f"(\\u{ord(value[e.start]):04x}); fix the text (an escape such "
+                            "as \\ud83d must be followed by its pair)") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, where, "a field name")
+            _check_text(item, where, f"{field}.{key}" if field else str(key)[:40])
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_text(item, where, f"{field}[{i}]")
 
 
 def conversation(record: dict, where: str) -> list[dict]:

@@ -8,15 +8,22 @@ chunk objects; usage.
 Not responsible for: HTTP, auth or tokenisation (``ftlm.serve.server``), or generation.
 
 Supported request fields: ``model``, ``prompt`` (a string, a list of strings, a list of token ids
-or a list of such lists) or ``messages`` (roles system/user/assistant, string content or a list
-of ``{"type": "text"}`` parts), ``max_tokens`` (chat: also ``max_completion_tokens``),
-``temperature`` [0, 2], ``top_p``, ``n``, ``stream``, ``stream_options.include_usage``, ``stop``
-(a string or up to 4), ``seed``, ``user``; the extensions ``top_k``, ``min_p`` and
-``ignore_eos``, and ``strategy`` (one of ``STRATEGIES``: the ``n`` samples of each prompt
-become one choice, picked by ``ftlm.infer.strategies`` with the policy's confidence as the
-score; not with ``stream``). Penalties are accepted only at 0; ``echo``, ``logprobs``, ``suffix``,
-``best_of`` > 1, ``logit_bias``, tools and any unknown field are refused with 400 rather than
-silently ignored.
+or a list of such lists; at most ``max_n`` prompts, counted before anything is tokenised) or
+``messages`` (roles system/user/assistant, string content or a list of ``{"type": "text"}``
+parts), ``max_tokens`` (chat: also ``max_completion_tokens``), ``temperature`` [0, 2],
+``top_p``, ``n``, ``stream``, ``stream_options.include_usage``, ``stop`` (a string or up to 4),
+``seed``; ``logprobs`` (completions: an integer, the alternatives per position; chat: true, with
+``top_logprobs``) and, on completions, ``echo`` (the prompt comes back before the completion,
+with its own logprobs when ``logprobs`` is set: ``echo`` with ``max_tokens=0`` scores a text, as
+lm-eval's loglikelihood does); the extensions ``top_k``, ``min_p``, ``ignore_eos``,
+``skip_special_tokens`` (default true, as vLLM: special tokens are left out of the text) and
+``strategy`` (one of ``STRATEGIES``: the ``n`` samples of each prompt become one choice, picked
+by ``ftlm.infer.strategies`` with the policy's confidence as the score; not with ``stream``).
+OpenAI fields that only label or route a request (``IGNORED_FIELDS``: ``user``, ``store``,
+``metadata``, ``service_tier``, ...) are accepted and ignored. Penalties are accepted only at 0;
+``suffix``, ``best_of`` > 1, ``logit_bias``, tools, logprobs with ``stream`` and any unknown
+field are refused with 400 (naming every unknown field) rather than silently ignored. Every
+string must be valid Unicode (a lone surrogate from a ``\\ud800`` escape is a 400).
 """
 
 from __future__ import annotations
@@ -24,19 +31,22 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ftlm.errors import ConfigError
-from ftlm.infer.sampling import SamplingParams
+from ftlm.infer.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
+IGNORED_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls",
+                            "prompt_cache_key", "safety_identifier"})
+"""OpenAI request fields that label, store or route a request: accepted, and without effect here."""
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
-           "seed", "user", "top_k", "min_p", "ignore_eos", "presence_penalty",
-           "frequency_penalty", "strategy"}
+           "seed", "top_k", "min_p", "ignore_eos", "presence_penalty", "frequency_penalty",
+           "strategy", "logprobs", "skip_special_tokens", *IGNORED_FIELDS}
 STRATEGIES = ("self-consistency", "best-of-n", "weighted-best-of-n")
-COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "logprobs", "suffix", "logit_bias"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                         "logit_bias", "tools", "tool_choice", "response_format"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix", "logit_bias"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "logit_bias", "tools",
+                         "tool_choice", "response_format"}
 
 
 class APIError(Exception):
@@ -74,6 +84,12 @@ class Request:
     model: str = ""
     strategy: str | None = None
     """Pick one of the ``n`` samples per prompt (``STRATEGIES``); None returns all ``n``."""
+    logprobs: int | None = None
+    """Return the tokens' log-probabilities with this many alternatives each; None: none."""
+    echo: bool = False
+    """Completions: the prompt's text (and logprobs) come first in each choice."""
+    skip_special_tokens: bool = True
+    """Leave special tokens (``<|eos|>``, role markers) out of the text."""
 
 
 def parse_request(body: Any, kind: str, model_name: str, max_n: int,
@@ -84,8 +100,12 @@ def parse_request(body: Any, kind: str, model_name: str, max_n: int,
     allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise bad(unknown[0], f"unknown field {unknown[0]!r}; supported: "
-                              f"{', '.join(sorted(allowed))}", "unsupported_field")
+        names = ", ".join(repr(u[:40]) for u in unknown[:8]) + (" ..." if len(unknown) > 8 else "")
+        raise bad(unknown[0][:40], f"unknown field{'s' if len(unknown) > 1 else ''} {names}; "
+                                   f"supported: {', '.join(sorted(allowed - IGNORED_FIELDS))} "
+                                   f"(and, ignored: {', '.join(sorted(IGNORED_FIELDS))})",
+                  "unsupported_field")
+    _check_unicode(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", f"'model' is required: use {model_name!r} (see GET /v1/models)")
@@ -138,11 +158,66 @@ def parse_request(body: Any, kind: str, model_name: str, max_n: int,
                                   f"{', '.join(STRATEGIES)}")
         if stream:
             raise bad("strategy", "a strategy picks among finished samples: use stream=false")
+    logprobs = _logprobs(body, kind)
+    echo = body.get("echo", False) if kind == "completion" else False
+    if not isinstance(echo, bool):
+        raise bad("echo", "echo must be true or false")
+    skip = body.get("skip_special_tokens", True)
+    if not isinstance(skip, bool):
+        raise bad("skip_special_tokens", "skip_special_tokens must be true or false")
+    if stream and (logprobs is not None or echo):
+        raise bad("logprobs" if logprobs is not None else "echo",
+                  "logprobs and echo are answered whole: use stream=false")
+    if strategy is not None and (logprobs is not None or echo):
+        raise bad("strategy", "a strategy returns one picked text per prompt: drop logprobs "
+                              "and echo, or the strategy")
+    params = replace(params, top_logprobs=logprobs or 0)
     if kind == "chat":
         messages = _messages(body.get("messages"))
-        return Request(kind, [""], messages, params, n, stream, include_usage, model, strategy)
-    return Request(kind, _prompts(body.get("prompt")), [], params, n, stream, include_usage,
-                   model, strategy)
+        return Request(kind, [""], messages, params, n, stream, include_usage, model, strategy,
+                       logprobs=logprobs, skip_special_tokens=skip)
+    prompts = _prompts(body.get("prompt"))
+    if len(prompts) * n > max_n:  # counted before any prompt is tokenised
+        raise bad("n", f"{len(prompts)} prompts x n={n} asks for {len(prompts) * n} "
+                       f"completions; at most {max_n} per request", "integer_out_of_range")
+    return Request(kind, prompts, [], params, n, stream, include_usage, model, strategy,
+                   logprobs=logprobs, echo=echo, skip_special_tokens=skip)
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """How many alternatives per token a request asks for; None: no logprobs at all."""
+    value = body.get("logprobs")
+    if kind == "completion":
+        if value is None:
+            return None
+        if not _is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise bad("logprobs", f"logprobs={str(value)[:40]} must be an integer in "
+                                  f"[0, {MAX_TOP_LOGPROBS}] (alternatives per token)")
+        return value
+    if value not in (None, True, False):
+        raise bad("logprobs", "logprobs must be true or false (top_logprobs sets alternatives)")
+    top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    if top and not value:
+        raise bad("top_logprobs", "top_logprobs needs logprobs=true")
+    return top if value else None
+
+
+def _check_unicode(value: Any, where: str = "") -> None:
+    """Refuse a lone surrogate anywhere in the body (the tokenizer cannot encode one)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise bad(where or "body", f"{where or 'a string'} holds a lone surrogate "
+                                       f"(\\u{ord(value[e.start]):04x}) at character {e.start}; "
+                                       "send valid Unicode text") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, where or "a field name")
+            _check_unicode(item, f"{where}.{key}" if where else str(key)[:40])
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_unicode(item, f"{where}[{i}]")
 
 
 def _refuse_unsupported(body: dict, kind: str) -> None:
@@ -150,16 +225,12 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
         value = body.get(name)
         if value not in (None, 0, 0.0):
             raise bad(name, f"{name} is not supported (only 0)", "unsupported_value")
-    if body.get("echo"):
-        raise bad("echo", "echo is not supported", "unsupported_value")
-    if body.get("logprobs") not in (None, False, 0):
-        raise bad("logprobs", "logprobs are not supported yet", "unsupported_value")
     if body.get("suffix") is not None:
         raise bad("suffix", "suffix (insertion) is not supported", "unsupported_value")
     if body.get("best_of") not in (None, 1):
         raise bad("best_of", "best_of is not supported; use n and pick client-side",
                   "unsupported_value")
-    for name in ("logit_bias", "tools", "tool_choice", "response_format", "top_logprobs"):
+    for name in ("logit_bias", "tools", "tool_choice", "response_format"):
         if body.get(name):
             raise bad(name, f"{name} is not supported", "unsupported_value")
 
@@ -243,18 +314,54 @@ def finish(reason: str | None) -> str | None:
     return None if reason is None else ("length" if reason == "length" else "stop")
 
 
+@dataclass
+class TokenScores:
+    """The scored tokens of one choice: their texts, log-probabilities and alternatives."""
+
+    tokens: list[str]
+    logprobs: list[float | None]
+    """None where a token has no context (the first token of an echoed prompt)."""
+    top: list[list[tuple[str, float]]]
+    """Per token, its most likely alternatives (text, log-probability), most likely first."""
+
+
+def completion_logprobs(scores: TokenScores, offset: int = 0) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object (``tokens``, ``token_logprobs``,
+    ``top_logprobs`` as ``{token: logprob}`` dicts, ``text_offset``); offsets start at ``offset``."""
+    offsets, at = [], offset
+    for token in scores.tokens:
+        offsets.append(at)
+        at += len(token)
+    # Two byte tokens can decode to the same text ("\ufffd"): the key keeps the likelier one.
+    top = [None if lp is None else dict(reversed(alts))
+           for lp, alts in zip(scores.logprobs, scores.top)]
+    return {"tokens": scores.tokens, "token_logprobs": scores.logprobs, "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def chat_logprobs(scores: TokenScores) -> dict[str, Any]:
+    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]}
+                        for t, lp, alts in zip(scores.tokens, scores.logprobs, scores.top)
+                        if lp is not None]}
+
+
 def response(req: Request, rid: str, texts: list[str], reasons: list[str | None],
-             prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """The whole (non-streamed) answer."""
+             prompt_tokens: int, completion_tokens: int,
+             logprobs: list[dict[str, Any] | None] | None = None) -> dict[str, Any]:
+    """The whole (non-streamed) answer; ``logprobs``: each choice's logprobs object, if asked."""
     created = int(time.time())
+    logprobs = logprobs or [None] * len(texts)
     if req.kind == "chat":
         choices = [{"index": i, "message": {"role": "assistant", "content": t},
-                    "logprobs": None, "finish_reason": finish(r)}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
+                    "logprobs": lp, "finish_reason": finish(r)}
+                   for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))]
         obj = "chat.completion"
     else:
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": finish(r)}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": finish(r)}
+                   for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))]
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens)}

@@ -44,6 +44,8 @@ class Update:
     error: str | None = None
     logprobs: list[float] | None = None
     """Set on the final update only."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Set on the final update only: each token's alternatives (``SamplingParams.top_logprobs``)."""
 
 
 @dataclass(eq=False)
@@ -190,7 +192,8 @@ class EngineRunner:
             h.first_seen = True
             self.metrics.on_first_token(time.perf_counter() - h.submitted)
         self._send(h, Update(h.index, list(seq.tokens), seq.finish_reason,
-                             logprobs=list(seq.logprobs) if seq.done else None))
+                             logprobs=list(seq.logprobs) if seq.done else None,
+                             top_logprobs=list(seq.top_logprobs) if seq.done else None))
         if seq.done:
             self._retire(h)
 

@@ -367,6 +367,65 @@ def test_a_group_retired_for_failing_its_steps_is_resubmitted_away_from_its_node
     assert "job 300 was retired" not in log
 
 
+def _fake_slurm(tmp_path: Path) -> tuple[Path, dict]:
+    """FAKE_SLURM's commands on PATH, their jobs under tmp_path/fake; returns (fake, env)."""
+    fake, bin_dir = tmp_path / "fake", tmp_path / "bin"
+    fake.mkdir()
+    bin_dir.mkdir()
+    for name, body in FAKE_SLURM.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    return fake, dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE=str(fake))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped: its parent is the shell that started it) is gone too.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _new_watcher(state: Path, known: list[int]) -> int | None:
+    """The pid in state/watch.pid once it names a watcher not in ``known``."""
+    text = (state / "watch.pid").read_text().strip() if (state / "watch.pid").is_file() else ""
+    return int(text) if text and int(text) not in known else None
+
+
+def test_one_watcher_per_job_across_stop_and_submit(tmp_path, tiny_config):
+    """``stop-all.sh`` then ``submit-all.sh``: the first watcher must not live on beside the
+    second (both would resubmit the same failed group), and a watcher started by hand while
+    one runs refuses to start. Fake Slurm commands."""
+    out = generate(tmp_path, tiny_config(), groups=2)
+    fake, env = _fake_slurm(tmp_path)
+    env["FTLM_WATCH_INTERVAL"] = "30"  # the first watcher sleeps through stop-all's STOP file
+    state = out / "state"
+    pids = []
+    try:
+        for _ in range(2):
+            r = subprocess.run([str(out / "submit-all.sh")], env=env, capture_output=True,
+                               text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            pids.append(_wait_for(lambda: _new_watcher(state, pids), 30, "a watcher to start"))
+            if len(pids) == 1:
+                r = subprocess.run([str(out / "stop-all.sh")], env=env, capture_output=True,
+                                   text=True, timeout=60)
+                assert r.returncode == 0, r.stderr
+        first, second = pids
+        _wait_for(lambda: not _alive(first), 15, f"the first watcher (pid {first}) to end")
+        assert _alive(second)
+        r = subprocess.run([str(out / "watch.sh")], env=dict(env, FTLM_WATCH_LOCK_WAIT="1"),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and "another watcher" in r.stdout + r.stderr, r.stdout + r.stderr
+        assert _alive(second)
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_bad_cluster_values_name_the_field():
     with pytest.raises(ConfigError, match="cluster.slurm_time"):
         ClusterConfig(slurm_time="forever")

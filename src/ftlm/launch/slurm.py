@@ -17,7 +17,8 @@
   publishes them in ``state/prometheus-<g>-node<n>.json`` (Prometheus file_sd);
 * ``watch.sh``: polls squeue/scontrol/sacct and resubmits a group (or the coordinator) whose job
   ended with a failure, at most ``max_restarts`` times each; ends when the job is done;
-* ``submit-all.sh`` (forgets a previous run's state in the folder) and ``stop-all.sh``;
+* ``submit-all.sh`` (forgets a previous run's state in the folder) and ``stop-all.sh``; both
+  stop the job's watcher if one runs (one watcher per job: ``state/watch.lock``);
   ``config.toml`` and ``token`` (mode 600).
 
 It only writes text; it does not call Slurm (docs/slurm.md shows the commands).
@@ -283,6 +284,20 @@ def group_script(run: RunConfig, cluster: ClusterConfig, out: Path, workdir: Pat
     return "\n".join(lines) + "\n"
 
 
+STOP_WATCHER = """\
+# Stop this job's watcher, if one runs: it holds state/watch.lock and wrote its pid in
+# state/watch.pid (a free lock means none runs, whatever pid the file names).
+if [ -s "$OUT/state/watch.pid" ] && ! flock -n "$OUT/state/watch.lock" true 2>/dev/null; then
+  watcher=$(cat "$OUT/state/watch.pid")
+  kill -TERM "$watcher" 2>/dev/null || true
+  for _ in $(seq 100); do kill -0 "$watcher" 2>/dev/null || break; sleep 0.1; done
+  if kill -0 "$watcher" 2>/dev/null; then
+    echo "ftlm: the watcher (pid $watcher) did not stop within 10 s" >&2
+  fi
+fi
+"""
+
+
 def submit_script(cluster: ClusterConfig, out: Path) -> str:
     groups = " ".join(cluster.group_names())
     return f"""#!/bin/bash
@@ -291,7 +306,7 @@ def submit_script(cluster: ClusterConfig, out: Path) -> str:
 set -euo pipefail
 OUT={shlex.quote(str(out))}
 mkdir -p "$OUT/state" "$OUT/logs"
-# A new job in an old folder: forget the last one's addresses, restarts and finished groups
+{STOP_WATCHER}# A new job in an old folder: forget the last one's addresses, restarts and finished groups
 # (a stale g<i>.done would make the watcher end at once and cancel the coordinator).
 rm -f "$OUT/state/coordinator.url" "$OUT/state/STOP" "$OUT/state/"*.restarts "$OUT/state/exclude" \\
   "$OUT/state/"*.done "$OUT/state/"*.retired "$OUT/state/"relay-*.port "$OUT/state/"prometheus-g*.json
@@ -303,19 +318,19 @@ echo "coordinator: job $(cat "$OUT/state/coordinator.jobid")"
 for g in {groups}; do echo "group $g: job $(cat "$OUT/state/$g.jobid")"; done
 if [ "${{1:-}}" != "--no-watch" ]; then
   nohup "$OUT/watch.sh" >> "$OUT/logs/watch.log" 2>&1 &
-  echo $! > "$OUT/state/watch.pid"
-  echo "watcher: pid $(cat "$OUT/state/watch.pid"), log $OUT/logs/watch.log"
+  echo "watcher: pid $!, log $OUT/logs/watch.log"
 fi
 """
 
 
 def stop_script(cluster: ClusterConfig, out: Path) -> str:
     return f"""#!/bin/bash
-# Stop the job on purpose: the watcher resubmits nothing after this, then cancel every job.
+# Stop the job on purpose: the watcher resubmits nothing after this (and is stopped), then
+# cancel every job.
 set -uo pipefail
 OUT={shlex.quote(str(out))}
 touch "$OUT/state/STOP"
-for f in "$OUT/state/"*.jobid; do
+{STOP_WATCHER}for f in "$OUT/state/"*.jobid; do
   [ -s "$f" ] && scancel "$(cat "$f")"
 done
 exit 0

@@ -182,6 +182,43 @@ def test_node_records_a_rank_retired_for_failing_its_steps_for_the_watcher(tmp_p
     assert (out / "state" / "g1-100.retired").exists() == retired
 
 
+FAKE_TORCHRUN = """#!/bin/bash
+# Stands in for `python -m torch.distributed.run`: counts the SIGTERMs it gets, and exits 1 (as
+# torchrun does after its trainers stopped) once a second of quiet follows the first.
+trap 'echo TERM >> "$TERMS"' TERM
+echo started > "$TERMS.started"
+while [ ! -s "$TERMS" ]; do sleep 0.05; done
+sleep 1 &
+wait $!
+exit 1
+"""
+
+
+def test_a_stop_request_reaches_torchrun_once(tmp_path, tiny_config):
+    """USR2 makes the batch shell signal the step (``scancel --signal=TERM``): Slurm delivers that
+    SIGTERM to every process of the step, node.sh's and torchrun's alike. A second one, passed on
+    by node.sh, hit torchrun while it shut down, and torch printed a logging traceback."""
+    fake = tmp_path / "fake-python"
+    fake.write_text(FAKE_TORCHRUN)
+    fake.chmod(0o755)
+    out = generate(tmp_path, tiny_config(), groups=2, python=str(fake))
+    terms = tmp_path / "terms"
+    env = dict(os.environ, OUT=str(out), FTLM_GROUP_ID="g0", SLURM_JOB_ID="100",
+               TERMS=str(terms))
+    node = subprocess.Popen(["bash", str(out / "node.sh")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: Path(f"{terms}.started").exists(), 30, "the stand-in torchrun")
+        os.killpg(node.pid, signal.SIGTERM)  # what slurmstepd does to the step's processes
+        output, _ = node.communicate(timeout=30)
+    finally:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait(timeout=10)
+    assert terms.read_text().splitlines() == ["TERM"], output
+    assert node.returncode == 0 and "stopped on request" in output, output
+
+
 def test_coordinator_job_has_its_own_partition_time_and_signal(tmp_path, tiny_config):
     out = generate(tmp_path, tiny_config(), slurm_partition="gpu", slurm_time="4:00:00",
                    slurm_coordinator_partition="cpu", slurm_coordinator_time="7-00:00:00")

@@ -171,10 +171,11 @@ def _metrics_lines(run: RunConfig, cluster: ClusterConfig) -> list[str]:
 def node_script(run: RunConfig, cluster: ClusterConfig, workdir: Path) -> str:
     """``node.sh``: what ``srun`` runs on each node of a group: torchrun, at this node's address.
 
-    On SIGTERM (the batch shell's stop request reaches every process of the step) torchrun
-    passes it to the trainers and, once they have finished their step and left, exits with an
-    error of its own; a stop that was asked for ends the task with 0 instead, so that
-    ``--kill-on-bad-exit`` does not SIGKILL the group's other nodes still saving.
+    On SIGTERM (the batch shell's stop request reaches every process of the step, torchrun's
+    too, once: node.sh does not pass it on) torchrun passes it to the trainers and, once they
+    have finished their step and left, exits with an error of its own; a stop that was asked
+    for ends the task with 0 instead, so that ``--kill-on-bad-exit`` does not SIGKILL the
+    group's other nodes still saving.
     """
     run_dir = run.run.path if run.run.path.is_absolute() else workdir / run.run.path
     return "\n".join([
@@ -187,7 +188,9 @@ def node_script(run: RunConfig, cluster: ClusterConfig, workdir: Path) -> str:
         "export FTLM_HOST=\"${FTLM_HOST:-127.0.0.1}\"",
         *_metrics_lines(run, cluster),
         "stopped=0",
-        "trap 'stopped=1; kill -TERM \"$pid\" 2>/dev/null' TERM",
+        "# Slurm signals every process of the step (scancel --signal=TERM), torchrun included:",
+        "# passed on a second time, the SIGTERM would hit torchrun while it shuts down.",
+        "trap 'stopped=1' TERM",
         "# shellcheck disable=SC2016  # sh expands it in each rank's process",
         _torchrun(run, cluster, run_dir) + " &",
         "pid=$!",

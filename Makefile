@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[test,native]'
+	$(PIP) install -e '.[test,native,otel]'
 	touch $(STAMP)
 
 # The coordinator's hot path compiled to C with mypyc (ftlm.native; about 30 s on a quiet box), again

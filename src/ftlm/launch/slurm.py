@@ -288,11 +288,17 @@ def group_script(run: RunConfig, cluster: ClusterConfig, out: Path, workdir: Pat
 
 
 STOP_WATCHER = """\
-# Stop this job's watcher, if one runs: it holds state/watch.lock and wrote its pid in
-# state/watch.pid (a free lock means none runs, whatever pid the file names).
+# Stop this job's watcher, if one runs: it holds state/watch.lock and wrote its pid and host in
+# state/watch.pid and state/watch.host (a free lock means none runs, whatever the files say; a
+# pid is only signalled on its own host).
 if [ -s "$OUT/state/watch.pid" ] && ! flock -n "$OUT/state/watch.lock" true 2>/dev/null; then
   watcher=$(cat "$OUT/state/watch.pid")
-  kill -TERM "$watcher" 2>/dev/null || true
+  where=$(cat "$OUT/state/watch.host" 2>/dev/null)
+  if [ "$where" = "$(hostname)" ]; then
+    kill -TERM "$watcher" 2>/dev/null || true
+  else
+    echo "ftlm: the watcher runs on $where (pid $watcher): stop it there" >&2
+  fi
   for _ in $(seq 100); do kill -0 "$watcher" 2>/dev/null || break; sleep 0.1; done
   if kill -0 "$watcher" 2>/dev/null; then
     echo "ftlm: the watcher (pid $watcher) did not stop within 10 s" >&2

@@ -4,9 +4,10 @@ Kept as text here, not as a data file, so that it ships with the package. ``ftlm
 fills in the settings line. The script decides per job from its Slurm state: queued or running
 is fine, COMPLETED ends the group, any other end (FAILED, CANCELLED, NODE_FAIL, TIMEOUT,
 OUT_OF_MEMORY, PREEMPTED, or a job Slurm no longer knows) is a failure and the group is
-resubmitted, at most MAX_RESTARTS times. One watcher runs per job: it holds ``state/watch.lock``
-(``flock``) and records its pid in ``state/watch.pid``, which ``stop-all.sh`` and ``submit-all.sh``
-use to stop it; a second one refuses to start. Once one group has completed the run is over: nothing is
+resubmitted, at most MAX_RESTARTS times. One watcher runs per job: it holds
+``state/watch.lock`` (``flock``) and records its pid and host in ``state/watch.pid`` and
+``state/watch.host``, which ``stop-all.sh`` and ``submit-all.sh`` use to stop it; a second one
+refuses to start. Once one group has completed the run is over: nothing is
 resubmitted, groups still pending are cancelled (they would have nobody to recover from), and
 the coordinator is cancelled when no group is left.
 
@@ -35,6 +36,7 @@ if ! flock -w "${FTLM_WATCH_LOCK_WAIT:-30}" 9; then
   echo "ftlm: another watcher of this job (pid $(cat "$OUT/state/watch.pid" 2>/dev/null || echo unknown)) holds $OUT/state/watch.lock; stop it with ./stop-all.sh, or let it watch" >&2
   exit 3
 fi
+hostname > "$OUT/state/watch.host"
 echo "$$" > "$OUT/state/watch.pid"
 sleeper=
 # shellcheck disable=SC2317  # called by the trap

@@ -236,10 +236,10 @@ def torchrun_command(run: RunConfig, names: Names, cluster: ClusterConfig, group
 
 
 def per_local_rank_program(run: RunConfig, names: Names, cluster: ClusterConfig) -> list[str]:
-    """torchrun's program and its arguments for a node of a multi-node group. A rank's metrics
-    port would follow its global rank, which c10d hands out in arrival order (node 1's ranks on
-    ports no pod declares): each process gets the port of its local rank, the ones every pod
-    declares (``metrics_port_names``)."""
+    """torchrun's program and its arguments where a group may span nodes (a multi-node Job or
+    JobSet, every TrainJob). A rank's metrics port would follow its global rank, which c10d
+    hands out in arrival order (node 1's ranks on ports no pod declares): each process gets the
+    port of its local rank, the ones every pod declares (``metrics_port_names``)."""
     if not cluster.metrics_port:
         return train_args(run, names, cluster)
     script = (f'export FTLM_METRICS_PORT=$(({cluster.metrics_port} + LOCAL_RANK)); '

@@ -88,8 +88,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         from ftlm.launch.run_lock import lock_run_dir
         from ftlm.train.run_record import resume_step, set_aside
         with lock_run_dir(config.run.path):
-            key = (os.environ.get("FTLM_TOKEN", "") or config.ft.read_token()).encode() or None
-            resume = resume_step(config.checkpoint, config.run.path, key)
+            from ftlm.train.job_token import checkpoint_signing
+            key, run = checkpoint_signing(config.ft, config.run.path)
+            resume = resume_step(config.checkpoint, config.run.path, key, run)
             moved = set_aside(config.run.path, resume)
             if moved:
                 print(f"ftlm: {moved}", file=sys.stderr)

@@ -129,11 +129,13 @@ def _read_model_file(path: Path, config_path: Path | None, explicit: bool):
     return model
 
 
-def _job_key(run_dir: Path) -> bytes | None:
+def _job_key(run_dir: Path) -> tuple[bytes | None, str]:
+    """The key and run id that signed the checkpoints of ``run_dir`` (none without a token)."""
+    from ftlm.train.job_token import TOKEN_FILE, read_token_file, run_id
     token = os.environ.get("FTLM_TOKEN", "")
-    if not token and (run_dir / "token").is_file():
-        token = (run_dir / "token").read_text().strip()
-    return token.encode() or None
+    if not token and (run_dir / TOKEN_FILE).is_file():
+        token = read_token_file(run_dir / TOKEN_FILE)
+    return (token.encode(), run_id(run_dir, create=False)) if token else (None, "")
 
 
 def _read_checkpoint(path: Path, config_path: Path | None):
@@ -148,7 +150,8 @@ def _read_checkpoint(path: Path, config_path: Path | None):
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to_empty(device="cpu")
-    checkpoint = verify(path, key=_job_key(config_path.parent))
+    key, run = _job_key(config_path.parent)
+    checkpoint = verify(path, key=key, run=run)
     # The trainer saves {"train": TrainState}; read only the model's part of it.
     wanted = get_model_state_dict(model)
     stored = set(checkpoint.metadata.state_dict_metadata)

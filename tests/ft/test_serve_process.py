@@ -183,6 +183,20 @@ def test_a_serving_process_that_died_is_reported_by_publish(make_server):
         server.publish(snapshot)
 
 
+@pytest.mark.parametrize("sig,level", [(signal.SIGTERM, "INFO"), (signal.SIGKILL, "ERROR")])
+def test_a_serving_process_stopped_on_request_is_logged_at_info(make_server, caplog, sig, level):
+    """A graceful stop (SIGTERM from Slurm or torchrun) reaches the serving process too:
+    that is no error. Killed otherwise (SIGKILL, the OOM killer, a crash), it is."""
+    server = make_server()
+    with caplog.at_level("INFO", logger="ftlm.ft.serve_process"):
+        os.kill(server.pid, sig)
+        assert wait_until(lambda: any("snapshot server process" in r.getMessage()
+                                      for r in caplog.records))
+    (record,) = [r for r in caplog.records if "snapshot server process" in r.getMessage()]
+    assert record.levelname == level, record.getMessage()
+    assert f"status -{int(sig)}" in record.getMessage()
+
+
 def test_a_transfer_is_counted_as_sent_in_the_parent(make_server):
     before = io_totals()["transfer_sent"]
     server = make_server(chunk_bytes=4096)

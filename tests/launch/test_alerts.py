@@ -95,3 +95,47 @@ def test_yaml_keeps_key_order_and_writes_blocks():
 def test_bad_bounds_are_refused(field, value):
     with pytest.raises(ConfigError, match=f"alerts.{field}"):
         AlertBounds(**{field: value})
+
+
+def _expected(name: str, job: str, rules_job: str = "") -> dict:
+    """The alert ``name`` of job ``job`` as promtool reports it, annotations filled in."""
+    (rule,) = [r for g in prometheus_rule_groups(AlertBounds(), job=rules_job)
+               for r in g["rules"] if r["alert"] == name]
+    return {"exp_labels": {**rule["labels"], "job": job},
+            "exp_annotations": {k: v.replace("{{ $labels.job }}", job)
+                                for k, v in rule["annotations"].items()}}
+
+
+def _promtool_test(tmp_path, rules: str, tests: list[dict]) -> subprocess.CompletedProcess:
+    (tmp_path / "rules.yml").write_text(rules)
+    (tmp_path / "rules_test.yml").write_text(dump_yaml({
+        "rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": tests}))
+    return subprocess.run(["promtool", "test", "rules", "rules_test.yml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+
+
+@needs_promtool
+def test_a_job_whose_every_series_disappears_alerts(tmp_path):
+    """Every rank and the coordinator of job "tiny" vanish at minute 10 (their pods deleted, the
+    nodes gone): FtlmNoCommits and FtlmGroupDown then compare nothing. Some critical alert
+    fires all the same, and none while the job reports."""
+    series = [{"series": 'ftlm_train_steps_committed_total{job="tiny", group="g0", rank="0"}',
+               "values": "0+10x10 stale"},
+              {"series": 'ftlm_coordinator_heartbeat_age_seconds{job="tiny", group="g0"}',
+               "values": "1x10 stale"}]
+    firing = [{"eval_time": "8m", "alertname": "FtlmJobGone", "exp_alerts": []},
+              {"eval_time": "20m", "alertname": "FtlmJobGone",
+               "exp_alerts": [_expected("FtlmJobGone", "tiny")]},
+              # Past the look-back nothing is left to compare: the alert ends by itself.
+              {"eval_time": "80m", "alertname": "FtlmJobGone", "exp_alerts": []}]
+    r = _promtool_test(tmp_path, rules_file(), [
+        {"interval": "1m", "input_series": series, "alert_rule_test": firing}])
+    assert r.returncode == 0, r.stdout + r.stderr
+    # One job's rules (the PrometheusRule of `ftlm launch k8s`): also when it was never scraped.
+    absent = [{"eval_time": "10m", "alertname": "FtlmJobAbsent",
+               "exp_alerts": [_expected("FtlmJobAbsent", "tiny", rules_job="tiny")]}]
+    other = [{"series": 'ftlm_train_steps_committed_total{job="other", group="g0", rank="0"}',
+              "values": "0+10x20"}]
+    r = _promtool_test(tmp_path, rules_file(job="tiny"), [
+        {"interval": "1m", "input_series": other, "alert_rule_test": absent}])
+    assert r.returncode == 0, r.stdout + r.stderr

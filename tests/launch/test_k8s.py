@@ -10,6 +10,7 @@ metrics that the PodMonitor finds, multi-node groups, spot scheduling, the kusto
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -455,3 +456,87 @@ def test_repository_dashboards_pick_their_datasource():
         uids = set(re.findall(r'"uid":\s*"([^"]*)"', json.dumps(board.get("panels", []))
                               + json.dumps(board["templating"])))
         assert uids <= {"${datasource}"}, f"{name}: hard-coded datasource uids {uids}"
+
+
+def _rank_pods(docs: dict) -> list[tuple[str, dict, list[str], list[dict]]]:
+    """(file, pod labels, trainer command, declared container ports) of every group pod of every
+    layout: jobs/, jobset/ and trainjob/ (whose ports the job's TrainingRuntime declares)."""
+    found = []
+    for name, doc in docs.items():
+        if doc.get("kind") == "Job":
+            templates = [doc["spec"]["template"]]
+        elif doc.get("kind") == "JobSet":
+            templates = [rj["template"]["spec"]["template"] for rj in doc["spec"]["replicatedJobs"]]
+        elif doc.get("kind") == "TrainJob":
+            (patch,) = doc["spec"]["runtimePatches"]
+            (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+            runtime = docs["trainjob/trainingruntime.yaml"]["spec"]["template"]["spec"]
+            (container,) = runtime["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
+                "containers"]
+            found.append((name, node["template"]["spec"]["template"]["metadata"]["labels"],
+                          doc["spec"]["trainer"]["command"], container.get("ports", [])))
+            continue
+        else:
+            continue
+        for t in templates:
+            c = t["spec"]["containers"][0]
+            found.append((name, t["metadata"]["labels"], c["command"], c.get("ports", [])))
+    return found
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_every_layouts_ranks_are_scraped(tmp_path, tiny_config, nodes):
+    """Every rank of every node, in each layout, serves on a port its pod declares by a name the
+    PodMonitor scrapes, and the PodMonitor selects the pod. (The TrainJob's pods declared no port,
+    and its node 1's ranks served on metrics_port + global rank.)"""
+    docs = _generate(tmp_path, tiny_config(), groups=2, nodes_per_group=nodes,
+                     ranks_per_group=4 * nodes, metrics_port=9400)
+    monitor = docs["monitoring/podmonitor.yaml"]["spec"]
+    scraped = {e["port"] for e in monitor["podMetricsEndpoints"]}
+    pods = _rank_pods(docs)
+    assert {n.split("/")[0] for n, *_ in pods} == {"jobs", "jobset", "trainjob"}
+    for name, labels, command, ports in pods:
+        assert monitor["selector"]["matchLabels"].items() <= labels.items(), name
+        declared = {p["containerPort"]: p.get("name") for p in ports}
+        per_local_rank = any("FTLM_METRICS_PORT=$((9400 + LOCAL_RANK))" in a for a in command)
+        assert per_local_rank or nodes == 1, f"{name}: ranks serve on metrics_port + global rank"
+        for node in range(nodes):
+            for local in range(4):
+                port = 9400 + local if per_local_rank else 9400 + node * 4 + local
+                assert port in declared, f"{name}: node {node} rank {local} serves on undeclared {port}"
+                assert declared[port] in scraped, f"{name}: port {declared[port]} is not scraped"
+
+
+def test_a_multi_node_pods_liveness_follows_its_torchrun_agent(tmp_path, tiny_config, multi_node):
+    """A pod whose torchrun waits in the rendezvous for a replacement node serves no metrics: a
+    probe of that port killed the survivor after 6 x 10 s. The probe asks about the agent."""
+    from ftlm.launch.rank_probe import main
+    docs, _ = multi_node
+    for name in ("jobs/job-g0.yaml", "jobset/jobset.yaml"):
+        doc = docs[name]
+        spec = (doc["spec"]["template"] if doc["kind"] == "Job" else
+                doc["spec"]["replicatedJobs"][0]["template"]["spec"]["template"])
+        probe = spec["spec"]["containers"][0]["livenessProbe"]
+        assert "tcpSocket" not in probe, name
+        command = probe["exec"]["command"]
+        assert command[:3] == ["python", "-m", "ftlm.launch.rank_probe"], command
+        assert int(command[3]) == 9400 and float(command[4]) >= 600
+        assert main(command[3:]) in (0, 1)  # its arguments parse (2 would fail every probe)
+        assert probe["timeoutSeconds"] > 3  # the port check's own timeout fits inside
+    # Single-node pods keep the TCP probe: their torchrun never waits for a peer.
+    single = _generate(tmp_path, tiny_config(), groups=2, metrics_port=9400)
+    c = single["jobs/job-g0.yaml"]["spec"]["template"]["spec"]["containers"][0]
+    assert c["livenessProbe"]["tcpSocket"] == {"port": "metrics"}
+
+
+def test_the_rank_probe_reads_the_agents_children_and_decides():
+    from ftlm.launch.rank_probe import verdict, worker_ages
+    assert verdict([], False, 9400, 3600)[0]  # the agent waits for a rendezvous
+    assert verdict([30.0], False, 9400, 3600)[0]  # trainers still loading
+    assert verdict([7200.0], True, 9400, 3600)[0]
+    alive, why = verdict([7200.0, 7300.0], False, 9400, 3600)
+    assert not alive and "9400" in why
+    # This test's process is a child of its parent: the ages of the parent's children include it.
+    ages = worker_ages(agent=os.getppid())
+    assert ages and all(a >= 0 for a in ages)
+    assert worker_ages(agent=os.getpid()) == []  # no child process of ours is running

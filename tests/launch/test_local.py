@@ -682,7 +682,7 @@ def test_a_relaunch_into_the_same_run_directory_keeps_the_job_token(tmp_path):
     refuse every checkpoint of the run (found while building checkpoint integrity)."""
     import stat
 
-    from ftlm.launch.local import _run_token
+    from ftlm.train.job_token import run_token as _run_token
 
     first = _run_token(tmp_path)
     assert len(first) == 32 and _run_token(tmp_path) == first

@@ -24,7 +24,9 @@ from ftlm.cli import main
 from ftlm.config import build_config, save_config
 from ftlm.errors import DataError
 from ftlm.launch.group_process import GroupProcess
-from ftlm.launch.local import LocalLauncher, _run_token
+from ftlm.launch.local import LocalLauncher
+from ftlm.train.job_token import run_id
+from ftlm.train.job_token import run_token as _run_token
 from ftlm.launch.run_lock import LOCK_FILE, RunDirInUse, lock_run_dir
 from ftlm.observe.events import EventLog, read_events
 from ftlm.train.checkpoint import Checkpointer
@@ -62,7 +64,8 @@ def save_checkpoints(run_dir: Path, steps: list[int]) -> Path:
     state = TrainState(model, build_optimizer(model, cfg.train), 0)
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    ck = Checkpointer(root, every=1, keep=10, async_save=False, key=_run_token(run_dir).encode())
+    ck = Checkpointer(root, every=1, keep=10, async_save=False, key=_run_token(run_dir).encode(),
+                      run=run_id(run_dir))
     for step in steps:
         state.step, state.cursor = step, 4 * step
         ck.save(state)
@@ -142,7 +145,7 @@ def test_a_launch_that_starts_over_moves_the_earlier_record_into_previous(tmp_pa
     assert read_stamp(previous / MODEL_FILE).step == 64
     assert la._resume_step is None
     assert sorted(p.name for p in run_dir.iterdir()) == sorted(
-        ["checkpoints", "token", "config.toml", "logs", PREVIOUS])
+        ["checkpoints", "token", "run-id", "config.toml", "logs", PREVIOUS])
     assert _run_token(run_dir) == token
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "starting over at step 0" in line and "last committed step 63" in line, line

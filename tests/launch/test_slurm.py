@@ -182,6 +182,43 @@ def test_node_records_a_rank_retired_for_failing_its_steps_for_the_watcher(tmp_p
     assert (out / "state" / "g1-100.retired").exists() == retired
 
 
+FAKE_TORCHRUN = """#!/bin/bash
+# Stands in for `python -m torch.distributed.run`: counts the SIGTERMs it gets, and exits 1 (as
+# torchrun does after its trainers stopped) once a second of quiet follows the first.
+trap 'echo TERM >> "$TERMS"' TERM
+echo started > "$TERMS.started"
+while [ ! -s "$TERMS" ]; do sleep 0.05; done
+sleep 1 &
+wait $!
+exit 1
+"""
+
+
+def test_a_stop_request_reaches_torchrun_once(tmp_path, tiny_config):
+    """USR2 makes the batch shell signal the step (``scancel --signal=TERM``): Slurm delivers that
+    SIGTERM to every process of the step, node.sh's and torchrun's alike. A second one, passed on
+    by node.sh, hit torchrun while it shut down, and torch printed a logging traceback."""
+    fake = tmp_path / "fake-python"
+    fake.write_text(FAKE_TORCHRUN)
+    fake.chmod(0o755)
+    out = generate(tmp_path, tiny_config(), groups=2, python=str(fake))
+    terms = tmp_path / "terms"
+    env = dict(os.environ, OUT=str(out), FTLM_GROUP_ID="g0", SLURM_JOB_ID="100",
+               TERMS=str(terms))
+    node = subprocess.Popen(["bash", str(out / "node.sh")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: Path(f"{terms}.started").exists(), 30, "the stand-in torchrun")
+        os.killpg(node.pid, signal.SIGTERM)  # what slurmstepd does to the step's processes
+        output, _ = node.communicate(timeout=30)
+    finally:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait(timeout=10)
+    assert terms.read_text().splitlines() == ["TERM"], output
+    assert node.returncode == 0 and "stopped on request" in output, output
+
+
 def test_coordinator_job_has_its_own_partition_time_and_signal(tmp_path, tiny_config):
     out = generate(tmp_path, tiny_config(), slurm_partition="gpu", slurm_time="4:00:00",
                    slurm_coordinator_partition="cpu", slurm_coordinator_time="7-00:00:00")
@@ -367,6 +404,65 @@ def test_a_group_retired_for_failing_its_steps_is_resubmitted_away_from_its_node
     assert "job 300 was retired" not in log
 
 
+def _fake_slurm(tmp_path: Path) -> tuple[Path, dict]:
+    """FAKE_SLURM's commands on PATH, their jobs under tmp_path/fake; returns (fake, env)."""
+    fake, bin_dir = tmp_path / "fake", tmp_path / "bin"
+    fake.mkdir()
+    bin_dir.mkdir()
+    for name, body in FAKE_SLURM.items():
+        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    return fake, dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE=str(fake))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped: its parent is the shell that started it) is gone too.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _new_watcher(state: Path, known: list[int]) -> int | None:
+    """The pid in state/watch.pid once it names a watcher not in ``known``."""
+    text = (state / "watch.pid").read_text().strip() if (state / "watch.pid").is_file() else ""
+    return int(text) if text and int(text) not in known else None
+
+
+def test_one_watcher_per_job_across_stop_and_submit(tmp_path, tiny_config):
+    """``stop-all.sh`` then ``submit-all.sh``: the first watcher must not live on beside the
+    second (both would resubmit the same failed group), and a watcher started by hand while
+    one runs refuses to start. Fake Slurm commands."""
+    out = generate(tmp_path, tiny_config(), groups=2)
+    fake, env = _fake_slurm(tmp_path)
+    env["FTLM_WATCH_INTERVAL"] = "30"  # the first watcher sleeps through stop-all's STOP file
+    state = out / "state"
+    pids = []
+    try:
+        for _ in range(2):
+            r = subprocess.run([str(out / "submit-all.sh")], env=env, capture_output=True,
+                               text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            pids.append(_wait_for(lambda: _new_watcher(state, pids), 30, "a watcher to start"))
+            if len(pids) == 1:
+                r = subprocess.run([str(out / "stop-all.sh")], env=env, capture_output=True,
+                                   text=True, timeout=60)
+                assert r.returncode == 0, r.stderr
+        first, second = pids
+        _wait_for(lambda: not _alive(first), 15, f"the first watcher (pid {first}) to end")
+        assert _alive(second)
+        r = subprocess.run([str(out / "watch.sh")], env=dict(env, FTLM_WATCH_LOCK_WAIT="1"),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and "another watcher" in r.stdout + r.stderr, r.stdout + r.stderr
+        assert _alive(second)
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_bad_cluster_values_name_the_field():
     with pytest.raises(ConfigError, match="cluster.slurm_time"):
         ClusterConfig(slurm_time="forever")
@@ -502,6 +598,12 @@ def test_usr2_stops_the_step_gracefully_and_the_requeued_job_appends_its_log(
         text = log.read_text()
         assert "USR2 received" in text and "requeueing" in text, text[-3000:]
         assert "SIGKILL" not in text and "Killed" not in text, text[-3000:]
+        # SIGTERM reached torchrun once: a second one, while it shut down, made torch's logging
+        # print a traceback of its own. (torchrun reports the one it got as a SignalException.)
+        assert "Logging error" not in text, text[-3000:]
+        assert text.count("got signal: 15") == 1, text[-3000:]
+        # The snapshot server's end on it is no error.
+        assert "error: the snapshot server process" not in text, text[-3000:]
     finally:
         subprocess.run([str(out / "stop-all.sh")], env=env, timeout=60, check=False)
 

@@ -187,3 +187,34 @@ class StoppedAfter(Recovering):
             raise StopRequested("stopped by the test")
         self.left -= 1
         return super().start_step(step, chain, snapshot)
+
+
+def test_steps_taken_while_recovering_get_their_own_step_spans(tiny_config, tmp_path) -> None:
+    """Tracing on: every step the recovering group took part in is a ``step`` span of its own
+    (``recovering``), with its phases as children carrying its number; none of them end up
+    under the first step it trains. Before, they had no span and their phases joined step 4."""
+    import pytest
+    pytest.importorskip("opentelemetry.sdk.trace", reason="opentelemetry-sdk is not installed (ftlm[otel])")
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from ftlm.observe.metrics import TrainingMetrics
+    from ftlm.observe.tracing import make_tracer
+
+    source, source_ft, chains = _source(tiny_config, tmp_path)
+    exporter = InMemorySpanExporter()
+    metrics = TrainingMetrics("tiny", "g1", 0, tracer=make_tracer(True, "", "tiny", "g1", 0,
+                                                                  exporter=exporter))
+    joiner = Trainer.for_run(tiny_config(tmp_path / "joiner", train={"steps": STEPS}),
+                             ft=Recovering(source_ft, chains, snapshot_step=2), metrics=metrics)
+    joiner.train()
+    metrics.stop()
+    spans = exporter.get_finished_spans()
+    steps = {s.context.span_id: s for s in spans if s.name == "step"}
+    numbers = sorted(s.attributes["step"] for s in steps.values())
+    assert numbers == list(range(2, STEPS)), numbers  # 2, 3 recovering; 4.. trained
+    recovering = sorted(s.attributes["step"] for s in steps.values() if s.attributes.get("recovering"))
+    assert recovering == [2, 3]
+    for child in (s for s in spans if s.parent is not None and s.parent.span_id in steps):
+        assert child.attributes["step"] == steps[child.parent.span_id].attributes["step"], child.name
+    votes = [steps[s.parent.span_id].attributes["step"] for s in spans if s.name == "vote"]
+    assert sorted(votes) == list(range(2, STEPS))  # one vote per step, under its own step

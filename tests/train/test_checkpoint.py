@@ -20,12 +20,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ftlm.train.checkpoint as checkpoint_module
 from ftlm.config import build_config
-from ftlm.errors import CheckpointError
+from ftlm.errors import CheckpointError, ConfigError
 from ftlm.ft.transport import state_digest
 from ftlm.observe.events import read_events
 from ftlm.train.checkpoint import (MANIFEST, MARKER, Checkpointer, RejectedCheckpoint,
                                    UnverifiableCheckpoint, VerifiedReader, checkpoint_dir,
-                                   load_verified, valid_checkpoints, verify, write_manifest)
+                                   load_verified, read_manifest, valid_checkpoints, verify,
+                                   write_manifest)
+from ftlm.train.job_token import run_token
 from ftlm.train.optim import apply_update, build_optimizer
 from ftlm.train.state import TrainState
 from ftlm.train.trainer import Trainer, build_model
@@ -290,6 +292,88 @@ def test_checkpoint_without_hmac_is_refused_when_a_token_is_set(tmp_path: Path) 
     ck = Checkpointer(tmp_path, every=4, keep=1, key=b"token", on_rejected=rejected)
     assert ck.restore_latest(_state()) is None
     assert "no HMAC" in rejected.calls[0][2]
+
+
+def test_a_non_ascii_hmac_is_rejected_and_an_older_checkpoint_restored(tmp_path: Path) -> None:
+    """A crafted ``hmac`` value (any non-hex text) rejects that checkpoint like any bad HMAC;
+    it crashed the resume with hmac.compare_digest's TypeError."""
+    digests = _saved_at(tmp_path, 4, 8, key=b"token-a")
+    manifest_file = checkpoint_dir(tmp_path, 8) / MANIFEST
+    manifest = json.loads(manifest_file.read_text())
+    manifest["hmac"] = "\u00e9" * 64
+    manifest_file.write_text(json.dumps(manifest))
+    rejected = _Recorder()
+    state = _state(seed=2)
+    ck = Checkpointer(tmp_path, every=4, keep=2, key=b"token-a", on_rejected=rejected)
+    assert ck.restore_latest(state) == 4
+    assert _digest(state) == digests[4]
+    [(step, _, reason)] = rejected.calls
+    assert step == 8 and "HMAC" in reason
+
+
+def test_the_hmac_covers_the_run_another_runs_checkpoint_is_refused(tmp_path: Path) -> None:
+    """Two runs under one token (a shared FTLM_TOKEN, a Slurm folder regenerated for another
+    run): a checkpoint of run A, copied into run B's checkpoints, is not B's to resume from."""
+    state = _state()
+    ck = Checkpointer(tmp_path, every=1, keep=2, async_save=False, key=b"shared", run="run-a")
+    _advance(state, 4)
+    ck.save(state)
+    assert json.loads((checkpoint_dir(tmp_path, 4) / MANIFEST).read_text())["run"] == "run-a"
+    rejected = _Recorder()
+    other = Checkpointer(tmp_path, every=1, keep=2, key=b"shared", run="run-b",
+                         on_rejected=rejected)
+    assert other.restore_latest(_state(seed=2)) is None
+    [(step, _, reason)] = rejected.calls
+    assert step == 4 and "run-a" in reason and "run-b" in reason
+    # The run's name cannot be edited into the manifest without the token.
+    path = tmp_path / "rejected-step-00000004"
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["run"] = "run-b"
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(RejectedCheckpoint, match="HMAC"):
+        read_manifest(path, b"shared", run="run-b")
+
+
+def test_the_run_dirs_token_file_guards_a_resume_without_ftlm_token(tiny_config, monkeypatch) -> None:
+    """A launch signed the checkpoints with the run directory's token; ``ftlm train
+    RUN_DIR/config.toml`` run later by hand, without FTLM_TOKEN, reads that file as ``ftlm
+    convert`` does: the newest checkpoint, its HMAC removed (rewritten by someone without the
+    token), is refused and training resumes from the signed one before it."""
+    sections = dict(train={"steps": 8}, checkpoint={"every": 4, "keep": 2})
+    config = tiny_config(**sections)
+    config.run.path.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setenv("FTLM_TOKEN", run_token(config.run.path))  # what the launcher exports
+    clean = Trainer.for_run(config)
+    clean.train()
+    ckpts = clean.run_dir / "checkpoints"
+    _flip(_distcp(checkpoint_dir(ckpts, 8))[0])
+    _reseal(checkpoint_dir(ckpts, 8))  # hashes redone, no HMAC: all one can do without the token
+
+    monkeypatch.delenv("FTLM_TOKEN")
+    resumed = Trainer.for_run(tiny_config(**sections))
+    resumed.train()
+    [event] = _rejections(resumed.run_dir)
+    assert event["step"] == 8 and "no HMAC" in event["reason"]
+    assert resumed.losses == clean.losses[4:]
+
+
+def test_the_run_token_file_is_private_and_never_made_through_a_symlink(tmp_path: Path, caplog) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    (run_dir / "token").symlink_to(elsewhere)  # dangling: a token made through it lands there
+    with pytest.raises(ConfigError, match="symbolic link"):
+        run_token(run_dir)
+    assert not elsewhere.exists()
+    (run_dir / "token").unlink()
+    token = run_token(run_dir)
+    assert len(token) == 32 and run_token(run_dir) == token
+    assert (run_dir / "token").stat().st_mode & 0o777 == 0o600
+    (run_dir / "token").chmod(0o644)  # made by hand, or copied without its mode
+    with caplog.at_level("WARNING", logger="ftlm.train"):
+        assert run_token(run_dir) == token
+    assert any("readable by other users" in r.getMessage() and "chmod 600" in r.getMessage()
+               for r in caplog.records)
 
 
 # -- integrity: no code runs from a crafted checkpoint, with or without a token -------------------

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -54,6 +55,11 @@ if TYPE_CHECKING:
 __all__ = ["ProcessSnapshotServer", "make_snapshot_server"]
 
 log = logging.getLogger("ftlm.ft.serve_process")
+
+REQUESTED_EXITS = frozenset({signal.SIGTERM})
+"""Signals whose exit of the serving process is a stop request (logged at info, not error)."""
+REAP_SECONDS = 5.0
+"""Most seconds the control reader waits, after the end of the channel, for the exit status."""
 
 class ProcessSnapshotServer:
     """Serves published snapshots from a child process at CPU priority ``nice`` (0-19).
@@ -276,7 +282,17 @@ class ProcessSnapshotServer:
         with self._synced:
             self._exited.set()
             self._synced.notify_all()
-        if not self._stopping:
+        if self._stopping:
+            return
+        try:  # its status says whether it was asked to end (reaped here, or by stop())
+            code = self._process.wait(REAP_SECONDS) if self._process is not None else None
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is not None and -code in REQUESTED_EXITS:
+            # A graceful stop (Slurm's or torchrun's SIGTERM, Ctrl-C) reaches every process of
+            # the rank, this one too: expected, while the rank finishes its step and leaves.
+            log.info("%s: %s, as asked", self._gone(), signal.Signals(-code).name)
+        else:
             log.error("%s", self._gone())
 
     def _hook(self, message: dict[str, Any]) -> None:

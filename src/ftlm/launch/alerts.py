@@ -10,7 +10,9 @@ The alerts: a replica group down (seen in the last 30 minutes, no fresh heartbea
 committed step for a while; the p90 stall of the healthy groups above a bound; member failures
 above a rate; effective training time (ETT, the share of wall time spent in committed steps)
 below a bound; the newest durable checkpoint older than a bound (``ftlm_checkpoint_age_seconds``,
-which every rank computes from the checkpoint directory when scraped).
+which every rank computes from the checkpoint directory when scraped); and, since those compare
+series that exist and go silent once none does, a job whose every rank stopped reporting
+(``FtlmJobGone``; with a job named, ``FtlmJobAbsent``: ``absent()`` of its series).
 
 ``dump_yaml`` writes these rules and ``ftlm.launch.k8s``'s manifests as YAML (PyYAML).
 
@@ -51,9 +53,13 @@ class AlertBounds:
     """Effective training time over 30 minutes below this share of wall time alerts."""
     checkpoint_age_seconds: float = 3600.0
     """Newest durable checkpoint older than this alerts."""
+    gone_for: str = "5m"
+    """How long every rank of a job may be silent (no series at all) before it alerts."""
+    gone_lookback: str = "1h"
+    """A job that exported within this window and exports nothing now is gone."""
 
     def __post_init__(self) -> None:
-        for name in ("group_down_for", "no_commit_window"):
+        for name in ("group_down_for", "no_commit_window", "gone_for", "gone_lookback"):
             value = getattr(self, name)
             if not (isinstance(value, str) and value[:-1].isdigit() and value[-1] in "smh"):
                 raise ConfigError(f"alerts.{name}={value!r} must be a duration such as 5m, 30s, 1h")
@@ -82,6 +88,7 @@ def prometheus_rule_groups(bounds: AlertBounds, job: str = "") -> list[dict[str,
 
     b = bounds
     age = m("ftlm_coordinator_heartbeat_age_seconds")
+    committed = m("ftlm_train_steps_committed_total")
     rules = [
         rule("FtlmGroupDown",
              f"group by (job, group) (max_over_time({age}[30m])) "
@@ -125,7 +132,27 @@ def prometheus_rule_groups(bounds: AlertBounds, job: str = "") -> list[dict[str,
              "No durable checkpoint recently: a loss of every group at once would cost this much "
              "training. Check checkpoint.every, the writer group's log and the volume's free "
              "space (ftlm_run_dir_free_bytes)."),
+        # The rules above compare series that exist: once every rank of a job is gone (all
+        # groups and their pods, or the scrape itself), they have nothing to compare and stay
+        # silent. These fire on the absence itself.
+        rule("FtlmJobGone",
+             f"group by (job) (max_over_time({committed}[{b.gone_lookback}])) "
+             f"unless group by (job) ({committed})",
+             b.gone_for, "critical", "No rank of {{ $labels.job }} reports any more",
+             "Every rank of the job stopped reporting (it exported in the last "
+             f"{b.gone_lookback}): all groups are down, their nodes are gone, or Prometheus "
+             "lost its targets. A run that finished or was stopped on purpose also ends this "
+             "way: silence the alert then."),
     ]
+    if job:
+        # A rule group for one job: also before its first scrape (never started, or the
+        # scrape config does not find its ranks), and past the look-back above.
+        rules.append(rule(
+            "FtlmJobAbsent", f"absent({committed})", b.gone_for, "critical",
+            f"No rank of {job} is scraped",
+            "Prometheus holds no committed-step series of this job: it is not running, "
+            "or its ranks are not scraped (ports, PodMonitor, file_sd entries). Stop the "
+            "alert by deleting these rules with the job."))
     return [{"name": f"ftlm-{job}" if job else "ftlm", "rules": rules}]
 
 

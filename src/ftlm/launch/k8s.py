@@ -232,14 +232,52 @@ def torchrun_command(run: RunConfig, names: Names, cluster: ClusterConfig, group
                  # A lost node (its pod is replaced under the same index) restarts the workers of
                  # the others, which meet the new pod in the rendezvous: a new incarnation.
                  f"--max-restarts={cluster.max_restarts}", *common]
+    return ["torchrun", *placement, *per_local_rank_program(run, names, cluster)]
+
+
+def per_local_rank_program(run: RunConfig, names: Names, cluster: ClusterConfig) -> list[str]:
+    """torchrun's program and its arguments where a group may span nodes (a multi-node Job or
+    JobSet, every TrainJob). A rank's metrics port would follow its global rank, which c10d
+    hands out in arrival order (node 1's ranks on ports no pod declares): each process gets the
+    port of its local rank, the ones every pod declares (``metrics_port_names``)."""
     if not cluster.metrics_port:
-        return ["torchrun", *placement, *train_args(run, names, cluster)]
-    # A rank's metrics port follows its global rank, which c10d hands out in arrival order;
-    # give each process the port of its local rank, the ones this pod declares.
+        return train_args(run, names, cluster)
     script = (f'export FTLM_METRICS_PORT=$(({cluster.metrics_port} + LOCAL_RANK)); '
               'exec python "$@"')
-    return ["torchrun", *placement, "--no-python", "sh", "-c", script, "ftlm-train",
-            *train_args(run, names, cluster)]
+    return ["--no-python", "sh", "-c", script, "ftlm-train", *train_args(run, names, cluster)]
+
+
+def metrics_ports(cluster: ClusterConfig) -> list[dict[str, Any]]:
+    """The named container ports of a node's ranks (local rank l: metrics_port + l)."""
+    return [{"name": name, "containerPort": cluster.metrics_port + i, "protocol": "TCP"}
+            for i, name in enumerate(metrics_port_names(cluster))]
+
+
+PROBE_GRACE_SECONDS = 3600
+"""How long a trainer may take to start serving metrics (loading a model may take minutes)."""
+
+
+def rank_probes(cluster: ClusterConfig) -> dict[str, Any]:
+    """The trainer container's startup and liveness probes (none without metrics).
+
+    A single-node pod: local rank 0 serves /metrics from a thread of the trainer, so a process
+    that no longer accepts there is wedged or gone; the startup probe allows an hour before the
+    liveness probe counts. A node of a multi-node group: when another node is lost its torchrun
+    stops the trainers and waits in the rendezvous for the replacement, serving nothing, so the
+    probe is ``ftlm.launch.rank_probe``, which passes while the agent waits. (Hangs inside a step
+    are the coordinator's to detect: heartbeat timeout.)"""
+    if not cluster.metrics_port:
+        return {}
+    timing = {"periodSeconds": 10, "timeoutSeconds": 5}
+    if cluster.nodes_per_group > 1:
+        check: dict[str, Any] = {"exec": {"command": [
+            "python", "-m", "ftlm.launch.rank_probe", str(cluster.metrics_port),
+            str(PROBE_GRACE_SECONDS)]}}
+        return {"livenessProbe": {**check, **timing, "failureThreshold": 6}}
+    check = {"tcpSocket": {"port": "metrics"}}
+    return {"startupProbe": {**check, **timing,
+                             "failureThreshold": PROBE_GRACE_SECONDS // timing["periodSeconds"]},
+            "livenessProbe": {**check, **timing, "failureThreshold": 6}}
 
 
 def _affinity(names: Names, cluster: ClusterConfig, group: str) -> dict[str, Any]:
@@ -277,23 +315,14 @@ def group_pod(run: RunConfig, names: Names, cluster: ClusterConfig, group: str,
                          {"name": "storage", "mountPath": cluster.mount_path},
                          {"name": "dshm", "mountPath": "/dev/shm"}],
     }
-    ports = [{"name": name, "containerPort": cluster.metrics_port + i, "protocol": "TCP"}
-             for i, name in enumerate(metrics_port_names(cluster))]
+    ports = metrics_ports(cluster)
     if cluster.nodes_per_group > 1:
         ports.append({"name": "rendezvous", "containerPort": cluster.rendezvous_port,
                       "protocol": "TCP"})
     if ports:
         container["ports"] = ports
-    annotations: dict[str, str] = {}
-    if cluster.metrics_port:
-        annotations = _scrape(cluster.metrics_port)
-        # Rank 0 of the node serves /metrics from a thread of the trainer: a process that no
-        # longer accepts there is wedged or gone. Loading a model may take minutes: the startup
-        # probe allows an hour before the liveness probe counts. (Hangs inside a step are the
-        # coordinator's to detect: heartbeat timeout.)
-        probe = {"tcpSocket": {"port": "metrics"}, "periodSeconds": 10, "timeoutSeconds": 5}
-        container["startupProbe"] = {**probe, "failureThreshold": 360}
-        container["livenessProbe"] = {**probe, "failureThreshold": 6}
+    container.update(rank_probes(cluster))
+    annotations = _scrape(cluster.metrics_port) if cluster.metrics_port else {}
     spec: dict[str, Any] = {
         # A failed rank fails the pod, the pod fails its Job, and the scheduler restarts the
         # whole group as a new incarnation (docs/design.md, 'Failure detection').
@@ -396,7 +425,10 @@ def training_runtime(run: RunConfig, names: Names, cluster: ClusterConfig) -> di
                          "podFailurePolicy": pod_failure_policy(),
                          "template": {"spec": {"restartPolicy": "Never", "containers": [
                              {"name": "node", "image": cluster.image,
-                              "imagePullPolicy": cluster.image_pull_policy}]}}}}
+                              "imagePullPolicy": cluster.image_pull_policy,
+                              # A TrainJob cannot patch ports: its ranks' ports live here.
+                              **({"ports": metrics_ports(cluster)} if cluster.metrics_port
+                                 else {})}]}}}}
     return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainingRuntime",
             "metadata": _meta(f"{names.job}-runtime", names, cluster, "runtime"),
             "spec": {"mlPolicy": {"numNodes": cluster.nodes_per_group, "torch": {}},
@@ -418,22 +450,30 @@ def trainjob(run: RunConfig, names: Names, cluster: ClusterConfig, group: str) -
     for key in ("nodeSelector", "tolerations", "serviceAccountName", "securityContext", "affinity"):
         if key in pod["spec"]:
             pod_patch[key] = pod["spec"][key]
+    metadata = _meta(names.group_job(group), names, cluster, "group")
     if cluster.trainjob_runtime:
         ref = {"name": cluster.trainjob_runtime, "kind": "ClusterTrainingRuntime",
                "apiGroup": "trainer.kubeflow.org"}
+        if cluster.metrics_port:
+            # Ports come from the runtime's container, which is the platform's here.
+            ports = ", ".join(f"{p['name']}={p['containerPort']}" for p in metrics_ports(cluster))
+            metadata["annotations"] = {"ftlm.dev/requires": (
+                f"the node container of ClusterTrainingRuntime {cluster.trainjob_runtime} "
+                f"declares the ports {ports} (TCP), which the PodMonitor scrapes; otherwise "
+                "the ranks' metrics are not scraped (docs/kubernetes.md)")}
     else:
         ref = {"name": f"{names.job}-runtime", "kind": "TrainingRuntime",
                "apiGroup": "trainer.kubeflow.org"}
     return {
         "apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob",
-        "metadata": _meta(names.group_job(group), names, cluster, "group"),
+        "metadata": metadata,
         "spec": {
             "runtimeRef": ref,
             "trainer": {"image": cluster.image, "numNodes": cluster.nodes_per_group,
                         "numProcPerNode": cluster.ranks_per_node,
                         # torchrun takes the node count and rank layout from the runtime's PET_*.
                         "command": ["torchrun", f"--shutdown-timeout={cluster.shutdown_timeout}",
-                                    *train_args(run, names, cluster)],
+                                    *per_local_rank_program(run, names, cluster)],
                         "env": container["env"],
                         "resourcesPerNode": container["resources"]},
             "runtimePatches": [{"manager": "ftlm.dev/launcher", "trainingRuntimeSpec": {

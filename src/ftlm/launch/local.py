@@ -48,6 +48,7 @@ from ftlm.launch.run_lock import lock_run_dir
 from ftlm.launch.watchdog import Watchdog
 from ftlm.observe.events import EventLog
 from ftlm.train.checkpoint_files import valid_checkpoints
+from ftlm.train.job_token import run_id, run_token
 from ftlm.train.run_record import resume_step, set_aside
 
 EXIT_USAGE = 2
@@ -145,8 +146,11 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
         continues ``events.jsonl``, so that the summary proves exactly-once over the whole
         history (``_mark_resume`` marks where it resumes), and moves only what it writes anew."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.token = _run_token(self.run_dir)
-        self._resume_step = resume_step(self.config.checkpoint, self.run_dir, self.token.encode())
+        # The run directory's own token (made once, kept): a relaunch must sign and verify the
+        # checkpoints with the one that wrote them.
+        self.token = run_token(self.run_dir)
+        self._resume_step = resume_step(self.config.checkpoint, self.run_dir, self.token.encode(),
+                                        run_id(self.run_dir))
         moved = set_aside(self.run_dir, self._resume_step,
                           also=("summary.json", "report.md", "logs", "prometheus_targets.json"))
         if moved:
@@ -543,22 +547,3 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
         if handlers:
             signal.signal(signal.SIGINT, handlers[0])
             signal.signal(signal.SIGTERM, handlers[1])
-
-
-def _run_token(run_dir: Path) -> str:
-    """The job token of this run directory, made once and kept (mode 600) in ``run_dir/token``.
-
-    Checkpoint manifests are authenticated with the token: a relaunch into the same run
-    directory must use the same one, or it would refuse every checkpoint it wrote before.
-    """
-    path = run_dir / "token"
-    if path.is_file():
-        token = path.read_text().strip()
-        if len(token) >= 16:
-            return token
-    token = secrets.token_hex(16)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    os.chmod(path, 0o600)
-    return token

@@ -17,7 +17,8 @@
   publishes them in ``state/prometheus-<g>-node<n>.json`` (Prometheus file_sd);
 * ``watch.sh``: polls squeue/scontrol/sacct and resubmits a group (or the coordinator) whose job
   ended with a failure, at most ``max_restarts`` times each; ends when the job is done;
-* ``submit-all.sh`` (forgets a previous run's state in the folder) and ``stop-all.sh``;
+* ``submit-all.sh`` (forgets a previous run's state in the folder) and ``stop-all.sh``; both
+  stop the job's watcher if one runs (one watcher per job: ``state/watch.lock``);
   ``config.toml`` and ``token`` (mode 600).
 
 It only writes text; it does not call Slurm (docs/slurm.md shows the commands).
@@ -170,10 +171,11 @@ def _metrics_lines(run: RunConfig, cluster: ClusterConfig) -> list[str]:
 def node_script(run: RunConfig, cluster: ClusterConfig, workdir: Path) -> str:
     """``node.sh``: what ``srun`` runs on each node of a group: torchrun, at this node's address.
 
-    On SIGTERM (the batch shell's stop request reaches every process of the step) torchrun
-    passes it to the trainers and, once they have finished their step and left, exits with an
-    error of its own; a stop that was asked for ends the task with 0 instead, so that
-    ``--kill-on-bad-exit`` does not SIGKILL the group's other nodes still saving.
+    On SIGTERM (the batch shell's stop request reaches every process of the step, torchrun's
+    too, once: node.sh does not pass it on) torchrun passes it to the trainers and, once they
+    have finished their step and left, exits with an error of its own; a stop that was asked
+    for ends the task with 0 instead, so that ``--kill-on-bad-exit`` does not SIGKILL the
+    group's other nodes still saving.
     """
     run_dir = run.run.path if run.run.path.is_absolute() else workdir / run.run.path
     return "\n".join([
@@ -186,7 +188,9 @@ def node_script(run: RunConfig, cluster: ClusterConfig, workdir: Path) -> str:
         "export FTLM_HOST=\"${FTLM_HOST:-127.0.0.1}\"",
         *_metrics_lines(run, cluster),
         "stopped=0",
-        "trap 'stopped=1; kill -TERM \"$pid\" 2>/dev/null' TERM",
+        "# Slurm signals every process of the step (scancel --signal=TERM), torchrun included:",
+        "# passed on a second time, the SIGTERM would hit torchrun while it shuts down.",
+        "trap 'stopped=1' TERM",
         "# shellcheck disable=SC2016  # sh expands it in each rank's process",
         _torchrun(run, cluster, run_dir) + " &",
         "pid=$!",
@@ -283,6 +287,26 @@ def group_script(run: RunConfig, cluster: ClusterConfig, out: Path, workdir: Pat
     return "\n".join(lines) + "\n"
 
 
+STOP_WATCHER = """\
+# Stop this job's watcher, if one runs: it holds state/watch.lock and wrote its pid and host in
+# state/watch.pid and state/watch.host (a free lock means none runs, whatever the files say; a
+# pid is only signalled on its own host).
+if [ -s "$OUT/state/watch.pid" ] && ! flock -n "$OUT/state/watch.lock" true 2>/dev/null; then
+  watcher=$(cat "$OUT/state/watch.pid")
+  where=$(cat "$OUT/state/watch.host" 2>/dev/null)
+  if [ "$where" = "$(hostname)" ]; then
+    kill -TERM "$watcher" 2>/dev/null || true
+  else
+    echo "ftlm: the watcher runs on $where (pid $watcher): stop it there" >&2
+  fi
+  for _ in $(seq 100); do kill -0 "$watcher" 2>/dev/null || break; sleep 0.1; done
+  if kill -0 "$watcher" 2>/dev/null; then
+    echo "ftlm: the watcher (pid $watcher) did not stop within 10 s" >&2
+  fi
+fi
+"""
+
+
 def submit_script(cluster: ClusterConfig, out: Path) -> str:
     groups = " ".join(cluster.group_names())
     return f"""#!/bin/bash
@@ -291,7 +315,7 @@ def submit_script(cluster: ClusterConfig, out: Path) -> str:
 set -euo pipefail
 OUT={shlex.quote(str(out))}
 mkdir -p "$OUT/state" "$OUT/logs"
-# A new job in an old folder: forget the last one's addresses, restarts and finished groups
+{STOP_WATCHER}# A new job in an old folder: forget the last one's addresses, restarts and finished groups
 # (a stale g<i>.done would make the watcher end at once and cancel the coordinator).
 rm -f "$OUT/state/coordinator.url" "$OUT/state/STOP" "$OUT/state/"*.restarts "$OUT/state/exclude" \\
   "$OUT/state/"*.done "$OUT/state/"*.retired "$OUT/state/"relay-*.port "$OUT/state/"prometheus-g*.json
@@ -303,19 +327,19 @@ echo "coordinator: job $(cat "$OUT/state/coordinator.jobid")"
 for g in {groups}; do echo "group $g: job $(cat "$OUT/state/$g.jobid")"; done
 if [ "${{1:-}}" != "--no-watch" ]; then
   nohup "$OUT/watch.sh" >> "$OUT/logs/watch.log" 2>&1 &
-  echo $! > "$OUT/state/watch.pid"
-  echo "watcher: pid $(cat "$OUT/state/watch.pid"), log $OUT/logs/watch.log"
+  echo "watcher: pid $!, log $OUT/logs/watch.log"
 fi
 """
 
 
 def stop_script(cluster: ClusterConfig, out: Path) -> str:
     return f"""#!/bin/bash
-# Stop the job on purpose: the watcher resubmits nothing after this, then cancel every job.
+# Stop the job on purpose: the watcher resubmits nothing after this (and is stopped), then
+# cancel every job.
 set -uo pipefail
 OUT={shlex.quote(str(out))}
 touch "$OUT/state/STOP"
-for f in "$OUT/state/"*.jobid; do
+{STOP_WATCHER}for f in "$OUT/state/"*.jobid; do
   [ -s "$f" ] && scancel "$(cat "$f")"
 done
 exit 0

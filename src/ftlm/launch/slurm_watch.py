@@ -4,7 +4,10 @@ Kept as text here, not as a data file, so that it ships with the package. ``ftlm
 fills in the settings line. The script decides per job from its Slurm state: queued or running
 is fine, COMPLETED ends the group, any other end (FAILED, CANCELLED, NODE_FAIL, TIMEOUT,
 OUT_OF_MEMORY, PREEMPTED, or a job Slurm no longer knows) is a failure and the group is
-resubmitted, at most MAX_RESTARTS times. Once one group has completed the run is over: nothing is
+resubmitted, at most MAX_RESTARTS times. One watcher runs per job: it holds
+``state/watch.lock`` (``flock``) and records its pid and host in ``state/watch.pid`` and
+``state/watch.host``, which ``stop-all.sh`` and ``submit-all.sh`` use to stop it; a second one
+refuses to start. Once one group has completed the run is over: nothing is
 resubmitted, groups still pending are cancelled (they would have nobody to recover from), and
 the coordinator is cancelled when no group is left.
 
@@ -24,6 +27,26 @@ set -uo pipefail
 # @SETTINGS@
 
 log() { echo "$(date -u +%Y-%m-%dT%H:%M:%SZ) $*"; }
+
+# One watcher per job: two would both resubmit a failed group. This one holds state/watch.lock
+# (flock) for its whole life, released however it ends; one started meanwhile waits a little for
+# it (stop-all.sh and submit-all.sh stop the one before), then refuses.
+exec 9>>"$OUT/state/watch.lock"
+if ! flock -w "${FTLM_WATCH_LOCK_WAIT:-30}" 9; then
+  echo "ftlm: another watcher of this job (pid $(cat "$OUT/state/watch.pid" 2>/dev/null || echo unknown)) holds $OUT/state/watch.lock; stop it with ./stop-all.sh, or let it watch" >&2
+  exit 3
+fi
+hostname > "$OUT/state/watch.host"
+echo "$$" > "$OUT/state/watch.pid"
+sleeper=
+# shellcheck disable=SC2317  # called by the trap
+on_term() {
+  [ -n "$sleeper" ] && kill "$sleeper" 2>/dev/null
+  log "watcher stopped by a signal"
+  exit 143
+}
+trap on_term TERM INT
+log "watching (pid $$)"
 
 # The state of a job: squeue while queued or running, scontrol while Slurm remembers the end
 # (MinJobAge), then sacct (needs accounting); UNKNOWN when nobody knows it.
@@ -144,7 +167,12 @@ while [ ! -e "$OUT/state/STOP" ]; do
     rm -f "$OUT/state/coordinator.url"
     resubmit coordinator "$OUT/coordinator.sbatch" || break
   fi
-  sleep "$INTERVAL"
+  # In the background, so that a stop request ends the watcher at once; without the lock's
+  # descriptor, which would otherwise outlive the watcher for the rest of the sleep.
+  sleep "$INTERVAL" 9>&- &
+  sleeper=$!
+  wait "$sleeper"
+  sleeper=
 done
 scancel "$(jobid coordinator)" 2>/dev/null || true
 log "watcher done (a group completed: $finished)"

@@ -276,12 +276,21 @@ class TrainingMetrics:
         self.tracer.end_step(step, step_seconds, "commit", tokens=tokens)
         self._step_started, self._last_step = time.monotonic(), step
 
-    def on_step_failed(self) -> None:
+    def on_step_failed(self, step: int | None = None) -> None:
+        """Step ``step`` failed (default: the one after the last committed step)."""
         self._m["ftlm_ft_steps_failed_total"].inc()
         now = time.monotonic()
         seconds = now - self._step_started if self._step_started is not None else 0.0
-        self.tracer.end_step(self._last_step + 1, seconds, "failed")
+        self.tracer.end_step(self._last_step + 1 if step is None else step, seconds, "failed")
         self._step_started = now
+
+    def on_recovering_step(self, step: int, seconds: float, committed: bool) -> None:
+        """Step ``step``, which this group took part in while recovering (no data of its own:
+        its all-reduce and vote), ended after ``seconds``; ``committed``: the participants'
+        vote. Its span carries ``recovering``; it counts as neither a commit of this group nor
+        a failed step (the participants count theirs)."""
+        self.tracer.end_step(step, seconds, "commit" if committed else "failed", recovering=True)
+        self._step_started = time.monotonic()
 
     def on_eval(self, loss: float) -> None:
         """The held-out loss of the model just evaluated (ftlm.train.evaluate)."""
@@ -474,7 +483,10 @@ class NullMetrics:
                   data_wait_seconds: float = 0.0) -> None:
         pass
 
-    def on_step_failed(self) -> None:
+    def on_step_failed(self, step: int | None = None) -> None:
+        pass
+
+    def on_recovering_step(self, step: int, seconds: float, committed: bool) -> None:
         pass
 
     def on_eval(self, loss: float) -> None:

@@ -5,7 +5,8 @@ A rank reports each phase to its metrics once the phase is over (``on_quorum`` w
 ``StepTracer`` turns those reports into spans with their real start and end times: the phases
 of a step are held until the step ends, then exported as children of one ``step`` span
 (``quorum``, ``forward_backward``, ``allreduce``, ``vote``, ``commit``), with ``step``,
-``quorum_id``, ``outcome`` attributes; a recovery (children ``transfer`` and ``replay``), a
+``quorum_id``, ``outcome`` attributes (a step a recovering group took part in, with no data of
+its own, is a ``step`` span too, marked ``recovering``); a recovery (children ``transfer`` and ``replay``), a
 snapshot copied for a recovering peer and a durable checkpoint are spans of their own. Nothing on the training path waits for an exporter
 (a ``BatchSpanProcessor`` ships spans from its own thread).
 

@@ -6,9 +6,10 @@ marker comes last, once every other file is on disk, so a directory is valid onl
 exists; a crash mid-save leaves one without it, which is ignored and later removed.
 
 **Integrity.** The manifest records the step, the cursor and the size and sha256 of every file of
-the checkpoint; given a key (the job token), it carries an HMAC-SHA256 of all of that. Restoring
-checks, before a single byte is deserialised: the manifest (under a key, one without a valid HMAC
-is refused), each listed file's size and sha256, and that no unlisted file DCP would read is
+the checkpoint, and the run that wrote it (its run id, ``ftlm.train.job_token.run_id``); given a
+key (the job token), it carries an HMAC-SHA256 of all of that, so a checkpoint of another run under
+the same token is refused too. Restoring checks, before a single byte is deserialised: the manifest
+(under a key, one without a valid HMAC, or signed for another run, is refused), each listed file's size and sha256, and that no unlisted file DCP would read is
 present. Deserialisation is restricted too, so even an unauthenticated checkpoint cannot run code:
 DCP's pickled ``.metadata`` goes through an unpickler that admits only DCP's metadata classes, and
 non-tensor values through ``torch.load(weights_only=True)`` (DCP's default would unpickle anything).
@@ -146,8 +147,10 @@ def _sync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(path: Path, step: int, cursor: int, key: bytes | None = None) -> dict[str, Any]:
-    """Hash every file of checkpoint ``path`` into its ``MANIFEST.json`` (HMAC'ed under ``key``)."""
+def write_manifest(path: Path, step: int, cursor: int, key: bytes | None = None,
+                   run: str = "") -> dict[str, Any]:
+    """Hash every file of checkpoint ``path`` into its ``MANIFEST.json``, with the ``run`` that
+    wrote it (none when empty), HMAC'ed under ``key``."""
     files = {}
     for f in sorted(path.iterdir()):
         if f.name in (MANIFEST, MARKER) or f.name.endswith(".tmp") or not f.is_file():
@@ -155,6 +158,8 @@ def write_manifest(path: Path, step: int, cursor: int, key: bytes | None = None)
         size, sha = _digest(f)
         files[f.name] = {"size": size, "sha256": sha}
     manifest: dict[str, Any] = {"format": _FORMAT, "step": step, "cursor": cursor, "files": files}
+    if run:
+        manifest["run"] = run
     if key:
         manifest["hmac"] = _mac(key, manifest)
     _write_atomic(path / MANIFEST, json.dumps(manifest, indent=1).encode())
@@ -171,6 +176,8 @@ def _check_shape(manifest: Any) -> str | None:
         return f"{MANIFEST} is not an ftlm manifest of format {_FORMAT}"
     if not (_is_int(manifest.get("step")) and _is_int(manifest.get("cursor"))):
         return f"{MANIFEST} has no integer step and cursor"
+    if not isinstance(manifest.get("run", ""), str):
+        return f"{MANIFEST} has a run that is not a string"
     files = manifest.get("files")
     if not isinstance(files, dict):
         return f"{MANIFEST} has no file list"
@@ -183,8 +190,9 @@ def _check_shape(manifest: Any) -> str | None:
     return None
 
 
-def read_manifest(path: Path, key: bytes | None = None) -> dict[str, Any]:
-    """The manifest of checkpoint ``path``, authenticated when ``key`` is given.
+def read_manifest(path: Path, key: bytes | None = None, run: str = "") -> dict[str, Any]:
+    """The manifest of checkpoint ``path``, authenticated when ``key`` is given, and then (with
+    ``run``) signed for that run.
 
     Raises ``UnverifiableCheckpoint`` when there is none, ``RejectedCheckpoint`` when it is
     unreadable, malformed or (under ``key``) not authentic.
@@ -212,9 +220,17 @@ def read_manifest(path: Path, key: bytes | None = None) -> dict[str, Any]:
         if not isinstance(mac, str):
             raise RejectedCheckpoint(path, f"{MANIFEST} carries no HMAC but a job token is set: "
                                            "it was written without a token, or tampered with")
-        if not hmac.compare_digest(mac, _mac(key, manifest)):
+        # An HMAC is 64 hex digits: anything else (non-ASCII text, which compare_digest refuses
+        # with a TypeError) is no valid HMAC either.
+        if not _SHA256.fullmatch(mac) or not hmac.compare_digest(mac, _mac(key, manifest)):
             raise RejectedCheckpoint(path, f"{MANIFEST}'s HMAC does not match this job's token: "
                                            "written under another token, or tampered with")
+        written_by = manifest.get("run") if isinstance(manifest, dict) else None
+        if run and written_by != run:
+            whose = (f"run {written_by!r}" if isinstance(written_by, str) and written_by
+                     else "no named run (an ftlm version before checkpoints named their run)")
+            raise RejectedCheckpoint(path, f"it was signed for {whose}, not this run {run!r}: "
+                                           "another run's checkpoint under the same job token")
     if problem := _check_shape(manifest):
         raise RejectedCheckpoint(path, problem)
     return manifest
@@ -342,15 +358,17 @@ class Verified:
     metadata: Metadata
 
 
-def verify(path: Path, key: bytes | None = None, share: tuple[int, int] = (0, 1)) -> Verified:
+def verify(path: Path, key: bytes | None = None, share: tuple[int, int] = (0, 1),
+           run: str = "") -> Verified:
     """Check checkpoint ``path`` against its manifest, deserialising nothing unverified.
 
     Everyone checks the manifest, the listing, every size, and the hash and contents of
     ``.metadata``; the data files are hashed only in this rank's ``share = (rank, ranks)``, so
     the ranks of a sharded group split the reading (their verdicts must then be combined).
-    Raises ``RejectedCheckpoint`` or ``UnverifiableCheckpoint``.
+    Under ``key`` and with ``run``, the checkpoint must be signed for that run. Raises
+    ``RejectedCheckpoint`` or ``UnverifiableCheckpoint``.
     """
-    manifest = read_manifest(path, key)
+    manifest = read_manifest(path, key, run)
     if path.name != f"{_PREFIX}{manifest['step']:08d}":
         raise RejectedCheckpoint(path, f"its manifest says it holds step {manifest['step']}, its "
                                        "name another: renamed, or tampered with")
@@ -396,14 +414,14 @@ def verify(path: Path, key: bytes | None = None, share: tuple[int, int] = (0, 1)
     return Verified(path, manifest["step"], manifest, metadata)
 
 
-def newest_intact(root: Path, key: bytes | None = None) -> int | None:
+def newest_intact(root: Path, key: bytes | None = None, run: str = "") -> int | None:
     """The step ``Checkpointer.restore_latest`` would resume from: that of the newest checkpoint
-    under ``root`` that ``verify`` accepts under ``key``; None when none does. Loads nothing and
+    under ``root`` that ``verify`` accepts under ``key`` for ``run``; None when none does. Loads nothing and
     moves nothing aside (the groups do, when they restore). Raises ``UnverifiableCheckpoint``
     where restoring would."""
     for step, path in reversed(valid_checkpoints(root)):
         try:
-            verify(path, key)
+            verify(path, key, run=run)
         except RejectedCheckpoint:
             continue
         return step
@@ -448,7 +466,8 @@ _INTACT, _GONE, _REJECTED, _UNVERIFIABLE = 0, 1, 2, 3
 class Checkpointer:
     """Saves every ``every`` steps into ``root``, keeps the newest ``keep`` valid checkpoints.
 
-    ``key`` (the job token's bytes) authenticates manifests; ``on_saved(step, path, seconds)``
+    ``key`` (the job token's bytes) authenticates manifests, which name ``run`` (the run id:
+    under a key, a checkpoint signed for another run is refused); ``on_saved(step, path, seconds)``
     follows each save that became valid, ``on_rejected(step, path, reason)`` each checkpoint
     that ``restore_latest`` skipped.
     """
@@ -456,7 +475,7 @@ class Checkpointer:
     def __init__(self, root: Path, every: int, keep: int, async_save: bool = True,
                  process_group=None, on_saved=None, writer: bool = True,
                  key: bytes | None = None,
-                 on_rejected: Callable[[int, Path, str], None] | None = None):
+                 on_rejected: Callable[[int, Path, str], None] | None = None, run: str = ""):
         if key is not None and not isinstance(key, bytes):
             raise TypeError(f"Checkpointer key must be bytes or None, got {type(key).__name__}")
         self.root = Path(root)
@@ -467,6 +486,7 @@ class Checkpointer:
         # With several ranks, DCP's coordinator (rank 0) finishes last: it alone marks and rotates.
         self.writer = writer
         self.key = key or None
+        self.run = run
         self.on_saved = on_saved or (lambda step, path, seconds: None)
         self.on_rejected = on_rejected or (lambda step, path, reason: None)
         self._pending: tuple[Future, int, Path, float] | None = None
@@ -572,7 +592,7 @@ class Checkpointer:
         """Manifest, then marker: the directory becomes valid only with the marker."""
         if not self.writer:
             return
-        write_manifest(path, step, cursor, self.key)
+        write_manifest(path, step, cursor, self.key, self.run)
         marker = {"step": step, "cursor": cursor, "time": time.time(), "chain": chain}
         _write_atomic(path / MARKER, json.dumps(marker).encode())
         _sync_dir(path)
@@ -632,7 +652,7 @@ class Checkpointer:
         rank, ranks = self._share()
         verdict, reason, checkpoint = _INTACT, "", None
         try:
-            checkpoint = verify(path, self.key, (rank, ranks))
+            checkpoint = verify(path, self.key, (rank, ranks), self.run)
         except UnverifiableCheckpoint as e:
             verdict, reason = _UNVERIFIABLE, str(e)
         except RejectedCheckpoint as e:

@@ -27,6 +27,7 @@ from ftlm.errors import CheckpointError
 from ftlm.ft.durable_rules import saves_on_stop
 from ftlm.ft.end_of_run import may_write_model
 from ftlm.train.checkpoint import Checkpointer
+from ftlm.train.job_token import checkpoint_signing
 from ftlm.train.model_file import MODEL_FILE, install_model, stamp_metadata
 from ftlm.train.state import TrainState
 
@@ -53,8 +54,8 @@ class Durability:
             Path(ck.dir) if ck.dir else run_dir / "checkpoints", ck.every, ck.keep,
             ck.async_save, process_group=ckpt_pg, on_saved=self._on_saved,
             writer=rank == 0, on_rejected=self._on_rejected,
-            # The job token authenticates checkpoint manifests (HMAC); none without a token.
-            key=(os.environ.get("FTLM_TOKEN", "") or config.ft.read_token()).encode() or None)
+            # The job token signs checkpoint manifests for this run (HMAC); none without a token.
+            **dict(zip(("key", "run"), checkpoint_signing(config.ft, run_dir))))
 
     def resume(self) -> int | None:
         """Load the newest intact checkpoint (``checkpoint.resume``); its step, or None."""

@@ -30,15 +30,16 @@ RECORD = ("events.jsonl", "summary.json", "report.md", "logs", MODEL_FILE, "prom
 PREVIOUS = "previous"
 
 
-def resume_step(checkpoint: CheckpointConfig, run_dir: Path, key: bytes | None) -> int | None:
+def resume_step(checkpoint: CheckpointConfig, run_dir: Path, key: bytes | None,
+                run: str = "") -> int | None:
     """The checkpoint step a run into ``run_dir`` will resume from, verified as the trainer
-    verifies it under the job token ``key`` (``newest_intact``); None when it starts over
-    (``checkpoint.resume`` off, or no intact checkpoint)."""
+    verifies it under the job token ``key``, signed for ``run`` (``newest_intact``); None when
+    it starts over (``checkpoint.resume`` off, or no intact checkpoint)."""
     root = Path(checkpoint.dir) if checkpoint.dir else Path(run_dir) / "checkpoints"
     if not checkpoint.resume or not valid_checkpoints(root):
         return None
     from ftlm.train.checkpoint import newest_intact  # imports torch: only with checkpoints to verify
-    return newest_intact(root, key)
+    return newest_intact(root, key, run)
 
 
 def set_aside(run_dir: Path, resume_step: int | None, also: tuple[str, ...] = ()) -> str | None:

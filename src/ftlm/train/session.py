@@ -447,6 +447,8 @@ class Session:
             self._writer = False  # a recovering group is no checkpoint writer until it commits
             self._asked_next = self.recovery.after_vote(plan, ok, grads, lr, samples,
                                                         float(loss_buf[0]), self._stopping())
+            # Ends the step's trace span: its phases belong to this step, not the next.
+            self.metrics.on_recovering_step(plan.step, time.perf_counter() - t0, ok)
             return ok
         if not ok:
             self._failed(plan, loss_buf, nonfinite)
@@ -527,7 +529,7 @@ class Session:
         state.optimizer.zero_grad(set_to_none=True)
         reason = "non-finite loss or gradient" if nonfinite else "collective or vote failed"
         who = (loss_buf[2:] > 0).nonzero().flatten().tolist() if nonfinite else []
-        self.metrics.on_step_failed()
+        self.metrics.on_step_failed(plan.step)
         self._stalled = True
         # Which samples (global positions) the non-finite participants trained: a recovering
         # group does not know (its own cursor is behind the step's).

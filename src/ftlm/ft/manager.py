@@ -30,14 +30,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ftlm.ft.client import (CoordinatorClient, CoordinatorError, CoordinatorUnavailable, Convicted, Heartbeater,
-                            QuorumTimeout, StaleIncarnation, reload_word)
+from ftlm.ft.client import (CoordinatorClient, CoordinatorError, CoordinatorUnavailable, CoordinatorUnreachable,
+                            Convicted, Heartbeater, QuorumTimeout, StaleIncarnation, reload_word)
+from ftlm.ft.coordinator_address import ADDRESS_FILE_ENV
 from ftlm.ft.config import FTConfig
 from ftlm.ft.faults import FaultSchedule
 from ftlm.ft.group import GroupProtocol, Role, TooManyFailures
 from ftlm.ft.process_group import CollectiveError, ReconfigurablePG
 from ftlm.ft.protocol import Recovered, ReloadCheckpoint, SnapshotFn, StepPlan, StopRequested
 from ftlm.ft.quorum_answer import MemberQuorum
+from ftlm.ft.quorum_wait import QuorumWait
 from ftlm.observe.logs import CONTEXT as LOG_CONTEXT
 from ftlm.observe.metrics import NullMetrics
 from ftlm.ft.framing import ExpectedLayout, expected_layout, layout
@@ -50,6 +52,9 @@ log = logging.getLogger("ftlm.ft.manager")
 
 STOP_POLL_SECONDS = 2.0
 """Longest quorum long-poll: a stop request (SIGTERM) is noticed within this while waiting."""
+OUTAGE_RETRY_SECONDS = 0.5
+"""Pause between quorum requests while the coordinator does not answer: a restarted one is
+found within this (plus its start-up), and a refused connection does not become a busy loop."""
 
 
 class _NoEvents:
@@ -156,7 +161,8 @@ class Manager:
         if self.rank == 0:
             self.client = CoordinatorClient(coordinator, group, self.incarnation, token,
                                             timeout=max(1.0, config.heartbeat_timeout),
-                                            tls_ca=config.tls_ca)
+                                            tls_ca=config.tls_ca,
+                                            address_file=os.environ.get(ADDRESS_FILE_ENV, ""))
             self.store = _store_on(self.host)
             self.heartbeater = Heartbeater(self.client, config.heartbeat_interval, self._report,
                                            self._on_answer, on_kill=self._on_kill)
@@ -169,7 +175,7 @@ class Manager:
                 self.heartbeater.beat()  # be known as alive before the first quorum request
             except CoordinatorUnavailable as e:
                 # The coordinator may be restarting: the heartbeat thread and the quorum request
-                # keep trying (bounded by ft.quorum_timeout), as after any coordinator failure.
+                # keep trying, as after any coordinator failure (ftlm.ft.quorum_wait).
                 log.warning("coordinator not reachable at start-up, will keep trying: %s", e)
             self.heartbeater.start()
 
@@ -263,17 +269,24 @@ class Manager:
         self._stop_requested = True
 
     def _request_quorum(self) -> MemberQuorum:
-        deadline = time.monotonic() + self.config.quorum_timeout
+        """Ask until a quorum comes. Gives up (``TooManyFailures``) after ``ft.quorum_timeout``
+        of answers without one, or an outage beyond ``ft.coordinator_outage_timeout`` (0: never);
+        while the coordinator does not answer at all, the group keeps its state and waits,
+        saying so every ``PROGRESS_EVERY`` s (``ftlm.ft.quorum_wait``)."""
+        wait = QuorumWait(self.config.quorum_timeout, self.config.coordinator_outage_timeout,
+                          time.monotonic())
         reason = "no answer yet"
         while True:
             if self._stop_requested:
                 raise StopRequested(f"asked to stop while waiting for a quorum (last reason: {reason})")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            why = wait.give_up(now)
+            if why is not None:
                 raise TooManyFailures(
-                    f"no quorum within ft.quorum_timeout={self.config.quorum_timeout} s "
-                    f"(last reason: {reason}); is the coordinator running and are enough "
+                    f"{why} (last reason: {reason}); is the coordinator running and are enough "
                     "groups up (ft.min_replicas)?")
+            if wait.report_due(now):
+                self._say_unreachable(wait.outage_seconds(now), reason, started=False)
             self._progress()  # asking is progress: a group waiting for others is not hung
             head, again = self._reload_hint
             if head is not None and self.proto.reload_due(head, again):
@@ -281,17 +294,45 @@ class Manager:
                 raise ReloadCheckpoint(head, f"no live group holds step {head}")
             ask = self.proto.request()
             try:
-                return self.client.quorum(ask["step"], ask["last_quorum_id"], ask["failed"], self._meta(),
-                                          timeout=min(remaining, STOP_POLL_SECONDS), chain=ask["chain"],
-                                          watch=ask["watch"], disk_checked=ask["disk_checked"],
-                                          disk_round=ask["disk_round"])
+                q = self.client.quorum(ask["step"], ask["last_quorum_id"], ask["failed"], self._meta(),
+                                       timeout=min(wait.remaining(now), STOP_POLL_SECONDS),
+                                       chain=ask["chain"], watch=ask["watch"],
+                                       disk_checked=ask["disk_checked"], disk_round=ask["disk_round"])
+                self._coordinator_answered(wait)
+                return q
             except QuorumTimeout as e:
+                self._coordinator_answered(wait)
                 reason = e.reason
                 if self.proto.reload_due(e.reload, e.reload_round):
                     raise ReloadCheckpoint(e.reload, e.reason) from None
-            except CoordinatorUnavailable as e:
+            except CoordinatorUnreachable as e:
+                reason = str(e)
+                if wait.unreachable(e.sent_at, time.monotonic()):
+                    self._say_unreachable(wait.outage_seconds(time.monotonic()), reason, started=True)
+                # Refused at once, or timed out: either way ask again soon, not in a tight loop
+                # (not on ``abort``: a collective's abort may be set, and would not pause).
+                time.sleep(OUTAGE_RETRY_SECONDS)
+            except CoordinatorUnavailable as e:  # it answered 502/503: busy or stopping
+                self._coordinator_answered(wait)
                 reason = f"coordinator unavailable ({e})"
-                self.abort.wait(min(0.2, max(0.0, remaining)))
+                self.abort.wait(min(0.2, max(0.0, wait.remaining(time.monotonic()))))
+
+    def _say_unreachable(self, seconds: float, reason: str, started: bool) -> None:
+        """A line saying why this group is not stepping; at the outage's start, an event too."""
+        url, step = self.client.url, self.proto.step
+        log.warning("coordinator at %s unreachable for %.0f s; waiting, state kept at step %d (%s)",
+                    url, seconds, step, reason)
+        if started:
+            self.events.emit("coordinator_unreachable", step=step, address=url,
+                             seconds=round(seconds, 3), reason=reason[:200])
+
+    def _coordinator_answered(self, wait: QuorumWait) -> None:
+        seconds = wait.answered(time.monotonic())
+        if seconds is not None:
+            log.warning("coordinator at %s answers again after %.1f s unreachable; state kept at step %d",
+                        self.client.url, seconds, self.proto.step)
+            self.events.emit("coordinator_back", step=self.proto.step, address=self.client.url,
+                             seconds=round(seconds, 3))
 
     def _next_quorum(self) -> MemberQuorum:
         """The leader asks; every rank of the group gets the same answer."""

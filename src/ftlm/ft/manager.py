@@ -137,6 +137,7 @@ class Manager:
         self.abort = threading.Event()
         self.quorum: MemberQuorum | None = None
         self._progress_at = time.monotonic()
+        self._asking = False  # the leader is in ``_request_quorum``
         self._fetch: _Fetch | None = None
         self._expected: ExpectedLayout | None = None  # what a pulled snapshot must look like
         self._left = False
@@ -184,7 +185,11 @@ class Manager:
         """What each heartbeat says: committed state, last quorum id, seconds since progress,
         and the highest step this group saw the job reach."""
         p = self.proto
-        return p.step, max(p.quorum_id, 0), p.chain, time.monotonic() - self._progress_at, p.known_head
+        # Asking for a quorum is progress for as long as it lasts: one request may block for
+        # its whole timeout while the coordinator is stopped, and the coordinator, resumed, must
+        # not read the heartbeats queued meanwhile as a hung group.
+        age = 0.0 if self._asking else time.monotonic() - self._progress_at
+        return p.step, max(p.quorum_id, 0), p.chain, age, p.known_head
 
     def _progress(self) -> None:
         self._progress_at = time.monotonic()
@@ -273,6 +278,14 @@ class Manager:
         of answers without one, or an outage beyond ``ft.coordinator_outage_timeout`` (0: never);
         while the coordinator does not answer at all, the group keeps its state and waits,
         saying so every ``PROGRESS_EVERY`` s (``ftlm.ft.quorum_wait``)."""
+        self._asking = True
+        try:
+            return self._ask_until_answered()
+        finally:
+            self._asking = False
+            self._progress()
+
+    def _ask_until_answered(self) -> MemberQuorum:
         wait = QuorumWait(self.config.quorum_timeout, self.config.coordinator_outage_timeout,
                           time.monotonic())
         reason = "no answer yet"

@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -273,19 +274,19 @@ class Manager:
         ``STOP_POLL_SECONDS`` instead of waiting up to ``ft.quorum_timeout``. Signal-safe."""
         self._stop_requested = True
 
-    def _request_quorum(self) -> MemberQuorum:
-        """Ask until a quorum comes. Gives up (``TooManyFailures``) after ``ft.quorum_timeout``
+    def _request_quorum(self, keepalive: Callable[[], None] = lambda: None) -> MemberQuorum:
+        """Ask until a quorum comes; ``keepalive`` is called between requests. Gives up (``TooManyFailures``) after ``ft.quorum_timeout``
         of answers without one, or an outage beyond ``ft.coordinator_outage_timeout`` (0: never);
         while the coordinator does not answer at all, the group keeps its state and waits,
         saying so every ``PROGRESS_EVERY`` s (``ftlm.ft.quorum_wait``)."""
         self._asking = True
         try:
-            return self._ask_until_answered()
+            return self._ask_until_answered(keepalive)
         finally:
             self._asking = False
             self._progress()
 
-    def _ask_until_answered(self) -> MemberQuorum:
+    def _ask_until_answered(self, keepalive: Callable[[], None]) -> MemberQuorum:
         wait = QuorumWait(self.config.quorum_timeout, self.config.coordinator_outage_timeout,
                           time.monotonic())
         reason = "no answer yet"
@@ -300,6 +301,7 @@ class Manager:
                     "groups up (ft.min_replicas)?")
             if wait.report_due(now):
                 self._say_unreachable(wait.outage_seconds(now), reason, started=False)
+            keepalive()
             self._progress()  # asking is progress: a group waiting for others is not hung
             head, again = self._reload_hint
             if head is not None and self.proto.reload_due(head, again):
@@ -348,10 +350,19 @@ class Manager:
                              seconds=round(seconds, 3))
 
     def _next_quorum(self) -> MemberQuorum:
-        """The leader asks; every rank of the group gets the same answer."""
+        """The leader asks; every rank of the group gets the same answer. While the leader waits
+        (an outage may last minutes), it tells the other ranks so every ``_rank_keepalive_every``
+        seconds: their broadcast would otherwise end at the group's collective timeout
+        (``ft.quorum_timeout + ft.allreduce_timeout``, ``ftlm.train.group``)."""
         if self.rank == 0:
+            told = [time.monotonic()]
+
+            def keepalive() -> None:
+                if self.ranks > 1 and time.monotonic() - told[0] >= self._rank_keepalive_every():
+                    _broadcast_json({"waiting": True}, self.ranks, self.control)
+                    told[0] = time.monotonic()
             try:
-                q = self._request_quorum()
+                q = self._request_quorum(keepalive)
             except (StopRequested, TooManyFailures, ReloadCheckpoint, StaleIncarnation) as e:
                 # The other ranks wait for this answer: tell them, or they would hang in the broadcast.
                 end = {"end": type(e).__name__, "why": str(e)}
@@ -367,6 +378,8 @@ class Manager:
             _broadcast_json(q.to_json(), self.ranks, self.control)
             return q
         got = _broadcast_json(None, self.ranks, self.control)
+        while isinstance(got, dict) and got.get("waiting") is True:
+            got = _broadcast_json(None, self.ranks, self.control)
         if isinstance(got, dict) and "end" in got:
             if got["end"] == "ReloadCheckpoint":
                 raise ReloadCheckpoint(got["head"], got["why"])
@@ -374,6 +387,11 @@ class Manager:
             ends = {"StopRequested": StopRequested, "StaleIncarnation": StaleIncarnation, "Convicted": Convicted}
             raise ends.get(got["end"], TooManyFailures)(got["why"])
         return MemberQuorum.from_json(got)
+
+    def _rank_keepalive_every(self) -> float:
+        """Seconds between the leader's words to its ranks while it waits: well inside the
+        group's collective timeout, whatever one request in between takes (a few seconds)."""
+        return max(0.5, min(10.0, self.config.quorum_timeout / 4))
 
     def _publish_in_background(self, snapshot: SnapshotFn, step: int) -> None:
         """Copy the state into a snapshot on a helper thread while this step's forward and

@@ -275,10 +275,11 @@ class Manager:
         self._stop_requested = True
 
     def _request_quorum(self, keepalive: Callable[[], None] = lambda: None) -> MemberQuorum:
-        """Ask until a quorum comes; ``keepalive`` is called between requests. Gives up (``TooManyFailures``) after ``ft.quorum_timeout``
-        of answers without one, or an outage beyond ``ft.coordinator_outage_timeout`` (0: never);
-        while the coordinator does not answer at all, the group keeps its state and waits,
-        saying so every ``PROGRESS_EVERY`` s (``ftlm.ft.quorum_wait``)."""
+        """Ask until a quorum comes, calling ``keepalive`` between requests. Gives up
+        (``TooManyFailures``) after ``ft.quorum_timeout`` of answers without one, or an outage
+        beyond ``ft.coordinator_outage_timeout`` (0: never); while the coordinator does not
+        answer at all, the group keeps its state and waits, saying so every ``PROGRESS_EVERY`` s
+        (``ftlm.ft.quorum_wait``)."""
         self._asking = True
         try:
             return self._ask_until_answered(keepalive)

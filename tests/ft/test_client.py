@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from ftlm.errors import ConfigError
-from ftlm.ft.client import CoordinatorClient, CoordinatorUnavailable, Heartbeater, QuorumTimeout
+from ftlm.ft.client import (CoordinatorClient, CoordinatorUnavailable, CoordinatorUnreachable, Heartbeater,
+                            QuorumTimeout)
 from ftlm.ft.config import CoordinatorConfig, FTConfig
 from ftlm.ft.coordinator import Coordinator
 from ftlm.ft.quorum import FAILS_ITS_STEPS, Convicted, StaleIncarnation, remove_member
@@ -73,8 +74,32 @@ def test_unreachable_coordinator_raises_unavailable(client) -> None:
     client = client(f"http://127.0.0.1:{free_port()}", "g0", "a", timeout=1.0)
     with pytest.raises(CoordinatorUnavailable):
         client.heartbeat(0, 0)
-    with pytest.raises(CoordinatorUnavailable):
+    before = time.monotonic()
+    with pytest.raises(CoordinatorUnreachable) as refused:  # no HTTP answer at all
         client.quorum(0, 0, False, {}, timeout=0.5)
+    assert before <= refused.value.sent_at <= time.monotonic()
+
+
+def test_a_coordinator_moved_to_another_port_is_found_through_the_address_file(start, client, tmp_path) -> None:
+    from ftlm.ft.coordinator_address import write_address
+
+    first = start()
+    address = tmp_path / "coordinator.url"
+    write_address(address, first.url)
+    c = client(first.url, "g0", "a", timeout=1.0, address_file=str(address))
+    c.heartbeat(0, 0)
+    first.stop()
+    second = start()
+    write_address(address, second.url)
+    # The kept-alive connection to the first fails on use; the retry's new connection reads
+    # the file again.
+    c.heartbeat(0, 0)
+    assert c.url == second.url
+    assert [m["replica_id"] for m in second.status()["members"]] == ["g0:a"]
+    address.write_text("not a url\n")  # half-written or wrong: the last good address stays
+    c._drop_connection()
+    c.heartbeat(0, 0)
+    assert c.url == second.url
 
 
 def test_heartbeat_quorum_status_round_trip(start, client) -> None:

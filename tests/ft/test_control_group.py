@@ -85,7 +85,7 @@ _END_SCRIPT = textwrap.dedent("""
     m = Manager.__new__(Manager)  # only what _next_quorum reads: the leader asks, the others follow
     m.rank, m.ranks, m.control = rank, 2, None
 
-    def told(): raise __ERROR__
+    def told(*_): raise __ERROR__
     m._request_quorum = told
     try:
         m._next_quorum()
@@ -114,3 +114,45 @@ def test_every_rank_of_a_group_exits_when_the_coordinator_retires_it(two_ranks, 
     why = "replica g0:x was retired: its link fails the steps it takes part in; this process must exit"
     results = two_ranks(_END_SCRIPT.replace("__ERROR__", f"{error}({why!r})"))
     assert results == [{"raised": error, "head": None, "why": why}] * 2
+
+
+_WAIT_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    from datetime import timedelta
+    import torch.distributed as dist
+    rank, path = int(sys.argv[1]), sys.argv[2]
+    # The group's collective timeout, short: a leader silent past it leaves its ranks failing.
+    dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=rank, world_size=2,
+                            timeout=timedelta(seconds=2))
+    from ftlm.ft.config import FTConfig
+    from ftlm.ft.manager import Manager
+    from ftlm.ft.protocol import StopRequested
+
+    m = Manager.__new__(Manager)  # only what _next_quorum reads: the leader asks, the others follow
+    m.rank, m.ranks, m.control = rank, 2, None
+    m.config = FTConfig(heartbeat_interval=0.05, heartbeat_timeout=0.3, allreduce_timeout=0.5,
+                        quorum_timeout=1.0, give_up_seconds=60.0)
+
+    def wait_out_an_outage(keepalive):  # the coordinator unreachable for 6 s, then a SIGTERM
+        until = time.monotonic() + 6.0
+        while time.monotonic() < until:
+            keepalive()
+            time.sleep(0.1)
+        raise StopRequested("asked to stop while waiting for a quorum")
+    m._request_quorum = wait_out_an_outage
+    try:
+        m._next_quorum()
+        got = {"raised": None}
+    except StopRequested as e:
+        got = {"raised": type(e).__name__}
+    print(json.dumps(got))
+    dist.destroy_process_group()
+""")
+
+
+def test_the_other_ranks_wait_with_their_leader_through_a_coordinator_outage(two_ranks) -> None:
+    """A leader waiting out a coordinator outage three times the group's collective timeout
+    keeps its ranks waiting with it (a word every ``_rank_keepalive_every`` s), and they end as
+    it does; without that word their broadcast failed at the timeout and every rank but the
+    leader crashed."""
+    assert two_ranks(_WAIT_SCRIPT, timeout=90) == [{"raised": "StopRequested"}] * 2

@@ -341,3 +341,108 @@ def test_a_source_writes_the_joiners_snapshot_into_memory_it_prepared_ahead():
         c.stop()
     assert len(published) == 1 and published[0] is reserved[0]  # written into the prepared pages
     assert again is not None and again is not reserved[0]  # prepared anew after the pull
+
+
+class _RecordedEvents:
+    """Events a manager emits, with a wait for one of a kind."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, dict]] = []
+        self.changed = threading.Condition()
+
+    def emit(self, kind: str, step: int, **fields) -> dict:
+        with self.changed:
+            self.records.append((kind, fields))
+            self.changed.notify_all()
+        return fields
+
+    def wait_for(self, kind: str, timeout: float) -> dict:
+        with self.changed:
+            assert self.changed.wait_for(lambda: any(k == kind for k, _ in self.records), timeout), (
+                f"no {kind} event within {timeout} s: {self.records}")
+            return next(f for k, f in self.records if k == kind)
+
+
+OUTAGE_FT = dict(heartbeat_interval=0.05, heartbeat_timeout=0.3, allreduce_timeout=0.5,
+                 quorum_timeout=1.0, give_up_seconds=60.0)
+
+
+def test_a_coordinator_outage_longer_than_quorum_timeout_is_waited_out_at_a_new_address(tmp_path):
+    """The coordinator goes away for 3x ``ft.quorum_timeout`` and comes back on another port,
+    written to the group's address file: the group keeps its state, says why it waits, and
+    gets its next quorum from the new coordinator."""
+    from ftlm.ft.config import CoordinatorConfig
+    from ftlm.ft.coordinator_address import write_address
+
+    address = tmp_path / "coordinator.url"
+    first = Coordinator(CoordinatorConfig(heartbeat_timeout=0.3))
+    first.start()
+    write_address(address, first.url)
+    events = _RecordedEvents()
+    m = Manager(FTConfig(**OUTAGE_FT), "g0", "a", first.url, events=events)
+    m.client.address.file = address  # as FTLM_COORDINATOR_FILE would name it
+    second = None
+    try:
+        m.join(0, GENESIS)
+        plan = m.start_step(0, GENESIS, snapshot)
+        assert plan.participating and m.commit()
+        chain = plan.quorum.next_chain()
+        first.stop()
+        outage_started = time.monotonic()
+        box: dict = {}
+        waiting = threading.Thread(target=lambda: box.update(plan=m.start_step(1, chain, snapshot)),
+                                   daemon=True)
+        waiting.start()
+        unreachable = events.wait_for("coordinator_unreachable", timeout=10.0)
+        assert unreachable["address"] == first.url
+        time.sleep(3 * OUTAGE_FT["quorum_timeout"])  # the outage itself: longer than quorum_timeout
+        assert waiting.is_alive() and not box  # still waiting, not given up
+        second = Coordinator(CoordinatorConfig(heartbeat_timeout=0.3))
+        second.start()
+        assert second.port != first.port
+        write_address(address, second.url)
+        waiting.join(timeout=15.0)
+        assert "plan" in box, "no quorum from the coordinator at its new address"
+        assert box["plan"].step == 1 and box["plan"].participating
+        back = events.wait_for("coordinator_back", timeout=1.0)
+        assert back["address"] == second.url
+        assert 3 * OUTAGE_FT["quorum_timeout"] <= back["seconds"] <= time.monotonic() - outage_started + 0.5
+    finally:
+        m.close()
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+def test_a_stop_request_ends_the_wait_through_a_coordinator_outage():
+    """SIGTERM during an outage: the group stops gracefully within a request's timeout."""
+    from ftlm.ft.manager import STOP_POLL_SECONDS
+    from ftlm.ft.protocol import StopRequested
+
+    coordinator = Coordinator(FTConfig(**OUTAGE_FT).coordinator_config())
+    coordinator.start()
+    events = _RecordedEvents()
+    m = Manager(FTConfig(**OUTAGE_FT), "g0", "a", coordinator.url, events=events)
+    try:
+        m.join(0, GENESIS)
+        plan = m.start_step(0, GENESIS, snapshot)
+        assert plan.participating and m.commit()
+        coordinator.stop()
+        box: dict = {}
+
+        def wait() -> None:
+            try:
+                m.start_step(1, plan.quorum.next_chain(), snapshot)
+            except StopRequested as e:
+                box["stopped"] = e
+
+        waiting = threading.Thread(target=wait, daemon=True)
+        waiting.start()
+        events.wait_for("coordinator_unreachable", timeout=10.0)
+        asked = time.monotonic()
+        m.request_stop()
+        waiting.join(timeout=STOP_POLL_SECONDS + 5.0)
+        assert "stopped" in box and time.monotonic() - asked < STOP_POLL_SECONDS + 5.0
+    finally:
+        m.close()
+        coordinator.stop()

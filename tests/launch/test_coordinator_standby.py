@@ -45,3 +45,30 @@ def test_a_standby_the_supervisor_never_needed_exits_on_eof(config_file, tmp_pat
                             stderr=subprocess.STDOUT)
     out, _ = proc.communicate(b"", timeout=120)  # EOF at once: it loads, reads EOF, exits
     assert proc.returncode == 0, out.decode()[-2000:]
+
+
+def test_a_coordinator_whose_port_was_taken_comes_back_on_another_and_says_where(config_file, tmp_path):
+    """Its port taken while it was down (another process bound it): the standby serves on a
+    free port, and the address file the groups read names the new URL."""
+    import socket
+
+    from ftlm.ft.coordinator_address import CoordinatorAddress
+
+    address = tmp_path / "coordinator.url"
+    coordinator = CoordinatorProcess(config_file, free_port(), "tok", tmp_path / "events.jsonl",
+                                     tmp_path / "coordinator.log", address_file=address)
+    squatter = socket.socket()
+    try:
+        coordinator.start(ready_timeout=120)
+        old = coordinator.url
+        assert CoordinatorAddress(old, address).current() == old
+        coordinator.kill()
+        squatter.bind(("127.0.0.1", coordinator.port))
+        squatter.listen()
+        coordinator.start(ready_timeout=120)  # the standby, told "serve PORT"
+        assert coordinator.warm_starts == 1 and coordinator.url != old
+        assert CoordinatorAddress(old, address).current() == coordinator.url
+        assert coordinator.status()["members"] == []
+    finally:
+        squatter.close()
+        coordinator.stop()

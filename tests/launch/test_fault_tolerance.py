@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from ftlm.config import build_config
 from ftlm.errors import EXIT_RETIRED, FtlmError
+from ftlm.launch.group_process import free_port
 from ftlm.launch.local import LocalLauncher
 from ftlm.observe.events import read_events
 from ftlm.train.checkpoint_files import checkpoint_dir
@@ -541,3 +542,120 @@ def test_the_last_holder_preempted_mid_transfer_saves_its_step_and_nobody_rolls_
     assert saved[0] == stopped_at and stopped_at < steps, (stopped_at, saved)
     assert summary["data"]["restores"] == 0, [e for e in events if e["kind"] == "restore"]
     check_invariants(summary, events, 2, steps=steps)
+
+
+# A coordinator outage well beyond ft.quorum_timeout (which the chain keeps above the all-reduce
+# and progress timeouts).
+OUTAGE_FT = {"allreduce_timeout": 2.0, "progress_timeout": 3.0, "quorum_timeout": 4.0}
+
+
+def longest_commit_gap(events: list[dict], after: float) -> float:
+    """The longest wait between two steps' first commits from ``after`` on (seconds)."""
+    first: dict[int, float] = {}
+    for e in events:
+        if e["kind"] == "commit" and e["ts"] >= after:
+            first[e["step"]] = min(first.get(e["step"], e["ts"]), e["ts"])
+    times = sorted(first.values())
+    return max((b - a for a, b in zip(times, times[1:])), default=0.0)
+
+
+def check_outage_waited_out(tmp_path: Path, events: list[dict], pause: float, paused_at: float) -> None:
+    """Every group waited the outage out: it said so (events, a line every 10 s) and came back
+    after about the pause; the job stalled about the pause and no longer."""
+    unreachable = [e for e in events if e["kind"] == "coordinator_unreachable"]
+    back = [e for e in events if e["kind"] == "coordinator_back" and e["ts"] > paused_at]
+    assert {e["group"] for e in unreachable} == {"g0", "g1"}, unreachable
+    assert {e["group"] for e in back} == {"g0", "g1"}, back
+    assert pause * 0.7 <= max(e["seconds"] for e in back) <= pause + 5.0, back
+    gap = longest_commit_gap(events, paused_at - 1.0)
+    assert pause * 0.9 <= gap <= pause + 10.0, f"stall of {gap:.1f} s for a {pause:.0f} s outage"
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "run" / "logs").glob("g*.log"))
+    assert "unreachable for" in logs and "waiting, state kept at step" in logs
+    assert "no quorum within" not in logs
+
+
+def test_coordinator_stopped_beyond_quorum_timeout_then_moved_to_another_port(tmp_path, demo_data):
+    """The coordinator SIGSTOPped for 10 s (2.5x ft.quorum_timeout): the groups keep their
+    state and wait; later it is killed and started on another port, which the groups find
+    through the run's address file. No group exits, and the stall is about the outage's."""
+    pause = 10.0
+    config = make_config(tmp_path / "run", demo_data, steps=100, ft=OUTAGE_FT)
+    launcher = LocalLauncher(config, groups=2, progress=False)
+    events_path = config.run.path / "events.jsonl"
+    done = threading.Event()
+    seen: dict = {}
+
+    def stop_then_move_the_coordinator() -> None:
+        deadline = time.monotonic() + 280
+        while time.monotonic() < deadline and commits(events_path) < 40:
+            if done.wait(0.1):
+                return
+        pid = launcher.coordinator.pid
+        seen["paused_at"] = time.time()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            done.wait(pause)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        resumed = commits(events_path)
+        while time.monotonic() < deadline and commits(events_path) < resumed + 40:
+            if done.wait(0.1):
+                return
+        old = launcher.coordinator.port
+        launcher.restart_coordinator(port=free_port())
+        seen["ports"] = (old, launcher.coordinator.port)
+
+    thread = threading.Thread(target=stop_then_move_the_coordinator, daemon=True)
+    thread.start()
+    summary = launcher.run()
+    done.set()
+    thread.join(timeout=10)
+    events = read_events(events_path)
+    assert "ports" in seen, "the job ended before the coordinator was moved"
+    old, new = seen["ports"]
+    assert old != new
+    restarts = [e for e in events if e["kind"] == "coordinator_restart"]
+    assert [e["port"] for e in restarts] == [new]
+    # Both groups spoke to the moved coordinator (its quorums name them).
+    quorums = [e for e in events if e["kind"] == "quorum" and e["ts"] > restarts[0]["ts"]]
+    assert quorums, "no quorum from the coordinator at its new port"
+    check_outage_waited_out(tmp_path, events, pause, seen["paused_at"])
+    check_invariants(summary, events, 2, steps=100)
+
+
+@pytest.mark.slow  # over two minutes; test_coordinator_stopped_beyond_quorum_timeout_then_moved_to_another_port
+# covers the same path (a 10 s outage) by default
+@pytest.mark.timeout(900)
+def test_coordinator_stopped_for_two_minutes_costs_two_minutes(tmp_path, demo_data):
+    """A 120 s outage (a node lost until the pod is rescheduled) with the production-like
+    quorum timeout of 30 s: the groups wait it out and the job loses only those 120 s."""
+    pause = 120.0
+    config = make_config(tmp_path / "run", demo_data, steps=200,
+                         ft={"give_up_seconds": 300.0})
+    launcher = LocalLauncher(config, groups=2, progress=False)
+    events_path = config.run.path / "events.jsonl"
+    done = threading.Event()
+    seen: dict = {}
+
+    def stop_the_coordinator() -> None:
+        deadline = time.monotonic() + 280
+        while time.monotonic() < deadline and commits(events_path) < 40:
+            if done.wait(0.1):
+                return
+        pid = launcher.coordinator.pid
+        seen["paused_at"] = time.time()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            done.wait(pause)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    thread = threading.Thread(target=stop_the_coordinator, daemon=True)
+    thread.start()
+    summary = launcher.run()
+    done.set()
+    thread.join(timeout=10)
+    events = read_events(events_path)
+    assert "paused_at" in seen
+    check_outage_waited_out(tmp_path, events, pause, seen["paused_at"])
+    check_invariants(summary, events, 2, steps=200)

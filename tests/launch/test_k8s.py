@@ -20,7 +20,7 @@ import yaml
 
 from ftlm.errors import ConfigError
 from ftlm.launch.cluster_config import ClusterConfig
-from ftlm.launch.k8s import generate_k8s, read_dashboards
+from ftlm.launch.k8s import COORDINATOR_NODE_LOSS_SECONDS, generate_k8s, read_dashboards
 
 kv = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[test]'")
 models = pytest.importorskip("kubeflow_trainer_api.models", reason="pip install -e '.[test]'")
@@ -173,6 +173,24 @@ def test_secret_config_and_coordinator_fit_together(manifests):
     assert pdb["spec"]["maxUnavailable"] == 0
     assert pdb["spec"]["selector"]["matchLabels"].items() <= \
         dep["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_a_lost_coordinator_node_frees_its_pod_in_seconds_not_five_minutes(manifests):
+    """A node that stops reporting gets the NoExecute taints not-ready/unreachable; without its
+    own tolerations the coordinator's pod would get Kubernetes' default 300 s on them, and every
+    group would stall that long before a replacement starts."""
+    docs, _ = manifests
+    pod = docs["base/coordinator-deployment.yaml"]["spec"]["template"]["spec"]
+    tolerations = {t["key"]: t for t in pod["tolerations"]}
+    assert set(tolerations) == {"node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"}
+    for t in tolerations.values():
+        assert t["effect"] == "NoExecute" and t["operator"] == "Exists"
+        assert t["tolerationSeconds"] == COORDINATOR_NODE_LOSS_SECONDS <= 30
+    # The groups' pods keep the default: a group restarts on its own, and its node may be back.
+    for path, doc in docs.items():
+        if path.startswith("jobs/") and doc.get("kind") == "Job":
+            keys = {t.get("key") for t in doc["spec"]["template"]["spec"].get("tolerations", [])}
+            assert not keys & set(tolerations), path
 
 
 def test_missing_dashboards_folder_leaves_a_note(tmp_path, tiny_config):

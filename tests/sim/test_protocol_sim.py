@@ -15,6 +15,7 @@ from ftlm.ft.history import extend_chain
 from ftlm.ft.membership import Membership
 from ftlm.sim.check import check, format_report, replay_command
 from ftlm.sim.durable import Storage
+from ftlm.sim.group import GroupModel
 from ftlm.sim.invariants import Invariants
 from ftlm.sim.job import Incarnation, copy_state
 from ftlm.sim.protocol import FAULTS, SimConfig, Simulation, run
@@ -24,9 +25,10 @@ CI_STEPS = 100
 EARLIER = tuple(f for f in FAULTS if f not in ("bad_link", "coordinator_pause", "hang_restarting"))
 """The fault kinds before ``bad_link`` (session 15): the seeds below were found with them, and a
 seed's schedule depends on the kinds it chooses from, so they replay their schedules with these."""
-BEFORE = {"startup_timeout": 5.0, "late_faults": 0.0, "checkpoint_every": 10}
-"""The job shape before coordinator pauses, late faults and jobs without periodic checkpoints: the
-seeds found before them replay their schedules with it."""
+BEFORE = {"startup_timeout": 5.0, "late_faults": 0.0, "checkpoint_every": 10, "long_outages": 0.0}
+"""The job shape before coordinator pauses, late faults, jobs without periodic checkpoints and
+coordinator outages longer than ``quorum_seconds``: the seeds found before them replay their
+schedules with it."""
 
 
 def earlier(**shape: object) -> SimConfig:
@@ -109,6 +111,27 @@ def test_regression_seeds(seed: int, steps: int, what: str) -> None:
 def test_focused_regression_seeds(seed: int, faults: tuple[str, ...], what: str) -> None:
     result = run(seed, SimConfig(steps=200, faults=faults, **BEFORE))
     assert result.ok, f"{what}: {result.error}\n" + "\n".join(result.trace)
+
+
+OUTAGES = SimConfig(steps=100, faults=("coordinator_crash", "coordinator_pause", "crash"), long_outages=1.0)
+"""Every coordinator crash and pause 1.2-2.5 ``quorum_seconds`` long, among group crashes."""
+
+
+def test_groups_wait_out_coordinator_outages_longer_than_quorum_timeout() -> None:
+    """No group gives up on its quorum while the coordinator is down, nor counts the outage
+    against ``quorum_seconds`` afterwards (``Invariants.check_gave_up``), and the job finishes."""
+    report = check(6, OUTAGES, jobs=2)
+    assert report.ok, format_report(report, OUTAGES)
+    assert report.faults["coordinator_crash"] + report.faults["coordinator_pause"] >= 6
+
+
+def test_a_group_that_counts_an_outage_against_quorum_timeout_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wait as it was before ``QuorumWait``: every second since the ask counted, so a
+    coordinator down for longer than ``quorum_seconds`` made every group give up (seed 1)."""
+    monkeypatch.setattr(GroupModel, "gives_up",
+                        lambda self, inc: self.sim.now - inc.asking_since > self.c.quorum_seconds)
+    error = run(1, OUTAGES).error
+    assert "gave up on its quorum while the coordinator was down" in error, error
 
 
 def test_hangs_that_end_on_their_own_keep_the_job_live() -> None:

@@ -2,11 +2,13 @@
 
 Responsible for: speaking the coordinator's HTTP protocol (``ftlm.ft.coordinator``) with keep-alive
 connections, one per calling thread, over TLS for an ``https://`` URL (the server's certificate
-checked against ``tls_ca``, or the system's CAs), and turning its answers into ``Quorum`` objects
-or typed errors the manager can act on.
+checked against ``tls_ca``, or the system's CAs), finding the coordinator again at every new
+connection (``ftlm.ft.coordinator_address``: the address file its launcher rewrites, a DNS name
+resolved again), and turning its answers into ``Quorum`` objects or typed errors the manager can
+act on: ``CoordinatorUnreachable`` when no HTTP answer came at all.
 
 Not responsible for: retry policy or deadlines (the manager retries ``CoordinatorUnavailable`` and
-``QuorumTimeout`` until its own deadline, since the coordinator may be restarting), nor for sharing
+``QuorumTimeout``, ``ftlm.ft.quorum_wait`` says for how long), nor for sharing
 the answer with the other ranks of the group.
 """
 
@@ -22,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ftlm.errors import ConfigError
+from ftlm.ft.coordinator_address import CoordinatorAddress
 from ftlm.ft.history import GENESIS
 from ftlm.ft.http_client import Endpoint, EndpointError
 from ftlm.ft.quorum import Convicted, StaleIncarnation
@@ -34,6 +37,7 @@ __all__ = [
     "CoordinatorClient",
     "CoordinatorError",
     "CoordinatorUnavailable",
+    "CoordinatorUnreachable",
     "Convicted",
     "Heartbeater",
     "QuorumTimeout",
@@ -47,6 +51,15 @@ class CoordinatorError(Exception):
 
 class CoordinatorUnavailable(CoordinatorError):
     """The coordinator could not be reached or did not answer in time; it may be restarting."""
+
+
+class CoordinatorUnreachable(CoordinatorUnavailable):
+    """No HTTP answer at all: the connection was refused, reset or timed out (the coordinator is
+    down, stopped, or its node is gone). ``sent_at``: when the request went out (monotonic)."""
+
+    def __init__(self, message: str, sent_at: float) -> None:
+        super().__init__(message)
+        self.sent_at = sent_at
 
 
 class QuorumTimeout(CoordinatorError):
@@ -82,12 +95,16 @@ class CoordinatorClient:
     ``tls_ca`` (``ft.tls_ca``): the PEM CA that signed an ``https://`` coordinator's certificate,
     which must also name the URL's host; empty trusts the system's CAs. With ``tls_ca`` set the URL
     must be ``https://``: the token is never sent in plain text to a job that configured TLS.
+    ``address_file``: a file the launcher rewrites with the coordinator's URL when it starts it
+    elsewhere (``FTLM_COORDINATOR_FILE``), read again for every new connection.
     """
 
     def __init__(self, url: str, group: str, incarnation: str, token: str = "", timeout: float = 5.0,
-                 tls_ca: str = "") -> None:
+                 tls_ca: str = "", address_file: str = "") -> None:
+        self._tls = client_context(tls_ca) if tls_ca else None
+        self.address = CoordinatorAddress(url, address_file)
         try:
-            self.endpoint = Endpoint.parse(url, token, client_context(tls_ca) if tls_ca else None)
+            self.endpoint = Endpoint.parse(url, token, self._tls)
         except EndpointError as e:
             if e.plain_with_tls:
                 raise ConfigError(f"coordinator url {url!r} is plain http:// but ft.tls_ca is set: "
@@ -202,7 +219,7 @@ class CoordinatorClient:
         conn = getattr(self._local, "conn", None)
         reused = conn is not None
         if conn is None:
-            conn = self.endpoint.connect(timeout)
+            conn = self._endpoint_now().connect(timeout)
             self._local.conn = conn
             with self._lock:
                 self._all.append(conn)
@@ -210,6 +227,18 @@ class CoordinatorClient:
         if conn.sock is not None:
             conn.sock.settimeout(timeout)
         return conn, reused
+
+    def _endpoint_now(self) -> Endpoint:
+        """Where the coordinator is now: a new URL in the address file replaces the endpoint
+        (a malformed one is logged and the last good one kept)."""
+        url = self.address.current().rstrip("/")
+        if url != self.endpoint.url:
+            try:
+                self.endpoint = Endpoint.parse(url, self.endpoint.token, self._tls)
+                self.url = self.endpoint.url
+            except EndpointError as e:
+                log.warning("ignoring the coordinator address %r: %s", url, e)
+        return self.endpoint
 
     def _drop_connection(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -222,6 +251,7 @@ class CoordinatorClient:
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, Any]:
         data = json.dumps(body).encode() if body is not None else None
+        sent_at = time.monotonic()
         for attempt in range(2):
             conn, reused = self._connection(timeout)
             try:
@@ -236,7 +266,7 @@ class CoordinatorClient:
                 # on a fresh one. Timeouts are not retried: the server may be hung.
                 if attempt == 0 and reused and not isinstance(e, TimeoutError):
                     continue
-                raise self._network_error(e) from e
+                raise self._network_error(e, sent_at) from e
         self._answered = True
         try:
             answer = json.loads(raw) if raw else {}
@@ -260,14 +290,16 @@ class CoordinatorClient:
             raise CoordinatorUnavailable(f"coordinator at {self.url} answered {status}: {message}")
         raise CoordinatorError(f"coordinator at {self.url} answered {status} to {method} {path}: {message}")
 
-    def _network_error(self, e: BaseException) -> Exception:
-        """The typed error of a request that got no answer, naming the fix where there is one."""
+    def _network_error(self, e: BaseException, sent_at: float) -> Exception:
+        """The typed error of a request that got no answer, naming the fix where there is one.
+        A TLS handshake that fails on its own terms is a configuration to fix (it counts against
+        ``ft.quorum_timeout``); one cut short (EOF) is the coordinator going away."""
         if isinstance(e, ssl.SSLCertVerificationError):
             return ConfigError(
                 f"coordinator at {self.url}: its TLS certificate did not verify ({e.verify_message}); "
                 f"give this process the PEM CA that signed it (ft.tls_ca) and reach the coordinator "
                 f"at a name its certificate lists")
-        if isinstance(e, ssl.SSLError):
+        if isinstance(e, ssl.SSLError) and not isinstance(e, ssl.SSLEOFError):
             return CoordinatorUnavailable(
                 f"coordinator at {self.url}: TLS handshake failed ({e.reason or e}); if it serves plain "
                 f"http://, use an http:// URL (FTLM_COORDINATOR), or give it ft.tls_cert and ft.tls_key")
@@ -276,7 +308,7 @@ class CoordinatorClient:
                 and isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError))):
             hint = ("; a coordinator serving https:// closes plain http:// connections like this: "
                     "if it has ft.tls_cert, use its https:// URL and ft.tls_ca")
-        return CoordinatorUnavailable(f"coordinator at {self.url} unreachable: {e!r}{hint}")
+        return CoordinatorUnreachable(f"coordinator at {self.url} unreachable: {e!r}{hint}", sent_at)
 
 
 class Heartbeater:

@@ -172,7 +172,14 @@ class FTConfig:
     rank or a wedged training thread. Must exceed the longest step (forward, backward, save).
     0 means halfway between ``allreduce_timeout`` and ``quorum_timeout``."""
     quorum_timeout: float = 60.0
-    """Seconds a group waits for a quorum before giving up (the supervisor then restarts it)."""
+    """Seconds a group waits for a quorum before giving up (the supervisor then restarts it),
+    counted while the coordinator answers without one; time it does not answer at all is
+    ``coordinator_outage_timeout``'s."""
+    coordinator_outage_timeout: float = 0.0
+    """Seconds a group waits, keeping its state, while the coordinator does not answer at all
+    (refused, reset, timed out) before it gives up and exits; 0 waits for as long as the outage
+    lasts: the coordinator's supervisor brings it back, and a group that exited would only lose
+    its state (a SIGTERM still stops it at once)."""
     give_up_seconds: float = 300.0
     """Seconds without any committed step after which the local launcher ends the job."""
     max_consecutive_failures: int = 20
@@ -271,6 +278,7 @@ class FTConfig:
             _require_number(s, name, getattr(self, name), positive=True)
         _require_number(s, "join_timeout", self.join_timeout, positive=False)
         _require_number(s, "restart_delay", self.restart_delay, positive=False)
+        _require_number(s, "coordinator_outage_timeout", self.coordinator_outage_timeout, positive=False)
         _require_number(s, "startup_stall_timeout", self.startup_stall_timeout, positive=False)
         for name, low in (("groups", 0), ("min_replicas", 1), ("max_consecutive_failures", 1),
                           ("catchup_max_steps", 1), ("catchup_max_bytes", 1), ("bucket_bytes", 1),

@@ -4,16 +4,31 @@ Responsible for: the URL of a server bound to a host and port (a wildcard bind d
 address of this machine), and the loopback check of a ``Host`` header (a page that rebinds its
 own DNS name to 127.0.0.1 is refused by a coordinator bound to loopback).
 
+Also where a group finds the coordinator now (``CoordinatorAddress``): the URL it started with,
+or the address file its launcher rewrites when it starts the coordinator elsewhere, read again
+for every new connection. A DNS name (a Kubernetes Service's, a Slurm head node's) needs no file:
+``http.client`` resolves it again on every new connection.
+
 Not responsible for: binding or serving (``ftlm.ft.coordinator``), nor deciding what is loopback
-(``ftlm.ft.config.is_loopback``).
+(``ftlm.ft.config.is_loopback``), nor writing the address file (the launcher,
+``ftlm.launch.coordinator_process``).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import socket
+import threading
+from pathlib import Path
 
 from ftlm.ft.config import is_loopback
+
+log = logging.getLogger(__name__)
+
+ADDRESS_FILE_ENV = "FTLM_COORDINATOR_FILE"
+"""The environment variable naming the file that holds the coordinator's current URL."""
 
 LOCAL_ALIAS = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # how this machine reaches a wildcard bind
 
@@ -62,3 +77,46 @@ def _host_addresses(family: int) -> list[str]:
     return found
 
 
+
+
+class CoordinatorAddress:
+    """The coordinator's URL as of now: ``url`` (the one the process started with), replaced by
+    the first line of ``address_file`` whenever that file holds another well-formed one.
+
+    A missing, empty or half-written file keeps the last URL read (a launcher replaces the
+    file atomically, so a reader sees the old address or the new one). Thread-safe.
+    """
+
+    def __init__(self, url: str, address_file: str | os.PathLike[str] = "") -> None:
+        self.file = Path(address_file) if address_file else None
+        self._url = url
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls, url: str) -> CoordinatorAddress:
+        """``url``, followed through the file ``FTLM_COORDINATOR_FILE`` names, when it names one."""
+        return cls(url, os.environ.get(ADDRESS_FILE_ENV, ""))
+
+    def current(self) -> str:
+        """The URL to connect to now (the file read again, when there is one)."""
+        if self.file is None:
+            return self._url
+        try:
+            text = self.file.read_text().strip()
+        except OSError:
+            return self._url
+        url = text.splitlines()[0].strip() if text else ""
+        with self._lock:
+            if url.startswith(("http://", "https://")) and url != self._url:
+                log.warning("coordinator address changed: %s -> %s (from %s)", self._url, url, self.file)
+                self._url = url
+            return self._url
+
+
+def write_address(path: str | os.PathLike[str], url: str) -> None:
+    """Replace the address file at ``path`` with ``url`` atomically (readers see the old URL or
+    the new one, never a part)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(url + "\n")
+    os.replace(tmp, path)

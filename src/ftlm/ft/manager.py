@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,14 +31,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ftlm.ft.client import (CoordinatorClient, CoordinatorError, CoordinatorUnavailable, Convicted, Heartbeater,
-                            QuorumTimeout, StaleIncarnation, reload_word)
+from ftlm.ft.client import (CoordinatorClient, CoordinatorError, CoordinatorUnavailable, CoordinatorUnreachable,
+                            Convicted, Heartbeater, QuorumTimeout, StaleIncarnation, reload_word)
+from ftlm.ft.coordinator_address import ADDRESS_FILE_ENV
 from ftlm.ft.config import FTConfig
 from ftlm.ft.faults import FaultSchedule
 from ftlm.ft.group import GroupProtocol, Role, TooManyFailures
 from ftlm.ft.process_group import CollectiveError, ReconfigurablePG
 from ftlm.ft.protocol import Recovered, ReloadCheckpoint, SnapshotFn, StepPlan, StopRequested
 from ftlm.ft.quorum_answer import MemberQuorum
+from ftlm.ft.quorum_wait import QuorumWait
 from ftlm.observe.logs import CONTEXT as LOG_CONTEXT
 from ftlm.observe.metrics import NullMetrics
 from ftlm.ft.framing import ExpectedLayout, expected_layout, layout
@@ -50,6 +53,9 @@ log = logging.getLogger("ftlm.ft.manager")
 
 STOP_POLL_SECONDS = 2.0
 """Longest quorum long-poll: a stop request (SIGTERM) is noticed within this while waiting."""
+OUTAGE_RETRY_SECONDS = 0.5
+"""Pause between quorum requests while the coordinator does not answer: a restarted one is
+found within this (plus its start-up), and a refused connection does not become a busy loop."""
 
 
 class _NoEvents:
@@ -132,6 +138,7 @@ class Manager:
         self.abort = threading.Event()
         self.quorum: MemberQuorum | None = None
         self._progress_at = time.monotonic()
+        self._asking = False  # the leader is in ``_request_quorum``
         self._fetch: _Fetch | None = None
         self._expected: ExpectedLayout | None = None  # what a pulled snapshot must look like
         self._left = False
@@ -156,7 +163,8 @@ class Manager:
         if self.rank == 0:
             self.client = CoordinatorClient(coordinator, group, self.incarnation, token,
                                             timeout=max(1.0, config.heartbeat_timeout),
-                                            tls_ca=config.tls_ca)
+                                            tls_ca=config.tls_ca,
+                                            address_file=os.environ.get(ADDRESS_FILE_ENV, ""))
             self.store = _store_on(self.host)
             self.heartbeater = Heartbeater(self.client, config.heartbeat_interval, self._report,
                                            self._on_answer, on_kill=self._on_kill)
@@ -169,7 +177,7 @@ class Manager:
                 self.heartbeater.beat()  # be known as alive before the first quorum request
             except CoordinatorUnavailable as e:
                 # The coordinator may be restarting: the heartbeat thread and the quorum request
-                # keep trying (bounded by ft.quorum_timeout), as after any coordinator failure.
+                # keep trying, as after any coordinator failure (ftlm.ft.quorum_wait).
                 log.warning("coordinator not reachable at start-up, will keep trying: %s", e)
             self.heartbeater.start()
 
@@ -178,7 +186,11 @@ class Manager:
         """What each heartbeat says: committed state, last quorum id, seconds since progress,
         and the highest step this group saw the job reach."""
         p = self.proto
-        return p.step, max(p.quorum_id, 0), p.chain, time.monotonic() - self._progress_at, p.known_head
+        # Asking for a quorum is progress for as long as it lasts: one request may block for
+        # its whole timeout while the coordinator is stopped, and the coordinator, resumed, must
+        # not read the heartbeats queued meanwhile as a hung group.
+        age = 0.0 if self._asking else time.monotonic() - self._progress_at
+        return p.step, max(p.quorum_id, 0), p.chain, age, p.known_head
 
     def _progress(self) -> None:
         self._progress_at = time.monotonic()
@@ -262,18 +274,35 @@ class Manager:
         ``STOP_POLL_SECONDS`` instead of waiting up to ``ft.quorum_timeout``. Signal-safe."""
         self._stop_requested = True
 
-    def _request_quorum(self) -> MemberQuorum:
-        deadline = time.monotonic() + self.config.quorum_timeout
+    def _request_quorum(self, keepalive: Callable[[], None] = lambda: None) -> MemberQuorum:
+        """Ask until a quorum comes, calling ``keepalive`` between requests. Gives up
+        (``TooManyFailures``) after ``ft.quorum_timeout`` of answers without one, or an outage
+        beyond ``ft.coordinator_outage_timeout`` (0: never); while the coordinator does not
+        answer at all, the group keeps its state and waits, saying so every ``PROGRESS_EVERY`` s
+        (``ftlm.ft.quorum_wait``)."""
+        self._asking = True
+        try:
+            return self._ask_until_answered(keepalive)
+        finally:
+            self._asking = False
+            self._progress()
+
+    def _ask_until_answered(self, keepalive: Callable[[], None]) -> MemberQuorum:
+        wait = QuorumWait(self.config.quorum_timeout, self.config.coordinator_outage_timeout,
+                          time.monotonic())
         reason = "no answer yet"
         while True:
             if self._stop_requested:
                 raise StopRequested(f"asked to stop while waiting for a quorum (last reason: {reason})")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            why = wait.give_up(now)
+            if why is not None:
                 raise TooManyFailures(
-                    f"no quorum within ft.quorum_timeout={self.config.quorum_timeout} s "
-                    f"(last reason: {reason}); is the coordinator running and are enough "
+                    f"{why} (last reason: {reason}); is the coordinator running and are enough "
                     "groups up (ft.min_replicas)?")
+            if wait.report_due(now):
+                self._say_unreachable(wait.outage_seconds(now), reason, started=False)
+            keepalive()
             self._progress()  # asking is progress: a group waiting for others is not hung
             head, again = self._reload_hint
             if head is not None and self.proto.reload_due(head, again):
@@ -281,23 +310,60 @@ class Manager:
                 raise ReloadCheckpoint(head, f"no live group holds step {head}")
             ask = self.proto.request()
             try:
-                return self.client.quorum(ask["step"], ask["last_quorum_id"], ask["failed"], self._meta(),
-                                          timeout=min(remaining, STOP_POLL_SECONDS), chain=ask["chain"],
-                                          watch=ask["watch"], disk_checked=ask["disk_checked"],
-                                          disk_round=ask["disk_round"])
+                q = self.client.quorum(ask["step"], ask["last_quorum_id"], ask["failed"], self._meta(),
+                                       timeout=min(wait.remaining(now), STOP_POLL_SECONDS),
+                                       chain=ask["chain"], watch=ask["watch"],
+                                       disk_checked=ask["disk_checked"], disk_round=ask["disk_round"])
+                self._coordinator_answered(wait)
+                return q
             except QuorumTimeout as e:
+                self._coordinator_answered(wait)
                 reason = e.reason
                 if self.proto.reload_due(e.reload, e.reload_round):
                     raise ReloadCheckpoint(e.reload, e.reason) from None
-            except CoordinatorUnavailable as e:
+            except CoordinatorUnreachable as e:
+                reason = str(e)
+                if wait.unreachable(e.sent_at, time.monotonic()):
+                    self._say_unreachable(wait.outage_seconds(time.monotonic()), reason, started=True)
+                # Refused at once, or timed out: either way ask again soon, not in a tight loop
+                # (not on ``abort``: a collective's abort may be set, and would not pause).
+                time.sleep(OUTAGE_RETRY_SECONDS)
+            except CoordinatorUnavailable as e:  # it answered 502/503: busy or stopping
+                self._coordinator_answered(wait)
                 reason = f"coordinator unavailable ({e})"
-                self.abort.wait(min(0.2, max(0.0, remaining)))
+                self.abort.wait(min(0.2, max(0.0, wait.remaining(time.monotonic()))))
+
+    def _say_unreachable(self, seconds: float, reason: str, started: bool) -> None:
+        """A line saying why this group is not stepping; at the outage's start, an event too."""
+        url, step = self.client.url, self.proto.step
+        log.warning("coordinator at %s unreachable for %.0f s; waiting, state kept at step %d (%s)",
+                    url, seconds, step, reason)
+        if started:
+            self.events.emit("coordinator_unreachable", step=step, address=url,
+                             seconds=round(seconds, 3), reason=reason[:200])
+
+    def _coordinator_answered(self, wait: QuorumWait) -> None:
+        seconds = wait.answered(time.monotonic())
+        if seconds is not None:
+            log.warning("coordinator at %s answers again after %.1f s unreachable; state kept at step %d",
+                        self.client.url, seconds, self.proto.step)
+            self.events.emit("coordinator_back", step=self.proto.step, address=self.client.url,
+                             seconds=round(seconds, 3))
 
     def _next_quorum(self) -> MemberQuorum:
-        """The leader asks; every rank of the group gets the same answer."""
+        """The leader asks; every rank of the group gets the same answer. While the leader waits
+        (an outage may last minutes), it tells the other ranks so every ``_rank_keepalive_every``
+        seconds: their broadcast would otherwise end at the group's collective timeout
+        (``ft.quorum_timeout + ft.allreduce_timeout``, ``ftlm.train.group``)."""
         if self.rank == 0:
+            told = [time.monotonic()]
+
+            def keepalive() -> None:
+                if self.ranks > 1 and time.monotonic() - told[0] >= self._rank_keepalive_every():
+                    _broadcast_json({"waiting": True}, self.ranks, self.control)
+                    told[0] = time.monotonic()
             try:
-                q = self._request_quorum()
+                q = self._request_quorum(keepalive)
             except (StopRequested, TooManyFailures, ReloadCheckpoint, StaleIncarnation) as e:
                 # The other ranks wait for this answer: tell them, or they would hang in the broadcast.
                 end = {"end": type(e).__name__, "why": str(e)}
@@ -313,6 +379,8 @@ class Manager:
             _broadcast_json(q.to_json(), self.ranks, self.control)
             return q
         got = _broadcast_json(None, self.ranks, self.control)
+        while isinstance(got, dict) and got.get("waiting") is True:
+            got = _broadcast_json(None, self.ranks, self.control)
         if isinstance(got, dict) and "end" in got:
             if got["end"] == "ReloadCheckpoint":
                 raise ReloadCheckpoint(got["head"], got["why"])
@@ -320,6 +388,11 @@ class Manager:
             ends = {"StopRequested": StopRequested, "StaleIncarnation": StaleIncarnation, "Convicted": Convicted}
             raise ends.get(got["end"], TooManyFailures)(got["why"])
         return MemberQuorum.from_json(got)
+
+    def _rank_keepalive_every(self) -> float:
+        """Seconds between the leader's words to its ranks while it waits: well inside the
+        group's collective timeout, whatever one request in between takes (a few seconds)."""
+        return max(0.5, min(10.0, self.config.quorum_timeout / 4))
 
     def _publish_in_background(self, snapshot: SnapshotFn, step: int) -> None:
         """Copy the state into a snapshot on a helper thread while this step's forward and

@@ -1,7 +1,9 @@
 """The job's coordinator as a supervised process, and the supervisor's side of its HTTP API.
 
-Responsible for: starting ``ftlm coordinator`` on a fixed port (so that a restarted one comes back
-where the groups look for it), keeping a warm standby (``ftlm.launch.coordinator_standby``) that
+Responsible for: starting ``ftlm coordinator`` on its port, or on another one when that port is
+taken meanwhile (or a restart asks for one), and writing where it serves to the job's address file
+(``address_file``, which the groups read again at every reconnect: ``FTLM_COORDINATOR_FILE``);
+keeping a warm standby (``ftlm.launch.coordinator_standby``) that
 takes over within tens of milliseconds when the coordinator dies instead of the seconds a cold
 start costs, waiting until it answers, killing it (chaos, a restart), and the calls the supervisor
 makes with the job token: ``GET /status`` and ``POST /v1/dead``. Also the adapter that writes the
@@ -16,6 +18,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import ssl
 import subprocess
 import sys
@@ -24,10 +27,32 @@ from pathlib import Path
 from typing import Any
 
 from ftlm.errors import FtlmError
+from ftlm.ft.coordinator_address import url_of, write_address
 from ftlm.observe.events import EventLog
 
 ERROR_PREFIX = "ftlm: error: "
 """How the CLI starts the one line it prints for an ``FtlmError`` (exit status 2)."""
+
+
+def _port_free(host: str, port: int) -> bool:
+    """Whether a server could bind ``host:port`` now (as the coordinator binds: address reuse on,
+    so a port left in TIME_WAIT by the last one counts as free)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port(host: str) -> int:
+    """A port on ``host`` that the operating system has just found free."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class CoordinatorUnreachable(Exception):
@@ -68,7 +93,8 @@ class CoordinatorProcess:
     """``ftlm coordinator`` for one job, started (and restarted) by the supervisor."""
 
     def __init__(self, config_file: Path, port: int, token: str, events: Path, log: Path,
-                 host: str = "127.0.0.1", tls: ssl.SSLContext | None = None, standby: bool = True):
+                 host: str = "127.0.0.1", tls: ssl.SSLContext | None = None, standby: bool = True,
+                 address_file: Path | None = None):
         self.config_file = Path(config_file)
         self.tls = tls  # the coordinator serves HTTPS (ft.tls_cert): verify it with this
         self.host = host
@@ -81,11 +107,13 @@ class CoordinatorProcess:
         self.standby = standby  # keep a warm process ready to take over (see module docstring)
         self._standby: subprocess.Popen | None = None
         self.warm_starts = 0  # starts served by the standby (the others were cold)
+        # Rewritten with ``url`` at every start: where the groups find it (FTLM_COORDINATOR_FILE).
+        self.address_file = Path(address_file) if address_file is not None else None
         self._log_offset = 0
 
     @property
     def url(self) -> str:
-        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
+        return url_of("https" if self.tls else "http", self.host, self.port)
 
     @property
     def pid(self) -> int | None:
@@ -97,10 +125,16 @@ class CoordinatorProcess:
     def exit_code(self) -> int | None:
         return self.proc.poll() if self.proc is not None else None
 
-    def start(self, ready_timeout: float) -> None:
-        """Start the process (the warm standby when one is ready, else a cold one) and wait (at
-        most ``ready_timeout`` s) until ``/status`` answers; ``FtlmError`` with its own error line
-        when it exits or never answers. Then start the next standby."""
+    def start(self, ready_timeout: float, port: int | None = None) -> None:
+        """Start the process (the warm standby when one is ready, else a cold one) on ``port``
+        (default: its port; a free one instead when another process took that meanwhile) and
+        wait (at most ``ready_timeout`` s) until ``/status`` answers; ``FtlmError`` with its own
+        error line when it exits or never answers. Then write the address file and start the
+        next standby."""
+        if port is not None:
+            self.port = port
+        elif self.proc is not None and not _port_free(self.host, self.port):
+            self.port = _free_port(self.host)
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self._log_offset = self.log.stat().st_size if self.log.is_file() else 0
         self.proc = self._take_standby()
@@ -128,6 +162,8 @@ class CoordinatorProcess:
                                     f"{ready_timeout:.0f} s (ft.startup_timeout); see {self.log}")
                 time.sleep(0.02)
         self.started = time.time()
+        if self.address_file is not None:
+            write_address(self.address_file, self.url)
         if self.standby:
             self._spawn_standby()
 
@@ -147,7 +183,7 @@ class CoordinatorProcess:
         if proc is None or proc.poll() is not None:
             return None
         try:
-            proc.stdin.write(b"serve\n")
+            proc.stdin.write(f"serve {self.port}\n".encode())
             proc.stdin.close()
         except OSError:  # it died meanwhile
             proc.kill()

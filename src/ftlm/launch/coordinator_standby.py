@@ -4,8 +4,9 @@ waiting for the word to serve.
 Starting ``ftlm coordinator`` costs seconds before it answers: reading the config imports torch
 (the model's config lives next to the model), and on a loaded machine that is 3 to 7 s, all of it
 a stall of every group while the coordinator is down (BENCHMARKS.md, coordinator crash).
-``CoordinatorProcess`` keeps one standby ready: when the coordinator dies it writes ``serve`` to
-the standby's stdin and the standby builds a fresh ``Coordinator`` (a new epoch, no state: the
+``CoordinatorProcess`` keeps one standby ready: when the coordinator dies it writes ``serve`` (or
+``serve PORT``, to serve on another port than ``--port``: the old one was taken) to the
+standby's stdin and the standby builds a fresh ``Coordinator`` (a new epoch, no state: the
 same rebuild from the groups' heartbeats as any restart) and binds the port within tens of
 milliseconds. EOF on stdin (the supervisor is gone) makes it exit.
 
@@ -23,7 +24,7 @@ import sys
 from pathlib import Path
 
 SERVE = "serve"
-"""The line that makes the standby serve."""
+"""The line that makes the standby serve (optionally followed by the port to serve on)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,13 +46,20 @@ def main(argv: list[str] | None = None) -> int:
     except FtlmError as e:
         print(f"{ERROR_PREFIX}{e}", file=sys.stderr, flush=True)
         return 2
-    line = sys.stdin.readline()
-    if line.strip() != SERVE:
+    words = sys.stdin.readline().split()
+    if not words or words[0] != SERVE:
         return 0  # EOF: the supervisor stopped without needing us
+    port = args.port
+    if len(words) == 2 and words[1].isdigit():
+        port = int(words[1])
+    elif len(words) != 1:
+        print(f"{ERROR_PREFIX}standby told {' '.join(words)!r}; expected 'serve' or 'serve PORT'",
+              file=sys.stderr, flush=True)
+        return 2
     events = CoordinatorEvents(EventLog(Path(args.events), group="coordinator")) if args.events else None
     try:
         coordinator = Coordinator(config.ft.coordinator_config(
-            host=args.host, port=args.port, token=os.environ.get("FTLM_TOKEN", ""), insecure=False),
+            host=args.host, port=port, token=os.environ.get("FTLM_TOKEN", ""), insecure=False),
             events=events)
         coordinator.serve_forever()
     except FtlmError as e:

@@ -116,6 +116,20 @@ def coordinator_disruption_budget(names: Names, cluster: ClusterConfig) -> dict[
                 LABEL: names.job, "ftlm.dev/component": "coordinator"}}}}
 
 
+COORDINATOR_NODE_LOSS_SECONDS = 10
+"""How long the coordinator's pod stays bound to a node that stopped reporting (NotReady or
+unreachable) before it is evicted and the Deployment starts a replacement elsewhere. Kubernetes
+adds 300 s by default (``DefaultTolerationSeconds``): right for a pod that is fine on its own
+while its node is back within minutes, but every group stalls while the coordinator is gone, and
+a new one rebuilds its state from the groups' heartbeats in a second (docs/kubernetes.md)."""
+
+
+def node_loss_tolerations(seconds: int) -> list[dict[str, Any]]:
+    """Tolerations that evict a pod ``seconds`` after its node went NotReady or unreachable."""
+    return [{"key": f"node.kubernetes.io/{taint}", "operator": "Exists", "effect": "NoExecute",
+             "tolerationSeconds": seconds} for taint in ("not-ready", "unreachable")]
+
+
 def coordinator_deployment(run: RunConfig, names: Names, cluster: ClusterConfig) -> dict[str, Any]:
     port = cluster.coordinator_port
     # /status and /metrics need the token, so the probes only check that the port accepts.
@@ -138,7 +152,8 @@ def coordinator_deployment(run: RunConfig, names: Names, cluster: ClusterConfig)
     }
     pod: dict[str, Any] = {"containers": [container], "securityContext": dict(POD_SECURITY),
                            "volumes": [{"name": "config", "configMap": {"name": names.config}},
-                                       {"name": "token", "secret": {"secretName": names.secret}}]}
+                                       {"name": "token", "secret": {"secretName": names.secret}}],
+                           "tolerations": node_loss_tolerations(COORDINATOR_NODE_LOSS_SECONDS)}
     if cluster.coordinator_priority:
         pod["priorityClassName"] = names.coordinator
     if cluster.service_account:

@@ -1,7 +1,9 @@
 """Local launcher and supervisor: a coordinator process plus N replica groups on this machine.
 
-It starts the coordinator as its own process (``ftlm coordinator``, restarted on the same port
-when it dies, by a warm standby that takes over at once: ``ftlm.launch.coordinator_process``)
+It starts the coordinator as its own process (``ftlm coordinator``, restarted when it dies, by a
+warm standby that takes over at once, on the same port unless that was taken meanwhile:
+``ftlm.launch.coordinator_process``; its URL is kept in ``coordinator.url`` in the run directory,
+which the groups read again whenever they reconnect, ``FTLM_COORDINATOR_FILE``)
 and each group as ``ftlm train`` processes (one per rank), or ``ftlm run SCRIPT`` processes for
 a user's own training script (``script``), with the environment of docs/design.md,
 'Environment'. It restarts a group whose process exits as a new incarnation and reports the
@@ -38,6 +40,7 @@ from pathlib import Path
 from ftlm import startup_beacon
 from ftlm.config import RunConfig, save_config
 from ftlm.errors import EXIT_RETIRED, ConfigError, FtlmError
+from ftlm.ft.coordinator_address import ADDRESS_FILE_ENV
 from ftlm.launch.chaos import COORDINATOR, Chaos
 from ftlm.launch.chaos_injection import ChaosInjection
 from ftlm.launch.console import ConsoleView
@@ -174,7 +177,8 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
         for rank in range(self.ranks):
             env = dict(os.environ)
             env.update({
-                "FTLM_COORDINATOR": url, "FTLM_GROUP_ID": g.name, "FTLM_INCARNATION": g.incarnation,
+                "FTLM_COORDINATOR": url, ADDRESS_FILE_ENV: str(self._address_file().absolute()),
+                "FTLM_GROUP_ID": g.name, "FTLM_INCARNATION": g.incarnation,
                 "FTLM_TOKEN": self.token, "FTLM_GROUPS": str(self.n),
                 "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.ranks),
                 "LOCAL_WORLD_SIZE": str(self.ranks), "MASTER_ADDR": "127.0.0.1",
@@ -213,6 +217,10 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
         g.stopped = g.registered = g.progressed = g.killed = g.stuck_exit = False
         g.first_step = g.absent_since = g.left_at = g.exiting_since = g.erring_since = None
 
+    def _address_file(self) -> Path:
+        """Where the coordinator's current URL is kept for the groups (``FTLM_COORDINATOR_FILE``)."""
+        return self.run_dir / "coordinator.url"
+
     def _write_targets(self) -> None:
         """Prometheus file_sd targets of every rank's metrics endpoint (rewritten on restarts)."""
         host = self.config.observe.metrics_host
@@ -237,7 +245,8 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
                                               self.run_dir / "events.jsonl",
                                               self.run_dir / "logs" / "coordinator.log",
                                               tls=self._tls_context(),
-                                              standby=self.coordinator_standby)
+                                              standby=self.coordinator_standby,
+                                              address_file=self._address_file())
         self.coordinator.start(self.config.ft.startup_timeout)
         url = self.coordinator.url
         # ranks_per_group: GPU-hours count every rank of a group (ftlm.observe.cost).
@@ -275,7 +284,8 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
                     if self._best[0] > 0:  # the others committed a step: the delay counts from here
                         self.groups[[x.name for x in self.groups].index(name)].restart_at = now + delay
                         del late[name]
-                self._restart_due(events, config_file, url, now)
+                # Its URL now: a group started after a move goes there at once.
+                self._restart_due(events, config_file, self.coordinator.url, now)
                 if self._progress_key(status) > self._best:
                     self._best, last_progress = self._progress_key(status), now
                 elif now - last_progress > self.config.ft.give_up_seconds:
@@ -376,16 +386,17 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
             events.emit("coordinator_restart", step=-1, port=self.coordinator.port, code=code,
                         seconds=round(time.time() - down, 3), pid=self.coordinator.pid)
 
-    def restart_coordinator(self) -> None:
-        """Kill the coordinator process and start a fresh one on the same port (a coordinator
-        failure). The new one holds no state: it rebuilds membership from the next heartbeats and
-        continues quorum ids above those the members report. Safe to call from another thread."""
+    def restart_coordinator(self, port: int | None = None) -> None:
+        """Kill the coordinator process and start a fresh one on the same port, or on ``port``
+        (a coordinator failure; a move, which the groups follow through the address file). The
+        new one holds no state: it rebuilds membership from the next heartbeats and continues
+        quorum ids above those the members report. Safe to call from another thread."""
         with self._coordinator_lock:
             self.events.emit("failure_injected", step=-1, target=COORDINATOR, target_rank=0,
                              signal="SIGKILL", pid=self.coordinator.pid)
             down = self._down_since = time.time()
             self.coordinator.kill()
-            self.coordinator.start(self.config.ft.startup_timeout)
+            self.coordinator.start(self.config.ft.startup_timeout, port=port)
             self._outages.append((down, time.time()))
             self._down_since = None
             self.events.emit("coordinator_restart", step=-1, port=self.coordinator.port,

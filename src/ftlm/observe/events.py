@@ -58,6 +58,11 @@ Kinds used across ftlm and their fields:
   before the coordinator's rollback.
 * ``eval``: held-out loss after step ``step`` (``loss``, ``tokens``, ``seconds``).
 * ``coordinator_restart``: the coordinator came back and rebuilt its soft state.
+* ``coordinator_unreachable``: this group's leader got no answer at all from the coordinator at
+  ``address`` while waiting for a quorum (``seconds`` since the unanswered request went out,
+  ``reason``); it keeps its state and waits (docs/ft-protocol.md, "When the coordinator is gone").
+* ``coordinator_back``: the coordinator at ``address`` answers again after ``seconds`` without
+  answering (from the first unanswered request).
 * ``group_lost``: the local launcher stops starting ``target`` (``reason``: it died after every
   other group had finished, or the coordinator retired its last three processes in a row).
 """
@@ -78,7 +83,7 @@ KINDS: tuple[str, ...] = (
     "run_start", "run_end", "group_start", "group_exit", "quorum", "commit", "step_failed",
     "failure_injected", "member_dead", "member_left", "recovery_start", "recovery_end",
     "checkpoint_saved", "checkpoint_rejected", "checkpoint_failed", "checkpoint_reloaded", "coordinator_restart", "restore",
-    "eval", "group_lost",
+    "eval", "group_lost", "coordinator_unreachable", "coordinator_back",
 )
 """Event kinds ftlm emits (documented above); ``emit`` accepts others for forward compatibility."""
 

@@ -51,7 +51,11 @@ class Faults:
         best = max((g.state.step for g in sim.groups.values() if g is not None), default=0)
         if best >= self.c.faults_until_step * self.c.steps or sim.finished:
             return
-        self.strike(sim.rng.choice(self.c.faults))
+        # A long coordinator outage stands for the faults of its time: each one striking during
+        # it would wait for the coordinator to be detected, and stacked they outlast the
+        # progress bound, which is for faults that heal within it (short outages keep theirs).
+        if not sim.long_outage:
+            self.strike(sim.rng.choice(self.c.faults))
         sim.at(sim.rng.expovariate(1 / self.c.fault_mtbf), self.inject, "fault")
 
     def committed(self, step: int) -> None:

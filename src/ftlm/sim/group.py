@@ -2,7 +2,8 @@
 
 ``GroupModel`` drives each ``Incarnation``'s real ``ftlm.ft.group.GroupProtocol`` in the order
 the trainer and the manager do: heartbeats (a quorum request counts as one), the quorum request
-and its long-poll (asked again at its deadline, given up after ``ft.quorum_timeout``), the
+and its long-poll (asked again at its deadline; given up after ``ft.quorum_timeout`` of answers
+without a quorum, never for a coordinator that does not answer: ``ftlm.ft.quorum_wait``), the
 answer (seen through the coordinator's own encoding, ``MemberQuorum``), the start of a step
 (``GroupProtocol.on_quorum`` decides the role: train a slice, recover, drain at the end), the
 commit vote after the all-reduce (``GroupProtocol.on_outcome``), the next quorum asked for right
@@ -26,6 +27,7 @@ from ftlm.ft.group import TooManyFailures
 from ftlm.ft.membership import Answer
 from ftlm.ft.quorum import Heartbeat, MemberRequest, Quorum
 from ftlm.ft.quorum_answer import AnswerEncoder, MemberQuorum
+from ftlm.ft.quorum_wait import QuorumWait
 from ftlm.sim.collective import quorum_key
 from ftlm.sim.job import Incarnation, copy_state
 
@@ -135,6 +137,7 @@ class GroupModel:
             return
         if not inc.polling:
             inc.asking_since = sim.now
+            inc.wait = QuorumWait(self.c.quorum_seconds, 0.0, sim.now)
         if not early:
             inc.phase = "asking"
         inc.polling = True
@@ -214,10 +217,27 @@ class GroupModel:
                 inc.poll_stopped = True  # the trainer sees it when it takes the answer
             else:
                 self.leave(inc, "stopped")
-        elif sim.now - inc.asking_since > self.c.quorum_seconds:
+        elif self.gives_up(inc):
+            sim.invariants.check_gave_up(inc)
             sim.launcher.die(inc, "no quorum within ft.quorum_timeout")  # as Manager._request_quorum
         else:
             self.ask(inc, early=inc.phase == "updating")
+
+    def gives_up(self, inc: Incarnation) -> bool:
+        """At a long-poll's deadline: whether the coordinator answered it (504) or not at all
+        (down, stopped, the request or answer lost), fed to the group's ``QuorumWait`` as
+        ``Manager._request_quorum`` feeds it; then whether the group gives up."""
+        sim, wait = self.sim, inc.wait
+        if wait is None:
+            return False
+        held = sim.polls.get(inc.replica_id)
+        answered = (not inc.request_lost and sim.coordinator is not None and sim.inbox is None
+                    and held is not None and held[0] is inc.request)
+        if answered:
+            wait.answered(sim.now)
+        else:
+            wait.unreachable(inc.asked_at, sim.now)
+        return wait.give_up(sim.now) is not None
 
     def on_answer(self, inc: Incarnation, seq: int, answer: Answer) -> None:
         sim = self.sim

@@ -63,7 +63,9 @@ class Invariants:
         if self.leave_watches:
             self.check_leaves()
         bound = self.c.progress_seconds * self.c.bad_links + self.storm_allowance  # (each bad link may take a search)
-        if not sim.faults.endgame and sim.now - self.last_commit > bound:  # draining is no livelock
+        # A coordinator outage stops every group for its length: the bound counts the rest.
+        idle = sim.now - self.last_commit
+        if not sim.faults.endgame and idle > bound and idle - sim.down_seconds(self.last_commit) > bound:
             self.fail(f"no step committed for {bound:g} simulated s (a livelock?)")
         if self.c.fault_mtbf and sim.now - sim.faults.last_fault > self.c.liveness_seconds:
             best = max((g.state.step for g in sim.groups.values() if g is not None), default=0)
@@ -71,14 +73,15 @@ class Invariants:
                       f"step {best} of {self.c.steps}")
 
     def check_hangs_detected(self) -> None:
-        """Every injected hang is detected and its process killed within 30 simulated s."""
+        """Every injected hang is detected and its process killed within 30 simulated s of the
+        coordinator answering (nobody detects anything while it is down)."""
         sim = self.sim
         pending = sim.faults.pending_hung
         for rid, (since, kind) in list(pending.items()):
             inc = sim.incarnation(rid)
             if inc is None or not inc.alive:
                 del pending[rid]
-            elif sim.now - since > 30.0:
+            elif sim.now - since - sim.down_seconds(since) > 30.0:
                 self.fail(f"fault {kind} of {rid} was never detected")
 
     # -- the coordinator -----------------------------------------------------------------------------
@@ -102,6 +105,19 @@ class Invariants:
             if head[0] == step:
                 self.fail(f"the head changed history at step {step} without a restore")
         self.head = head
+
+    def check_gave_up(self, inc: Incarnation) -> None:
+        """A group gives up on its quorum only after ``quorum_seconds`` in which the coordinator
+        answered: never during an outage, and not before that long after the last one ended."""
+        sim = self.sim
+        since = sim.answering_since(inc.asking_since)
+        if since is None:
+            self.fail(f"{inc.replica_id} gave up on its quorum while the coordinator was down "
+                      f"(for {sim.now - sim.down_since:.2f} s)")
+        elif sim.now - since < self.c.quorum_seconds - 1e-9:
+            self.fail(f"{inc.replica_id} gave up on its quorum {sim.now - since:.2f} s after the "
+                      f"coordinator came back, within quorum_seconds={self.c.quorum_seconds:g}: "
+                      "it counted the outage")
 
     def check_silence(self, replica_id: str, reason: str) -> None:
         """A member declared dead for its silence (heartbeat timeout, quiet after a peer's report)

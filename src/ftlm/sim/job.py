@@ -14,6 +14,7 @@ from ftlm.ft.group import GroupProtocol
 from ftlm.ft.history import GENESIS
 from ftlm.ft.membership import Answer
 from ftlm.ft.quorum import MemberRequest, Quorum
+from ftlm.ft.quorum_wait import QuorumWait
 
 FAULTS = ("crash", "hang", "hang_resume", "hang_training", "crash_starting", "hang_starting", "coordinator_crash",
           "lag", "slow_transfer", "source_crash_mid_transfer", "bogus_claim", "partition_drop",
@@ -27,7 +28,8 @@ three or more groups are in it (a link heals when groups leave for good below th
 two good groups no attempt can commit, and the groups give up after
 ``max_consecutive_failures`` (which the 30 s progress bound does not allow for).
 ``coordinator_pause``: the coordinator process is stopped (SIGSTOP) for 2-6 heartbeat timeouts
-and resumed; the messages sent to it meanwhile wait and are handled on resumption, before or
+(a share ``long_outages`` of pauses and crashes: 1.2-2.5 ``quorum_seconds``, through which the
+groups must wait, not give up) and resumed; the messages sent to it meanwhile wait and are handled on resumption, before or
 after its first tick. ``hang_restarting``: a group is killed and its next process hangs before
 it registers (a wedged start-up), found only by the supervisor's start-up timeout."""
 
@@ -70,7 +72,11 @@ class SimConfig:
     """How long a finished group keeps serving for the groups not yet up to date (the manager's
     ``ft.quorum_timeout``)."""
     quorum_seconds: float = 10.0
-    """A group that waited this long for a quorum gives up and exits (``ft.quorum_timeout``)."""
+    """A group that waited this long for a quorum while the coordinator answered gives up and
+    exits (``ft.quorum_timeout``); time the coordinator did not answer at all does not count."""
+    long_outages: float = 0.3
+    """Share of coordinator crashes and pauses that last 1.2-2.5 ``quorum_seconds`` (drawn from a
+    random source of their own, so the main one's schedule stays that of the seed)."""
     heartbeat_interval: float = 0.1
     heartbeat_timeout: float = 0.5
     suspect_window: float = 0.2
@@ -177,6 +183,7 @@ class Incarnation:
     asked_at: float = float("-inf")  # when it last sent a quorum request (which is a heartbeat)
     absent_since: float | None = None  # not a live member of the coordinator since
     asking_since: float = 0.0  # when its current wait for a quorum began
+    wait: QuorumWait | None = None  # that wait, as ``Manager._request_quorum`` keeps it
     polling: bool = False  # a quorum request is outstanding (the manager's long-poll)
     asked_next: bool = False  # asked for the next quorum right after its vote: that step is owed
     held: Answer | None = None  # an answer that came while the update was applied (``Manager._asked``)

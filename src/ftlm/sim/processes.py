@@ -104,6 +104,12 @@ class Launcher:
             self.spawn(inc.group, delay)
 
     def startup_watchdog(self, inc: Incarnation) -> None:
+        """A start-up timeout counts the coordinator's up time only (the local launcher's
+        ``_up_seconds``): nobody registers while it is down."""
+        left = self.c.startup_timeout - (self.sim.now - inc.started_at - self.sim.down_seconds(inc.started_at))
+        if left > 1e-9 and inc.alive and not inc.registered and not inc.left:
+            self.sim.at(left, lambda: self.startup_watchdog(inc), "watchdog")
+            return
         if inc.alive and not inc.registered and not inc.left:  # (stopped while starting: it left at boot)
             if not inc.injected:
                 self.sim.fail(f"{inc.replica_id} did not register within the start-up timeout without a fault")
@@ -124,7 +130,8 @@ class Launcher:
             # Not a live member for a start-up timeout (hung before registering, or silent since
             # the coordinator restarted): hung.
             inc.absent_since = None if inc.replica_id in members else (inc.absent_since or sim.now)
-            if inc.absent_since is not None and sim.now - inc.absent_since > self.c.startup_timeout:
+            if (inc.absent_since is not None and sim.now - inc.absent_since
+                    - sim.down_seconds(inc.absent_since) > self.c.startup_timeout):
                 if not inc.injected:
                     sim.fail(f"{inc.replica_id} was not a live member for {self.c.startup_timeout} s "
                              "without a fault")

@@ -54,6 +54,12 @@ class Simulation:
         self.coordinator: Membership | None = Membership(self.options, self._epoch(), TICK)
         self.inbox: list[Callable[[], None]] | None = None  # messages waiting on a stopped coordinator
         self.resumed_at = float("-inf")  # when the coordinator last resumed after a pause
+        # When the coordinator did not answer at all (stopped or crashed): closed outages, and
+        # the start of the one in progress. A source of its own draws which outages are long.
+        self.outages: list[tuple[float, float]] = []
+        self.down_since: float | None = None
+        self.long_outage = False  # the outage in progress is one of the long ones
+        self.outage_rng = random.Random(seed * 7919 + 17)
         # When each replica's last message reached the coordinator's door (handled, or waiting
         # on a stopped coordinator) since it (re)started.
         self.door_seen: dict[str, float] = {}
@@ -195,13 +201,16 @@ class Simulation:
         self.inbox = []
         epoch = self.coordinator_epoch
         seconds = self.rng.uniform(2.0, 6.0) * self.c.heartbeat_timeout
+        seconds = self._maybe_long(seconds)
         self.log(f"coordinator stopped for {seconds:.2f} s")
+        self.down_since = self.now
 
         def resume() -> None:
             if self.coordinator_epoch != epoch or self.inbox is None or self.coordinator is None:
                 return
             queued, self.inbox = self.inbox, None
             self.resumed_at = self.now
+            self._outage_over()
             self.log(f"coordinator resumes: {len(queued)} message(s) waited")
             tick_first = self.rng.random() < 0.5
             if tick_first:
@@ -223,12 +232,41 @@ class Simulation:
         self.coordinator_epoch += 1
         epoch = self.coordinator_epoch
         self.invariants.head = None
+        if self.down_since is None:  # (crashed while stopped: the outage began at the stop)
+            self.down_since = self.now
 
         def restart() -> None:
             if self.coordinator_epoch == epoch:
                 self.coordinator = Membership(self.options, self._epoch(), TICK)
+                self._outage_over()
                 self.log("coordinator restart")
-        self.at(self.rng.uniform(0.2, 1.5), restart, "coordinator restart")
+        self.at(self._maybe_long(self.rng.uniform(0.2, 1.5)), restart, "coordinator restart")
+
+    def _maybe_long(self, seconds: float) -> float:
+        """``seconds``, or for a share ``long_outages`` of outages 1.2-2.5 ``quorum_seconds``."""
+        if self.outage_rng.random() < self.c.long_outages:
+            self.long_outage = True
+            return self.outage_rng.uniform(1.2, 2.5) * self.c.quorum_seconds
+        return seconds
+
+    def _outage_over(self) -> None:
+        if self.down_since is not None:
+            self.outages.append((self.down_since, self.now))
+            self.log(f"coordinator back after {self.now - self.down_since:.2f} s")
+            self.down_since = None
+            self.long_outage = False
+
+    def down_seconds(self, since: float) -> float:
+        """Seconds of ``[since, now]`` during which the coordinator did not answer."""
+        spans = self.outages + ([(self.down_since, self.now)] if self.down_since is not None else [])
+        return sum(max(0.0, b - max(a, since)) for a, b in spans if b > since)
+
+    def answering_since(self, since: float) -> float | None:
+        """The start of the coordinator's current stretch of answering within ``[since, now]``
+        (``since`` when no outage ended after it); None during an outage."""
+        if self.down_since is not None:
+            return None
+        return max([since] + [b for _, b in self.outages])
 
     def deliver_outputs(self, outputs: list) -> None:
         """What the coordinator output: answers go to their long-polls; issued quorums and events

@@ -56,8 +56,8 @@ SEEDS = 20
 @pytest.mark.parametrize("seed", range(SEEDS))
 def test_sdc_over_seeds(tmp_path, demo_data, seed):
     """The default test's scenario over 20 seeds: the group, the step and whether a parameter or
-    an optimizer moment is corrupted drawn from the seed (``make bench``'s table: ``python -m
-    bench sdc``)."""
+    an optimizer moment is corrupted drawn from the seed (45 min on a loaded 2-core box; the
+    default tier runs one of them, ``test_a_flipped_parameter_bit_...``)."""
     rng = random.Random(seed)
     run_flip(tmp_path, demo_data, rng.choice(["g1", "g2"]), rng.choice(["bitflip", "bitflip_moment"]),
              rng.randrange(3, 15))

@@ -168,3 +168,20 @@ def test_quorum_body_integrity_field_is_checked():
                                                   % GENESIS)).encode()))
     with pytest.raises(ValueError, match="exactly step, chain and digest"):
         parse_quorum_request(decode_body((base % '{"step": 2}').encode()))
+
+
+def test_a_state_held_again_by_new_incarnations_is_compared_anew():
+    """Groups restarted from a checkpoint of a state judged before (a rollback) hold it again:
+    their digests are compared with each other, not with the earlier lone reporter's."""
+    book = IntegrityBook()
+    expect(book, 10, GENESIS, frozenset({"g2:a"}))
+    (first,) = record(book, DigestReport("g2:a", "g2", "h", 10, GENESIS, GOOD), {"g2:a"})
+    assert first.agreed
+    members = {"g0:b", "g1:b", "g2:b"}
+    expect(book, 10, GENESIS, frozenset(members))
+    assert record(book, DigestReport("g0:b", "g0", "h", 10, GENESIS, BAD), members) == []
+    assert record(book, DigestReport("g1:b", "g1", "h", 10, GENESIS, BAD), members) == []
+    (again,) = record(book, DigestReport("g2:b", "g2", "h", 10, GENESIS, BAD), members)
+    assert again.agreed and again.majority == BAD
+    expect(book, 10, GENESIS, frozenset({"g0:b", "g1:b"}))  # a retry by the same members: judged
+    assert book.judged[(10, GENESIS)] is again

@@ -74,6 +74,8 @@ class IntegrityBook:
     """(step, chain) -> the replica ids that took part in the last quorum issued at that state."""
     reports: dict[tuple[int, str], dict[str, DigestReport]] = field(default_factory=dict)
     judged: dict[tuple[int, str], Verdict] = field(default_factory=dict)
+    reporters: dict[tuple[int, str], frozenset[str]] = field(default_factory=dict)
+    """(step, chain) -> the replica ids whose reports its verdict compared."""
     corrupt_count: dict[str, int] = field(default_factory=dict)
     quarantined: set[tuple[str, str]] = field(default_factory=set)
     """(group, host) pairs never let back."""
@@ -85,8 +87,13 @@ def expect(book: IntegrityBook, step: int, chain: str, participants: frozenset[s
     """A quorum was issued at ``(step, chain)`` with these participants: they are the reporters
     of that state's digest (a later quorum at the same state replaces the earlier one's)."""
     key = (step, chain)
-    if key in book.judged:
-        return
+    done = book.judged.get(key)
+    if done is not None:
+        if participants <= book.reporters.get(key, frozenset()):
+            return  # the same members again (a retried step): judged already
+        # Other incarnations hold that state again (restarted from a checkpoint of it, after a
+        # rollback): their digests are compared anew, not with the earlier reporters'.
+        del book.judged[key]
     book.expected[key] = participants
     _bound(book)
 
@@ -106,6 +113,7 @@ def record(book: IntegrityBook, report: DigestReport, members: set[str] | frozen
         late = Verdict(report.step, report.chain, digests, done.majority,
                        () if report.digest == done.majority else (report,))
         book.judged[key] = Verdict(done.step, done.chain, digests, done.majority, done.corrupt + late.corrupt)
+        book.reporters[key] = book.reporters.get(key, frozenset()) | {report.replica_id}
         if late.corrupt and done.majority:
             _count(book, report)
         return [late] if late.corrupt else []
@@ -126,6 +134,7 @@ def pending(book: IntegrityBook, members: set[str] | frozenset[str]) -> list[Ver
             del book.reports[key]
             verdict = judge(list(reports.values()))
             book.judged[key] = verdict
+            book.reporters[key] = frozenset(reports)
             if verdict.agreed:
                 book.last_agreed = max(book.last_agreed, verdict.step)
             for r in verdict.corrupt if verdict.majority else ():  # (a split convicts nobody)
@@ -159,6 +168,6 @@ def _count(book: IntegrityBook, report: DigestReport) -> None:
 
 
 def _bound(book: IntegrityBook) -> None:
-    for table in (book.expected, book.reports, book.judged):
+    for table in (book.expected, book.reports, book.judged, book.reporters):
         while len(table) > MAX_STATES:
             table.pop(next(iter(table)))  # the oldest first (dicts keep insertion order)

@@ -307,6 +307,9 @@ SHAPED = [
      "a wedged training thread's quorum request stayed pending in the simulator past its long-poll, so "
      "its group was never declared hung nor restarted, and the only other group's newest checkpoint "
      "stayed one member's word beyond a restarted coordinator's furthest head: a livelock"),
+    (247, SimConfig(), "groups restarted from a checkpoint after a rollback held a state judged before; "
+                       "their digests were compared with the lone earlier reporter's, which outvoted two "
+                       "of them: the state is now compared anew among its new holders"),
 ]
 
 

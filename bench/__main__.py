@@ -55,6 +55,7 @@ JOBS = (
     Job("train_throughput_bf16", "train_throughput", ("--dtype", "bfloat16"),
         ("--quick", "--dtype", "bfloat16")),
     Job("ft_overhead", "ft_overhead", ("--reps", "5")),
+    Job("integrity", "integrity"),
     Job("hsdp", "hsdp"),
     Job("ft_vs_torchft", "ft_vs_torchft", ("--repeat", "3")),
     Job("failure_stall", "failure_stall", ("--reps", "3"), ("--reps", "1")),

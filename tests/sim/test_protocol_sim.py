@@ -12,7 +12,7 @@ import ftlm.sim.recovery as sim_recovery
 from ftlm import native
 from ftlm.ft.group import GroupProtocol, ReplayCheck
 from ftlm.ft.history import extend_chain
-from ftlm.ft.membership import Membership
+from ftlm.ft.membership import Event, Membership
 from ftlm.sim.check import check, format_report, replay_command
 from ftlm.sim.durable import Storage
 from ftlm.sim.group import GroupModel
@@ -346,6 +346,9 @@ SHAPED = [
      "a wedged training thread's quorum request stayed pending in the simulator past its long-poll, so "
      "its group was never declared hung nor restarted, and the only other group's newest checkpoint "
      "stayed one member's word beyond a restarted coordinator's furthest head: a livelock"),
+    (247, SimConfig(), "groups restarted from a checkpoint after a rollback held a state judged before; "
+                       "their digests were compared with the lone earlier reporter's, which outvoted two "
+                       "of them: the state is now compared anew among its new holders"),
 ]
 
 
@@ -453,3 +456,37 @@ def test_a_final_checkpoint_of_an_abandoned_history_never_strands_a_restarted_gr
     The finishers, whose last quorum confirmed their history, now replace that checkpoint."""
     r = run(406, SimConfig())
     assert r.ok, r.error
+
+
+def test_a_corrupted_state_is_outvoted_and_never_survives() -> None:
+    """Silent data corruption (``SimConfig.sdc``: one group's bits flip once; its digest differs
+    from then on), in jobs of three groups: the coordinator finds the group at the next state
+    digest while the others hold the intact state and retires it, it never takes part again,
+    and every group finishes with the majority's bits (``Invariants.state_mismatch``,
+    ``check_end``). A corruption found by nobody spread to every group first (the corrupt group
+    was the only participant while the others recovered from it): all finish alike."""
+    config = SimConfig(steps=60, sdc=1.0, fault_mtbf=0.0)
+    found = 0
+    for seed in range(12):
+        sim = Simulation(seed, config)
+        result = sim.run()
+        assert result.ok, result.error
+        assert result.faults.get("state_mismatch") == 1
+        bits = {st.corruption for st in sim.finished.values()}
+        if sim.invariants.found_corrupt:
+            found += 1
+            assert bits == {0}, seed
+        else:
+            assert len(bits) == 1, seed
+    assert found >= 8, found
+
+
+def test_a_corrupt_group_left_in_the_quorum_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulator must be able to fail: a coordinator that logs the mismatch but does not
+    retire the corrupt group lets it take part again, and its bits reach the end."""
+    monkeypatch.setattr(Membership, "_judged", lambda self, now, verdict, out: out.extend(
+        Event("state_mismatch", {"group": r.group, "replica_id": r.replica_id, "step": verdict.step,
+                                 "majority": verdict.majority}) for r in verdict.corrupt))
+    config = SimConfig(steps=60, sdc=1.0, fault_mtbf=0.0)
+    errors = [run(seed, config).error for seed in range(6)]
+    assert any("found corrupt but a participant" in e for e in errors), errors

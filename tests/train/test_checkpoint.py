@@ -120,7 +120,8 @@ def test_save_writes_manifest_then_marker_and_restore_gives_the_same_bits(
 
     path = checkpoint_dir(tmp_path, 3)
     assert saved == [(3, path)]
-    assert written == [MANIFEST, MARKER]  # the marker last: valid only once all is on disk
+    # The state digest first (the manifest lists it), the marker last: valid only once all is on disk.
+    assert written == [checkpoint_module.STATE_DIGEST.format(rank=0), MANIFEST, MARKER]
     marker = json.loads((path / MARKER).read_text())
     assert (marker["step"], marker["cursor"]) == (3, 12)
     manifest = json.loads((path / MANIFEST).read_text())
@@ -213,6 +214,31 @@ def test_flipped_bytes_in_distcp_fall_back_to_the_previous_checkpoint(tmp_path: 
     assert "__0_0.distcp" in reason and "sha256" in reason and "\n" not in reason
     # Moved aside, kept for inspection: rotation can no longer weigh it against new saves.
     assert _steps_on_disk(tmp_path) == ["rejected-step-00000008", "step-00000004"]
+
+
+def test_a_checkpoint_whose_state_differs_from_its_recorded_digest_falls_back(tmp_path: Path) -> None:
+    """Intact files that load another state than the one saved (a corrupt writer's memory, a
+    reader's): the state digest recorded at the save tells, the checkpoint is refused naming it,
+    and the older one is loaded."""
+    digests = _saved_at(tmp_path, 4, 8)
+    path = checkpoint_dir(tmp_path, 8)
+    recorded = path / checkpoint_module.STATE_DIGEST.format(rank=0)
+    assert json.loads(recorded.read_bytes())["step"] == 8
+    recorded.write_text(json.dumps({"step": 8, "digest": "0" * 32}))
+    checkpoint_module.write_manifest(path, 8, json.loads((path / MANIFEST).read_bytes())["cursor"])  # files verify
+    rejected = _Recorder()
+    fresh = _state(seed=3)
+    assert Checkpointer(tmp_path, every=4, keep=2, on_rejected=rejected).restore_latest(fresh) == 4
+    assert _digest(fresh) == digests[4]
+    [(step, where, reason)] = rejected.calls
+    assert (step, where) == (8, path) and "state digest" in reason
+    # Without an older one, the load stops with an error naming it.
+    _saved_at(tmp_path / "alone", 8)
+    alone = checkpoint_dir(tmp_path / "alone", 8)
+    (alone / checkpoint_module.STATE_DIGEST.format(rank=0)).write_text(json.dumps({"step": 8, "digest": "0" * 32}))
+    checkpoint_module.write_manifest(alone, 8, json.loads((alone / MANIFEST).read_bytes())["cursor"])
+    with pytest.raises(CheckpointError, match="step-00000008.*state digest"):
+        Checkpointer(tmp_path / "alone", every=4, keep=2).restore_latest(_state(seed=3))
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "missing", "unlisted", "renamed"])

@@ -157,7 +157,8 @@ class CoordinatorClient:
 
     def quorum(self, step: int, last_quorum_id: int, failed: bool, meta: dict[str, Any], timeout: float,
                chain: str = GENESIS, watch: list[str] | tuple[str, ...] = (),
-               disk_checked: int = -1, disk_round: int = 0) -> MemberQuorum:
+               disk_checked: int = -1, disk_round: int = 0,
+               integrity: tuple[int, str, str] | None = None) -> MemberQuorum:
         """Ask for the quorum of the next step, waiting up to ``timeout`` seconds (server caps at 60 s).
 
         Returns this member's answer (``ftlm.ft.quorum_answer``), which says which of the replica
@@ -165,11 +166,13 @@ class CoordinatorClient:
         failed here: the coordinator then declares dead the peers that stay silent.
         ``disk_checked``: the head step for which this group looked for a newer durable
         checkpoint, after a ``QuorumTimeout`` with ``reload``; ``disk_round``: its ``reload_round``.
-        Raises QuorumTimeout when none was issued in time, CoordinatorUnavailable when the server is
+        ``integrity``: ``(step, chain, digest)``, the digest of the state this group held at that
+        committed state (``ftlm.ft.integrity``). Raises QuorumTimeout when none was issued in time, CoordinatorUnavailable when the server is
         unreachable, StaleIncarnation when this incarnation was replaced by a newer one (or
         retired: ``Convicted`` when for failing the steps it took part in).
         """
-        body = self.quorum_body(step, last_quorum_id, failed, meta, timeout, chain, watch, disk_checked, disk_round)
+        body = self.quorum_body(step, last_quorum_id, failed, meta, timeout, chain, watch, disk_checked, disk_round,
+                                integrity)
         # A quorum request is a heartbeat too (the coordinator records it as one): the heartbeat
         # thread skips a beat when one went out within its interval.
         self.last_request_at = time.monotonic()
@@ -182,7 +185,8 @@ class CoordinatorClient:
 
     def quorum_body(self, step: int, last_quorum_id: int, failed: bool, meta: dict[str, Any], timeout: float,
                     chain: str = GENESIS, watch: list[str] | tuple[str, ...] = (),
-                    disk_checked: int = -1, disk_round: int = 0) -> dict[str, Any]:
+                    disk_checked: int = -1, disk_round: int = 0,
+                    integrity: tuple[int, str, str] | None = None) -> dict[str, Any]:
         """The JSON body ``quorum`` sends (load tests send it over their own connections)."""
         body = {"group": self.group, "incarnation": self.incarnation, "step": step,
                 "last_quorum_id": last_quorum_id, "failed": failed, "meta": meta, "timeout": timeout,
@@ -193,6 +197,8 @@ class CoordinatorClient:
             body["disk_checked"] = disk_checked
             if disk_round > 0:
                 body["disk_round"] = disk_round
+        if integrity is not None:
+            body["integrity"] = dict(zip(("step", "chain", "digest"), integrity))
         return body
 
     @property

@@ -411,6 +411,15 @@ class Coordinator:
                 elif o.kind == "quorum":
                     log.info("quorum %d at step %d: %s", o.fields["quorum_id"], o.fields["step"],
                              o.fields["reason"])
+                elif o.kind == "state_mismatch":
+                    log.error("group %s (host %s) holds another state than %s at step %s: retired%s",
+                              o.fields["group"], o.fields["host"] or "?",
+                              "the majority" if o.fields["majority"] else "its peers", o.fields["step"],
+                              " and quarantined on its host" if o.fields["quarantined"] else "")
+                    self.metrics.state_mismatches.inc()
+                elif o.kind == "integrity_rollback":
+                    log.error("no majority of groups agrees on the state at step %s: %s",
+                              o.fields["step"], o.fields["reason"])
                 elif o.kind == "coordinator_stalled":
                     log.warning("this coordinator processed nothing for %.1f s (stopped, swapped out or "
                                 "starved of CPU): %s", o.fields["seconds"], o.fields["reason"])

@@ -165,5 +165,5 @@ def member_request(body: QuorumBody, now: float) -> MemberRequest:
     """The quorum request a decoded body makes, asked at ``now``."""
     return MemberRequest(f"{body.group}:{body.incarnation}", body.group, body.step, body.last_quorum_id,
                          body.failed, body.meta, now, body.chain, body.watch, body.disk_checked,
-                         body.disk_round)
+                         body.disk_round, body.integrity)
 

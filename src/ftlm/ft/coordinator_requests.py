@@ -32,6 +32,7 @@ MAX_TIMEOUT = 1e9
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _NAME_RULE = "1-64 letters, digits, '_', '.' or '-' (no ':')"
 _MAX_TEXT = 200
+_DIGEST = re.compile(r"[0-9a-f]{32,64}")
 _REPLICA_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}:[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -48,6 +49,7 @@ class QuorumBody:
     watch: tuple[str, ...] = ()
     disk_checked: int = -1
     disk_round: int = 0
+    integrity: tuple[int, str, str] | None = None
 
 
 @dataclass
@@ -208,7 +210,7 @@ def parse_heartbeat(body: Any) -> HeartbeatBody:
 
 def parse_quorum_request(body: Any) -> QuorumBody:
     """``POST /v1/quorum``: {group, incarnation, step, last_quorum_id, failed, meta, timeout[, chain, watch,
-    disk_checked, disk_round]}."""
+    disk_checked, disk_round, integrity]}."""
     group, incarnation = _name_field(body, "group"), _name_field(body, "incarnation")
     step, last_quorum_id = _int_field(body, "step", 0), _int_field(body, "last_quorum_id", -1)
     failed, meta = _field(body, "failed"), _field(body, "meta")
@@ -220,7 +222,21 @@ def parse_quorum_request(body: Any) -> QuorumBody:
     disk_checked = _int_field(body, "disk_checked", -1) if "disk_checked" in body else -1
     disk_round = _int_field(body, "disk_round", 0) if "disk_round" in body else 0
     return QuorumBody(group, incarnation, step, last_quorum_id, failed, meta, timeout, _chain_field(body),
-                      _watch_field(body), disk_checked, disk_round)
+                      _watch_field(body), disk_checked, disk_round, _integrity_field(body))
+
+
+def _integrity_field(body: dict[str, Any]) -> tuple[int, str, str] | None:
+    """``integrity``: {step, chain, digest}, the digest of the state the group held at
+    ``(step, chain)`` (``ftlm.ft.quorum.integrity``)."""
+    if "integrity" not in body:
+        return None
+    value = body["integrity"]
+    if not isinstance(value, dict) or set(value) != {"step", "chain", "digest"}:
+        raise ValueError(f"integrity={_show(value)} must be an object with exactly step, chain and digest")
+    digest = value["digest"]
+    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+        raise ValueError(f"integrity.digest={_show(digest)} must be 32 to 64 lowercase hex digits")
+    return _int_field(value, "step", 0), _chain_field(value), digest
 
 
 def _watch_field(body: dict[str, Any]) -> tuple[str, ...]:

@@ -101,6 +101,7 @@ class CoordinatorMetrics:
         self.quorums = make_metric("ftlm_coordinator_quorums_issued_total", r)
         self.member_failures = make_metric("ftlm_coordinator_member_failures_total", r)
         self.kill_requests = make_metric("ftlm_coordinator_kill_requests_total", r)
+        self.state_mismatches = make_metric("ftlm_coordinator_state_mismatches_total", r)
         self.latency = make_metric("ftlm_coordinator_quorum_latency_seconds", r)
 
     def quorum_issued(self, quorum: Quorum, latency: float) -> None:

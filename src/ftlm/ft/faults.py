@@ -23,7 +23,10 @@ that global sample position (samples that break training: give it to every group
 The trainer asks ``FaultSchedule.nonfinite``; ``ftlm.train.nonfinite`` judges what follows.
 ``allreduce_fails@STEP`` fails this process's cross-group all-reduce from that step on whenever
 it has a peer, as a bad link does: it aborts the process group, so every peer's all-reduce fails
-too, and the coordinator must find the group (``ftlm.ft.quorum.Probe``).
+too, and the coordinator must find the group (``ftlm.ft.quorum.Probe``). ``bitflip@STEP`` flips
+one bit of one parameter in this process's state when it takes part in step STEP or the first
+step after it (``bitflip_moment@STEP``: of an optimizer moment), once: silent data corruption,
+which the coordinator must find by its state digest (``ftlm.ft.integrity``) and retire the group.
 """
 
 from __future__ import annotations
@@ -54,7 +57,10 @@ CONDITIONS = (
     "nonfinite",           # from step STEP on (every step without one), this process's loss is NaN
     "nonfinite_sample",    # a slice holding sample position POSITION gives a NaN loss (required)
     "allreduce_fails",     # from step STEP on, this process's cross-group all-reduce fails (a bad link)
+    "bitflip",             # at step STEP (or the first step after it it takes part in), one parameter bit flips
+    "bitflip_moment",      # the same, in an optimizer moment
 )
+BITFLIPS = {"bitflip": "param", "bitflip_moment": "moment"}
 
 
 @dataclass
@@ -91,7 +97,8 @@ class FaultPlan:
                               f"{', '.join(POINTS)} (optionally '@STEP', or '@STEP+' for that step or "
                               "the first one after it; prefix 'hang:' to SIGSTOP, "
                               "'term:' to send SIGTERM), or the conditions nonfinite[@STEP], "
-                              "nonfinite_sample@POSITION")
+                              "nonfinite_sample@POSITION, allreduce_fails[@STEP], bitflip[@STEP], "
+                              "bitflip_moment[@STEP]")
         try:
             if or_later and not step:
                 raise ValueError
@@ -162,6 +169,21 @@ class FaultSchedule:
                         emit("failure_injected", step=step, point="allreduce_fails", how="bad_link")
                 return True
         return False
+
+    def bitflip(self, step: int, emit=None) -> str | None:
+        """What to corrupt in this process's state as it takes part in ``step``: ``"param"`` or
+        ``"moment"`` the first time a ``bitflip`` plan's step is reached (``CONDITIONS``), else
+        None; recorded as an injected failure (``emit``)."""
+        for plan in self.plans:
+            if plan.point in BITFLIPS and not plan.fired and (plan.step is None or step >= plan.step):
+                plan.fired = True
+                which = BITFLIPS[plan.point]
+                log.warning("FTLM_FAULT: one bit of a %s flips at step %d (silent data corruption)",
+                            "parameter" if which == "param" else "optimizer moment", step)
+                if emit is not None:
+                    emit("failure_injected", step=step, point=plan.point, how="bitflip")
+                return which
+        return None
 
     def nonfinite(self, step: int, start: int, stop: int, emit=None) -> bool:
         """Whether an attempt of ``step`` training sample positions ``[start, stop)`` is made

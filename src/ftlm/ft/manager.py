@@ -37,6 +37,7 @@ from ftlm.ft.coordinator_address import ADDRESS_FILE_ENV
 from ftlm.ft.config import FTConfig
 from ftlm.ft.faults import FaultSchedule
 from ftlm.ft.group import GroupProtocol, Role, TooManyFailures
+from ftlm.ft.integrity import StateDigester, combine, flip_bit
 from ftlm.ft.process_group import CollectiveError, ReconfigurablePG
 from ftlm.ft.protocol import Recovered, ReloadCheckpoint, SnapshotFn, StepPlan, StopRequested
 from ftlm.ft.quorum_answer import MemberQuorum
@@ -157,6 +158,11 @@ class Manager:
         # it asks for and the answer to come.
         self._asked: tuple[int, str, Future] | None = None
         self._asker: ThreadPoolExecutor | None = None
+        # The state digest every ft.integrity_every steps (silent data corruption): the one in
+        # flight this step, and the group's digest the next quorum request carries (leader).
+        self.integrity = StateDigester(config.integrity_every)
+        self._digesting = False
+        self._integrity_report: tuple[int, str, str] | None = None
         self.client: CoordinatorClient | None = None
         self.heartbeater: Heartbeater | None = None
         self.store: dist.TCPStore | None = None
@@ -313,7 +319,9 @@ class Manager:
                 q = self.client.quorum(ask["step"], ask["last_quorum_id"], ask["failed"], self._meta(),
                                        timeout=min(wait.remaining(now), STOP_POLL_SECONDS),
                                        chain=ask["chain"], watch=ask["watch"],
-                                       disk_checked=ask["disk_checked"], disk_round=ask["disk_round"])
+                                       disk_checked=ask["disk_checked"], disk_round=ask["disk_round"],
+                                       integrity=self._integrity_report)
+                self._integrity_report = None  # delivered
                 self._coordinator_answered(wait)
                 return q
             except QuorumTimeout as e:
@@ -420,6 +428,28 @@ class Manager:
         self._snapshotting = (done, box)
         threading.Thread(target=copy, name="ftlm-snapshot", daemon=True).start()
 
+    def _digest_in_background(self, snapshot: SnapshotFn, q: MemberQuorum) -> None:
+        """Digest the state this participant holds on a helper thread while the step's forward
+        and backward run, every ``ft.integrity_every`` steps (``ftlm.ft.integrity``); ``commit``
+        waits for it. An injected ``bitflip`` corrupts the state first."""
+        which = self.fault.bitflip(q.step, self._fault_events.emit) if self.fault is not None else None
+        if which is not None:
+            log.warning("FTLM_FAULT: flipped a bit of %s", flip_bit(snapshot()[0], which))
+        if self.integrity.due(q.step):
+            self._digesting = self.integrity.start(snapshot()[0], q.step, q.chain) or self._digesting
+
+    def _finish_digest(self) -> None:
+        """Before the update may change the state: wait for the digest of this step's state; the
+        group's digest combines its ranks' in rank order, and the leader's next quorum request
+        carries it."""
+        if not self._digesting:
+            return
+        self._digesting = False
+        result = self.integrity.wait()
+        shards = _gather_strings(result[2] if result is not None else "", self.ranks, self.control)
+        if result is not None and all(shards):
+            self._integrity_report = (result[0], result[1], combine(shards))
+
     def _wait_snapshot(self) -> None:
         """Block until the snapshot copy in flight (if any) no longer reads the live state."""
         pending, self._snapshotting = self._snapshotting, None
@@ -489,6 +519,8 @@ class Manager:
                 self.proto.process_group_ready()
             except CollectiveError as e:
                 self._fail(str(e))
+        if role.participant_index is not None:
+            self._digest_in_background(snapshot, q)
         if role.publish:
             self._publish_in_background(snapshot, q.step)
         # Snapshots no recovering peer pulls any more are freed, not kept for the next one.
@@ -590,6 +622,7 @@ class Manager:
 
     def commit(self) -> bool:
         self._wait_snapshot()  # the update may change the state only once the copy is done
+        self._finish_digest()  # (and once its digest is done)
         if not self.proto.failed and not self._fresh_word():
             self._fail("this group was silent past ft.heartbeat_timeout and the coordinator "
                        "declared it dead (or did not answer): its peers failed this step")
@@ -725,6 +758,7 @@ class Manager:
     def close(self) -> None:
         self._closed = True
         self._wait_snapshot()
+        self.integrity.wait()
         if self._asker is not None:  # a request in flight ends within STOP_POLL_SECONDS
             self._stop_requested = True
             self._asker.shutdown(wait=False, cancel_futures=True)

@@ -21,6 +21,7 @@ from typing import Any
 
 from ftlm.ft.history import extend_chain
 from ftlm.ft.quorum import (
+    Convicted,
     CoordinatorState,
     Heartbeat,
     MemberRequest,
@@ -42,6 +43,8 @@ from ftlm.ft.quorum import (
     remove_member,
     withdraw_request,
 )
+from ftlm.ft.quorum.integrity import WHY_CORRUPT, DigestReport, IntegrityBook, Verdict, expect, is_quarantined, pending
+from ftlm.ft.quorum.integrity import record as record_digest
 
 DEAD_MEMORY_SECONDS = 60.0
 """How long a dead replica is remembered (status page, abort pushes to its quorum peers)."""
@@ -117,6 +120,8 @@ class Membership:
         self._dead_peers_key: tuple[Any, ...] | None = None
         self._dead_peers: list[str] = []
         self._dead_quorums: list[int] = []
+        # The digests of the replicated state that members report (``quorum.integrity``).
+        self.integrity = IntegrityBook()
 
     def ticks_every(self, interval: float) -> None:
         """The caller ticks every ``interval`` seconds from now on (``CoordinatorConfig.tick_interval``):
@@ -161,9 +166,19 @@ class Membership:
         """Record a quorum request; the asker is answered through an ``Answer`` output (maybe later,
         and with ``tick=False`` only from the caller's next ``tick``)."""
         out = self._resumed(now)
+        host = _host(req)
+        if is_quarantined(self.integrity, req.group, host):
+            raise Convicted(f"replica {req.replica_id} was refused: group {req.group} was found corrupt "
+                            f"{self.integrity.corrupt_count.get(req.group, 0)} times on host {host} "
+                            "(quarantined there); this process must exit (start it on another host)")
         for old in record_request(self.state, req):
             self._mark_dead(now, old, req.group, REASON_REPLACED, out)
         self._gone_groups.discard(req.group)
+        if req.integrity is not None:
+            step, chain, digest = req.integrity
+            report = DigestReport(req.replica_id, req.group, host, step, chain, digest)
+            for verdict in record_digest(self.integrity, report, self.state.heartbeats.keys()):
+                self._judged(now, verdict, out)
         return out + self.tick(now) if tick else out
 
     def withdraw(self, req: MemberRequest) -> None:
@@ -210,6 +225,9 @@ class Membership:
         options = self.options_now()
         for rid, why in expire(now, self.state, options):
             self._mark_dead(now, rid, rid.split(":", 1)[0], why, out)
+        if self.integrity.reports:  # a reporter expected may have died or left meanwhile
+            for verdict in pending(self.integrity, self.state.heartbeats.keys()):
+                self._judged(now, verdict, out)
         restores, waiting = advance_head(now, self.state, options)
         for r in restores:
             out.append(Event("restore", self._restore_fields(r)))
@@ -231,6 +249,7 @@ class Membership:
             return out
         started = self.state.round_started
         commit_quorum(self.state, quorum)
+        expect(self.integrity, quorum.step, quorum.chain, frozenset(quorum.participants))
         new_id = quorum.quorum_id != self._last_emitted_id
         if new_id:
             self._last_emitted_id = quorum.quorum_id
@@ -395,10 +414,45 @@ class Membership:
                                                       "must exit (its supervisor starts it again)",
                                              "convicted": True}))  # ``quorum.Convicted``
 
+    def _judged(self, now: float, verdict: Verdict, out: list[Output]) -> None:
+        """The digests of one state were compared (``quorum.integrity``): retire every member
+        whose state differs from the majority's (it recovers from a majority member when its
+        supervisor starts it again); without a majority, retire them all: the job rolls back to
+        its newest durable checkpoint, which the groups load when they start again."""
+        trusted = bool(verdict.majority)
+        for r in verdict.corrupt:
+            fields: dict[str, Any] = {
+                "group": r.group, "replica_id": r.replica_id, "host": r.host, "step": verdict.step,
+                "chain": verdict.chain, "digest": r.digest, "digests": dict(verdict.digests),
+                "majority": verdict.majority, "times": self.integrity.corrupt_count.get(r.group, 0),
+                "quarantined": is_quarantined(self.integrity, r.group, r.host)}
+            out.append(Event("state_mismatch", fields))
+            why = (f"{WHY_CORRUPT} at step {verdict.step}" if trusted else
+                   f"its replicated state at step {verdict.step} differs from its peers' and no majority "
+                   "holds one state (silent data corruption): the job rolls back to its newest durable "
+                   "checkpoint")
+            if remove_member(self.state, r.replica_id, now, why=f"was retired: {why}"):
+                self.dead.append((now, r.replica_id, r.group, why))
+                out.append(Answer(r.replica_id, 409, {"error": f"{r.replica_id} was retired: {why}; this "
+                                                               "process must exit (its supervisor starts it again)",
+                                                      "convicted": True}))  # ``quorum.Convicted``
+        if not trusted:
+            out.append(Event("integrity_rollback", {
+                "step": verdict.step, "digests": dict(verdict.digests), "last_agreed": self.integrity.last_agreed,
+                "reason": (f"the {len(verdict.digests)} groups at step {verdict.step} hold different states "
+                           "and no majority holds one: every one is retired and the job continues from "
+                           "its newest durable checkpoint")}))
+
     def _restore_fields(self, r: Restore) -> dict[str, Any]:
         return {"step": r.to_step, "from_step": r.from_step, "to_step": r.to_step, "chain": r.chain,
                 "holders": list(r.holders), "reason": r.reason,
                 "source": "live" if r.to_step >= r.from_step - 1 else "checkpoint"}
+
+
+def _host(req: MemberRequest) -> str:
+    """The host a member's leader runs on: where its rendezvous store listens (``meta.store``)."""
+    store = req.meta.get("store")
+    return store.rpartition(":")[0] if isinstance(store, str) else ""
 
 
 __all__ = ["Answer", "Event", "Issued", "Membership", "Output", "StaleIncarnation"]

@@ -65,6 +65,15 @@ Kinds used across ftlm and their fields:
   answering (from the first unanswered request).
 * ``group_lost``: the local launcher stops starting ``target`` (``reason``: it died after every
   other group had finished, or the coordinator retired its last three processes in a row).
+* ``state_mismatch``: the digest of ``target``'s replicated state at committed step ``step``
+  differs from the majority's (``majority``; "" when no majority holds one state): silent data
+  corruption. ``replica_id``, ``host`` (its leader's), ``chain``, ``digest`` (its own),
+  ``digests`` (group -> digest of every group that reported that state), ``times`` (how often
+  that group was found corrupt) and ``quarantined`` (it is not let back on ``host``). The
+  coordinator retired it; it recovers from a majority member when it comes back.
+* ``integrity_rollback``: the groups at ``step`` hold different states and no majority holds
+  one: every one was retired, and the job continues from its newest durable checkpoint
+  (``digests``, ``last_agreed``: the newest step whose digests all agreed, ``reason``).
 """
 
 from __future__ import annotations
@@ -83,7 +92,8 @@ KINDS: tuple[str, ...] = (
     "run_start", "run_end", "group_start", "group_exit", "quorum", "commit", "step_failed",
     "failure_injected", "member_dead", "member_left", "recovery_start", "recovery_end",
     "checkpoint_saved", "checkpoint_rejected", "checkpoint_failed", "checkpoint_reloaded", "coordinator_restart", "restore",
-    "eval", "group_lost", "coordinator_unreachable", "coordinator_back",
+    "eval", "group_lost", "coordinator_unreachable", "coordinator_back", "state_mismatch",
+    "integrity_rollback",
 )
 """Event kinds ftlm emits (documented above); ``emit`` accepts others for forward compatibility."""
 

@@ -135,6 +135,7 @@ COORDINATOR_METRICS: dict[str, tuple[str, str]] = {
     "ftlm_coordinator_quorums_issued_total": ("counter", "Quorums issued (one per step)"),
     "ftlm_coordinator_member_failures_total": ("counter", "Members declared dead or replaced"),
     "ftlm_coordinator_kill_requests_total": ("counter", "Chaos kills requested through POST /v1/kill"),
+    "ftlm_coordinator_state_mismatches_total": ("counter", "Groups whose state digest differed from the others' (retired)"),
     "ftlm_coordinator_quorum_latency_seconds": ("histogram", "Seconds from a round's first request to its quorum"),
 }
 

@@ -19,6 +19,8 @@ Not responsible for what the struck process or the coordinator then does (``ftlm
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from typing import TYPE_CHECKING
 
 from ftlm.ft.quorum import Heartbeat, StaleIncarnation
@@ -44,6 +46,39 @@ class Faults:
         self.hang_next_start: set[str] = set()  # groups whose next process hangs before it registers
         self.slow_next = False  # the next state transfer is slow
         self.kill_source_next = False  # the next state transfer's source dies mid-way
+        # Silent data corruption has a random source of its own: a seed's other faults stay.
+        self.sdc_rng = random.Random(f"sdc-{sim.seed}")
+        self.corruptions = 0  # states corrupted so far (each one's ``State.corruption``)
+        self.corrupted_at: dict[int, int] = {}  # corruption -> the step of the state it struck
+
+    def schedule_corruption(self) -> None:
+        """With probability ``SimConfig.sdc``, one group's state is corrupted once, at a random
+        moment of the first half of the job's expected length (``corrupt``)."""
+        rng = self.sdc_rng
+        if self.c.integrity_every > 0 and rng.random() < self.c.sdc:
+            expected = self.c.steps * sum(self.c.step_seconds) / 2
+            self.sim.at(rng.uniform(0.5, max(1.0, expected / 2)), self.corrupt, "silent data corruption")
+
+    def corrupt(self) -> None:
+        """Flip a bit of one live group's state (``FTLM_FAULT=bitflip``): its history is unchanged,
+        its bits and its digest differ; nothing fails."""
+        sim = self.sim
+        live = sorted((g for g in sim.groups.values() if g is not None and g.alive and not g.left
+                       and g.state.step > 0), key=lambda g: g.group)
+        # A group at the newest state (a group behind replaces its state by a pull anyway).
+        live = [g for g in live if g.state.step == max(x.state.step for x in live)]
+        if sim.finished:
+            return
+        if not live:  # nobody has trained a step yet
+            sim.at(0.5, self.corrupt, "silent data corruption")
+            return
+        target = self.sdc_rng.choice(live)
+        self.corruptions += 1
+        target.state = dataclasses.replace(target.state, corruption=self.corruptions)
+        self.corrupted_at[self.corruptions] = target.state.step
+        target.injected = True
+        self.counts["state_mismatch"] = self.counts.get("state_mismatch", 0) + 1
+        sim.log(f"fault state_mismatch -> {target.replica_id} at step {target.state.step}")
 
     # -- when ----------------------------------------------------------------------------------------
     def inject(self) -> None:

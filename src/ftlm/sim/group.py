@@ -167,7 +167,7 @@ class GroupModel:
         fields = inc.proto.request()
         req = MemberRequest(inc.replica_id, inc.group, fields["step"], fields["last_quorum_id"], fields["failed"],
                             {"recover_request": fields["recover_request"]}, 0.0, fields["chain"],
-                            tuple(fields["watch"]), fields["disk_checked"], fields["disk_round"])
+                            tuple(fields["watch"]), fields["disk_checked"], fields["disk_round"], inc.integrity)
         inc.request = req
         inc.asked_at = sim.now  # a quorum request is a heartbeat: the next beat waits an interval
 
@@ -261,6 +261,7 @@ class GroupModel:
                    "re-ask")
             return
         inc.polling = False
+        inc.integrity = None  # delivered (``Manager._request_quorum``)
         if answer.quorum is not None:
             sim.invariants.answered(inc, answer.quorum)
         if inc.phase == "updating":
@@ -287,6 +288,9 @@ class GroupModel:
         inc.progress_at = sim.now
         inc.reload_hint = (None, 0)  # as the manager: a quorum is newer word than any heartbeat's "reload"
         sim.invariants.check_participant(inc, q, role)
+        every = self.c.integrity_every
+        if role.participant_index is not None and every > 0 and q.step > 0 and q.step % every == 0:
+            inc.integrity = (q.step, q.chain, inc.state.digest())  # ``Manager._digest_in_background``
         if role.publish:
             inc.published[q.step] = copy_state(inc.state)
         # As the manager does: snapshots no joiner pulls any more are dropped.

@@ -50,6 +50,9 @@ class Invariants:
         self.leave_watches: list[LeaveWatch] = []
         self.leaves_judged = 0
         self.convictions = self.wrong_convictions = 0  # see SimResult
+        # Incarnations found corrupt (``state_mismatch``), and the corruptions a majority outvoted.
+        self.found_corrupt: set[str] = set()
+        self.outvoted: set[int] = set()
         # The job's record as events.jsonl would hold it (the trainer's commits, the coordinator's
         # restores): at the end the summary's accounting of it must prove what happened.
         self.record: list[dict] = []
@@ -156,6 +159,28 @@ class Invariants:
                       f"other fault struck since its attempts began failing ({probe.since:.3f})")
 
     # -- a group's steps -----------------------------------------------------------------------------
+    def state_mismatch(self, fields: dict) -> None:
+        """The coordinator found ``replica_id``'s state digest outvoted (or no majority): it must
+        never take part in a step again, and a majority's verdict must be right: an outvoted
+        group holds a corrupt state (unless a corruption spread to the majority by a snapshot
+        or a checkpoint first: then the majority's state wins, corrupt or not)."""
+        rid = fields["replica_id"]
+        self.found_corrupt.add(rid)
+        inc = self.sim.groups.get(fields["group"])
+        self.sim.log(f"state mismatch: {rid} at step {fields['step']} (majority {fields['majority'][:8] or '-'})")
+        if not fields["majority"] or inc is None or inc.replica_id != rid:
+            return
+        if inc.state.corruption:
+            self.outvoted.add(inc.state.corruption)
+        elif not any(g is not None and g.state.corruption for g in self.sim.groups.values()):
+            self.fail(f"{rid} was found corrupt at step {fields['step']} but no group holds a corrupt state")
+
+    def check_no_corrupt_participant(self, q: Quorum) -> None:
+        """A group found corrupt never takes part in a step again (it is retired)."""
+        stayed = self.found_corrupt.intersection(q.participants)
+        if stayed:
+            self.fail(f"{sorted(stayed)} found corrupt but a participant of quorum {q.quorum_id} at step {q.step}")
+
     def check_participant(self, inc: Incarnation, q: Quorum, role: Role) -> None:
         """Every participant of a quorum holds the quorum's ``(step, chain)``."""
         if role.participant_index is not None and (inc.state.step, inc.state.chain) != (q.step, q.chain):
@@ -253,6 +278,16 @@ class Invariants:
         if len(set(states.values())) != 1:
             self.fail(f"groups finished with different states: {states}")
         (step, chain), = set(states.values())
+        survived = {g: s.corruption for g, s in sim.finished.items() if s.corruption in self.outvoted}
+        if survived:
+            self.fail(f"a corrupt state the majority outvoted survived to the end in {sorted(survived)}")
+        bits = {g: s.corruption for g, s in sim.finished.items()}
+        # Identical bits at the end, unless a corruption struck too late for a state digest to
+        # be compared after it (two ``integrity_every`` before the end).
+        late = self.c.steps - 2 * self.c.integrity_every
+        if len(set(bits.values())) > 1 and any(sim.faults.corrupted_at.get(b, late) < late for b in bits.values() if b):
+            self.fail(f"groups finished with the same history but different bits (silent corruption "
+                      f"never found): {bits}")
         if step != self.c.steps:
             self.fail(f"groups finished at step {step}, not {self.c.steps}")
         # The run's summary proves exactly-once from the record alone (ftlm.observe.summary): it

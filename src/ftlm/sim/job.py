@@ -7,6 +7,7 @@ the real protocol code.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +129,12 @@ class SimConfig:
     committed step saves that step before it leaves (unless it is due, hence on disk)."""
     stop_save_seconds: tuple[float, float] = (0.01, 0.3)
     """How long that save takes (a crash meanwhile leaves nothing valid on disk)."""
+    integrity_every: int = 5
+    """``ft.integrity_every``: participants report their state's digest every this many steps."""
+    sdc: float = 0.5
+    """Probability that one group's state is silently corrupted once (a flipped bit: its digest
+    differs from then on, and it spreads with the snapshots and checkpoints made of it); drawn
+    from a random source of its own, so the other faults of a seed stay as they were."""
     leave_bound: float = 0.5
     """Liveness of a graceful leave: every other healthy group gets a quorum without the leaver
     within this many simulated seconds of the leave reaching the coordinator (5 heartbeat
@@ -146,11 +153,18 @@ class State:
     chain: str = GENESIS
     cursor: int = 0
     ranges: tuple[tuple[int, int], ...] = ()
+    corruption: int = 0
+    """0: the bits the history says; else which silent corruption they hold (``Faults.corrupt``)."""
 
     def after(self, chain: str, samples: int) -> State:
-        """The state one committed step later: history ``chain``, the next ``samples`` trained."""
+        """The state one committed step later: history ``chain``, the next ``samples`` trained
+        (a corruption stays: every group applies the same update to its own bits)."""
         return State(self.step + 1, chain, self.cursor + samples,
-                     self.ranges + ((self.cursor, self.cursor + samples),))
+                     self.ranges + ((self.cursor, self.cursor + samples),), self.corruption)
+
+    def digest(self) -> str:
+        """The state digest a group reports (``ftlm.ft.integrity``): of its history and its bits."""
+        return hashlib.blake2b(f"{self.step}:{self.chain}:{self.corruption}".encode(), digest_size=16).hexdigest()
 
 
 @dataclass
@@ -197,6 +211,7 @@ class Incarnation:
     reload_hint: tuple[int | None, int] = (None, 0)  # the last heartbeat answer's ``reload`` and round
     writer: bool = False  # participant 0 of the last step it committed as a participant
     bad_link: bool = False  # every all-reduce it takes part in with a peer fails
+    integrity: tuple[int, str, str] | None = None  # the state digest its next quorum request carries
 
     @property
     def replica_id(self) -> str:
@@ -255,4 +270,4 @@ class SimResult:
 
 
 def copy_state(st: State) -> State:
-    return State(st.step, st.chain, st.cursor, st.ranges)
+    return State(st.step, st.chain, st.cursor, st.ranges, st.corruption)

@@ -137,6 +137,7 @@ class Simulation:
             self.at(TICK, self.tick, "tick")
             if self.c.fault_mtbf > 0:
                 self.at(self.rng.expovariate(1 / self.c.fault_mtbf), self.faults.inject, "fault")
+            self.faults.schedule_corruption()
             while self._queue and self.settled() < self.c.groups:
                 self.now, _, fn, what = heapq.heappop(self._queue)
                 if self.now > self.c.max_seconds:
@@ -285,6 +286,7 @@ class Simulation:
                             self.restores_past_checkpoint += 1
                             self.steps_past_checkpoint += newest - q.step
                 inv.check_quorum_id(q)
+                inv.check_no_corrupt_participant(q)
             elif isinstance(o, Event):
                 if o.kind == "member_dead":
                     inv.check_silence(o.fields["replica_id"], o.fields["reason"])
@@ -292,6 +294,8 @@ class Simulation:
                     inv.check_conviction(o.fields["replica_id"])
                 if o.kind == "restore":
                     self.restored(o)
+                if o.kind == "state_mismatch":
+                    inv.state_mismatch(o.fields)
         inv.check_head()
 
     def restored(self, event: Event) -> None:

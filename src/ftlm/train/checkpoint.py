@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ftlm.errors import CheckpointError
 from ftlm.ft.durable_rules import checkpoint_due, keeps_final_on_disk
+from ftlm.ft.integrity import state_fingerprint
 from ftlm.observe.iostats import timed_io
 from ftlm.train.checkpoint_files import MARKER, checkpoint_dir, valid_checkpoints
 from ftlm.train.model_file import file_lock
@@ -65,6 +66,9 @@ from ftlm.train.state import TrainState
 log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
+STATE_DIGEST = "state-digest-r{rank}.json"
+"""Each rank's digest of the state it saved (``ftlm.ft.integrity``), checked after a load: the
+files verify the bytes on disk, this the state they make."""
 METADATA = ".metadata"  # DCP's name for its (pickled) global metadata file
 REJECTED_PREFIX = "rejected-"
 _FORMAT = 1
@@ -506,6 +510,9 @@ class Checkpointer:
             if self.writer and path.exists():
                 shutil.rmtree(path)
             path.mkdir(parents=True, exist_ok=True)
+            # Before the save: the manifest (sealed after it) must list the file.
+            digest = {"step": step, "digest": state_fingerprint(state.flat()[0])}
+            _write_atomic(path / STATE_DIGEST.format(rank=self._share()[0]), json.dumps(digest).encode())
             if self.async_save:
                 written = _quiet(dcp.async_save, {"train": state}, checkpoint_id=str(path),
                                  process_group=self.process_group)
@@ -641,6 +648,9 @@ class Checkpointer:
                     "different model size: delete it, or set checkpoint.resume=false") from e
             if state.step != step:
                 raise CheckpointError(f"checkpoint {path} holds step {state.step}, expected {step}")
+            if self._state_differs(step, path, state, last=step == candidates[0][0]):
+                rejected += 1
+                continue
             return step
         if rejected:
             log.warning("no intact checkpoint in %s (%d skipped): training starts from scratch",
@@ -673,6 +683,32 @@ class Checkpointer:
         log.warning("checkpoint %s rejected, trying an older one: %s", path, reason)
         self.on_rejected(step, path, reason)
         return None
+
+    def _state_differs(self, step: int, path: Path, state: TrainState, last: bool) -> bool:
+        """Whether the state loaded from ``path`` differs from the state digest its ranks recorded
+        when they saved it (a checkpoint without one, written before the digest was recorded,
+        passes); such a checkpoint is rejected like a damaged one, or, the ``last`` one left,
+        refused with an error (``state`` holds what it loaded)."""
+        rank, ranks = self._share()
+        recorded = path / STATE_DIGEST.format(rank=rank)
+        differs = False
+        if recorded.is_file():
+            try:
+                want = json.loads(recorded.read_bytes())["digest"]
+            except (OSError, ValueError, KeyError, TypeError):
+                want = None
+            differs = want != state_fingerprint(state.flat()[0])
+        if self._agree(_REJECTED if differs else _INTACT, ranks) == _INTACT:
+            return False
+        reason = "the state it loads differs from the state digest recorded when it was saved"
+        if last:
+            raise CheckpointError(f"checkpoint {path}: {reason}, and no older checkpoint is left: "
+                                  "delete it, or set checkpoint.resume=false")
+        if self.writer and (moved := self._quarantine(path)):
+            reason += f"; moved to {moved.name}"
+        log.warning("checkpoint %s rejected, trying an older one: %s", path, reason)
+        self.on_rejected(step, path, reason)
+        return True
 
     def _share(self) -> tuple[int, int]:
         if self._distributed():

@@ -77,6 +77,9 @@ class MemberRequest:
     disk_round: int = 0
     """Which telling of ``disk_checked`` it looked after (``reload_round``: 0 the first, one more
     each time the coordinator voided its look, see ``_void_stale_looks``)."""
+    integrity: tuple[int, str, str] | None = None
+    """``(step, chain, digest)``: the digest of the replicated state it held at that committed
+    state (``ftlm.ft.quorum.integrity``), sent every ``ft.integrity_every`` steps."""
 
 
 @dataclass

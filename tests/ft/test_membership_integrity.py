@@ -1,0 +1,187 @@
+"""Silent data corruption found by the coordinator: groups report a digest of the state they hold
+with their quorum requests (``ftlm.ft.quorum.integrity``), driven through the coordinator's state
+machine with a hand-driven clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftlm.ft.coordinator_requests import decode_body, parse_quorum_request
+from ftlm.ft.history import GENESIS, extend_chain
+from ftlm.ft.membership import Answer, Event, Issued, Membership
+from ftlm.ft.quorum import Convicted, Heartbeat, MemberRequest, QuorumOptions
+from ftlm.ft.quorum.integrity import DigestReport, IntegrityBook, expect, judge, record
+
+GOOD, BAD, OTHER = "a" * 32, "b" * 32, "c" * 32
+
+
+class Job:
+    """Groups ``g0..g{n-1}`` on hosts ``host-g*``, each committing every step it is given."""
+
+    def __init__(self, n: int) -> None:
+        self.m = Membership(QuorumOptions(1, 2.0, 30.0, n, rebuild_grace=0.0), epoch="e")
+        self.now = 0.0
+        self.inc = {f"g{i}": "a" for i in range(n)}
+        self.state = {g: (0, GENESIS) for g in self.inc}
+        self.before = dict(self.state)  # the state each held at the last quorum it took part in
+        self.last_id = {g: -1 for g in self.inc}
+        self.events: list[Event] = []
+        self.retired: dict[str, str] = {}
+        self.answered: set[str] = set()
+        for g in self.inc:
+            self.m.heartbeat(self.now, Heartbeat(self.rid(g), g, self.now, 0))
+
+    def rid(self, g: str) -> str:
+        return f"{g}:{self.inc[g]}"
+
+    def ask(self, g: str, digest: str | None = None, at: tuple[int, str] | None = None) -> None:
+        self.now += 0.01
+        step, chain = self.state[g]
+        integrity = None
+        if digest is not None:
+            integrity = (*(at if at is not None else self.state[g]), digest)
+        req = MemberRequest(self.rid(g), g, step, self.last_id[g], False, {"store": f"host-{g}:29500"},
+                            self.now, chain, integrity=integrity)
+        for o in self.m.request(self.now, req):
+            if isinstance(o, Event):
+                self.events.append(o)
+            elif isinstance(o, Answer) and o.status == 409:
+                assert o.body.get("convicted") is True, o.body  # its process exits with EXIT_RETIRED
+                self.retired[o.replica_id] = o.body["error"]
+            elif isinstance(o, Answer) and o.status == 200:
+                self.answered.add(o.replica_id)
+            elif isinstance(o, Issued):
+                self.commit(o.quorum)
+
+    def commit(self, q) -> None:
+        for rid in q.participants:
+            g = rid.split(":")[0]
+            self.last_id[g] = q.quorum_id
+            self.before[g] = self.state[g]
+            self.state[g] = (q.step + 1, extend_chain(q.chain, q.step, q.quorum_id, q.participants))
+
+    def step_all(self, digests: dict[str, str] | None = None) -> None:
+        """Every live group asks for the next quorum, reporting ``digests`` of the state it held
+        in its last quorum (digested while that step ran, as ``ftlm.ft.integrity``)."""
+        held = dict(self.before)
+        for g in self.inc:
+            if self.rid(g) not in self.retired:
+                self.ask(g, (digests or {}).get(g), at=held[g] if digests else None)
+
+    def kinds(self, kind: str) -> list[dict]:
+        return [e.fields for e in self.events if e.kind == kind]
+
+
+def test_minority_group_is_retired_and_named():
+    job = Job(3)
+    job.step_all()  # quorum at step 0: everyone commits
+    job.step_all({"g0": GOOD, "g1": BAD, "g2": GOOD})  # the state of step 1, with the next request
+    assert list(job.retired) == ["g1:a"]
+    assert "differs from the majority" in job.retired["g1:a"]
+    (mismatch,) = job.kinds("state_mismatch")
+    assert mismatch["group"] == "g1" and mismatch["host"] == "host-g1" and mismatch["step"] == 0
+    assert mismatch["digests"] == {"g0": GOOD, "g1": BAD, "g2": GOOD} and mismatch["majority"] == GOOD
+    # The majority's next quorum goes on without it.
+    issued = [e.fields for e in job.events if e.kind == "quorum"]
+    assert issued[-1]["step"] == 1 and issued[-1]["participants"] == ["g0:a", "g2:a"]
+    # Its incarnation is refused from now on, as a convicted one.
+    with pytest.raises(Convicted):
+        job.ask("g1")
+
+
+def test_agreeing_groups_go_on_untouched():
+    job = Job(3)
+    job.step_all()
+    job.step_all({g: GOOD for g in job.inc})
+    assert not job.retired and not job.kinds("state_mismatch")
+    assert job.m.integrity.last_agreed == 0
+    assert len(job.answered) == 3
+
+
+def test_no_verdict_until_every_participant_reported():
+    job = Job(3)
+    job.step_all()
+    held = dict(job.before)
+    job.ask("g0", BAD, at=held["g0"])
+    job.ask("g1", GOOD, at=held["g1"])
+    assert not job.kinds("state_mismatch")  # g2 may still side with either
+    job.ask("g2", GOOD, at=held["g2"])
+    assert [e["group"] for e in job.kinds("state_mismatch")] == ["g0"]
+
+
+def test_two_groups_that_differ_roll_back_and_convict_nobody():
+    job = Job(2)
+    job.step_all()
+    job.step_all({"g0": GOOD, "g1": BAD})
+    assert sorted(job.retired) == ["g0:a", "g1:a"]
+    assert {e["group"] for e in job.kinds("state_mismatch")} == {"g0", "g1"}
+    (rollback,) = job.kinds("integrity_rollback")
+    assert rollback["step"] == 0 and "durable checkpoint" in rollback["reason"]
+    assert job.m.integrity.corrupt_count == {}  # nobody can be told corrupt
+
+
+def test_group_corrupt_twice_is_quarantined_on_its_host():
+    job = Job(3)
+    job.step_all()
+    job.step_all({"g0": GOOD, "g1": BAD, "g2": GOOD})
+    # Its next incarnation recovers and takes part again, then is found corrupt again.
+    job.inc["g1"] = "b"
+    job.m.heartbeat(job.now, Heartbeat(job.rid("g1"), "g1", job.now, 0))
+    job.ask("g1")
+    for _ in range(3):  # g1 recovers (not a participant, no report) and catches up
+        job.state["g1"] = job.state["g0"]
+        job.step_all()
+    job.step_all({"g0": OTHER, "g1": BAD, "g2": OTHER})
+    assert "g1:b" in job.retired
+    assert job.kinds("state_mismatch")[-1]["quarantined"] is True
+    assert job.kinds("state_mismatch")[-1]["times"] == 2
+    job.inc["g1"] = "c"
+    with pytest.raises(Convicted, match="quarantined"):
+        job.ask("g1")
+
+
+def test_late_report_against_a_verdict():
+    book = IntegrityBook()
+    expect(book, 4, GENESIS, frozenset({"g0:a", "g1:a", "g2:a"}))
+    members = {"g0:a", "g1:a"}  # g2 died before it reported
+    assert record(book, DigestReport("g0:a", "g0", "h", 4, GENESIS, GOOD), members) == []
+    (verdict,) = record(book, DigestReport("g1:a", "g1", "h", 4, GENESIS, GOOD), members)
+    assert verdict.agreed
+    (late,) = record(book, DigestReport("g2:a", "g2", "h", 4, GENESIS, BAD), members | {"g2:a"})
+    assert [r.group for r in late.corrupt] == ["g2"] and book.corrupt_count == {"g2": 1}
+
+
+def test_judge_three_different_digests_has_no_majority():
+    reports = [DigestReport(f"g{i}:a", f"g{i}", "h", 1, GENESIS, d) for i, d in enumerate((GOOD, BAD, OTHER))]
+    verdict = judge(reports)
+    assert verdict.majority == "" and len(verdict.corrupt) == 3
+
+
+def test_quorum_body_integrity_field_is_checked():
+    base = ('{"group": "g0", "incarnation": "a", "step": 2, "last_quorum_id": 1, "failed": false, '
+            '"meta": {}, "timeout": 1.0, "chain": "' + GENESIS + '", "integrity": %s}')
+    body = parse_quorum_request(decode_body((base % ('{"step": 2, "chain": "%s", "digest": "%s"}'
+                                                      % (GENESIS, GOOD))).encode()))
+    assert body.integrity == (2, GENESIS, GOOD)
+    with pytest.raises(ValueError, match="integrity.digest"):
+        parse_quorum_request(decode_body((base % ('{"step": 2, "chain": "%s", "digest": "XYZ"}'
+                                                  % GENESIS)).encode()))
+    with pytest.raises(ValueError, match="exactly step, chain and digest"):
+        parse_quorum_request(decode_body((base % '{"step": 2}').encode()))
+
+
+def test_a_state_held_again_by_new_incarnations_is_compared_anew():
+    """Groups restarted from a checkpoint of a state judged before (a rollback) hold it again:
+    their digests are compared with each other, not with the earlier lone reporter's."""
+    book = IntegrityBook()
+    expect(book, 10, GENESIS, frozenset({"g2:a"}))
+    (first,) = record(book, DigestReport("g2:a", "g2", "h", 10, GENESIS, GOOD), {"g2:a"})
+    assert first.agreed
+    members = {"g0:b", "g1:b", "g2:b"}
+    expect(book, 10, GENESIS, frozenset(members))
+    assert record(book, DigestReport("g0:b", "g0", "h", 10, GENESIS, BAD), members) == []
+    assert record(book, DigestReport("g1:b", "g1", "h", 10, GENESIS, BAD), members) == []
+    (again,) = record(book, DigestReport("g2:b", "g2", "h", 10, GENESIS, BAD), members)
+    assert again.agreed and again.majority == BAD
+    expect(book, 10, GENESIS, frozenset({"g0:b", "g1:b"}))  # a retry by the same members: judged
+    assert book.judged[(10, GENESIS)] is again

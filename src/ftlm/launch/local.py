@@ -34,6 +34,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Protocol
 
 from ftlm import startup_beacon
 from ftlm.config import RunConfig, save_config
@@ -56,6 +57,16 @@ RETIRED_IN_A_ROW = 3
 """Processes of one group in a row that the coordinator retired for failing the steps they took
 part in (``ftlm.ft.quorum.Probe``) after which the group is not started again: its node's link
 (or device) stays bad, and every new process would cost the others a few failed attempts."""
+
+
+class Place(Protocol):
+    """Where a process of the job runs when not on the loopback (``LocalLauncher(places=...)``;
+    ``ftlm.testing.netbed.Node`` is one): the address it binds and others reach it at (a
+    group's ``FTLM_HOST``, the coordinator's ``--host``), and the prefix its command is started
+    with (``ip netns exec NS``, which execs the command: the PID stays the process's own)."""
+
+    host: str
+    prefix: list[str]
 
 
 class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
@@ -84,7 +95,8 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
                  kill_hung: bool = True,
                  extra_env: dict[str, str] | None = None, progress: bool | None = None,
                  command: str = "train", coordinator_standby: bool = True,
-                 script: str | Path | None = None, script_args: list[str] | None = None):
+                 script: str | Path | None = None, script_args: list[str] | None = None,
+                 places: dict[str, Place] | None = None):
         if groups < 1:
             raise ConfigError(f"--groups={groups} must be at least 1")
         if ranks_per_group < 1:
@@ -105,6 +117,13 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
         self.coordinator_standby = coordinator_standby  # a warm process ready to replace it
         self.n = groups
         self.ranks = ranks_per_group
+        # Where the coordinator ("coordinator") and each group ("g0", ...) run, when not on the
+        # loopback: the address it binds and tells others, and its commands' prefix.
+        self.places = dict(places or {})
+        unknown = set(self.places) - {COORDINATOR} - {f"g{i}" for i in range(groups)}
+        if unknown:
+            raise ConfigError(f"places names {sorted(unknown)}: give the coordinator "
+                              f"('{COORDINATOR}') or groups g0..g{groups - 1}")
         self.kill_hung = kill_hung  # off: a hung group stays stopped until someone resumes it
         self.chaos = Chaos(chaos_mtbf, chaos_seed, hang=chaos_hang, coordinator=chaos_coordinator,
                            preempt=chaos_preempt)
@@ -161,11 +180,13 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
         """Start the group's ranks with the torchrun environment, as a new incarnation."""
         g.incarnation = uuid.uuid4().hex[:12]
         master_port = free_port()
+        place = self.places.get(g.name)
         if self.script is not None:
             cmd = [sys.executable, "-m", "ftlm.cli", "run", str(self.script), *self.script_args]
         else:
             cmd = [sys.executable, "-m", "ftlm.cli", self.command, str(config_file),
                    "--set", "observe.progress=false"]
+        cmd = [*place.prefix, *cmd] if place is not None else cmd
         g.procs, g.log_offsets, g.cause, g.terminated = [], [], "", False
         for rank in range(self.ranks):
             env = dict(os.environ)
@@ -179,6 +200,8 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
                 # launcher judges the run against it) and where the job's record goes.
                 "FTLM_CONFIG": str(config_file.absolute()), "FTLM_RUN_DIR": str(self.run_dir.absolute()),
             })
+            if place is not None:
+                env["FTLM_HOST"] = place.host
             env.update(self.extra_env)
             env.pop("FTLM_FAULT", None)
             if self.config.observe.metrics:
@@ -229,11 +252,13 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
     def _launch(self) -> dict:
         config_file = self._prepare_run_dir()
         events = self.events = EventLog(self.run_dir / "events.jsonl", group="supervisor")
+        at = self.places.get(COORDINATOR)
         self.coordinator = CoordinatorProcess(config_file, free_port(), self.token,
                                               self.run_dir / "events.jsonl",
                                               self.run_dir / "logs" / "coordinator.log",
                                               tls=self._tls_context(),
-                                              standby=self.coordinator_standby)
+                                              standby=self.coordinator_standby,
+                                              **({"host": at.host, "prefix": at.prefix} if at else {}))
         self.coordinator.start(self.config.ft.startup_timeout)
         url = self.coordinator.url
         # ranks_per_group: GPU-hours count every rank of a group (ftlm.observe.cost).

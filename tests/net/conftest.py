@@ -1,5 +1,5 @@
 """Fixtures of the network test-bed tests: a bed per test, skipped (saying why) where none can be
-built (not root, no ``ip``/``tc``/``nft``: ``make system-deps-net`` installs them)."""
+built (not root, no ``ip``/``tc``/``nft``: ``make system-deps`` installs them)."""
 
 from __future__ import annotations
 

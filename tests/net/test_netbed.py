@@ -100,3 +100,11 @@ def test_a_closed_bed_leaves_nothing(make_bed):
     bed.close()
     assert sleeper.poll() is not None
     assert _leftovers(bed.id) == []
+
+
+def test_launcher_refuses_a_place_for_a_process_it_does_not_start(tmp_path, make_tiny_config):
+    from ftlm.errors import ConfigError
+    from ftlm.launch.local import LocalLauncher
+    node = Node(name="g5", ns="ns-g5", host="10.0.0.9", iface="eth-g5")
+    with pytest.raises(ConfigError, match=r"places names \['g5'\].*g0..g1"):
+        LocalLauncher(make_tiny_config(tmp_path / "run"), groups=2, places={"g5": node})

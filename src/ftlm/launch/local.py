@@ -77,6 +77,9 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
     preemptions (SIGTERM, see ``ftlm.launch.chaos``), after which the group must leave and come
     back. ``script`` (with ``script_args``): every rank runs ``ftlm run SCRIPT ARGS``, a user's
     own loop (``ftlm.train.Session``), instead of ``ftlm COMMAND CONFIG``; its checks are the same.
+    ``places`` runs the coordinator (key ``coordinator``) or a group (``g0``...) at an address of
+    its own behind a command prefix (``Place``: a network namespace of ``ftlm.testing.netbed``);
+    the others stay on the loopback.
     ``run()`` raises ``FtlmError`` (after writing the summary) when a group cannot start or
     crash-loops, or the coordinator cannot be (re)started.
 

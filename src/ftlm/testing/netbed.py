@@ -81,7 +81,7 @@ def unavailable_reason() -> str | None:
     missing = [tool for tool in ("ip", "tc", "nft") if shutil.which(tool) is None]
     if missing:
         return (f"the network test bed needs {', '.join(missing)}: install the Debian packages "
-                f"iproute2 nftables (make system-deps-net)")
+                f"iproute2 nftables as root (make system-deps)")
     probe = f"{PREFIX}probe{os.getpid()}"
     made = _run(["ip", "netns", "add", probe], check=False)
     if made.returncode != 0:

@@ -146,14 +146,13 @@ class Outcome:
 
 def run_on_bed(bed, config, groups: int, script: Callable[[Watch], None] | None = None,
                **options) -> Outcome:
-    """Run the job of ``config`` with its coordinator in bed node ``coordinator`` and group
-    ``gI`` in node ``gI`` (``options``: more ``LocalLauncher`` arguments), and ``script`` (the
+    """Run the job of ``config`` with its coordinator in bed node ``coordinator``, group ``gI``
+    in node ``gI`` and, for a multi-node group, its rank R in node ``gI.rR`` (``options``: more ``LocalLauncher`` arguments), and ``script`` (the
     faults) in a thread of its own; the summary, the events, and the script's error if it
     raised."""
     from ftlm.launch.local import LocalLauncher
     from ftlm.observe.events import read_events
-    places = {"coordinator": bed.node("coordinator")}
-    places.update({f"g{i}": bed.node(f"g{i}") for i in range(groups)})
+    places = {name: bed.node(name) for name in bed.names}  # "g1.r1": a node of its own
     launcher = LocalLauncher(config, groups=groups, progress=False, places=places, **options)
     watch = Watch(config.run.path, launcher)
     errors: list[str] = []
@@ -190,7 +189,8 @@ enough is declared dead, exits when its heartbeat is refused, and its restart is
 
 
 def _group(name: object) -> str:
-    return str(name or "").partition(":")[0]
+    """The group of an incarnation (``g1:abc``) or of a node of it (``g1.r1``)."""
+    return str(name or "").partition(":")[0].partition(".")[0]
 
 
 def network_ledger(events: list[dict], detect_within: float) -> tuple[list[dict], list[dict]]:

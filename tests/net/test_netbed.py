@@ -108,3 +108,9 @@ def test_launcher_refuses_a_place_for_a_process_it_does_not_start(tmp_path, make
     node = Node(name="g5", ns="ns-g5", host="10.0.0.9", iface="eth-g5")
     with pytest.raises(ConfigError, match=r"places names \['g5'\].*g0..g1"):
         LocalLauncher(make_tiny_config(tmp_path / "run"), groups=2, places={"g5": node})
+
+
+@pytest.mark.parametrize("nodes", [[], ["a", "a"], ["a b"], ["x" * 41], ["../etc"]])
+def test_bed_refuses_node_names_it_cannot_make_namespaces_of(nodes):
+    with pytest.raises(ValueError, match="node names|distinct"):
+        NetBed(nodes)

@@ -77,9 +77,9 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
     preemptions (SIGTERM, see ``ftlm.launch.chaos``), after which the group must leave and come
     back. ``script`` (with ``script_args``): every rank runs ``ftlm run SCRIPT ARGS``, a user's
     own loop (``ftlm.train.Session``), instead of ``ftlm COMMAND CONFIG``; its checks are the same.
-    ``places`` runs the coordinator (key ``coordinator``) or a group (``g0``...) at an address of
-    its own behind a command prefix (``Place``: a network namespace of ``ftlm.testing.netbed``);
-    the others stay on the loopback.
+    ``places`` runs the coordinator (key ``coordinator``), a group (``g0``...) or one rank of a
+    group (``g0.r1``: a node of its own) at an address of its own behind a command prefix
+    (``Place``: a network namespace of ``ftlm.testing.netbed``); the others stay on the loopback.
     ``run()`` raises ``FtlmError`` (after writing the summary) when a group cannot start or
     crash-loops, or the coordinator cannot be (re)started.
 
@@ -123,10 +123,13 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
         # Where the coordinator ("coordinator") and each group ("g0", ...) run, when not on the
         # loopback: the address it binds and tells others, and its commands' prefix.
         self.places = dict(places or {})
-        unknown = set(self.places) - {COORDINATOR} - {f"g{i}" for i in range(groups)}
+        known = {COORDINATOR} | {f"g{i}" for i in range(groups)}
+        known |= {f"g{i}.r{r}" for i in range(groups) for r in range(1, ranks_per_group)}
+        unknown = set(self.places) - known
         if unknown:
             raise ConfigError(f"places names {sorted(unknown)}: give the coordinator "
-                              f"('{COORDINATOR}') or groups g0..g{groups - 1}")
+                              f"('{COORDINATOR}'), groups g0..g{groups - 1} or their ranks "
+                              f"above 0 (g0.r1: a node of its own)")
         self.kill_hung = kill_hung  # off: a hung group stays stopped until someone resumes it
         self.chaos = Chaos(chaos_mtbf, chaos_seed, hang=chaos_hang, coordinator=chaos_coordinator,
                            preempt=chaos_preempt)
@@ -183,15 +186,15 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
         """Start the group's ranks with the torchrun environment, as a new incarnation."""
         g.incarnation = uuid.uuid4().hex[:12]
         master_port = free_port()
-        place = self.places.get(g.name)
+        place = self.places.get(g.name)  # rank 0's, and every rank's without one of its own
         if self.script is not None:
             cmd = [sys.executable, "-m", "ftlm.cli", "run", str(self.script), *self.script_args]
         else:
             cmd = [sys.executable, "-m", "ftlm.cli", self.command, str(config_file),
                    "--set", "observe.progress=false"]
-        cmd = [*place.prefix, *cmd] if place is not None else cmd
         g.procs, g.log_offsets, g.cause, g.terminated = [], [], "", False
         for rank in range(self.ranks):
+            at = self.places.get(f"{g.name}.r{rank}", place)
             env = dict(os.environ)
             env.update({
                 "FTLM_COORDINATOR": url, "FTLM_GROUP_ID": g.name, "FTLM_INCARNATION": g.incarnation,
@@ -203,8 +206,10 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
                 # launcher judges the run against it) and where the job's record goes.
                 "FTLM_CONFIG": str(config_file.absolute()), "FTLM_RUN_DIR": str(self.run_dir.absolute()),
             })
-            if place is not None:
-                env["FTLM_HOST"] = place.host
+            if at is not None:
+                env["FTLM_HOST"] = at.host
+            if place is not None:  # the group's store is on rank 0's node
+                env["MASTER_ADDR"] = place.host
             env.update(self.extra_env)
             env.pop("FTLM_FAULT", None)
             if self.config.observe.metrics:
@@ -226,7 +231,8 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
                 # A session of its own: a Ctrl-C at the terminal reaches the launcher alone,
                 # which stops the groups with SIGTERM, between steps (a SIGINT could land
                 # mid-update, and the committed step would not be saved).
-                g.procs.append(subprocess.Popen(cmd, env=env, stdout=log, start_new_session=True,
+                g.procs.append(subprocess.Popen([*(at.prefix if at else []), *cmd], env=env,
+                                                stdout=log, start_new_session=True,
                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         if self.config.observe.metrics:
             self._write_targets()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import fcntl
 import ipaddress
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -55,6 +56,7 @@ SUBNETS = ipaddress.ip_network("10.213.0.0/16")
 """Beds take free /24s of this range, one each (the bridge's address routes it on the host)."""
 TABLE = "ftlm_netbed"
 """The nftables table of a node's rules, in its own namespace."""
+_NODE_NAME = re.compile(r"[A-Za-z0-9._-]{1,40}")
 COMMAND_TIMEOUT = 30.0
 """Seconds one ``ip``/``tc``/``nft`` call may take."""
 
@@ -198,6 +200,10 @@ class NetBed:
             raise ValueError(f"nodes={nodes!r} must be distinct names, at least one")
         if len(nodes) > 200:
             raise ValueError(f"{len(nodes)} nodes: a bed holds at most 200 (one /24)")
+        bad = [n for n in nodes if not (isinstance(n, str) and _NODE_NAME.fullmatch(n))]
+        if bad:
+            raise ValueError(f"node names {bad!r}: use 1-40 letters, digits, '.', '_' or '-' "
+                             f"(they name namespaces), e.g. g0 or g1.r1")
         self.names = list(nodes)
         self.id = secrets.token_hex(3)[:5]
         self.bridge = f"{PREFIX}{self.id}"
@@ -207,8 +213,8 @@ class NetBed:
         self._lock = threading.Lock()
         self._procs: list[subprocess.Popen] = []
         self._events_path: Path | None = None
-        self.netem = netem_available()
-        """Whether ``shape`` can delay (the kernel has netem)."""
+        self.netem = False
+        """Whether ``shape`` can delay (the kernel has netem); known once the bed is built."""
 
     # -- building and removing --------------------------------------------------------------
     def __enter__(self) -> NetBed:
@@ -216,9 +222,13 @@ class NetBed:
         if reason:
             raise NetbedUnavailable(reason)
         remove_stale()
-        REGISTRY.mkdir(parents=True, exist_ok=True)
-        # The record first: a concurrent bed's stale sweep must see this one as owned.
-        (REGISTRY / self.id).write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+        self.netem = netem_available()
+        with _registry_lock():
+            while (REGISTRY / self.id).exists():  # a live bed's id, drawn again
+                self.id = secrets.token_hex(3)[:5]
+                self.bridge = f"{PREFIX}{self.id}"
+            # The record first: a concurrent bed's stale sweep must see this one as owned.
+            (REGISTRY / self.id).write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
         try:
             self._build()
         except BaseException:

@@ -60,8 +60,10 @@ coordinator, or the step's all-reduce times out); shorter ones are disturbances.
 
 
 def job_config(run_dir: Path, data_dir: Path, steps: int, seq_len: int = DEMO_SEQ_LEN,
-               vocab: int = DEMO_VOCAB, ft: dict | None = None, checkpoint_every: int = 50):
-    """A 100k-parameter model on ``data_dir`` (fast steps: the runs are about faults)."""
+               vocab: int = DEMO_VOCAB, ft: dict | None = None, checkpoint_every: int = 50,
+               resume: bool = True):
+    """A 100k-parameter model on ``data_dir`` (fast steps: the runs are about faults);
+    ``resume`` False: a restarted group never resumes from a checkpoint, it pulls from a peer."""
     from ftlm.config import build_config
     return build_config({
         "run": {"name": "nemesis", "dir": str(run_dir), "seed": 0},
@@ -69,7 +71,7 @@ def job_config(run_dir: Path, data_dir: Path, steps: int, seq_len: int = DEMO_SE
                   "n_kv_heads": 2, "ffn_dim": 128, "max_seq_len": seq_len},
         "data": {"dir": str(data_dir), "seq_len": seq_len},
         "train": {"steps": steps, "batch_size": 4, "lr": 3e-3, "warmup_steps": 5, "threads": 1},
-        "checkpoint": {"every": checkpoint_every, "keep": 2},
+        "checkpoint": {"every": checkpoint_every, "keep": 2, "resume": resume},
         "ft": {**FT, **(ft or {})},
         "observe": {"progress": False},
     })
@@ -127,12 +129,13 @@ class Watch:
         g = next(g for g in self.launcher.groups if g.name == group)
         return g.incarnation, [p.pid for p in g.procs if p.poll() is None]
 
-    def record(self, target: str, signal_name: str, **fields: object) -> None:
-        """A signal the script sent a group (a failure to detect), in the run's events."""
+    def record(self, target: str, signal_name: str, expect: str = "detected", **fields: object) -> None:
+        """A signal the script sent a group, in the run's events (``expect``: see
+        ``ftlm.testing.netbed.EXPECTATIONS``)."""
         from ftlm.observe.events import EventLog
         with EventLog(self.events_path, group="netbed") as log:
             log.emit("failure_injected", step=-1, target=target, signal=signal_name,
-                     expect="detected", **fields)
+                     expect=expect, **fields)
 
 
 @dataclass
@@ -318,8 +321,10 @@ def nemesis_script(seed: int, settings: Settings, bed, netem: bool) -> Callable[
                 if not pids:
                     continue
                 sig = signal.SIGKILL if kind == "kill" else signal.SIGSTOP
+                # A stop shorter than the heartbeat timeout may pass unnoticed.
                 watch.record(victim, sig.name, pid=pids[0], incarnation=incarnation,
-                             seconds=round(hold, 2) if kind == "hang" else 0)
+                             seconds=round(hold, 2) if kind == "hang" else 0,
+                             expect="detected" if kind == "kill" or long else "either")
                 os.kill(pids[0], sig)
                 if kind == "hang":
                     watch.stop.wait(hold)
@@ -360,7 +365,7 @@ def run_one(seed: int, settings: Settings, root: Path, data_dir: Path) -> dict:
         "shapes": count(lambda f: f.get("fault") == "shape"),
         "kills": count(lambda f: f.get("signal") == "SIGKILL"),
         "hangs": count(lambda f: f.get("signal") == "SIGSTOP"),
-        "must_detect": count(lambda f: f.get("signal") != "none"),
+        "must_detect": count(lambda f: f.get("expect") == "detected"),
         "undetected": len(undetected), "unexplained": len(unexplained),
         "member_dead": sum(1 for e in outcome.events if e["kind"] == "member_dead"),
         "restarts": sum((s.get("restarts") or {}).values()),
@@ -369,6 +374,7 @@ def run_one(seed: int, settings: Settings, root: Path, data_dir: Path) -> dict:
         "duplicates": (s.get("data") or {}).get("duplicates"),
         "gaps": (s.get("data") or {}).get("gaps"),
         "ok": not reasons, "reasons": reasons, "run_dir": str(run_dir),
+        "stopped": s.get("stopped") or "",
     }
 
 
@@ -438,7 +444,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(s in done for s in seeds)} already recorded in {results}", flush=True)
     for seed in seeds:
         if seed not in done:
-            done[seed] = run_one(seed, settings, results.parent, data_dir)
+            record = run_one(seed, settings, results.parent, data_dir)
+            if record["stopped"]:  # Ctrl-C or SIGTERM: the run proves nothing; stop here
+                print(f"nemesis: stopped ({record['stopped']}) during seed {seed}; not recorded",
+                      file=sys.stderr)
+                return 130
+            done[seed] = record
             with open(results, "a") as f:
                 f.write(json.dumps(done[seed]) + "\n")
         r = done[seed]

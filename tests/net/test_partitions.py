@@ -23,6 +23,10 @@ from bench.nemesis import DETECTION_BOUND, FT, Watch, job_config, run_on_bed, ve
 from ftlm.testing.netbed import LinkShape, NetBed
 
 SEQ_LEN, VOCAB = 64, 1024  # the demo_data fixture's
+# The final checkpoint only (as configs/tiny.toml ships): at a load of 35-39 on 2 cores a group
+# saving a periodic checkpoint (4.7-8.3 s) went silent past ft.heartbeat_timeout and was declared
+# dead, a conviction that has nothing to do with the network faults these tests are about.
+CHECKPOINT_EVERY = 0
 
 
 def _group(name: object) -> str:
@@ -58,7 +62,7 @@ def quick_job(tmp_path_factory, demo_data, netbed_reason):
     if netbed_reason:
         pytest.skip(netbed_reason)
     config = job_config(tmp_path_factory.mktemp("net-quick") / "run", demo_data, QUICK_STEPS,
-                        seq_len=SEQ_LEN, vocab=VOCAB)
+                        seq_len=SEQ_LEN, vocab=VOCAB, checkpoint_every=CHECKPOINT_EVERY)
     marks: dict[str, float] = {}
 
     def script(w: Watch) -> None:
@@ -110,7 +114,7 @@ SLOW_STEPS = 160
 def _job(tmp_path, demo_data, groups: int, script, nodes: tuple[str, ...] = (),
          steps: int = SLOW_STEPS, resume: bool = True, **launcher) -> tuple:
     config = job_config(tmp_path / "run", demo_data, steps, seq_len=SEQ_LEN, vocab=VOCAB,
-                        resume=resume)
+                        checkpoint_every=CHECKPOINT_EVERY, resume=resume)
     with NetBed(["coordinator"] + [f"g{i}" for i in range(groups)] + list(nodes)) as bed:
         outcome = run_on_bed(bed, config, groups, script(bed), **launcher)
     return outcome, verdict(outcome, groups, steps)

@@ -197,7 +197,8 @@ def _group(name: object) -> str:
 
 
 def network_ledger(events: list[dict], detect_within: float) -> tuple[list[dict], list[dict]]:
-    """The faults of the bed and the script (``group`` netbed) matched with what the job did:
+    """The faults of the bed and the script (``group`` netbed), and the groups' own planned
+    faults (``FTLM_FAULT``), matched with what the job did:
     ``(undetected, unexplained)``. A fault with ``expect`` ``detected`` must be followed, while it
     lasts or ``detect_within`` s after, by a detection involving its group or its peer (a
     ``member_dead``, ``member_killed``, failed ``group_exit`` or ``step_failed``); a conviction
@@ -205,6 +206,11 @@ def network_ledger(events: list[dict], detect_within: float) -> tuple[list[dict]
     whose ``expect`` is ``detected`` or ``either``: a ``tolerated`` one convicts nobody."""
     ordered = sorted(events, key=lambda e: e["ts"])
     faults = [e for e in ordered if e["kind"] == "failure_injected" and e.get("group") == "netbed"]
+    # A group's own planned fault (``FTLM_FAULT``: it killed or stopped itself) is one too.
+    faults += [dict(e, target=e["group"], expect="detected") for e in ordered
+               if e["kind"] == "failure_injected" and e.get("group") != "netbed"
+               and e.get("signal") in ("SIGKILL", "SIGSTOP") and "point" in e]
+    faults.sort(key=lambda e: e["ts"])
     heals = [e for e in ordered if e["kind"] == "network_healed"]
 
     def involved(f: dict) -> set[str]:

@@ -51,3 +51,10 @@ def test_a_conviction_long_after_the_fault_healed_is_unexplained():
 def test_a_node_of_a_multi_node_group_counts_for_its_group():
     events = [fault(10, "g1.r1", "detected", fault="isolate"), dead(40, "g1:abc"), healed(41)]
     assert network_ledger(events, detect_within=5) == ([], [])
+
+
+def test_a_groups_own_planned_stop_explains_its_conviction():
+    stop = {"ts": 10, "kind": "failure_injected", "group": "g0", "point": "during_serve",
+            "signal": "SIGSTOP"}
+    assert network_ledger([stop, dead(12, "g0:abc")], detect_within=5) == ([], [])
+    assert network_ledger([stop], detect_within=5)[0][0]["target"] == "g0"  # undetected

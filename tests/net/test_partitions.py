@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -263,13 +264,14 @@ def test_source_vanishing_mid_state_transfer(tmp_path, demo_data, netbed_reason)
             bed.isolate(source)
             marks["cut"] = time.time()
             _resume_stopped(w, source)
+            # The other source's first serve stops it too: resumed at once, it only serves.
+            other = ({"g0", "g1"} - {source}).pop()
+            resumer = threading.Thread(target=lambda: w.wait_until(
+                f"{other} stopped mid-serve", lambda ev: any(e["group"] == other for e in serving(ev)),
+                timeout=600) and _resume_stopped(w, other), daemon=True)
+            resumer.start()
             w.wait_until("the source declared dead", dead_after(source, marks["cut"]),
                          DETECTION_BOUND + 30)
-            other = ({"g0", "g1"} - {source}).pop()
-            w.stop.wait(2)
-            for e in serving(w.events()):  # the other source's first serve stops it too
-                if e["group"] == other:
-                    _resume_stopped(w, other)
             bed.heal()
             marks["healed"] = time.time()
             w.wait_commits_after(marks["healed"], {"g0", "g1", "g2"}, commits=3)

@@ -150,9 +150,9 @@ class Outcome:
 def run_on_bed(bed, config, groups: int, script: Callable[[Watch], None] | None = None,
                **options) -> Outcome:
     """Run the job of ``config`` with its coordinator in bed node ``coordinator``, group ``gI``
-    in node ``gI`` and, for a multi-node group, its rank R in node ``gI.rR`` (``options``: more ``LocalLauncher`` arguments), and ``script`` (the
-    faults) in a thread of its own; the summary, the events, and the script's error if it
-    raised."""
+    in node ``gI`` and, for a multi-node group, its rank R in node ``gI.rR`` (``options``: more
+    ``LocalLauncher`` arguments), and ``script`` (the faults) in a thread of its own; the
+    summary, the events, and the script's error if it raised."""
     from ftlm.launch.local import LocalLauncher
     from ftlm.observe.events import read_events
     places = {name: bed.node(name) for name in bed.names}  # "g1.r1": a node of its own

@@ -120,7 +120,7 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
         self.coordinator_standby = coordinator_standby  # a warm process ready to replace it
         self.n = groups
         self.ranks = ranks_per_group
-        # Where the coordinator ("coordinator") and each group ("g0", ...) run, when not on the
+        # Where the coordinator, a group ("g0") or a rank of one ("g0.r1") runs when not on the
         # loopback: the address it binds and tells others, and its commands' prefix.
         self.places = dict(places or {})
         known = {COORDINATOR} | {f"g{i}" for i in range(groups)}

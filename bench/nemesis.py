@@ -202,8 +202,9 @@ def network_ledger(events: list[dict], detect_within: float) -> tuple[list[dict]
     ``(undetected, unexplained)``. A fault with ``expect`` ``detected`` must be followed, while it
     lasts or ``detect_within`` s after, by a detection involving its group or its peer (a
     ``member_dead``, ``member_killed``, failed ``group_exit`` or ``step_failed``); a conviction
-    (those but ``step_failed``) must fall within ``SETTLE_SECONDS`` of a fault involving its group
-    whose ``expect`` is ``detected`` or ``either``: a ``tolerated`` one convicts nobody."""
+    (a failure the summary's ``failure_ledger`` detected) must fall within ``SETTLE_SECONDS`` of
+    a fault involving its group whose ``expect`` is ``detected`` or ``either``: a ``tolerated``
+    one convicts nobody."""
     ordered = sorted(events, key=lambda e: e["ts"])
     faults = [e for e in ordered if e["kind"] == "failure_injected" and e.get("group") == "netbed"]
     # A group's own planned fault (``FTLM_FAULT``: it killed or stopped itself) is one too.
@@ -228,7 +229,12 @@ def network_ledger(events: list[dict], detect_within: float) -> tuple[list[dict]
     about = lambda e: _group(e.get("target") if e["kind"] != "step_failed" else e.get("group"))  # noqa: E731
     undetected = [f for f in faults if f.get("expect") == "detected" and not any(
         about(d) in involved(f) and f["ts"] <= d["ts"] <= end(f) + detect_within for d in detections)]
-    unexplained = [d for d in detections if d["kind"] != "step_failed" and not any(
+    # Convictions as the run's summary counts them (``failure_ledger``): one per failed
+    # incarnation; a member declared dead that went on and ended cleanly is none.
+    from ftlm.observe.summary import failure_ledger
+    convicted = [{"ts": d.ts, "kind": d.kind, "target": d.group, "reason": d.reason}
+                 for d in failure_ledger(events).detected if d.group != "coordinator"]
+    unexplained = [d for d in convicted if not any(
         f.get("expect") in ("detected", "either") and about(d) in involved(f)
         and f["ts"] <= d["ts"] <= end(f) + SETTLE_SECONDS for f in faults)]
     return undetected, unexplained

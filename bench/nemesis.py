@@ -207,8 +207,10 @@ def network_ledger(events: list[dict], detect_within: float) -> tuple[list[dict]
     one convicts nobody."""
     ordered = sorted(events, key=lambda e: e["ts"])
     faults = [e for e in ordered if e["kind"] == "failure_injected" and e.get("group") == "netbed"]
-    # A group's own planned fault (``FTLM_FAULT``: it killed or stopped itself) is one too.
-    faults += [dict(e, target=e["group"], expect="detected") for e in ordered
+    # A group's own planned fault (``FTLM_FAULT``: it killed or stopped itself) is one too; a
+    # stop may be resumed before anyone could notice.
+    faults += [dict(e, target=e["group"], expect="detected" if e["signal"] == "SIGKILL" else "either")
+               for e in ordered
                if e["kind"] == "failure_injected" and e.get("group") != "netbed"
                and e.get("signal") in ("SIGKILL", "SIGSTOP") and "point" in e]
     faults.sort(key=lambda e: e["ts"])

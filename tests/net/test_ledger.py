@@ -60,4 +60,5 @@ def test_a_groups_own_planned_stop_explains_its_conviction():
     stop = {"ts": 10, "kind": "failure_injected", "group": "g0", "point": "during_serve",
             "signal": "SIGSTOP"}
     assert network_ledger([stop, dead(12, "g0:abc")], detect_within=5) == ([], [])
-    assert network_ledger([stop], detect_within=5)[0][0]["target"] == "g0"  # undetected
+    kill = dict(stop, signal="SIGKILL")
+    assert network_ledger([kill], detect_within=5)[0][0]["target"] == "g0"  # undetected

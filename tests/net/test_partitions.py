@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -188,7 +187,7 @@ def test_flapping_link_between_groups(tmp_path, demo_data, netbed_reason):
 
     outcome, reasons = _job(tmp_path, demo_data, 3, script)
     assert "done" in marks, outcome.script_error
-    assert marks["cuts"] >= 4
+    assert marks["cuts"] >= 2  # 5 on an idle machine; 3 at a load of 56 (each rule change waits)
     assert reasons == []
 
 
@@ -239,11 +238,11 @@ def test_peer_vanishing_mid_allreduce_is_caught_by_the_allreduce_timeout(tmp_pat
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_source_vanishing_mid_state_transfer(tmp_path, demo_data, netbed_reason):
-    """g2 is killed; while it pulls the state from a source, the source stops itself after its
-    first chunk (``hang:during_serve``), its packets are dropped from then on and it runs on:
-    the coordinator declares it dead, g2 recovers from the other source, and the run stays
-    correct. (Default tier: ``tests/launch/test_fault_tolerance.py`` kills a source mid-serve on
-    the loopback.)"""
+    """g2 is killed; the source it pulls the state from holds the transfer after its first chunk
+    (``slow_serve``, 30 s) and every packet to and from it is dropped meanwhile: the coordinator
+    declares it dead, g2's pull times out (no progress), g2 recovers from the other source, and
+    the run stays correct. (Default tier: ``tests/launch/test_fault_tolerance.py`` kills a
+    source mid-serve on the loopback.)"""
     if netbed_reason:
         pytest.skip(netbed_reason)
     marks: dict[str, object] = {}
@@ -256,22 +255,18 @@ def test_source_vanishing_mid_state_transfer(tmp_path, demo_data, netbed_reason)
             w.record("g2", "SIGKILL", pid=pids[0], incarnation=incarnation)
             os.kill(pids[0], signal.SIGKILL)
             serving = lambda ev: [e for e in ev if e["kind"] == "failure_injected"  # noqa: E731
-                                  and e.get("point") == "during_serve"]
-            if not w.wait_until("a source stopped mid-serve", lambda ev: bool(serving(ev)), 240):
+                                  and e.get("point") == "slow_serve"]
+            if not w.wait_until("a source holding a transfer", lambda ev: bool(serving(ev)), 240):
                 return  # the job ended first: "done" is missing, the test fails saying so
             source = serving(w.events())[0]["group"]
             marks["source"] = source
             bed.isolate(source)
             marks["cut"] = time.time()
-            _resume_stopped(w, source)
-            # The other source's first serve stops it too: resumed at once, it only serves.
-            other = ({"g0", "g1"} - {source}).pop()
-            resumer = threading.Thread(target=lambda: w.wait_until(
-                f"{other} stopped mid-serve", lambda ev: any(e["group"] == other for e in serving(ev)),
-                timeout=600) and _resume_stopped(w, other), daemon=True)
-            resumer.start()
             w.wait_until("the source declared dead", dead_after(source, marks["cut"]),
                          DETECTION_BOUND + 30)
+            w.wait_until("g2 recovered", lambda ev: any(
+                e["kind"] == "recovery_end" and e["group"] == "g2" and e.get("ok")
+                and e["ts"] > marks["cut"] for e in ev), timeout=120)
             bed.heal()
             marks["healed"] = time.time()
             w.wait_commits_after(marks["healed"], {"g0", "g1", "g2"}, commits=3)
@@ -281,10 +276,12 @@ def test_source_vanishing_mid_state_transfer(tmp_path, demo_data, netbed_reason)
     # Long enough, and without resuming from a checkpoint, that the restarted g2 (a start took
     # 47 s at a load of 38) pulls from a live source rather than resuming at the last step.
     outcome, reasons = _job(tmp_path, demo_data, 3, script, steps=600, resume=False,
-                            faults={"g0": ["hang:during_serve"], "g1": ["hang:during_serve"]})
+                            faults={"g0": ["slow_serve"], "g1": ["slow_serve"]},
+                            extra_env={"FTLM_FAULT_SECONDS": "30"})
     assert "done" in marks, outcome.script_error or "the job ended before g2 pulled from a source"
-    assert any(e["kind"] == "recovery_end" and e["group"] == "g2" and e.get("ok")
-               for e in outcome.events)
+    recovered = [e for e in outcome.events if e["kind"] == "recovery_end" and e["group"] == "g2"
+                 and e.get("ok") and e["ts"] > marks["cut"]]
+    assert recovered and recovered[0]["source"] != marks["source"], recovered
     assert reasons == []
 
 

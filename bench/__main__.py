@@ -47,7 +47,7 @@ COORDINATOR_SWEEP = ("--sweep", "100,500,1000,2000,3000,4000,2000@1.5", "--secon
 LIFECYCLE = ("--seeds", "3", "--set", "sft_seeds=3", "--set", "test_seed=20261202", "--set",
              "pair_temperature=0.7", "--set", "dpo_steps=120", "--set", "grpo_lr=5e-5", "--set",
              "grpo_steps=40")
-NEMESIS = ("--runs", "6", "--seed", "1", "--steps", "400", "--faults", "10", "--write")
+NEMESIS = ("--runs", "8", "--seed", "1", "--steps", "400", "--faults", "10", "--write")
 TEST_TIME_SCALING = ("--from-json", "bench/results/test_time_scaling/outcome_add.json",
                      "--note-file", "bench/results/test_time_scaling/note.md")
 

@@ -302,6 +302,10 @@ def nemesis_script(seed: int, settings: Settings, bed, netem: bool) -> Callable[
     names = [f"g{i}" for i in range(settings.groups)]
 
     def script(watch: Watch) -> None:
+        # Every group in the job first: a group cut off before it registered is no member the
+        # coordinator could declare dead, and its fault would go undetected by design.
+        if not watch.wait_commits_after(0.0, set(names), commits=1, timeout=240):
+            return
         for _ in range(settings.faults_per_run):
             if watch.stop.is_set() or watch.top_step() >= settings.steps - 40:
                 return

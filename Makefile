@@ -35,17 +35,19 @@ setup: $(STAMP) native
 demo: setup
 	$(BIN)/ftlm demo
 
-# Debian packages some tests run for real (Prometheus and promtool, headless Chromium); those
-# tests skip with a reason when a binary is missing. CI runs as root, so it installs them.
-SYSTEM_BINARIES := prometheus promtool chromium
+# Debian packages some tests run for real (Prometheus and promtool, headless Chromium; ip, tc and
+# nft for the network test bed, tests/net); those tests skip with a reason when a binary is
+# missing. CI runs as root, so it installs them.
+SYSTEM_BINARIES := prometheus promtool chromium ip tc nft
+SYSTEM_PACKAGES := prometheus chromium iproute2 nftables
 system-deps:
-	@missing=""; for b in $(SYSTEM_BINARIES); do command -v $$b >/dev/null 2>&1 || missing="$$missing $$b"; done; \
+	@missing=""; for b in $(SYSTEM_BINARIES); do command -v $$b >/dev/null 2>&1 || [ -x /usr/sbin/$$b ] || missing="$$missing $$b"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
-		echo "system-deps: missing$$missing; install the Debian packages 'prometheus chromium' as root" \
+		echo "system-deps: missing$$missing; install the Debian packages '$(SYSTEM_PACKAGES)' as root" \
 		     "(their tests will be skipped)"; exit 0; fi; \
-	echo "system-deps: installing prometheus chromium (missing:$$missing)"; \
-	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus chromium
+	echo "system-deps: installing $(SYSTEM_PACKAGES) (missing:$$missing)"; \
+	apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(SYSTEM_PACKAGES)
 
 # Debian packages of the Slurm launcher tests: a one-node Slurm (slurmctld, slurmd, munge) that
 # the tests start themselves, and shellcheck for the generated scripts. They skip, saying why,

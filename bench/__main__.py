@@ -47,6 +47,7 @@ COORDINATOR_SWEEP = ("--sweep", "100,500,1000,2000,3000,4000,2000@1.5", "--secon
 LIFECYCLE = ("--seeds", "3", "--set", "sft_seeds=3", "--set", "test_seed=20261202", "--set",
              "pair_temperature=0.7", "--set", "dpo_steps=120", "--set", "grpo_lr=5e-5", "--set",
              "grpo_steps=40")
+NEMESIS = ("--runs", "8", "--seed", "1", "--steps", "400", "--faults", "10", "--write")
 TEST_TIME_SCALING = ("--from-json", "bench/results/test_time_scaling/outcome_add.json",
                      "--note-file", "bench/results/test_time_scaling/note.md")
 
@@ -70,6 +71,8 @@ JOBS = (
                                                          "10"), None,
         needs="a one-node Slurm, as root (`make system-deps-cluster`)"),
     Job("coordinator_load", "coordinator_load", COORDINATOR_SWEEP, None),
+    Job("nemesis", "nemesis", NEMESIS, None,
+        needs="root, ip, tc and nft for network namespaces (`make system-deps`)"),
     Job("transfer", "transfer"),
     Job("serve_impact", "serve_impact"),
     Job("transfer_priority", "transfer_priority", (), None),

@@ -94,7 +94,7 @@ class CoordinatorProcess:
 
     def __init__(self, config_file: Path, port: int, token: str, events: Path, log: Path,
                  host: str = "127.0.0.1", tls: ssl.SSLContext | None = None, standby: bool = True,
-                 address_file: Path | None = None):
+                 address_file: Path | None = None, prefix: list[str] | None = None):
         self.config_file = Path(config_file)
         self.tls = tls  # the coordinator serves HTTPS (ft.tls_cert): verify it with this
         self.host = host
@@ -110,6 +110,9 @@ class CoordinatorProcess:
         # Rewritten with ``url`` at every start: where the groups find it (FTLM_COORDINATOR_FILE).
         self.address_file = Path(address_file) if address_file is not None else None
         self._log_offset = 0
+        # What its command (and its standby's) is started with, e.g. ``ip netns exec NS`` to run
+        # it in a network namespace of its own (``ftlm.testing.netbed``); the PID is still its own.
+        self.prefix = list(prefix or [])
 
     @property
     def url(self) -> str:
@@ -139,7 +142,7 @@ class CoordinatorProcess:
         self._log_offset = self.log.stat().st_size if self.log.is_file() else 0
         self.proc = self._take_standby()
         if self.proc is None:
-            cmd = [sys.executable, "-m", "ftlm.cli", "coordinator", str(self.config_file),
+            cmd = [*self.prefix, sys.executable, "-m", "ftlm.cli", "coordinator", str(self.config_file),
                    "--host", self.host, "--port", str(self.port), "--events", str(self.events)]
             with open(self.log, "ab") as log:
                 self.proc = subprocess.Popen(cmd, env=self._env(), stdout=log,
@@ -171,7 +174,7 @@ class CoordinatorProcess:
         return dict(os.environ, FTLM_TOKEN=self.token, PYTHONUNBUFFERED="1")
 
     def _spawn_standby(self) -> None:
-        cmd = [sys.executable, "-m", "ftlm.launch.coordinator_standby", str(self.config_file),
+        cmd = [*self.prefix, sys.executable, "-m", "ftlm.launch.coordinator_standby", str(self.config_file),
                "--host", self.host, "--port", str(self.port), "--events", str(self.events)]
         with open(self.log, "ab") as log:
             self._standby = subprocess.Popen(cmd, env=self._env(), stdout=log,

@@ -36,6 +36,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Protocol
 
 from ftlm import startup_beacon
 from ftlm.config import RunConfig, save_config
@@ -62,6 +63,16 @@ part in (``ftlm.ft.quorum.Probe``) after which the group is not started again: i
 (or device) stays bad, and every new process would cost the others a few failed attempts."""
 
 
+class Place(Protocol):
+    """Where a process of the job runs when not on the loopback (``LocalLauncher(places=...)``;
+    ``ftlm.testing.netbed.Node`` is one): the address it binds and others reach it at (a
+    group's ``FTLM_HOST``, the coordinator's ``--host``), and the prefix its command is started
+    with (``ip netns exec NS``, which execs the command: the PID stays the process's own)."""
+
+    host: str
+    prefix: list[str]
+
+
 class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
     """Runs a fault-tolerant job on this machine; ``run()`` returns the summary.
 
@@ -70,6 +81,9 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
     preemptions (SIGTERM, see ``ftlm.launch.chaos``), after which the group must leave and come
     back. ``script`` (with ``script_args``): every rank runs ``ftlm run SCRIPT ARGS``, a user's
     own loop (``ftlm.train.Session``), instead of ``ftlm COMMAND CONFIG``; its checks are the same.
+    ``places`` runs the coordinator (key ``coordinator``), a group (``g0``...) or one rank of a
+    group (``g0.r1``: a node of its own) at an address of its own behind a command prefix
+    (``Place``: a network namespace of ``ftlm.testing.netbed``); the others stay on the loopback.
     ``run()`` raises ``FtlmError`` (after writing the summary) when a group cannot start or
     crash-loops, or the coordinator cannot be (re)started.
 
@@ -88,7 +102,8 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
                  kill_hung: bool = True,
                  extra_env: dict[str, str] | None = None, progress: bool | None = None,
                  command: str = "train", coordinator_standby: bool = True,
-                 script: str | Path | None = None, script_args: list[str] | None = None):
+                 script: str | Path | None = None, script_args: list[str] | None = None,
+                 places: dict[str, Place] | None = None):
         if groups < 1:
             raise ConfigError(f"--groups={groups} must be at least 1")
         if ranks_per_group < 1:
@@ -109,6 +124,16 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
         self.coordinator_standby = coordinator_standby  # a warm process ready to replace it
         self.n = groups
         self.ranks = ranks_per_group
+        # Where the coordinator, a group ("g0") or a rank of one ("g0.r1") runs when not on the
+        # loopback: the address it binds and tells others, and its commands' prefix.
+        self.places = dict(places or {})
+        known = {COORDINATOR} | {f"g{i}" for i in range(groups)}
+        known |= {f"g{i}.r{r}" for i in range(groups) for r in range(1, ranks_per_group)}
+        unknown = set(self.places) - known
+        if unknown:
+            raise ConfigError(f"places names {sorted(unknown)}: give the coordinator "
+                              f"('{COORDINATOR}'), groups g0..g{groups - 1} or their ranks "
+                              f"above 0 (g0.r1: a node of its own)")
         self.kill_hung = kill_hung  # off: a hung group stays stopped until someone resumes it
         self.chaos = Chaos(chaos_mtbf, chaos_seed, hang=chaos_hang, coordinator=chaos_coordinator,
                            preempt=chaos_preempt)
@@ -168,6 +193,7 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
         """Start the group's ranks with the torchrun environment, as a new incarnation."""
         g.incarnation = uuid.uuid4().hex[:12]
         master_port = free_port()
+        place = self.places.get(g.name)  # rank 0's, and every rank's without one of its own
         if self.script is not None:
             cmd = [sys.executable, "-m", "ftlm.cli", "run", str(self.script), *self.script_args]
         else:
@@ -175,6 +201,7 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
                    "--set", "observe.progress=false"]
         g.procs, g.log_offsets, g.cause, g.terminated = [], [], "", False
         for rank in range(self.ranks):
+            at = self.places.get(f"{g.name}.r{rank}", place)
             env = dict(os.environ)
             env.update({
                 "FTLM_COORDINATOR": url, ADDRESS_FILE_ENV: str(self._address_file().absolute()),
@@ -187,6 +214,10 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
                 # launcher judges the run against it) and where the job's record goes.
                 "FTLM_CONFIG": str(config_file.absolute()), "FTLM_RUN_DIR": str(self.run_dir.absolute()),
             })
+            if at is not None:
+                env["FTLM_HOST"] = at.host
+            if place is not None:  # the group's store is on rank 0's node
+                env["MASTER_ADDR"] = place.host
             env.update(self.extra_env)
             env.pop("FTLM_FAULT", None)
             if self.config.observe.metrics:
@@ -208,7 +239,8 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
                 # A session of its own: a Ctrl-C at the terminal reaches the launcher alone,
                 # which stops the groups with SIGTERM, between steps (a SIGINT could land
                 # mid-update, and the committed step would not be saved).
-                g.procs.append(subprocess.Popen(cmd, env=env, stdout=log, start_new_session=True,
+                g.procs.append(subprocess.Popen([*(at.prefix if at else []), *cmd], env=env,
+                                                stdout=log, start_new_session=True,
                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         if self.config.observe.metrics:
             self._write_targets()
@@ -241,12 +273,14 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
     def _launch(self) -> dict:
         config_file = self._prepare_run_dir()
         events = self.events = EventLog(self.run_dir / "events.jsonl", group="supervisor")
+        at = self.places.get(COORDINATOR)
         self.coordinator = CoordinatorProcess(config_file, free_port(), self.token,
                                               self.run_dir / "events.jsonl",
                                               self.run_dir / "logs" / "coordinator.log",
                                               tls=self._tls_context(),
                                               standby=self.coordinator_standby,
-                                              address_file=self._address_file())
+                                              address_file=self._address_file(),
+                                              **({"host": at.host, "prefix": at.prefix} if at else {}))
         self.coordinator.start(self.config.ft.startup_timeout)
         url = self.coordinator.url
         # ranks_per_group: GPU-hours count every rank of a group (ftlm.observe.cost).

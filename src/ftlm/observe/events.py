@@ -37,7 +37,12 @@ Kinds used across ftlm and their fields:
   participants whose loss or gradient was not finite).
 * ``failure_injected``: chaos killed, stopped or broke ``target`` (``signal`` or ``how``). Two are
   not failures (``NOT_FAILURES``): ``signal`` ``none`` slowed a link, ``SIGTERM`` preempted the
-  group (it must leave and come back, ``group_exit`` with ``preempted``).
+  group (it must leave and come back, ``group_exit`` with ``preempted``). The network test bed
+  (``ftlm.testing.netbed``, ``group`` ``netbed``) adds ``signal`` ``partition`` (packets of
+  ``target`` dropped) and the fields ``fault`` (``block``, ``isolate``, ``shape``), ``peer`` and
+  ``both_ways`` (a block), ``shape`` (how a link misbehaves), ``flap`` and ``expect`` (what the
+  job must make of it: ``detected``, ``tolerated``, ``either``).
+* ``network_healed``: the test bed lifted its faults on ``target`` (``*``: every node).
 * ``member_dead``: the coordinator declared ``target`` dead (``reason``: missed heartbeats, no
   progress while heartbeating, process exited, replaced by a new incarnation, or retired because
   attempts of ``step - 1`` failed with it and committed without it and ``step`` failed with it
@@ -93,7 +98,7 @@ KINDS: tuple[str, ...] = (
     "failure_injected", "member_dead", "member_left", "recovery_start", "recovery_end",
     "checkpoint_saved", "checkpoint_rejected", "checkpoint_failed", "checkpoint_reloaded", "coordinator_restart", "restore",
     "eval", "group_lost", "coordinator_unreachable", "coordinator_back", "state_mismatch",
-    "integrity_rollback",
+    "integrity_rollback", "network_healed",
 )
 """Event kinds ftlm emits (documented above); ``emit`` accepts others for forward compatibility."""
 

@@ -263,12 +263,13 @@ class DiLoCo:
         codes, error = int8_encode(rows, range_sum, levels)
         self._new_residual = error.reshape(-1)[:flat.numel()]
         # ... then the codes, summed as int8 (an integer all-reduce is not divided).
-        pieces = list(codes.reshape(-1).split(max(1, self.config.bucket_bytes)))
-        for piece in pieces:
+        # (The padding of the last row stays home: every group pads it with zeros.)
+        sent = codes.reshape(-1)[:flat.numel()]
+        for piece in sent.split(max(1, self.config.bucket_bytes)):
             self.ft.allreduce_start([piece])
         self._flight.update(codes=codes, range_sum=range_sum, levels=levels,
                             participants=participants, n=flat.numel())
-        self.wire_bytes = codes.numel() + ranges.numel() * ranges.element_size()
+        self.wire_bytes = sent.numel() + ranges.numel() * ranges.element_size()
 
     def decode(self) -> None:
         """Write the participants' average into the outer gradients (after the wait)."""

@@ -157,6 +157,8 @@ class DiLoCo:
         self.wire_bytes = 0  # this group's payload of the last exchange
         self.outer_seconds = 0.0  # the last synchronisation: exchange, vote, outer update
         self.staleness = 0  # inner steps between taking the last pseudo-gradient and merging it
+        self._phase_t0 = time.monotonic()
+        self._warned = False  # the phase-length warning is given once
 
     # -- which parameters a step synchronises ------------------------------------------------------
     def fragment_of(self, step: int) -> int:
@@ -190,6 +192,7 @@ class DiLoCo:
                     for keep, p in zip(self._phase_start, self.params):
                         keep.copy_(self.local(p))
         self.plan, self.k, self._losses, self._flight = plan, 0, [], None
+        self._phase_t0 = time.monotonic()
         self.inner_optimizer.zero_grad(set_to_none=True)
 
     def alive(self) -> bool:
@@ -228,6 +231,8 @@ class DiLoCo:
         if self._flight is not None and self._flight["plan"] is plan:
             return self._flight["grads"]
         self._flight = {"t0": time.perf_counter(), "k": self.k, "plan": plan}
+        if not zeros:
+            self._check_phase_length(time.monotonic() - self._phase_t0)
         with torch.no_grad():
             for i in self.fragments[self.fragment_of(plan.step)]:
                 o = self.outer[i]
@@ -243,6 +248,17 @@ class DiLoCo:
             self._start(tensors)
             self.wire_bytes = sum(t.numel() * t.element_size() for t in tensors)
         return grads
+
+    def _check_phase_length(self, seconds: float) -> None:
+        """A joining group's zero contribution waits for the participants' whole inner phase,
+        and the groups' speeds drift apart over it: both within ``ft.allreduce_timeout``."""
+        limit = self.config.allreduce_timeout
+        if seconds > limit / 2 and not self._warned:
+            self._warned = True
+            log.warning("a DiLoCo inner phase took %.1f s, over half of ft.allreduce_timeout=%.1f s: "
+                        "a joining group waits a whole phase in its all-reduce; raise "
+                        "ft.allreduce_timeout (and the timeouts above it) beyond the phase",
+                        seconds, limit)
 
     def _start(self, tensors: list[torch.Tensor]) -> None:
         sizes = [(t.numel() * t.element_size(), t.dtype) for t in tensors]

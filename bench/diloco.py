@@ -70,7 +70,10 @@ def run(arm: dict, seed: int, args) -> tuple[float, float]:
     cfg = ModelConfig(size="tiny", vocab_size=args.vocab, max_seq_len=args.seq)
     base = Transformer(cfg)
     probs = markov(args.vocab, seed)
-    data_g = torch.Generator().manual_seed(seed)
+    # The whole stream at once (one vectorised pass): the same for every arm of a seed.
+    stream = sample(probs, args.inner_steps * GROUPS * args.batch, args.seq + 1,
+                    torch.Generator().manual_seed(seed))
+    stream = stream.view(args.inner_steps, GROUPS, args.batch, args.seq + 1)
     held_out = sample(probs, 64, args.seq + 1, torch.Generator().manual_seed(10_000 + seed))
     models = [copy.deepcopy(base) for _ in range(GROUPS)]
     inner = [torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.0) for m in models]
@@ -84,7 +87,7 @@ def run(arm: dict, seed: int, args) -> tuple[float, float]:
     sent = tokens = 0
     pending: dict | None = None
     for step in range(args.inner_steps):
-        batches = [sample(probs, args.batch, args.seq + 1, data_g) for _ in range(GROUPS)]
+        batches = stream[step]
         tokens += GROUPS * args.batch * args.seq
         for m, b in zip(models, batches):
             loss_of(m, b).backward()
@@ -148,6 +151,40 @@ def run(arm: dict, seed: int, args) -> tuple[float, float]:
     return held, sent / tokens
 
 
+def counted_bytes(args, workdir: str) -> list[tuple[str, float]]:
+    """``summary.json``'s ``bytes_between_groups_per_token`` of real ``ftlm.train.Session`` runs
+    (one group alone: a group's payload per token is the same with any number of groups)."""
+    import os
+    from pathlib import Path
+
+    from ftlm.train import Session
+    out = []
+    modes = {"every step": ("every_step", {}, 10),
+             "diloco H=100": ("diloco", {"diloco_inner_steps": 100}, 1),
+             "streaming H=100 F=4 int8": ("diloco", {"diloco_inner_steps": 100, "diloco_fragments": 4,
+                                                     "diloco_wire_dtype": '"int8"'}, 4)}
+    probs = markov(args.vocab, 0)
+    for name, (sync, fields, steps) in modes.items():
+        run_dir = Path(workdir) / name.replace(" ", "_")
+        lines = "\n".join(f"{k} = {v}" for k, v in fields.items())
+        config = Path(workdir) / f"{run_dir.name}.toml"
+        config.write_text(f'[run]\ndir = "{run_dir}"\n[train]\nsteps = {steps}\nbatch_size = {args.batch}\n'
+                          f'[checkpoint]\nevery = 0\n[ft]\nsync = "{sync}"\n{lines}\n')
+        os.environ["FTLM_CONFIG"] = str(config)
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig(size="tiny", vocab_size=args.vocab, max_seq_len=args.seq))
+        data = sample(probs, 200 * args.batch, args.seq + 1, torch.Generator().manual_seed(0))
+        session = Session(model, torch.optim.AdamW(model.parameters(), lr=args.lr), lr=args.lr,
+                          tokens_per_sample=args.seq)
+        for step in session:
+            loss = loss_of(model, data[[p % len(data) for p in step.samples]])
+            loss.backward()
+            session.commit(loss)
+        out.append((name, session.close()["bytes_between_groups_per_token"]))
+    del os.environ["FTLM_CONFIG"]
+    return out
+
+
 ARMS = {"sync (every step)": {"h": 1}, "diloco H=10": {"h": 10}, "diloco H=50": {"h": 50},
         "streaming H=50 F=4 int8 overlap 1": {"h": 50, "fragments": 4, "overlap": 1, "wire": "int8"}}
 
@@ -180,11 +217,19 @@ def main(argv: list[str] | None = None) -> int:
     rows = [(*r, f"{sync_bpt / float(r[3]):.0f}x") for r in rows]
     flags = [f"--seeds {args.seeds}", f"--inner-steps {args.inner_steps}", f"--batch {args.batch}",
              f"--seq {args.seq}", f"--vocab {args.vocab}"]
+    import tempfile
+    with tempfile.TemporaryDirectory() as workdir:
+        counted = counted_bytes(args, workdir)
+    base = counted[0][1]
+    counted_rows = [(name, f"{b:.2f}", f"{base / b:.0f}x") for name, b in counted]
     body = (section_header("DiLoCo: held-out loss at equal tokens, bytes between groups", "bench.diloco", flags)
             + f"\n{GROUPS} groups simulated in one process, tiny Transformer (vocab {args.vocab}, "
             f"seq {args.seq}), {args.inner_steps} inner steps x batch {args.batch} per group; "
             f"{time.time() - t0:.0f} s on this box. Interval: 95% over seeds (t).\n\n"
-            + table(["arm", "held-out loss", "per seed", "bytes/token per group", "less than sync"], rows))
+            + table(["arm", "held-out loss", "per seed", "bytes/token per group", "less than sync"], rows)
+            + "\n\nBytes between groups per token counted by `ftlm.train.Session` itself (`summary.json` "
+            f"`bytes_between_groups_per_token`, one group alone, {args.batch} x {args.seq} tokens a step):\n\n"
+            + table(["mode", "bytes/token per group", "less than every step"], counted_rows))
     return publish("diloco", body, args.write)
 
 

@@ -123,6 +123,10 @@ def test_a_group_alone_takes_h_inner_steps_per_outer_step_and_each_sample_once(
     commits = [e for e in read_events(tmp_path / "run" / "events.jsonl") if e["kind"] == "commit"]
     assert [e["samples"] for e in commits[:2]] == [[0, 80], [80, 160]]
     assert all(e["inner_steps"] == 5 and e["fragment"] == 0 and e["staleness"] == 0 for e in commits)
+    # One outer gradient (4 bytes a parameter) per 5 x 16 samples of one token each.
+    params = sum(p.numel() for p in session.diloco.outer)
+    assert commits[0]["wire_bytes"] == 4 * params
+    assert summary["bytes_between_groups_per_token"] == round(4 * params / 80, 4)
     # The model the group ends with is the outer state: the replicated one.
     for p, o in zip(session.model.parameters(), session.diloco.outer):
         assert torch.equal(p, o)

@@ -265,7 +265,9 @@ class Session:
             raise RuntimeError("session.commit(loss) was not called for step "
                                f"{self._pending[0].step}: call it once per step, after backward")
         try:
-            while self.state.step < self.steps and (self._asked_next or not self._stopping()):
+            # A DiLoCo phase is owed to its quorum like an asked-for step: a stop waits for its end.
+            while self.state.step < self.steps and (self._asked_next or self._in_phase()
+                                                    or not self._stopping()):
                 self._asked_next = False
                 step = self._attempt()
                 if step is not None:
@@ -350,6 +352,9 @@ class Session:
             if not interrupted:
                 self.disk.save_on_stop()
         self.ft.leave("stopped")
+
+    def _in_phase(self) -> bool:
+        return self.diloco is not None and self.diloco.in_phase
 
     def _stopping(self) -> bool:
         """Whether training ends after this step: a stop request (SIGTERM) or the end of
@@ -563,9 +568,10 @@ class Session:
         finite = bool(torch.isfinite(torch.stack([loss.float().reshape(()),
                                                   *[n.float().to(loss.device) for n in norms]])).all())
         if plan.participating:
-            start = state.cursor + plan.participant_index * self.batch_size
+            b = self.batch_size * self.per_sync  # a participant's slice of the step
+            start = state.cursor + plan.participant_index * b
             # An injected fault (``FTLM_FAULT=nonfinite@STEP``, ``nonfinite_sample@POSITION``).
-            if self.ft.nonfinite_fault(state.step, start, start + self.batch_size):
+            if self.ft.nonfinite_fault(state.step, start, start + b):
                 finite = False
         loss_buf = torch.stack([torch.nan_to_num(loss.float(), nan=0.0, posinf=0.0, neginf=0.0),
                                 torch.tensor(0.0 if finite else 1.0, device=loss.device)])
@@ -597,7 +603,7 @@ class Session:
         # Which samples (global positions) the non-finite participants trained: a recovering
         # group does not know (its own cursor is behind the step's).
         known = bool(who) and plan.participating
-        b = self.batch_size
+        b = self.batch_size * self.per_sync  # a participant's slice of the step
         self.events.emit("step_failed", step=state.step, quorum_id=plan.quorum_id, reason=reason,
                          **({"nonfinite_samples": [[state.cursor + i * b, state.cursor + (i + 1) * b]
                                                    for i in who]} if known else {}))

@@ -9,7 +9,7 @@ sequences per group):
 
 * ``sync``: the gradient averaged every step (one AdamW step on 3 x batch);
 * ``diloco H=10`` and ``diloco H=50``: plain DiLoCo;
-* ``streaming F=4 int8``: H=50, 4 fragments, overlap 1 step (alpha 0.5), int8 outer gradient
+* ``streaming F=4 int8``: H=48 (a multiple of the fragments, as ``ft.diloco_fragments`` requires), 4 fragments, overlap 1 step (alpha 0.5), int8 outer gradient
   with error feedback.
 
 The data is a seeded first-order Markov language (``--vocab`` tokens, each with 8 likely
@@ -186,7 +186,7 @@ def counted_bytes(args, workdir: str) -> list[tuple[str, float]]:
 
 
 ARMS = {"sync (every step)": {"h": 1}, "diloco H=10": {"h": 10}, "diloco H=50": {"h": 50},
-        "streaming H=50 F=4 int8 overlap 1": {"h": 50, "fragments": 4, "overlap": 1, "wire": "int8"}}
+        "streaming H=48 F=4 int8 overlap 1": {"h": 48, "fragments": 4, "overlap": 1, "wire": "int8"}}
 
 
 def main(argv: list[str] | None = None) -> int:

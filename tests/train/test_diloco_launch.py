@@ -30,6 +30,7 @@ def _run(tmp_path: Path, steps: int, ft: dict, **launcher) -> tuple[dict, list[d
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_a_group_killed_at_an_outer_sync_is_left_out_and_recovers_the_outer_state(tmp_path):
     """Four processes importing torch: minutes on the shared 2-core box. The default tier covers
     the path: tests/train/test_diloco.py (a group's phases, fragments, wire dtypes) and
@@ -45,10 +46,11 @@ def test_a_group_killed_at_an_outer_sync_is_left_out_and_recovers_the_outer_stat
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # four processes importing torch, restarts: minutes on a loaded box
 def test_streaming_int8_groups_under_chaos_end_identical_with_each_sample_once(tmp_path):
     """Random kills, most of them during inner steps. The default tier covers the path with a
     planned kill (above) and tests/train/test_diloco.py's streaming, overlapped int8 group."""
-    steps = 40
+    steps = 24
     ft = {**DILOCO, "diloco_inner_steps": 8, "diloco_fragments": 4, "diloco_overlap_steps": 1,
           "diloco_wire_dtype": "int8"}
     summary, events = _run(tmp_path, steps, ft, chaos_mtbf=6.0, chaos_seed=3)

@@ -139,6 +139,9 @@ def is_loopback(host: str) -> bool:
 
 LR_POLICIES = ("none", "linear", "sqrt")
 SNAPSHOT_SERVERS = ("process", "thread")
+SYNC_MODES = ("every_step", "diloco")
+WIRE_DTYPES = ("float32", "bfloat16", "int8")
+FRAGMENT_SPLITS = ("contiguous", "strided")
 
 
 @dataclass
@@ -270,6 +273,35 @@ class FTConfig:
     """Most connections the job's coordinator keeps open at once. Each group's leader holds two
     (its quorum requests' and its heartbeats'), so the default serves about 2,000 groups; raise
     it (and the coordinator host's ``ulimit -n``) for more."""
+    sync: str = "every_step"
+    """How groups synchronise: ``every_step`` (average every gradient, every step) or ``diloco``
+    (each group takes ``diloco_inner_steps`` optimizer steps alone, then the groups average the
+    pseudo-gradient and apply it with an outer optimizer; docs/diloco.md). With ``diloco`` one
+    ``train.steps`` is one synchronisation (of the model, or of one fragment)."""
+    diloco_inner_steps: int = 100
+    """H: inner optimizer steps between two synchronisations of the same parameters."""
+    diloco_outer_lr: float = 0.7
+    """Learning rate of the outer optimizer (SGD) applied to the averaged pseudo-gradient."""
+    diloco_outer_momentum: float = 0.9
+    """Momentum of the outer SGD (0: plain averaging when ``diloco_outer_lr`` is 1)."""
+    diloco_nesterov: bool = True
+    """Nesterov momentum for the outer SGD (needs ``diloco_outer_momentum`` > 0)."""
+    diloco_fragments: int = 1
+    """Streaming DiLoCo: the parameters are cut into this many fragments, synchronised in turn,
+    one every ``diloco_inner_steps / diloco_fragments`` inner steps (which must be whole)."""
+    diloco_fragment_split: str = "strided"
+    """How parameters are assigned to fragments: ``strided`` (parameter i to fragment i mod F:
+    every fragment spans the depth of the model) or ``contiguous`` (runs of consecutive
+    parameters of about equal bytes)."""
+    diloco_overlap_steps: int = 0
+    """Inner steps a fragment's outer all-reduce overlaps with (0: the sync blocks); below the
+    inner steps between two synchronisations."""
+    diloco_merge_alpha: float = 0.5
+    """With overlap: weight of the local parameters when the outer update is merged into them
+    (``alpha * local + (1 - alpha) * outer``); without overlap the outer state replaces them."""
+    diloco_wire_dtype: str = "float32"
+    """Dtype of the outer gradient between groups: ``float32``, ``bfloat16`` or ``int8``
+    (quantised per 4096 values against the participants' summed range, with error feedback)."""
 
     def __post_init__(self) -> None:
         s = "ft"
@@ -317,6 +349,7 @@ class FTConfig:
                               f"{', '.join(SNAPSHOT_SERVERS)} ('process': a child process "
                               f"serves from shared memory, Linux only; 'thread': threads of "
                               f"the training process)")
+        self._check_diloco()
         if self.lr_policy not in LR_POLICIES:
             raise ConfigError(f"{s}.lr_policy={self.lr_policy!r}; valid: {', '.join(LR_POLICIES)}")
         for name in ("tls_cert", "tls_key", "tls_ca"):
@@ -344,6 +377,52 @@ class FTConfig:
                     f"timeout chain broken: {s}.{a}={va} must be below {s}.{b}={vb} "
                     "(heartbeat interval < heartbeat timeout < all-reduce timeout < progress "
                     "timeout < quorum timeout < give-up; docs/design.md, 'Failure detection')")
+
+    def _check_diloco(self) -> None:
+        s = "ft"
+        if self.sync not in SYNC_MODES:
+            raise ConfigError(f"{s}.sync={self.sync!r}; valid: every_step (average every step's "
+                              "gradient), diloco (sync every ft.diloco_inner_steps steps)")
+        for name, low in (("diloco_inner_steps", 1), ("diloco_fragments", 1),
+                          ("diloco_overlap_steps", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"{s}.{name}={value!r} must be an integer >= {low}")
+        h, f = self.diloco_inner_steps, self.diloco_fragments
+        if h % f:
+            raise ConfigError(f"{s}.diloco_inner_steps={h} must be a multiple of "
+                              f"{s}.diloco_fragments={f}: one fragment is synchronised every "
+                              f"inner_steps/fragments steps (e.g. diloco_inner_steps={h - h % f or f})")
+        if self.diloco_overlap_steps >= h // f:
+            raise ConfigError(f"{s}.diloco_overlap_steps={self.diloco_overlap_steps} must be below "
+                              f"the {h // f} inner steps between two synchronisations "
+                              f"(diloco_inner_steps / diloco_fragments); 0 turns overlap off")
+        for name, low, high in (("diloco_outer_lr", 0.0, math.inf),
+                                ("diloco_outer_momentum", 0.0, 1.0),
+                                ("diloco_merge_alpha", 0.0, 1.0)):
+            value = getattr(self, name)
+            ok = _is_number(value) and math.isfinite(float(value))
+            if not ok or not (low < value if name == "diloco_outer_lr" else low <= value) \
+                    or not (value < high if name == "diloco_outer_momentum" else value <= high):
+                bounds = {"diloco_outer_lr": "> 0", "diloco_outer_momentum": "in [0, 1)",
+                          "diloco_merge_alpha": "in [0, 1]"}[name]
+                raise ConfigError(f"{s}.{name}={value!r} must be a number {bounds}")
+        if not isinstance(self.diloco_nesterov, bool):
+            raise ConfigError(f"{s}.diloco_nesterov={self.diloco_nesterov!r} must be true or false")
+        if self.diloco_nesterov and self.diloco_outer_momentum == 0:
+            raise ConfigError(f"{s}.diloco_nesterov=true needs {s}.diloco_outer_momentum > 0 "
+                              "(set diloco_nesterov=false for plain SGD)")
+        if self.diloco_fragment_split not in FRAGMENT_SPLITS:
+            raise ConfigError(f"{s}.diloco_fragment_split={self.diloco_fragment_split!r}; valid: "
+                              f"{', '.join(FRAGMENT_SPLITS)}")
+        if self.diloco_wire_dtype not in WIRE_DTYPES:
+            raise ConfigError(f"{s}.diloco_wire_dtype={self.diloco_wire_dtype!r}; valid: "
+                              f"{', '.join(WIRE_DTYPES)}")
+
+    @property
+    def inner_steps_per_sync(self) -> int:
+        """Inner steps between two protocol steps: 1 every step, else H / fragments."""
+        return 1 if self.sync == "every_step" else self.diloco_inner_steps // self.diloco_fragments
 
     def read_token(self) -> str:
         """The job token from ``token_file`` (empty when none is configured)."""

@@ -620,6 +620,13 @@ class Manager:
         """This group cannot take part in this step's update (e.g. a non-finite gradient)."""
         self._fail(reason)
 
+    def step_alive(self) -> bool:
+        """Between the inner steps of a DiLoCo phase (minutes without another protocol point):
+        progress, so the group is not declared hung; False once the step cannot commit (it
+        failed, or a member of its quorum was reported dead and the all-reduce would fail)."""
+        self._progress()
+        return not self.proto.failed and not self.abort.is_set()
+
     def commit(self) -> bool:
         self._wait_snapshot()  # the update may change the state only once the copy is done
         self._finish_digest()  # (and once its digest is done)

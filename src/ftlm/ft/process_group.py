@@ -112,15 +112,16 @@ class PendingAllreduce:
         self.divisor, self.timeout, self.what = divisor, timeout, what
 
     def wait(self, abort: threading.Event) -> None:
-        """Wait (bounded, abortable), divide, write back; raises ``CollectiveError``."""
+        """Wait (bounded, abortable), divide, write back; raises ``CollectiveError``. Integer
+        tensors (quantised codes) are summed, not divided: their mean would be truncated."""
         if self.work is None:  # a group of one: the sum is the tensors themselves
-            if self.divisor != 1:
+            if self.divisor != 1 and self.tensors and self.tensors[0].is_floating_point():
                 for t in self.tensors:
                     t.div_(self.divisor)
             return
         await_work(self.work, self.timeout, abort, self.what)
         flat = self.flat
-        if self.divisor != 1:
+        if self.divisor != 1 and flat.is_floating_point():
             flat.div_(self.divisor)
         offset = 0
         for t in self.tensors:
@@ -182,7 +183,7 @@ class ReconfigurablePG:
     def allreduce_start(self, tensors: list[torch.Tensor], divisor: int, slot: int = 0
                         ) -> "PendingAllreduce":
         """Issue the SUM of ``tensors`` (same dtype) across the group in one flat bucket without
-        waiting; ``wait`` on the result divides by ``divisor`` and writes back into ``tensors``,
+        waiting; ``wait`` on the result divides by ``divisor`` (floating dtypes) and writes back into ``tensors``,
         which must not change meanwhile. Buckets in flight at once need distinct ``slot``s; the
         backend runs them in the order they were issued.
         """

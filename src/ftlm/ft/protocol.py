@@ -13,6 +13,8 @@ tolerance through the session, never through this protocol. The call order:
   must not commit (a non-finite loss or gradient); ``commit()``: the vote;
 * after a successful vote, ``ask(step + 1, chain)`` requests the next quorum while the update is
   applied (its answer is what the next ``start_step`` returns);
+* between the inner steps of a DiLoCo phase (``ft.sync = "diloco"``), ``step_alive()`` reports
+  progress and says whether the step can still commit;
 * a recovering group polls ``poll_recovery()`` while its zero contribution waits
   (``allreduce_in_flight``), ``restart_recovery(reason)`` when the snapshot plus its buffer does
   not lead to the head, ``caught_up(step, chain)`` once it holds the head, and ``fire(point)`` at
@@ -98,6 +100,7 @@ class FaultTolerance(Protocol):
     def allreduce(self, tensors: list[torch.Tensor]) -> None: ...
     def allreduce_in_flight(self) -> bool: ...
     def fail_step(self, reason: str) -> None: ...
+    def step_alive(self) -> bool: ...
     def commit(self) -> bool: ...
     def poll_recovery(self) -> Recovered | None: ...
     def restart_recovery(self, reason: str) -> None: ...
@@ -139,6 +142,9 @@ class NoFaultTolerance:
 
     def fail_step(self, reason: str) -> None:
         self._failed = True
+
+    def step_alive(self) -> bool:
+        return not self._failed
 
     def commit(self) -> bool:
         return not self._failed

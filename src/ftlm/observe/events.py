@@ -31,7 +31,9 @@ Kinds used across ftlm and their fields:
 * ``commit``: a group applied step ``step`` (``quorum_id``, ``participants`` (count), ``samples``
   (``[start, end)``, the *global* sample range of the step, which every committing group agrees
   on), ``loss``, ``tokens`` (global tokens of the step), ``lr``, ``step_seconds``, ``chain`` (the
-  history chain after the step, ``ftlm.ft.history``) and ``parent`` (the chain before it)).
+  history chain after the step, ``ftlm.ft.history``), ``parent`` (the chain before it) and
+  ``wire_bytes`` (the payload one group put on the wire between groups for the step); under
+  DiLoCo also ``inner_steps``, ``fragment``, ``outer_seconds`` and ``staleness``).
 * ``step_failed``: a group voted not to commit step ``step`` (``quorum_id``, ``reason``; for a
   non-finite loss or gradient, ``nonfinite_samples``: the ``[start, end)`` sample positions of the
   participants whose loss or gradient was not finite).

@@ -91,6 +91,9 @@ TRAINING_METRICS: dict[str, tuple[str, str]] = {
     "ftlm_ft_quorum_wait_seconds": ("histogram", "Seconds waiting for the coordinator's quorum"),
     "ftlm_ft_allreduce_seconds": ("histogram", "Seconds of the cross-group gradient all-reduce"),
     "ftlm_ft_allreduce_bytes_total": ("counter", "Gradient bytes this rank put into the cross-group all-reduce"),
+    "ftlm_ft_bytes_per_token": ("gauge", "Bytes this group put on the wire between groups per token it trained, over the committed steps so far"),
+    "ftlm_diloco_outer_step_seconds": ("histogram", "Seconds of one DiLoCo synchronisation: outer all-reduce, vote and outer update"),
+    "ftlm_diloco_fragment_staleness_steps": ("gauge", "Inner steps between taking the last synchronised fragment's pseudo-gradient and merging its average"),
     "ftlm_ft_steps_failed_total": ("counter", "Steps this rank voted not to commit"),
     "ftlm_ft_recoveries_total": ("counter", "Completed recoveries from a healthy peer"),
     "ftlm_ft_recovery_duration_seconds": ("histogram", "Seconds of one recovery from a healthy peer"),
@@ -193,6 +196,7 @@ class TrainingMetrics:
                    "ftlm_ft_recovery_duration_seconds": RECOVERY_BUCKETS,
                    "ftlm_ft_stall_seconds": RECOVERY_BUCKETS,
                    "ftlm_ft_snapshot_seconds": RECOVERY_BUCKETS,
+                   "ftlm_diloco_outer_step_seconds": STEP_BUCKETS,
                    "ftlm_checkpoint_write_seconds": CHECKPOINT_BUCKETS}
         self._families = {name: make_metric(name, self.registry, LABELS, buckets.get(name, WAIT_BUCKETS))
                           for name in TRAINING_METRICS if name not in AT_SCRAPE + IO_COUNTERS}
@@ -210,6 +214,7 @@ class TrainingMetrics:
         self._gpu: Any = None  # None: not tried yet (no CUDA in use yet); False: unavailable
         self._step_started: float | None = None  # monotonic end of the previous step (tracing)
         self._last_step = -1  # the last committed step: a failed attempt is of the one after it
+        self._wire = [0, 0]  # bytes put on the wire between groups, tokens trained (committed)
         self._m["ftlm_eval_loss"].set(float("nan"))  # no evaluation yet; 0 would read as a loss
 
     def _set(self, name: str, value: float) -> None:
@@ -276,6 +281,20 @@ class TrainingMetrics:
         m["ftlm_train_data_wait_seconds_total"].inc(max(data_wait_seconds, 0.0))
         self.tracer.end_step(step, step_seconds, "commit", tokens=tokens)
         self._step_started, self._last_step = time.monotonic(), step
+
+    def on_wire(self, nbytes: int, tokens: int) -> None:
+        """A committed step put ``nbytes`` on the wire between groups for ``tokens`` this group
+        trained in it (every step: its gradient; DiLoCo: one outer gradient per inner phase)."""
+        self._wire[0] += max(nbytes, 0)
+        self._wire[1] += max(tokens, 0)
+        if self._wire[1]:
+            self._m["ftlm_ft_bytes_per_token"].set(self._wire[0] / self._wire[1])
+
+    def on_outer_step(self, seconds: float, staleness: int) -> None:
+        """A DiLoCo synchronisation committed after ``seconds`` (exchange, vote, outer update);
+        its average was merged ``staleness`` inner steps after its pseudo-gradient was taken."""
+        self._m["ftlm_diloco_outer_step_seconds"].observe(max(seconds, 0.0))
+        self._m["ftlm_diloco_fragment_staleness_steps"].set(staleness)
 
     def on_step_failed(self, step: int | None = None) -> None:
         """Step ``step`` failed (default: the one after the last committed step)."""
@@ -482,6 +501,12 @@ class NullMetrics:
     def on_commit(self, step: int, loss: float | None, tokens: int, step_seconds: float, lr: float,
                   grad_norm: float | None = None, mfu: float | None = None,
                   data_wait_seconds: float = 0.0) -> None:
+        pass
+
+    def on_wire(self, nbytes: int, tokens: int) -> None:
+        pass
+
+    def on_outer_step(self, seconds: float, staleness: int) -> None:
         pass
 
     def on_step_failed(self, step: int | None = None) -> None:

@@ -628,6 +628,21 @@ def final_eval_loss(events: list[dict]) -> float | None:
     return max(evals, key=lambda e: (e["step"], e["ts"]))["loss"] if evals else None
 
 
+def bytes_between_groups_per_token(events: list[dict]) -> float | None:
+    """Bytes the groups put on the wire between them per token the job trained: over committed
+    steps (each counted once), participants x one group's payload (``wire_bytes`` of its commit:
+    a gradient every step, an outer gradient per DiLoCo synchronisation) over the step's tokens.
+    None when no commit records a payload (a run recorded before the field existed)."""
+    seen: dict[int, tuple[int, int]] = {}
+    for e in events:
+        if e.get("kind") == "commit" and isinstance(e.get("wire_bytes"), int) and e["step"] not in seen:
+            seen[e["step"]] = (e["wire_bytes"] * int(e.get("participants", 1)), int(e.get("tokens", 0)))
+    tokens = sum(t for _, t in seen.values())
+    if not seen or not tokens:
+        return None
+    return round(sum(b for b, _ in seen.values()) / tokens, 4)
+
+
 def build_summary(events: list[dict], *, wall_seconds: float, state_hashes: dict[str, str],
                   config: dict, groups: list[str]) -> dict:
     """Every field of ``summary.json`` (docs/design.md, 'summary.json'), plus
@@ -656,6 +671,7 @@ def build_summary(events: list[dict], *, wall_seconds: float, state_hashes: dict
         "steps_failed": sum(1 for e in events if e["kind"] == "step_failed"),
         "wall_seconds": round(float(wall_seconds), 3),
         "tokens_committed": tokens,
+        "bytes_between_groups_per_token": bytes_between_groups_per_token(events),
         "ett": round(figures.ett, 4),
         "failures_injected": len(ledger.injected),
         "failures_detected": len(ledger.detected),

@@ -15,6 +15,7 @@ Not here: the pull itself (``ftlm.ft``), the participants' step and the vote
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,9 +46,13 @@ class Recovery:
 
     def __init__(self, state: TrainState, params: list[torch.Tensor], ft: Any, events: Any,
                  metrics: Any, buffer: CatchUpBuffer, grad_clip: float, ranks: int,
-                 tokens_per_sample: int) -> None:
+                 tokens_per_sample: int,
+                 params_of: Callable[[int], list[torch.Tensor]] | None = None) -> None:
         self.state = state
         self.params = params
+        # The parameters a step's average updates: all of them, or (streaming DiLoCo) the
+        # fragment that step synchronised.
+        self.params_of = params_of or (lambda step: params)
         self.ft = ft
         self.events = events
         self.metrics = metrics
@@ -106,8 +111,9 @@ class Recovery:
         for n, u in enumerate(updates[:check.apply]):
             if not everything and n >= REPLAY_AT_LEAST and not self.ft.allreduce_in_flight():
                 break
-            unflatten_into(u.grads, self.params)
-            apply_update(self.params, state.optimizer, u.lr, self.grad_clip)
+            params = self.params_of(u.step)
+            unflatten_into(u.grads, params)
+            apply_update(params, state.optimizer, u.lr, self.grad_clip)
             state.chain = extend_chain(state.chain, u.step, u.quorum_id, u.participants)
             state.step += 1
             state.cursor += u.samples
@@ -166,7 +172,7 @@ class Recovery:
         t0 = time.perf_counter()
         if lr is not None:
             start = state.cursor
-            grad_norm = apply_update(self.params, state.optimizer, lr, self.grad_clip)
+            grad_norm = apply_update(self.params_of(plan.step), state.optimizer, lr, self.grad_clip)
             state.step += 1
             state.cursor += samples
             state.chain = plan.quorum.next_chain()

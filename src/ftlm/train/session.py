@@ -49,6 +49,7 @@ from ftlm.observe.events import EventLog, NullEvents, read_events
 from ftlm.observe.metrics import TrainingMetrics
 from ftlm.observe.summary import build_summary, write_summary
 from ftlm.train.catchup import CatchUpBuffer
+from ftlm.train.diloco import DiLoCo
 from ftlm.train.durability import Durability
 from ftlm.train.grad_sync import GradientSync
 from ftlm.train.job import join_job, start_metrics
@@ -175,12 +176,25 @@ class Session:
     def _build(self, optimizer: torch.optim.Optimizer, extra: dict[str, Any] | None,
                events: Any, metrics: Any) -> None:
         config = self.config
+        # DiLoCo (``ft.sync = "diloco"``): the replicated state is the outer model and optimizer;
+        # the caller's optimizer takes the inner steps (``ftlm.train.diloco``).
+        self.diloco = (DiLoCo(self.model, optimizer, config.ft, self.ft, _local, self.grad_clip,
+                              multi_rank=self.ranks > 1)
+                       if config.ft.sync == "diloco" else None)
+        if self.diloco is not None:
+            self.params = self.diloco.outer
+        self.per_sync = config.ft.inner_steps_per_sync  # the loop's steps per protocol step
+        self._phase_t0 = 0.0  # when the DiLoCo phase in progress started
         # Cross-group buckets start from backward hooks (single-rank groups; FSDP2's sharded
         # gradients are final only after its reduce-scatter, so sharded groups start them after).
         self.sync = GradientSync(self.params, config.ft.bucket_bytes,
                                  start=lambda grads: self.ft.allreduce_start(grads), local=_local,
-                                 hooks=self.mesh is None and not self.standalone)
-        self.state = TrainState(self.model, optimizer, config.run.seed, mesh=self.mesh, extra=extra)
+                                 hooks=self.mesh is None and not self.standalone and not self.diloco)
+        d = self.diloco
+        self.state = TrainState(d.outer_module if d else self.model, d.outer_optimizer if d else optimizer,
+                                config.run.seed, mesh=self.mesh, extra=extra)
+        # Payload a group puts on the wire between groups per step (every-step mode).
+        self._grad_bytes = sum(_local(p).numel() * _local(p).element_size() for p in self.params)
         self.metrics = metrics if metrics is not None else start_metrics(config, self.group, self.rank)
         try:
             self.metrics_port = self.metrics.port if isinstance(self.metrics, TrainingMetrics) else None
@@ -195,7 +209,8 @@ class Session:
                                self.rank, self.mesh)
         buffer = CatchUpBuffer(config.ft.catchup_max_steps, config.ft.catchup_max_bytes)
         self.recovery = Recovery(self.state, self.params, self.ft, self.events, self.metrics,
-                                 buffer, self.grad_clip, self.ranks, self.tokens_per_sample)
+                                 buffer, 0.0 if d else self.grad_clip, self.ranks,
+                                 self.tokens_per_sample, params_of=d.params_of if d else None)
         self._check_memory_budgets(buffer)
         self.losses: list[float] = []
         self._nonfinite = NonFiniteJudge()  # whose fault a non-finite loss or gradient is
@@ -250,7 +265,9 @@ class Session:
             raise RuntimeError("session.commit(loss) was not called for step "
                                f"{self._pending[0].step}: call it once per step, after backward")
         try:
-            while self.state.step < self.steps and (self._asked_next or not self._stopping()):
+            # A DiLoCo phase is owed to its quorum like an asked-for step: a stop waits for its end.
+            while self.state.step < self.steps and (self._asked_next or self._in_phase()
+                                                    or not self._stopping()):
                 self._asked_next = False
                 step = self._attempt()
                 if step is not None:
@@ -336,6 +353,9 @@ class Session:
                 self.disk.save_on_stop()
         self.ft.leave("stopped")
 
+    def _in_phase(self) -> bool:
+        return self.diloco is not None and self.diloco.in_phase
+
     def _stopping(self) -> bool:
         """Whether training ends after this step: a stop request (SIGTERM) or the end of
         ``train.max_seconds``. The ranks of a larger group stop together, after the first step
@@ -360,16 +380,20 @@ class Session:
         """The learning rate of ``plan_step``: the schedule, scaled in degraded mode."""
         tc = self.config.train
         if self._lr is None:
-            base = lr_at(plan_step, lr=tc.lr, steps=tc.steps, warmup_steps=tc.warmup_steps,
+            base = lr_at(plan_step, lr=tc.lr, steps=tc.steps * self.per_sync, warmup_steps=tc.warmup_steps,
                          schedule=tc.schedule, min_lr_ratio=tc.min_lr_ratio,
                          decay_fraction=tc.decay_fraction)
         else:
             base = self._lr(plan_step) if callable(self._lr) else float(self._lr)
+        if self.diloco is not None:  # inner steps are the group's own: P does not change them
+            return base
         return base * degraded_lr_scale(self.config.ft.lr_policy, participants, self.groups)
 
     def _attempt(self) -> Step | None:
         """Start one step of the protocol: a ``Step`` when this group trains data; else the
         whole step (recovering, draining, reloading) happens here and None is returned."""
+        if self.diloco is not None and self.diloco.in_phase:
+            return self._inner_step()
         t0 = time.perf_counter()
         state = self.state
         try:
@@ -382,21 +406,44 @@ class Session:
             return None
         self.sync.begin()
         if not plan.participating:
-            for p in self.params:
-                p.grad = torch.zeros_like(p)
+            if self.diloco is not None:
+                self.diloco.exchange(plan, zeros=True)
+            else:
+                for p in self.params:
+                    p.grad = torch.zeros_like(p)
             self._finish_step(plan, torch.zeros((), device=self.device), t0)
             return None
-        self.optimizer.zero_grad(set_to_none=True)
-        # Gradients are final in the (last) backward: buckets start from there (``no_sync``).
-        self.sync.armed = True
+        if self.diloco is not None:
+            self.diloco.begin(plan, state.step, state.chain)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            # Gradients are final in the (last) backward: buckets start from there (``no_sync``).
+            self.sync.armed = True
         self._pending = (plan, t0)
-        group = range(state.cursor + plan.participant_index * self.batch_size,
-                      state.cursor + (plan.participant_index + 1) * self.batch_size)
-        per_rank = self.batch_size // self.ranks  # rank r trains its share of the group's slice
+        return self._step_of(plan, 0)
+
+    def _step_of(self, plan: StepPlan, k: int) -> Step:
+        """The loop's step ``k`` of the protocol step ``plan`` (DiLoCo: of its inner phase)."""
+        b, state = self.batch_size, self.state
+        first = state.cursor + (plan.participant_index * self.per_sync + k) * b
+        group = range(first, first + b)
+        per_rank = b // self.ranks  # rank r trains its share of the group's slice
         mine = range(group.start + self.rank * per_rank, group.start + (self.rank + 1) * per_rank)
-        return Step(step=plan.step, samples=mine, group_samples=group,
-                    lr=self.lr_at(plan.step, plan.participants),
+        step = plan.step * self.per_sync + k
+        return Step(step=step, samples=mine, group_samples=group,
+                    lr=self.lr_at(step, plan.participants),
                     participants=plan.participants, index=plan.participant_index)
+
+    def _inner_step(self) -> Step | None:
+        """The next inner step of this group's DiLoCo phase; when the phase's quorum lost a
+        member, the step fails here (its samples are given out again) and None is returned."""
+        plan = self.diloco.plan
+        if self.diloco.alive():
+            self._pending = (plan, self._phase_t0)
+            return self._step_of(plan, self.diloco.k)
+        self.ft.fail_step("a member of the quorum was reported dead during the inner steps")
+        self._finish_step(plan, self.diloco.abandon(), self._phase_t0)
+        return None
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -424,25 +471,37 @@ class Session:
         self._pending = None
         if not torch.is_tensor(loss):
             loss = torch.tensor(float(loss), device=self.device)
+        loss = loss.detach().float().reshape(())
         try:
-            return self._finish_step(plan, loss.detach().float().reshape(()), t0)
+            if self.diloco is not None:
+                self._phase_t0 = t0
+                step = plan.step * self.per_sync + self.diloco.k
+                loss = self.diloco.inner_commit(loss, self.lr_at(step, plan.participants))
+                if loss is None:  # the phase goes on: nothing leaves the group
+                    return True
+            return self._finish_step(plan, loss, t0)
         except Exception:  # (Ctrl-C is the caller's: ``interrupt``, then ``close``)
             self._fail()
             raise
 
     def _finish_step(self, plan: StepPlan, loss: torch.Tensor, t0: float) -> bool:
         state = self.state
-        grads = self.sync.finish()  # starts the buckets backward did not start
+        d = self.diloco
+        # Starts the buckets backward did not start (DiLoCo: the outer gradient's, unless an
+        # overlapped exchange started them already).
+        grads = self.sync.finish() if d is None else d.exchange(plan)
         if plan.recovering:
             self.recovery.while_waiting(plan)
         loss_buf = self._exchange(plan, loss, grads)
+        if d is not None:
+            d.decode()
         nonfinite = bool(loss_buf[1] > 0)
         if nonfinite:
             self.ft.fail_step("non-finite loss or gradient")
         with self.metrics.phase("vote"):
             ok = self.ft.commit()
-        lr = self.lr_at(plan.step, plan.participants)
-        samples = plan.participants * self.batch_size
+        lr = self.lr_at(plan.step, plan.participants) if d is None else self.config.ft.diloco_outer_lr
+        samples = plan.participants * self.batch_size * self.per_sync
         if plan.recovering:
             self._writer = False  # a recovering group is no checkpoint writer until it commits
             self._asked_next = self.recovery.after_vote(plan, ok, grads, lr, samples,
@@ -452,6 +511,8 @@ class Session:
             return ok
         if not ok:
             self._failed(plan, loss_buf, nonfinite)
+            if d is not None:
+                d.failed()
             return False
         self._nonfinite.committed()
         start, parent = state.cursor, state.chain
@@ -462,10 +523,18 @@ class Session:
         # left a quorum it was counted in would fail the others' step.
         self._asked_next = not self._stopping() and self.ft.ask(state.step + 1, chain)
         with self.metrics.phase("commit"):
-            grad_norm = apply_update(self.params, state.optimizer, lr, self.grad_clip)
+            grad_norm = (apply_update(self.params, state.optimizer, lr, self.grad_clip) if d is None
+                         else apply_update(d.params_of(plan.step), state.optimizer, lr, 0.0))
         state.step += 1
         state.cursor += samples
         state.chain = chain
+        wire = {"wire_bytes": self._grad_bytes}
+        if d is not None:
+            d.committed(state.step, state.chain)
+            wire = {"wire_bytes": d.wire_bytes, "inner_steps": self.per_sync,
+                    "fragment": d.fragment_of(plan.step), "outer_seconds": d.outer_seconds,
+                    "staleness": d.staleness}
+            self.metrics.on_outer_step(d.outer_seconds, d.staleness)
         self._writer = plan.participant_index == 0
         global_loss = float(loss_buf[0])
         self.losses.append(global_loss)
@@ -474,14 +543,15 @@ class Session:
                          participants=plan.participants, samples=[start, start + samples],
                          loss=global_loss, tokens=samples * self.tokens_per_sample, lr=lr,
                          grad_norm=grad_norm, step_seconds=seconds, chain=state.chain,
-                         parent=parent, quorum_wait=plan.waited)
+                         parent=parent, quorum_wait=plan.waited, **wire)
         now = time.monotonic()
         if self._stalled and self._last_commit is not None:
             # Time this healthy group lost to a failure: the gap since its previous commit,
             # beyond what this (ordinary) step took.
             self.metrics.on_stall(max(0.0, now - self._last_commit - seconds))
         self._stalled, self._last_commit = False, now
-        rank_tokens = self.batch_size // self.ranks * self.tokens_per_sample
+        rank_tokens = self.batch_size // self.ranks * self.tokens_per_sample * self.per_sync
+        self.metrics.on_wire(wire["wire_bytes"], rank_tokens * self.ranks)
         self.metrics.on_commit(plan.step, global_loss, rank_tokens, seconds, lr, grad_norm,
                                data_wait_seconds=self._data_wait())
         self.metrics.sample_memory()
@@ -500,9 +570,10 @@ class Session:
         finite = bool(torch.isfinite(torch.stack([loss.float().reshape(()),
                                                   *[n.float().to(loss.device) for n in norms]])).all())
         if plan.participating:
-            start = state.cursor + plan.participant_index * self.batch_size
+            b = self.batch_size * self.per_sync  # a participant's slice of the step
+            start = state.cursor + plan.participant_index * b
             # An injected fault (``FTLM_FAULT=nonfinite@STEP``, ``nonfinite_sample@POSITION``).
-            if self.ft.nonfinite_fault(state.step, start, start + self.batch_size):
+            if self.ft.nonfinite_fault(state.step, start, start + b):
                 finite = False
         loss_buf = torch.stack([torch.nan_to_num(loss.float(), nan=0.0, posinf=0.0, neginf=0.0),
                                 torch.tensor(0.0 if finite else 1.0, device=loss.device)])
@@ -534,7 +605,7 @@ class Session:
         # Which samples (global positions) the non-finite participants trained: a recovering
         # group does not know (its own cursor is behind the step's).
         known = bool(who) and plan.participating
-        b = self.batch_size
+        b = self.batch_size * self.per_sync  # a participant's slice of the step
         self.events.emit("step_failed", step=state.step, quorum_id=plan.quorum_id, reason=reason,
                          **({"nonfinite_samples": [[state.cursor + i * b, state.cursor + (i + 1) * b]
                                                    for i in who]} if known else {}))
@@ -603,6 +674,8 @@ class Session:
         self.metrics.stop()
 
     def _finish(self, wall_seconds: float) -> dict:
+        if self.diloco is not None:
+            self.diloco.load_outer_into_model()
         self.disk.save_model(self.model, self.ft.head_step(), self.steps)
         result = {"state_hash": self.state_hash(), "step": self.state.step, "rank": self.rank}
         if not self.standalone:

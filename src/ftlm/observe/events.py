@@ -58,6 +58,11 @@ Kinds used across ftlm and their fields:
   before the coordinator's rollback.
 * ``eval``: held-out loss after step ``step`` (``loss``, ``tokens``, ``seconds``).
 * ``coordinator_restart``: the coordinator came back and rebuilt its soft state.
+* ``spare_promoted``: the coordinator's quorum for ``step`` (``quorum_id``) gave hot spares the
+  places of participants of the previous quorum that train no more (``promoted``, ``replaced``:
+  group ids; ``seconds``: from when the coordinator first knew one of those gone, a death or a
+  leave, to this quorum, else from the previous quorum's issue; ``spares_left``). A ``commit``
+  of a spare carries ``spare: true`` (it applied the step's average and trained nothing).
 * ``group_lost``: the local launcher stops starting ``target`` (``reason``: it died after every
   other group had finished, or the coordinator retired its last three processes in a row).
 """
@@ -78,7 +83,7 @@ KINDS: tuple[str, ...] = (
     "run_start", "run_end", "group_start", "group_exit", "quorum", "commit", "step_failed",
     "failure_injected", "member_dead", "member_left", "recovery_start", "recovery_end",
     "checkpoint_saved", "checkpoint_rejected", "checkpoint_failed", "checkpoint_reloaded", "coordinator_restart", "restore",
-    "eval", "group_lost",
+    "eval", "group_lost", "spare_promoted",
 )
 """Event kinds ftlm emits (documented above); ``emit`` accepts others for forward compatibility."""
 

@@ -19,7 +19,7 @@ from test_fault_tolerance import check_invariants, injected, make_config  # noqa
 
 # Every group in the first quorum (g3 the spare, g1 a participant at step 10), and a group that
 # restarts after the others finished waits for them at the end no longer than the quorum timeout.
-SPARE_FT = {"join_timeout": 15.0, "quorum_timeout": 20.0, "give_up_seconds": 60.0}
+SPARE_FT = {"join_timeout": 30.0, "quorum_timeout": 40.0, "give_up_seconds": 90.0}
 
 
 def run_with_spare(tmp_path, demo_data, steps: int, **kwargs) -> tuple[dict, list[dict]]:

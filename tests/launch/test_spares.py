@@ -57,7 +57,7 @@ def test_a_killed_group_s_place_goes_to_the_spare_at_once(tmp_path, demo_data):
 @pytest.mark.slow  # minutes on a loaded 2-core box; the default tier's test above kills one group
 # at a named point and checks the promotion and every invariant
 def test_chaos_with_a_spare_promotes_it_and_the_repaired_group_stands_by(tmp_path, demo_data):
-    summary, events = run_with_spare(tmp_path, demo_data, steps=600, chaos_mtbf=8.0, chaos_seed=7)
+    summary, events = run_with_spare(tmp_path, demo_data, steps=600, chaos_mtbf=15.0, chaos_seed=7)
     assert summary["failures_injected"] >= 2
     assert summary["spares"]["promotions"] >= 1
     promoted = {g for e in events if e["kind"] == "spare_promoted" for g in e["promoted"]}

@@ -60,6 +60,7 @@ JOBS = (
     Job("hsdp", "hsdp"),
     Job("ft_vs_torchft", "ft_vs_torchft", ("--repeat", "3")),
     Job("failure_stall", "failure_stall", ("--reps", "3"), ("--reps", "1")),
+    Job("spares", "spares"),
     Job("preemption", "preemption", ("--reps", "2", "--preemptions", "4", "--every", "10",
                                      "--steps", "900")),
     Job("convergence", "convergence"),

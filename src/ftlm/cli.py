@@ -195,7 +195,7 @@ def cmd_launch_local(args: argparse.Namespace) -> int:
                             chaos_mtbf=args.chaos_mtbf, chaos_hang=args.chaos_hang,
                             chaos_seed=args.chaos_seed,
                             chaos_coordinator=args.chaos_coordinator,
-                            chaos_preempt=args.chaos_preempt,
+                            chaos_preempt=args.chaos_preempt, spares=args.spares,
                             script=script, script_args=script_args).run()
     # The run proves fault-tolerant training only with n identical final states of n groups and
     # every sample trained exactly once (a launch stopped on request: over the steps it committed).
@@ -252,8 +252,10 @@ def cmd_sim_check(args: argparse.Namespace) -> int:
         raise ConfigError(f"--fault-mtbf={args.fault_mtbf} must be >= 0 (0: no faults)")
     if args.bad_links < 1:
         raise ConfigError(f"--bad-links={args.bad_links} must be at least 1")
-    config = SimConfig(groups=args.groups, steps=args.steps, fault_mtbf=args.fault_mtbf, faults=faults,
-                       bad_links=args.bad_links)
+    if args.spares < 0:
+        raise ConfigError(f"--spares={args.spares} must be >= 0 (0: every group trains)")
+    config = SimConfig(groups=args.groups + args.spares, spares=args.spares, steps=args.steps,
+                       fault_mtbf=args.fault_mtbf, faults=faults, bad_links=args.bad_links)
     report = check(args.seeds, config, start=args.start, jobs=args.jobs, progress=True)
     print(format_report(report, config))
     return 0 if report.ok else 1
@@ -328,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
                "-- my_train.py --lr 3e-3")
     _add_config_args(lp, required=False)
     lp.add_argument("--groups", type=int, default=2, help="number of replica groups (default 2)")
+    lp.add_argument("--spares", type=int, default=0,
+                    help="hot spare groups started beside them: up to date with every step, they "
+                         "train nothing and replace a failed group at once (default 0)")
     lp.add_argument("--ranks-per-group", type=int, default=1,
                     help="ranks (processes) per group; the model is sharded over them with FSDP2")
     lp.add_argument("--chaos-mtbf", type=float, default=0.0,
@@ -379,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--start", type=int, default=0, help="first seed (default 0); replay one with --seeds 1")
     sp.add_argument("--steps", type=int, default=200, help="steps per simulated job (default 200)")
     sp.add_argument("--groups", type=int, default=3, help="replica groups per job (default 3)")
+    sp.add_argument("--spares", type=int, default=0,
+                    help="hot spare groups beside them (default 0): current, training nothing, "
+                         "promoted when a training group fails")
     sp.add_argument("--fault-mtbf", type=float, default=4.0,
                     help="mean simulated seconds between faults (default 4)")
     sp.add_argument("--faults", default="", help="comma-separated fault kinds (default: all)")

@@ -52,6 +52,9 @@ class CoordinatorConfig:
     """Seconds between re-evaluations without traffic (fires join and heartbeat timeouts)."""
     expected_groups: int = 0
     """Groups the job starts with; the first quorum waits up to join_timeout for all of them."""
+    max_participants: int = 0
+    """Most groups that train data in one step; the other up-to-date groups are hot spares that
+    follow every step and replace a failed one at once (``ft.spares``); 0: every group trains."""
     progress_timeout: float = 0.0
     """Seconds a heartbeating group may make no protocol progress before it is declared hung
     (0: never; ``ft.progress_timeout`` sets it for a job)."""
@@ -103,6 +106,9 @@ class CoordinatorConfig:
         paf = self.probe_after_failures
         if not isinstance(paf, int) or isinstance(paf, bool) or paf < 0:
             raise ConfigError(f"{s}.probe_after_failures={paf!r} must be an integer >= 0 (0: never probe)")
+        mp = self.max_participants
+        if not isinstance(mp, int) or isinstance(mp, bool) or mp < 0:
+            raise ConfigError(f"{s}.max_participants={mp!r} must be an integer >= 0 (0: every group trains)")
         mrb = self.max_request_bytes
         if not isinstance(mrb, int) or isinstance(mrb, bool) or mrb < 1024:
             raise ConfigError(f"{s}.max_request_bytes={mrb!r} must be an integer >= 1024")
@@ -154,6 +160,10 @@ class FTConfig:
     """File holding the job token when ``FTLM_TOKEN`` is not set; empty means no token."""
     groups: int = 0
     """Replica groups the job is meant to have (N of the degraded-mode LR); the launcher sets it."""
+    spares: int = 0
+    """Hot spare groups beyond ``groups``: up to date with every step but training no data, each
+    takes a failed group's place in the next step without a catch-up (the launcher sets it from
+    ``cluster.spares`` or ``--spares``). The job's groups train ``groups`` at a time."""
     min_replicas: int = 1
     """Fewest groups that may form a quorum."""
     heartbeat_interval: float = 0.1
@@ -319,7 +329,7 @@ class FTConfig:
         _require_number(s, "restart_delay", self.restart_delay, positive=False)
         _require_number(s, "coordinator_outage_timeout", self.coordinator_outage_timeout, positive=False)
         _require_number(s, "startup_stall_timeout", self.startup_stall_timeout, positive=False)
-        for name, low in (("groups", 0), ("min_replicas", 1), ("max_consecutive_failures", 1),
+        for name, low in (("groups", 0), ("spares", 0), ("min_replicas", 1), ("max_consecutive_failures", 1),
                           ("catchup_max_steps", 1), ("catchup_max_bytes", 1), ("bucket_bytes", 1),
                           ("transfer_parallel", 1), ("integrity_every", 0),
                           ("crash_loop_restarts", 1), ("coordinator_max_connections", 8),
@@ -327,6 +337,9 @@ class FTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"{s}.{name}={value!r} must be an integer >= {low}")
+        if self.spares and not self.groups:
+            raise ConfigError(f"{s}.spares={self.spares} needs {s}.groups (the groups that train; the "
+                              "spares stand by beside them): set ft.groups, or launch with --groups")
         if self.probe_after_failures is None:
             self.probe_after_failures = min(3, self.max_consecutive_failures - 1)
         paf = self.probe_after_failures
@@ -438,7 +451,9 @@ class FTConfig:
                            token: str = "", insecure: bool = False) -> CoordinatorConfig:
         """Settings for a coordinator serving this job (https:// when ``tls_cert`` is set)."""
         return CoordinatorConfig(host=host, port=port, min_replicas=self.min_replicas,
-                                 join_timeout=self.join_timeout, expected_groups=self.groups,
+                                 join_timeout=self.join_timeout,
+                                 expected_groups=self.groups + self.spares if self.groups else 0,
+                                 max_participants=self.groups if self.spares else 0,
                                  heartbeat_timeout=self.heartbeat_timeout,
                                  progress_timeout=self.progress_timeout,
                                  suspect_window=self.suspect_window,

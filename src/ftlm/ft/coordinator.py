@@ -132,7 +132,8 @@ class Coordinator:
         self.options = QuorumOptions(config.min_replicas, config.join_timeout, config.heartbeat_timeout,
                                      config.expected_groups, progress_timeout=config.progress_timeout,
                                      suspect_window=config.suspect_window,
-                                     probe_after=config.probe_after_failures)
+                                     probe_after=config.probe_after_failures,
+                                     max_participants=config.max_participants)
         self._encoder = AnswerEncoder()
         self._bodies = ClientBodies()  # the lean path's body decoding
         self._beat_json = HeartbeatAnswerEncoder()
@@ -408,6 +409,11 @@ class Coordinator:
                 elif o.kind == "restore":
                     log.warning("rollback from step %s to step %s: %s", o.fields["from_step"],
                                 o.fields["to_step"], o.fields["reason"])
+                elif o.kind == "spare_promoted":
+                    log.warning("spare %s promoted in quorum %d, replacing %s, %.2f s after the "
+                                "coordinator knew", ", ".join(o.fields["promoted"]), o.fields["quorum_id"],
+                                ", ".join(o.fields["replaced"]) or "-", o.fields["seconds"])
+                    self.metrics.spare_promoted(o.fields["seconds"])
                 elif o.kind == "quorum":
                     log.info("quorum %d at step %d: %s", o.fields["quorum_id"], o.fields["step"],
                              o.fields["reason"])

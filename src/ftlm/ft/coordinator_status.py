@@ -1,7 +1,8 @@
 """What the coordinator shows about the job: the ``GET /status`` JSON and the Prometheus metrics.
 
 Responsible for: a page of the members with their state, step and heartbeat age, the last quorum
-(its lists cut to ``STATUS_LIMIT``), the recent deaths, departures and convictions
+(its lists cut to ``STATUS_LIMIT``), the spares standing by and how many were promoted, the
+recent deaths, departures and convictions
 (``status_json``), and the coordinator's metrics in a registry of its own
 (``CoordinatorMetrics``).
 
@@ -19,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from ftlm import native
 from ftlm.ft.dashboard import DashboardLog, member_state
 from ftlm.ft.membership import MAX_DEAD_LISTED, Membership
-from ftlm.ft.quorum import Quorum
+from ftlm.ft.quorum import Quorum, spare_groups
 from ftlm.observe.metrics import make_metric
 
 STATUS_LIMIT = 1000
@@ -65,6 +66,8 @@ def status_json(membership: Membership, dashboard: DashboardLog, min_replicas: i
             for t, rid, g, why in membership.recent_departed(now)
         ],
         "convicted": [{"group": g, "times": n} for g, n in state.convicted.items()],
+        "spares": spare_groups(prev)[:STATUS_LIMIT],
+        "spare_promotions": membership.promotions,
         "min_replicas": min_replicas,
         "hot_path": native.STATUS,
         **dashboard.to_json(),
@@ -77,10 +80,11 @@ def quorum_view(quorum: Quorum, limit: int) -> dict[str, Any]:
         return quorum.to_json()
     cut = dataclasses.replace(quorum, members=quorum.members[:limit],
                               participants=quorum.participants[:limit],
-                              recovering=quorum.recovering[:limit],
+                              recovering=quorum.recovering[:limit], spares=quorum.spares[:limit],
                               sources=dict(list(quorum.sources.items())[:limit]))
     return {**cut.to_json(), "truncated": True, "members_total": len(quorum.members),
-            "participants_total": len(quorum.participants), "recovering_total": len(quorum.recovering)}
+            "participants_total": len(quorum.participants), "recovering_total": len(quorum.recovering),
+            "spares_total": len(quorum.spares)}
 
 
 class CoordinatorMetrics:
@@ -95,7 +99,9 @@ class CoordinatorMetrics:
         self.quorum_id = make_metric("ftlm_coordinator_quorum_id", r)
         self.members = make_metric("ftlm_coordinator_members", r)
         self.by_state = {state: make_metric(f"ftlm_coordinator_members_{state}", r)
-                         for state in ("participating", "recovering", "joining", "dead")}
+                         for state in ("participating", "spare", "recovering", "joining", "dead")}
+        self.promotions = make_metric("ftlm_coordinator_spare_promotions_total", r)
+        self.promotion_seconds = make_metric("ftlm_coordinator_spare_promotion_seconds", r)
         self.participants = make_metric("ftlm_coordinator_participants", r)
         self.heartbeat_age = make_metric("ftlm_coordinator_heartbeat_age_seconds", r, ("group",))
         self.quorums = make_metric("ftlm_coordinator_quorums_issued_total", r)
@@ -110,10 +116,15 @@ class CoordinatorMetrics:
         self.quorum_id.set(quorum.quorum_id)
         self.participants.set(len(quorum.participants))
 
+    def spare_promoted(self, seconds: float) -> None:
+        """A spare took a participant's place ``seconds`` after the coordinator knew it was gone."""
+        self.promotions.inc()
+        self.promotion_seconds.set(seconds)
+
     def refresh(self, now: float, state: Any, dead: int) -> None:
         """Set the gauges that derive from the state (called on each scrape); ``dead``: recent deaths."""
         self.members.set(len(state.heartbeats))
-        counts = {"participating": 0, "recovering": 0, "joining": 0}
+        counts = {"participating": 0, "spare": 0, "recovering": 0, "joining": 0}
         for rid in state.heartbeats:
             counts[member_state(rid, state.prev_quorum)] += 1
         for name, n in counts.items():

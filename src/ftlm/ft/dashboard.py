@@ -34,11 +34,13 @@ NAMES_KEPT = 20
 REFRESH_SECONDS = 2.0
 
 
-_roles: tuple[Quorum | None, frozenset[str], frozenset[str]] = (None, frozenset(), frozenset())
+_roles: tuple[Quorum | None, frozenset[str], frozenset[str], frozenset[str]] = (
+    None, frozenset(), frozenset(), frozenset())
 
 
 def member_state(replica_id: str, last: Quorum | None) -> str:
-    """``participating``, ``recovering`` or ``joining`` (alive but not in the latest quorum).
+    """``participating``, ``spare`` (current, training nothing: ``ftlm.ft.quorum.spares``),
+    ``recovering`` or ``joining`` (alive but not in the latest quorum).
 
     The roles of the latest quorum are kept as sets: a status page or a metrics scrape asks this
     for every member, which must not cost a pass over the quorum each time."""
@@ -46,9 +48,11 @@ def member_state(replica_id: str, last: Quorum | None) -> str:
     if last is None:
         return "joining"
     if _roles[0] is not last:
-        _roles = (last, frozenset(last.participants), frozenset(last.recovering))
+        _roles = (last, frozenset(last.participants), frozenset(last.recovering), frozenset(last.spares))
     if replica_id in _roles[1]:
         return "participating"
+    if replica_id in _roles[3]:
+        return "spare"
     if replica_id in _roles[2]:
         return "recovering"
     return "joining"
@@ -77,6 +81,7 @@ class DashboardLog:
             "participants_total": len(quorum.participants),
             "recovering": list(quorum.recovering[:NAMES_KEPT]),
             "recovering_total": len(quorum.recovering),
+            "spares": list(quorum.spares[:NAMES_KEPT]), "spares_total": len(quorum.spares),
             "reason": quorum.reason, "unix": round(unix, 3),
         })
         for rid in quorum.recovering[-self.recoveries.maxlen:]:  # only the newest are kept anyway
@@ -111,7 +116,7 @@ body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
 table { border-collapse: collapse; margin-bottom: 1em; }
 th, td { border: 1px solid #bbb; padding: 3px 8px; text-align: left; font-size: 14px; }
 th { background: #eee; }
-.participating { background: #e3f6e3; } .recovering { background: #fff3cd; } .joining { background: #e8eefc; }
+.participating { background: #e3f6e3; } .spare { background: #eef7ee; } .recovering { background: #fff3cd; } .joining { background: #e8eefc; }
 #notice { color: #a40; } #updated { color: #666; font-size: 12px; }
 button { color: #a00; }
 __CHARTS_STYLE__</style></head>
@@ -199,12 +204,15 @@ function render(s) {
   const sources = last.sources || {};
   document.getElementById("summary").textContent =
     "quorum id " + s.quorum_id + " at step " + (last.step === undefined ? "-" : last.step) +
-    "; min_replicas " + s.min_replicas + "; " + s.reason + (s.hot_path ? "; hot path " + s.hot_path : "") +
+    "; min_replicas " + s.min_replicas +
+    (s.spares && s.spares.length ? "; spares " + s.spares.join(", ") + " (" + s.spare_promotions + " promoted)" : "") +
+    "; " + s.reason + (s.hot_path ? "; hot path " + s.hot_path : "") +
     (s.members_total > s.members.length ? "; showing " + s.members.length + " of " +
      s.members_total + " members (GET /status?offset=N for the rest)" : "");
   fill("members", s.members.map(m => {
     const role = m.state === "recovering" ? "recovering from " + (m.source || sources[m.replica_id] || "?")
-      : m.state === "participating" ? "participant" : "";
+      : m.state === "participating" ? "participant"
+      : m.state === "spare" ? "spare (current, trains nothing)" : "";
     const b = el("button", "kill");
     b.onclick = () => kill(m.group);
     return row([m.group, m.incarnation, m.state, m.step, m.heartbeat_age_seconds.toFixed(2),
@@ -212,7 +220,9 @@ function render(s) {
   }));
   fill("quorums", s.quorums.map(q => row([q.quorum_id,
     q.step === q.last_step ? q.step : q.step + "-" + q.last_step,
-    names(q.participants, q.participants_total), names(q.recovering, q.recovering_total),
+    names(q.participants, q.participants_total) +
+      (q.spares_total ? "; spares " + names(q.spares, q.spares_total) : ""),
+    names(q.recovering, q.recovering_total),
     q.reason, clock(q.unix)])));
   fill("failures", s.dead.map(d => el("li", d.replica_id + ": " + d.reason + ", " +
     d.seconds_ago.toFixed(1) + " s ago")), "none");

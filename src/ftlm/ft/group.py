@@ -2,7 +2,7 @@
 
 Responsible for: what the group reports (its committed ``(step, chain)``, the last quorum id it
 knows, whether its last step failed, its recovery request number), what an issued quorum means for
-it (train a data slice, recover, drain at the end of the job; rebuild the cross-group process
+it (train a data slice, stand by as a spare, recover, drain at the end of the job; rebuild the cross-group process
 group; publish a snapshot for a recovering peer; start pulling one), whether an update may be
 applied, when repeated failures of its own end it, and whether a replayed catch-up reached the
 head (``check_replay``).
@@ -55,6 +55,12 @@ class Role:
     @property
     def participants(self) -> int:
         return self.quorum.participant_count
+
+    @property
+    def spare(self) -> bool:
+        """This group holds the head but trains no data: it follows the step with zeros and
+        commits its average as a participant does (``ftlm.ft.quorum.spares``)."""
+        return self.participant_index is None and not self.recovering and not self.drain
 
 
 @dataclass

@@ -552,7 +552,7 @@ class Manager:
         q = role.quorum
         return StepPlan(quorum_id=q.quorum_id, step=q.step, participant_index=role.participant_index,
                         participants=role.participants, recovering=role.recovering,
-                        drain=role.drain, quorum=q, waited=waited)
+                        drain=role.drain, quorum=q, waited=waited, spare=role.spare)
 
     def allreduce_start(self, tensors: list[torch.Tensor]) -> None:
         """Issue the average of one bucket of ``tensors`` now (e.g. from a backward hook); the

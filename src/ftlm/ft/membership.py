@@ -35,6 +35,7 @@ from ftlm.ft.quorum import (
     compute_quorum,
     convict,
     expire,
+    promotion_fields,
     record_heartbeat,
     record_request,
     reload_due,
@@ -107,6 +108,7 @@ class Membership:
         self.dead: deque[tuple[float, str, str, str]] = deque()  # (time, replica id, group, reason)
         # (time, replica id, ids of the quorums in flight it left without finishing their step)
         self.left: deque[tuple[float, str, frozenset[int]]] = deque()
+        self.promotions = 0  # spares that took a participant's place (``quorum.spares``)
         # (time, replica id, group, reason) of every leave: a supervisor gives a group that left
         # the time to exit (save, summarize, stop its servers) instead of taking it for hung.
         self.departed: deque[tuple[float, str, str, str]] = deque()
@@ -248,6 +250,7 @@ class Membership:
         if quorum is None:
             return out
         started = self.state.round_started
+        prev = self.state.prev_quorum
         commit_quorum(self.state, quorum)
         expect(self.integrity, quorum.step, quorum.chain, frozenset(quorum.participants))
         new_id = quorum.quorum_id != self._last_emitted_id
@@ -255,7 +258,14 @@ class Membership:
             self._last_emitted_id = quorum.quorum_id
             out.append(Event("quorum", {"quorum_id": quorum.quorum_id, "step": quorum.step,
                                         "participants": list(quorum.participants),
-                                        "recovering": list(quorum.recovering), "reason": quorum.reason}))
+                                        "recovering": list(quorum.recovering), "reason": quorum.reason,
+                                        **({"spares": list(quorum.spares)} if quorum.spares else {})}))
+            if prev is not None and prev.spares:
+                gone = [(t, rid) for t, rid, _, _ in self.dead] + [(t, rid) for t, rid, _ in self.left]
+                promotion = promotion_fields(now, quorum, prev, gone)
+                if promotion is not None:
+                    self.promotions += 1
+                    out.append(Event("spare_promoted", promotion))
         out.append(Issued(quorum, now - started if started is not None else 0.0, new_id))
         out += [Answer(rid, 200, None, quorum) for rid in quorum.replica_ids()]
         return out

@@ -58,6 +58,9 @@ class StepPlan:
     waited: float = 0.0
     """Seconds ``start_step`` waited for the quorum answer (after an early ``ask``: only what
     was left of its round trip and of the wait for the other groups)."""
+    spare: bool = False
+    """This group holds the job's state but trains no data (a hot spare): it contributes zeros to
+    the average and applies it on commit, as a participant does."""
 
     @property
     def participating(self) -> bool:

@@ -6,9 +6,10 @@ step (330 KB to each of 2,000 members). A member needs only its own part, and th
 * the quorum's identity and history: id, epoch, step, the head's chain and the chain a commit
   reaches (``next_chain``: the participants' list stays at the coordinator), the reason;
 * sizes: members (the process group's world size), participants (P, the gradient divisor),
-  recovering members and groups; the first member's rendezvous store; a digest of the membership
+  recovering members, spares and groups; the first member's rendezvous store; a digest of the membership
   (``GroupProtocol`` compares it to tell "the same members came back" after a failed step);
-* its own place: replica id, rank in the process group, participant index (its data slice);
+* its own place: replica id, rank in the process group, participant index (its data slice), or
+  ``spare`` (it holds the head and follows the step with zeros, ``ftlm.ft.quorum.spares``);
 * recovering: its source (replica id, group and meta, i.e. the transfer addresses) and the
   participants' list its buffered replay folds into the chain;
 * a source: the recovering members that pull from it (with their meta: the recovery request);
@@ -44,7 +45,8 @@ def shared_fields(q: Quorum) -> dict[str, Any]:
     return {"quorum_id": q.quorum_id, "step": q.step, "chain": q.chain, "next_chain": q.next_chain(),
             "epoch": q.epoch, "issued_at": q.issued_at, "reason": q.reason, "size": q.size,
             "participant_count": q.participant_count, "recovering_count": q.recovering_count,
-            "group_count": q.group_count, "digest": q.digest, "store": q.store}
+            "spare_count": q.spare_count, "group_count": q.group_count, "digest": q.digest,
+            "store": q.store}
 
 
 def own_fields(q: Quorum, replica_id: str) -> dict[str, Any]:
@@ -57,6 +59,8 @@ def own_fields(q: Quorum, replica_id: str) -> dict[str, Any]:
         fields["source"] = _member(src) if src is not None else {"replica_id": source}
     if q.is_recovering(replica_id):
         fields["participant_ids"] = list(q.participants)
+    if q.is_spare(replica_id):
+        fields["spare"] = True
     joiners = q.joiners_of(replica_id)
     if joiners:
         fields["joiners"] = [_member(m) for m in joiners]
@@ -102,8 +106,8 @@ class AnswerEncoder:
     def _start(self, q: Quorum) -> None:
         self._quorum, self._shared = q, json.dumps(shared_fields(q)).encode()
         # Whoever own_fields gives more than the three fields: the recovering, their sources,
-        # and the members watching others.
-        self._special = frozenset(itertools.chain(q.sources, q.sources.values(), q.recovering,
+        # the spares and the members watching others.
+        self._special = frozenset(itertools.chain(q.sources, q.sources.values(), q.recovering, q.spares,
                                                   [m.replica_id for m in q.members if m.watch]))
         if len(self._ids) > 2 * len(q.members) + 64:  # members come and go: keep it bounded
             self._ids.clear()
@@ -140,6 +144,9 @@ class MemberQuorum:
     joiners: list[Member] = field(default_factory=list)
     present_ids: frozenset[str] = frozenset()
     participant_ids: list[str] | None = None
+    spare: bool = False
+    """This member holds the head but trains no data: it follows the step with zeros."""
+    spare_count: int = 0
 
     # -- the questions GroupProtocol and the manager ask (same names as on ``Quorum``) ----------
     def next_chain(self) -> str:
@@ -158,7 +165,10 @@ class MemberQuorum:
         if self.source is not None and replica_id == self.source.replica_id:
             return False
         self._mine(replica_id, strict=True)
-        return self.index is None
+        return self.index is None and not self.spare
+
+    def is_spare(self, replica_id: str) -> bool:
+        return self.spare if self._mine(replica_id) else False
 
     def source_of(self, replica_id: str) -> str | None:
         if replica_id in self._joiner_ids:
@@ -208,8 +218,8 @@ class MemberQuorum:
             "quorum_id": self.quorum_id, "step": self.step, "chain": self.chain,
             "next_chain": self.committed_chain, "epoch": self.epoch, "issued_at": self.issued_at,
             "reason": self.reason, "size": self.size, "participant_count": self.participant_count,
-            "recovering_count": self.recovering_count, "group_count": self.group_count,
-            "digest": self.digest, "store": self.store}
+            "recovering_count": self.recovering_count, "spare_count": self.spare_count,
+            "group_count": self.group_count, "digest": self.digest, "store": self.store}
         if self.source is not None:
             out["source"] = _member(self.source)
         if self.participant_ids is not None:
@@ -218,6 +228,8 @@ class MemberQuorum:
             out["joiners"] = [_member(m) for m in self.joiners]
         if self.present_ids:
             out["present"] = sorted(self.present_ids)
+        if self.spare:
+            out["spare"] = True
         return out
 
     @classmethod
@@ -243,9 +255,12 @@ class MemberQuorum:
                 source=_parse_member(d["source"]) if d.get("source") is not None else None,
                 joiners=[_parse_member(m) for m in d.get("joiners") or []],
                 present_ids=frozenset(str(r) for r in d.get("present") or []),
-                participant_ids=[str(r) for r in participant_ids] if participant_ids is not None else None)
+                participant_ids=[str(r) for r in participant_ids] if participant_ids is not None else None,
+                spare=bool(d.get("spare", False)), spare_count=int(d.get("spare_count", 0)))
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"not a quorum answer: {e!r} in {str(d)[:200]}") from e
+        if q.spare and q.index is not None:
+            raise ValueError(f"not a quorum answer: a spare with participant index {q.index}")
         if not 0 <= q.own_rank < q.size or (q.index is not None and not 0 <= q.index < q.participant_count):
             raise ValueError(f"not a quorum answer: rank {q.own_rank} of {q.size} or participant index "
                              f"{q.index} of {q.participant_count} out of range")

@@ -89,6 +89,9 @@ class ClusterConfig:
     """Job name (a DNS label: lowercase letters, digits, '-'); empty means one derived from run.name."""
     groups: int = 2
     """Replica groups the job starts with (each restarts on its own)."""
+    spares: int = 0
+    """Hot spare groups started beside them (``ft.spares``): each follows every step without
+    training and takes a failed group's place at once; a spare costs a group's resources."""
     ranks_per_group: int = 1
     """Ranks (torchrun processes, FSDP shards) in each replica group, over nodes_per_group nodes."""
     nodes_per_group: int = 1
@@ -165,6 +168,7 @@ class ClusterConfig:
             raise ConfigError(f"{_S}.name={self.name!r} must be empty or a DNS label of at most 40 "
                               "lowercase letters, digits and '-', e.g. tiny-ft")
         _int("groups", self.groups, 1, 512)
+        _int("spares", self.spares, 0, 512)
         _int("ranks_per_group", self.ranks_per_group, 1, 1024)
         _int("nodes_per_group", self.nodes_per_group, 1, 1024)
         if self.ranks_per_group % self.nodes_per_group:
@@ -246,8 +250,13 @@ class ClusterConfig:
         return slug or "ftlm"
 
     def group_names(self) -> list[str]:
-        """Replica group ids, as the local launcher names them: g0, g1, ..."""
-        return [f"g{i}" for i in range(self.groups)]
+        """Replica group ids, spares included, as the local launcher names them: g0, g1, ..."""
+        return [f"g{i}" for i in range(self.groups + self.spares)]
+
+    def ft_settings(self) -> list[str]:
+        """The coordinator's ``--set`` overrides of the job's shape: the groups that train and
+        the spares beside them."""
+        return [f"ft.groups={self.groups}", f"ft.spares={self.spares}"]
 
     @property
     def gpus_per_group(self) -> int:

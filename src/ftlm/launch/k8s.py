@@ -140,7 +140,7 @@ def coordinator_deployment(run: RunConfig, names: Names, cluster: ClusterConfig)
         "command": ["python", "-m", "ftlm.cli", "coordinator", f"{CONFIG_DIR}/config.toml",
                     "--host", "0.0.0.0", "--port", str(port),
                     "--set", f"ft.token_file={TOKEN_DIR}/token",
-                    "--set", f"ft.groups={cluster.groups}"],
+                    *[arg for s in cluster.ft_settings() for arg in ("--set", s)]],
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "readinessProbe": {**probe, "initialDelaySeconds": 2},
         "livenessProbe": {**probe, "initialDelaySeconds": 10, "failureThreshold": 3},

@@ -103,9 +103,11 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
                  extra_env: dict[str, str] | None = None, progress: bool | None = None,
                  command: str = "train", coordinator_standby: bool = True,
                  script: str | Path | None = None, script_args: list[str] | None = None,
-                 places: dict[str, Place] | None = None):
+                 places: dict[str, Place] | None = None, spares: int = 0):
         if groups < 1:
             raise ConfigError(f"--groups={groups} must be at least 1")
+        if spares < 0:
+            raise ConfigError(f"--spares={spares} must be >= 0 (0: every group trains)")
         if ranks_per_group < 1:
             raise ConfigError(f"--ranks-per-group={ranks_per_group} must be at least 1")
         if chaos_mtbf < 0:
@@ -122,7 +124,8 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
         self.script = None if script is None else Path(script)
         self.script_args = list(script_args or [])
         self.coordinator_standby = coordinator_standby  # a warm process ready to replace it
-        self.n = groups
+        self.n = groups  # groups that train (the N of the degraded-mode LR)
+        self.spares = spares  # hot spare groups started beside them (``ft.spares``)
         self.ranks = ranks_per_group
         # Where the coordinator, a group ("g0") or a rank of one ("g0.r1") runs when not on the
         # loopback: the address it binds and tells others, and its commands' prefix.
@@ -144,7 +147,7 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
         self.extra_env = extra_env or {}
         self.progress = config.observe.progress if progress is None else progress
         self.run_dir = config.run.path
-        self.groups = [GroupProcess(f"g{i}") for i in range(groups)]
+        self.groups = [GroupProcess(f"g{i}") for i in range(groups + spares)]
         self._best_step = 0  # the furthest step the job was seen at (chaos stops at the last one)
         self._healthy: set[str] = set()  # participants of the last quorum seen (chaos spares the last)
         self.token = secrets.token_hex(16)
@@ -185,6 +188,7 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
             print(f"ftlm: {moved}", file=sys.stderr)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         self.config.ft.groups = self.n  # the coordinator's first quorum waits for all of them
+        self.config.ft.spares = self.spares
         config_file = self.run_dir / "config.toml"
         save_config(self.config, config_file)
         return config_file
@@ -284,7 +288,7 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
         self.coordinator.start(self.config.ft.startup_timeout)
         url = self.coordinator.url
         # ranks_per_group: GPU-hours count every rank of a group (ftlm.observe.cost).
-        events.emit("run_start", step=-1, groups=self.n, coordinator=url,
+        events.emit("run_start", step=-1, groups=self.n, spares=self.spares, coordinator=url,
                     chaos_mtbf=self.chaos.mtbf, coordinator_pid=self.coordinator.pid,
                     ranks_per_group=self.ranks, resume_from=self._resume_step)
         self._mark_resume(events)

@@ -101,7 +101,7 @@ def coordinator_script(run: RunConfig, cluster: ClusterConfig, out: Path, workdi
         "> \"$OUT/state/prometheus-coordinator.json.tmp\"",
         "mv \"$OUT/state/prometheus-coordinator.json.tmp\" \"$OUT/state/prometheus-coordinator.json\"",
         f'{cluster.python} -m ftlm.cli coordinator "$OUT/config.toml" --host 0.0.0.0 '
-        f'--port "$PORT" --set ft.token_file="$OUT/token" --set ft.groups={cluster.groups} &',
+        f'--port "$PORT" --set ft.token_file="$OUT/token" {" ".join(f"--set {s}" for s in cluster.ft_settings())} &',
         "child=$!",
         "while :; do",
         "  wait \"$child\"",
@@ -362,7 +362,7 @@ def generate_slurm(run_config: RunConfig, cluster: ClusterConfig, out_dir: Path,
     """Write the job's scripts under ``out_dir``; ``workdir`` (default: the current directory)
     is where relative paths of the config (data, run directory) resolve on the nodes."""
     if group_metrics(run_config, cluster):
-        last = cluster.metrics_port + cluster.groups * cluster.ranks_per_node - 1
+        last = cluster.metrics_port + len(cluster.group_names()) * cluster.ranks_per_node - 1
         if last > 65535:
             raise ConfigError(f"cluster.metrics_port={cluster.metrics_port}: the groups' metrics "
                               f"ports would run to {last} (one per group x rank of a node); "

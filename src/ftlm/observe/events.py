@@ -70,6 +70,11 @@ Kinds used across ftlm and their fields:
   ``reason``); it keeps its state and waits (docs/ft-protocol.md, "When the coordinator is gone").
 * ``coordinator_back``: the coordinator at ``address`` answers again after ``seconds`` without
   answering (from the first unanswered request).
+* ``spare_promoted``: the coordinator's quorum for ``step`` (``quorum_id``) gave hot spares the
+  places of participants of the previous quorum that train no more (``promoted``, ``replaced``:
+  group ids; ``seconds``: from when the coordinator first knew one of those gone, a death or a
+  leave, to this quorum, else from the previous quorum's issue; ``spares_left``). A ``commit``
+  of a spare carries ``spare: true`` (it applied the step's average and trained nothing).
 * ``group_lost``: the local launcher stops starting ``target`` (``reason``: it died after every
   other group had finished, or the coordinator retired its last three processes in a row).
 * ``state_mismatch``: the digest of ``target``'s replicated state at committed step ``step``
@@ -100,7 +105,7 @@ KINDS: tuple[str, ...] = (
     "failure_injected", "member_dead", "member_left", "recovery_start", "recovery_end",
     "checkpoint_saved", "checkpoint_rejected", "checkpoint_failed", "checkpoint_reloaded", "coordinator_restart", "restore",
     "eval", "group_lost", "coordinator_unreachable", "coordinator_back", "state_mismatch",
-    "integrity_rollback", "network_healed",
+    "integrity_rollback", "network_healed", "spare_promoted",
 )
 """Event kinds ftlm emits (documented above); ``emit`` accepts others for forward compatibility."""
 

@@ -130,6 +130,7 @@ COORDINATOR_METRICS: dict[str, tuple[str, str]] = {
     "ftlm_coordinator_quorum_id": ("gauge", "Id of the latest issued quorum"),
     "ftlm_coordinator_members": ("gauge", "Replica groups with a fresh heartbeat"),
     "ftlm_coordinator_members_participating": ("gauge", "Members training in the latest quorum"),
+    "ftlm_coordinator_members_spare": ("gauge", "Hot spares in the latest quorum: current, training nothing"),
     "ftlm_coordinator_members_recovering": ("gauge", "Members catching up in the latest quorum"),
     "ftlm_coordinator_members_joining": ("gauge", "Live members not in the latest quorum yet"),
     "ftlm_coordinator_members_dead": ("gauge", "Members declared dead or replaced recently"),
@@ -139,6 +140,8 @@ COORDINATOR_METRICS: dict[str, tuple[str, str]] = {
     "ftlm_coordinator_member_failures_total": ("counter", "Members declared dead or replaced"),
     "ftlm_coordinator_kill_requests_total": ("counter", "Chaos kills requested through POST /v1/kill"),
     "ftlm_coordinator_state_mismatches_total": ("counter", "Groups whose state digest differed from the others' (retired)"),
+    "ftlm_coordinator_spare_promotions_total": ("counter", "Spares that took a failed participant's place"),
+    "ftlm_coordinator_spare_promotion_seconds": ("gauge", "Seconds from the coordinator knowing a participant gone to its spare's promotion (latest)"),
     "ftlm_coordinator_quorum_latency_seconds": ("histogram", "Seconds from a round's first request to its quorum"),
 }
 

@@ -695,6 +695,9 @@ def build_summary(events: list[dict], *, wall_seconds: float, state_hashes: dict
         "median_step_seconds": round(median, 4),
         "steady_tokens_per_second": round(steady, 2),
     }
+    spares = spare_figures(events)
+    if spares is not None:
+        summary["spares"] = spares
     cost = cost_config_of(config)
     summary["gpu_hours"] = gpu_hours_by_state(events, list(groups),
                                               gpus_per_group(recorded, config, cost), median)
@@ -703,6 +706,31 @@ def build_summary(events: list[dict], *, wall_seconds: float, state_hashes: dict
         summary["cost"] = priced
     summary["problems"] = proof_problems(summary)
     return summary
+
+
+def spare_figures(events: list[dict]) -> dict | None:
+    """The ``spares`` field of ``summary.json``, None in a job without spares: ``configured``
+    (``run_start``'s ``spares``), ``promotions`` (``spare_promoted`` events),
+    ``failure_to_promotion_seconds`` (per promotion: from the latest failure of a group it
+    replaced, injected or detected, to the promotion; the coordinator's own ``seconds`` when no
+    such event precedes it, e.g. a group that fell behind) and ``spare_commits`` (steps a spare
+    applied without training)."""
+    configured = max((int(e.get("spares") or 0) for e in events if e["kind"] == "run_start"), default=0)
+    promotions = [e for e in events if e["kind"] == "spare_promoted"]
+    spare_commits = sum(1 for e in events if e["kind"] == "commit" and e.get("spare"))
+    if not configured and not promotions and not spare_commits:
+        return None
+    failures = [(e["ts"], affected_group(e)) for e in events
+                if (e["kind"] == "failure_injected"
+                    and (e.get("signal") or e.get("how")) not in NOT_FAILURES)
+                or e["kind"] in ("member_dead", "member_left")]
+    delays = []
+    for p in promotions:
+        replaced = set(p.get("replaced") or ())
+        before = [t for t, g in failures if g in replaced and t <= p["ts"]]
+        delays.append(round(p["ts"] - max(before), 3) if before else float(p.get("seconds") or 0.0))
+    return {"configured": configured, "promotions": len(promotions),
+            "failure_to_promotion_seconds": delays, "spare_commits": spare_commits}
 
 
 def replicas_identical(state_hashes: dict[str, str], groups: list[str]) -> bool:

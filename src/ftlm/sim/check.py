@@ -30,6 +30,8 @@ class CheckReport:
     leaves_judged: int = 0
     convictions: int = 0
     wrong_convictions: int = 0
+    promotions: int = 0
+    spare_quorums: int = 0
     simulated_seconds: float = 0.0
     wall_seconds: float = 0.0
 
@@ -63,6 +65,8 @@ def check(seeds: int, config: SimConfig, start: int = 0, jobs: int = 1, progress
             report.leaves_judged += r.leaves_judged
             report.convictions += r.convictions
             report.wrong_convictions += r.wrong_convictions
+            report.promotions += r.promotions
+            report.spare_quorums += r.spare_quorums
             report.simulated_seconds += r.seconds
             if not r.ok:
                 report.failures.append(r)
@@ -85,7 +89,8 @@ def check(seeds: int, config: SimConfig, start: int = 0, jobs: int = 1, progress
 
 
 def format_report(report: CheckReport, config: SimConfig, show: int = 3) -> str:
-    lines = [f"{report.seeds} seeds x {report.steps} steps, {config.groups} groups: "
+    spares = f" ({config.spares} of them spares)" if config.spares else ""
+    lines = [f"{report.seeds} seeds x {report.steps} steps, {config.groups} groups{spares}: "
              f"{sum(report.faults.values())} faults injected, {report.restores} explicit rollbacks, "
              f"{report.leaves_judged} graceful leaves judged, "
              f"{report.simulated_seconds:,.0f} simulated s in {report.wall_seconds:.1f} s: "
@@ -102,6 +107,9 @@ def format_report(report: CheckReport, config: SimConfig, show: int = 3) -> str:
         lines.append(f"groups retired for failing every step they took part in: {report.convictions} "
                      f"({report.wrong_convictions} with a good link, each after another fault or a "
                      f"lost message)")
+    if config.spares:
+        lines.append(f"spares: {report.spare_quorums} quorums with a spare standing by, "
+                     f"{report.promotions} spares promoted (each holding the head)")
     for r in report.failures[:show]:
         lines.append("")
         lines.append(f"VIOLATION {r.error}")
@@ -110,7 +118,7 @@ def format_report(report: CheckReport, config: SimConfig, show: int = 3) -> str:
     return "\n".join(lines)
 
 
-CLI_FIELDS = ("groups", "steps", "faults", "fault_mtbf", "bad_links")
+CLI_FIELDS = ("groups", "spares", "steps", "faults", "fault_mtbf", "bad_links")
 """The fields of ``SimConfig`` that ``ftlm sim check`` sets from its options."""
 
 
@@ -124,7 +132,11 @@ def replay_command(seed: int, steps: int, config: SimConfig) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in {"groups": config.groups, **changed, "steps": steps}.items())
         return (f'python -c "from ftlm.sim.protocol import SimConfig, run; '
                 f'print(run({seed}, SimConfig({args})).error or \'ok\')"')
-    cmd = f"ftlm sim check --start {seed} --seeds 1 --steps {steps} --groups {config.groups}"
+    # ``--groups`` counts the groups that may train; ``--spares`` are started beside them.
+    cmd = (f"ftlm sim check --start {seed} --seeds 1 --steps {steps} "
+           f"--groups {config.groups - config.spares}")
+    if config.spares:
+        cmd += f" --spares {config.spares}"
     if config.faults != defaults.faults:
         cmd += f" --faults {','.join(config.faults)}"
     if config.fault_mtbf != defaults.fault_mtbf:

@@ -152,6 +152,12 @@ class Faults:
         sim.invariants.leave_watches = []  # another fault may delay anyone: a leave is judged in quiet times
         live = [g for g in sim.groups.values() if g is not None and g.alive and not g.hung and not g.left]
         target = sim.rng.choice(live) if live else None
+        if self.c.spares:
+            # A spare's own failures (dying, hanging, falling behind) must never reach training:
+            # half the faults strike a current spare when there is one.
+            spares = [g for g in live if g.proto.role is not None and g.proto.role.spare]
+            if spares and sim.rng.random() < 0.5:
+                target = sim.rng.choice(spares)
         sim.log(f"fault {kind} -> {target.replica_id if target else '-'}")
         die = sim.launcher.die
         if kind == "coordinator_crash":

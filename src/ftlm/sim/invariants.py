@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 from ftlm.ft.group import Role
 from ftlm.ft.quorum import Quorum
+from ftlm.ft.quorum.spares import promoted
 from ftlm.observe.summary import data_accounting
 from ftlm.sim.collective import quorum_key
 from ftlm.sim.job import Collective, Incarnation, LeaveWatch, State, copy_state
@@ -53,6 +54,9 @@ class Invariants:
         # Incarnations found corrupt (``state_mismatch``), and the corruptions a majority outvoted.
         self.found_corrupt: set[str] = set()
         self.outvoted: set[int] = set()
+        self.promotions = 0  # see SimResult
+        self.spare_quorums = 0
+        self.last_issued: Quorum | None = None  # the last quorum issued with a new id (any epoch)
         # The job's record as events.jsonl would hold it (the trainer's commits, the coordinator's
         # restores): at the end the summary's accounting of it must prove what happened.
         self.record: list[dict] = []
@@ -182,10 +186,31 @@ class Invariants:
             self.fail(f"{sorted(stayed)} found corrupt but a participant of quorum {q.quorum_id} at step {q.step}")
 
     def check_participant(self, inc: Incarnation, q: Quorum, role: Role) -> None:
-        """Every participant of a quorum holds the quorum's ``(step, chain)``."""
-        if role.participant_index is not None and (inc.state.step, inc.state.chain) != (q.step, q.chain):
-            self.fail(f"{inc.replica_id} is a participant of quorum {q.quorum_id} at step {q.step} but holds step "
+        """Every participant (and every spare) of a quorum holds the quorum's ``(step, chain)``:
+        a spare that is not current is never promoted, nor kept as a spare."""
+        what = "a participant" if role.participant_index is not None else "a spare" if role.spare else ""
+        if what and (inc.state.step, inc.state.chain) != (q.step, q.chain):
+            self.fail(f"{inc.replica_id} is {what} of quorum {q.quorum_id} at step {q.step} but holds step "
                       f"{inc.state.step} with another history")
+
+    def check_roles(self, q: Quorum) -> None:
+        """**spares**: at most ``max_participants`` train; a spare stands by only while every
+        training place is taken (a free place goes to a current spare at once)."""
+        most = self.sim.options.max_participants
+        if q.spares:
+            self.spare_quorums += 1
+        self.promotions += len(promoted(q, self.last_issued))
+        self.last_issued = q
+        if not most:
+            if q.spares:
+                self.fail(f"quorum {q.quorum_id} has spares {q.spares} in a job without spares")
+            return
+        if len(q.participants) > most:
+            self.fail(f"quorum {q.quorum_id} has {len(q.participants)} participants, more than the "
+                      f"{most} training places")
+        if q.spares and len(q.participants) < most:
+            self.fail(f"quorum {q.quorum_id} leaves spares {q.spares} standing by with "
+                      f"{len(q.participants)} of {most} training places taken")
 
     def check_collective(self, coll: Collective, q: Quorum) -> None:
         """One quorum id (within an epoch and step) names one set of members."""

@@ -40,6 +40,9 @@ class SimConfig:
     """One simulated job: its size, timing, and how often faults strike."""
 
     groups: int = 3
+    spares: int = 0
+    """Of ``groups``, how many train no data while the others can (hot spares: the coordinator's
+    ``max_participants`` is ``groups - spares``); faults strike a current spare half the time."""
     steps: int = 200
     batch: int = 4
     fault_mtbf: float = 4.0
@@ -265,6 +268,10 @@ class SimResult:
     convictions: int = 0
     """Groups the coordinator retired for failing every step they took part in (``quorum.Probe``)."""
     wrong_convictions: int = 0
+    promotions: int = 0
+    """Spares that became participants (``SimConfig.spares``): each held the head when promoted."""
+    spare_quorums: int = 0
+    """Quorums issued with at least one spare standing by."""
     """Of those, groups whose link was good (allowed only after another fault or a lost message
     may have failed the same attempts: ``check_conviction``)."""
 

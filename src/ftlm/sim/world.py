@@ -49,7 +49,8 @@ class Simulation:
         self.seq = 0  # events scheduled so far (also names a bogus claim's incarnation)
         self.options = QuorumOptions(1, self.c.join_timeout, self.c.heartbeat_timeout, self.c.groups,
                                      progress_timeout=self.c.progress_timeout,
-                                     suspect_window=self.c.suspect_window, probe_after=self.c.probe_after)
+                                     suspect_window=self.c.suspect_window, probe_after=self.c.probe_after,
+                                     max_participants=self.c.groups - self.c.spares if self.c.spares else 0)
         self.reports_deaths = {"all": True, "none": False}.get(self.c.supervisor_reports, seed % 2 == 1)
         self.coordinator: Membership | None = Membership(self.options, self._epoch(), TICK)
         self.inbox: list[Callable[[], None]] | None = None  # messages waiting on a stopped coordinator
@@ -151,7 +152,8 @@ class Simulation:
                              leaves_judged=inv.leaves_judged,
                              restores_past_checkpoint=self.restores_past_checkpoint,
                              steps_past_checkpoint=self.steps_past_checkpoint,
-                             convictions=inv.convictions, wrong_convictions=inv.wrong_convictions)
+                             convictions=inv.convictions, wrong_convictions=inv.wrong_convictions,
+                             promotions=inv.promotions, spare_quorums=inv.spare_quorums)
         except Violation as e:
             return SimResult(self.seed, False, self.c.steps, self.faults.counts, self.restores, self.now, str(e),
                              list(self.trace), inv.leaves_judged, self.restores_past_checkpoint,
@@ -279,7 +281,8 @@ class Simulation:
             elif isinstance(o, Issued):
                 q = o.quorum
                 if o.new_id:
-                    self.log(f"quorum {q.quorum_id} step {q.step} P={q.participants} R={q.recovering}")
+                    spares = f" S={q.spares}" if q.spares else ""
+                    self.log(f"quorum {q.quorum_id} step {q.step} P={q.participants} R={q.recovering}{spares}")
                     if self.past_checkpoint is not None:  # the first quorum after a rollback past the disk
                         newest, self.past_checkpoint = self.past_checkpoint, None
                         if q.step < newest:
@@ -287,6 +290,7 @@ class Simulation:
                             self.steps_past_checkpoint += newest - q.step
                 inv.check_quorum_id(q)
                 inv.check_no_corrupt_participant(q)
+                inv.check_roles(q)
             elif isinstance(o, Event):
                 if o.kind == "member_dead":
                     inv.check_silence(o.fields["replica_id"], o.fields["reason"])

@@ -9,7 +9,8 @@
     result = session.close()
 
 Per step (docs/design.md, 'One training step'): ``next()`` asks fault tolerance for the step's
-plan and yields a ``Step`` only when this group trains data; recovering from a peer, draining at
+plan and yields a ``Step`` only when this group trains data; recovering from a peer, standing by
+as a hot spare (following each step with zero gradients and applying its average), draining at
 the job's end and reloading a checkpoint before a rollback happen inside ``next()``, invisible to
 the loop. ``commit`` averages the gradients and the loss over the participating groups, applies
 the update only if the commit vote passes, and records the commit. The iteration ends at
@@ -543,14 +544,17 @@ class Session:
                          participants=plan.participants, samples=[start, start + samples],
                          loss=global_loss, tokens=samples * self.tokens_per_sample, lr=lr,
                          grad_norm=grad_norm, step_seconds=seconds, chain=state.chain,
-                         parent=parent, quorum_wait=plan.waited, **wire)
+                         parent=parent, quorum_wait=plan.waited, **wire,
+                         **({"spare": True} if plan.spare else {}))
         now = time.monotonic()
         if self._stalled and self._last_commit is not None:
             # Time this healthy group lost to a failure: the gap since its previous commit,
             # beyond what this (ordinary) step took.
             self.metrics.on_stall(max(0.0, now - self._last_commit - seconds))
         self._stalled, self._last_commit = False, now
-        rank_tokens = self.batch_size // self.ranks * self.tokens_per_sample * self.per_sync
+        # A spare applied the step's average but trained none of its tokens.
+        rank_tokens = (0 if plan.spare else
+                       self.batch_size // self.ranks * self.tokens_per_sample * self.per_sync)
         self.metrics.on_wire(wire["wire_bytes"], rank_tokens * self.ranks)
         self.metrics.on_commit(plan.step, global_loss, rank_tokens, seconds, lr, grad_norm,
                                data_wait_seconds=self._data_wait())

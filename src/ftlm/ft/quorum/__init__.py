@@ -6,7 +6,7 @@ each rule). Every "not yet" comes with a human-readable reason.
 One module per concept: ``types`` (the records), ``index`` (the counts the decisions read),
 ``members`` (who is alive), ``head`` (the authoritative state and rollbacks), ``decision`` (the
 quorum), ``reload`` (the look on disk before a rollback), ``bad_link`` (the search for a member
-that fails its steps). This package re-exports what the rest of ``ftlm`` uses.
+that fails its steps), ``spares`` (which holders of the head train and which stand by). This package re-exports what the rest of ``ftlm`` uses.
 
 Not responsible for: sockets, threads, timers or the wall clock (``ftlm.ft.membership`` drives
 these functions as the coordinator's state machine, ``ftlm.ft.coordinator`` serves it), nor for
@@ -25,6 +25,7 @@ from ftlm.ft.quorum.members import (
     withdraw_request,
 )
 from ftlm.ft.quorum.reload import reload_due, reload_hint, reload_round
+from ftlm.ft.quorum.spares import assign_roles, promoted, promotion_fields, spare_groups
 from ftlm.ft.quorum.types import (
     MAX_CLAIM,
     MAX_WATCH,
@@ -43,5 +44,5 @@ __all__ = [
     "FAILS_ITS_STEPS", "MAX_CLAIM", "MAX_WATCH", "Convicted", "CoordinatorState", "Heartbeat", "Member",
     "MemberRequest", "Probe", "Quorum", "QuorumOptions", "Restore", "StaleIncarnation", "advance_head",
     "commit_quorum", "compute_quorum", "convict", "expire", "record_heartbeat", "record_request", "reload_due", "reload_hint", "reload_round", "remove_member",
-    "withdraw_request",
+    "withdraw_request", "assign_roles", "promoted", "promotion_fields", "spare_groups",
 ]

@@ -4,7 +4,8 @@ participates and who recovers from whom.
 Responsible for: ``compute_quorum`` (docs/ft-protocol.md, 'The rules'), a pure function of the
 state, the clock and the options that returns a quorum or a human-readable reason for every "not
 yet", and ``_build``, which lays the issued quorum out (members sorted by group, participants the
-holders of the head, a source for each recovering member, the id).
+holders of the head, or as many as there are training places and the rest spares
+(``spares.assign_roles``), a source for each recovering member, the id).
 
 Not responsible for: who is alive (``ftlm.ft.quorum.members``: the decision reads the live
 members through ``members.live_view`` and the counts of ``index``, never a pass over the members
@@ -18,6 +19,7 @@ import itertools
 
 from ftlm.ft.quorum.bad_link import leave_out
 from ftlm.ft.quorum.members import live_view
+from ftlm.ft.quorum.spares import assign_roles
 from ftlm.ft.quorum.types import (
     MISSING_NAMED,
     CoordinatorState,
@@ -163,7 +165,8 @@ def _build(now: float, state: CoordinatorState, options: QuorumOptions, live: Co
         reason = why
     reqs = sorted(candidates.values(), key=lambda q: (q.group, q.replica_id))
     members = [Member(q.replica_id, q.group, q.step, q.meta, q.watch) for q in reqs]
-    participants = [m.replica_id for m in members if m.replica_id in holders]
+    participants, spares = assign_roles([m.replica_id for m in members if m.replica_id in holders],
+                                        state.prev_quorum, options.max_participants)
     recovering = [m.replica_id for m in members if m.replica_id not in holders]
     sources = {r: participants[i % len(participants)] for i, r in enumerate(recovering)}
 
@@ -176,5 +179,5 @@ def _build(now: float, state: CoordinatorState, options: QuorumOptions, live: Co
     failed = any(q.failed for q in reqs)
     quorum_id = base if ordinary and not failed else base + 1
     return Quorum(quorum_id, state.head[0], members, participants, recovering, sources, now, reason,
-                  state.head[1], state.epoch, out)
+                  state.head[1], state.epoch, out, spares)
 

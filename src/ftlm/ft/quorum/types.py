@@ -117,6 +117,10 @@ class QuorumOptions:
     probe_after: int = 0
     """Failed attempts of one step by three or more members after which each next attempt leaves
     half the suspects out, to find the one that makes the step fail (``Probe``); 0: never."""
+    max_participants: int = 0
+    """Most members that train data in one quorum; the other holders of the head are *spares*
+    (``ftlm.ft.quorum.spares``): they follow every step and take a participant's place when one
+    is missing. 0: every holder of the head trains (no spares)."""
 
     @property
     def rebuild_seconds(self) -> float:
@@ -161,11 +165,15 @@ class Quorum:
     left_out: tuple[str, ...] = ()
     """The members whose requests this attempt left waiting (a ``Probe``); the coordinator's own
     bookkeeping, not sent to members."""
+    spares: list[str] = field(default_factory=list)
+    """Members holding the head that train no data (beyond ``max_participants``): they enter the
+    all-reduce with zeros and apply its average, as a participant does, sorted by group."""
     _ranks: dict[str, int] = field(init=False, repr=False, compare=False)
     """replica id -> its position among the members (its rank)."""
     _slices: dict[str, int] = field(init=False, repr=False, compare=False)
     """participant id -> its position among the participants (its data slice)."""
     _recovering: frozenset[str] = field(init=False, repr=False, compare=False)
+    _spares: frozenset[str] = field(init=False, repr=False, compare=False)
     _joiners: dict[str, list[str]] = field(init=False, repr=False, compare=False)
     """participant id -> the recovering members that pull the state from it."""
 
@@ -175,6 +183,7 @@ class Quorum:
         self._ranks = {m.replica_id: i for i, m in enumerate(self.members)}
         self._slices = {r: i for i, r in enumerate(self.participants)}
         self._recovering = frozenset(self.recovering)
+        self._spares = frozenset(self.spares)
         self._joiners = {}
         for joiner, source in self.sources.items():
             self._joiners.setdefault(source, []).append(joiner)
@@ -206,6 +215,10 @@ class Quorum:
         return len(self.recovering)
 
     @property
+    def spare_count(self) -> int:
+        return len(self.spares)
+
+    @property
     def group_count(self) -> int:
         return len({m.group for m in self.members})
 
@@ -227,6 +240,10 @@ class Quorum:
 
     def is_recovering(self, replica_id: str) -> bool:
         return replica_id in self.sources or replica_id in self._recovering
+
+    def is_spare(self, replica_id: str) -> bool:
+        """Whether ``replica_id`` holds the head but trains no data in this quorum."""
+        return replica_id in self._spares
 
     def source_of(self, replica_id: str) -> str | None:
         """The participant ``replica_id`` pulls the state from (None unless it recovers)."""
@@ -256,6 +273,7 @@ class Quorum:
             ],
             "participants": list(self.participants),
             "recovering": list(self.recovering),
+            "spares": list(self.spares),
             "sources": dict(self.sources),
             "issued_at": self.issued_at,
             "reason": self.reason,
@@ -281,6 +299,7 @@ class Quorum:
                 reason=str(d.get("reason", "")),
                 chain=str(d.get("chain", GENESIS)),
                 epoch=str(d.get("epoch", "")),
+                spares=[str(r) for r in d.get("spares") or []],
             )
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"not a quorum: {e!r} in {str(d)[:200]}") from e

@@ -43,6 +43,7 @@ def run_flip(tmp_path, demo_data, group: str, point: str, step: int, steps: int 
     check_invariants(summary, events, 3, steps=steps)
 
 
+@pytest.mark.slow  # slow: 80-100 s of real processes; by default the integrity unit tests and the simulator's corruption seeds cover the rule
 def test_a_flipped_parameter_bit_is_found_and_its_group_recovers_from_the_majority(tmp_path, demo_data):
     """g2's state has one parameter bit flipped at step 7: found at the digest of step 10."""
     run_flip(tmp_path, demo_data, "g2", "bitflip", 7)

@@ -182,7 +182,7 @@ def test_node_records_a_rank_retired_for_failing_its_steps_for_the_watcher(tmp_p
     assert (out / "state" / "g1-100.retired").exists() == retired
 
 
-FAKE_TORCHRUN = """#!/bin/bash
+FAKE_TORCHRUN_COUNTING_TERMS = """#!/bin/bash
 # Stands in for `python -m torch.distributed.run`: counts the SIGTERMs it gets, and exits 1 (as
 # torchrun does after its trainers stopped) once a second of quiet follows the first.
 trap 'echo TERM >> "$TERMS"' TERM
@@ -199,7 +199,7 @@ def test_a_stop_request_reaches_torchrun_once(tmp_path, tiny_config):
     SIGTERM to every process of the step, node.sh's and torchrun's alike. A second one, passed on
     by node.sh, hit torchrun while it shut down, and torch printed a logging traceback."""
     fake = tmp_path / "fake-python"
-    fake.write_text(FAKE_TORCHRUN)
+    fake.write_text(FAKE_TORCHRUN_COUNTING_TERMS)
     fake.chmod(0o755)
     out = generate(tmp_path, tiny_config(), groups=2, python=str(fake))
     terms = tmp_path / "terms"

@@ -836,7 +836,8 @@ def test_sharded_checkpoint_damaged_in_one_ranks_share_falls_back_on_every_rank(
     root = tmp_path / "ckpt"
     ranks = _run_ranks(tmp_path, root)
     for r in ranks:
-        assert r["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        assert r["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "state-digest-r0.json",
+                              "state-digest-r1.json"]
         assert r["step"] == 1
         assert r["restored"] == r["saved"]  # this rank's shard of step 1, bit for bit
         assert [step for step, _ in r["rejected"]] == [2]

@@ -179,7 +179,7 @@ class Membership:
         if req.integrity is not None:
             step, chain, digest = req.integrity
             report = DigestReport(req.replica_id, req.group, host, step, chain, digest)
-            for verdict in record_digest(self.integrity, report, self.state.heartbeats.keys()):
+            for verdict in record_digest(self.integrity, report, set(self.state.heartbeats)):
                 self._judged(now, verdict, out)
         return out + self.tick(now) if tick else out
 
@@ -228,7 +228,7 @@ class Membership:
         for rid, why in expire(now, self.state, options):
             self._mark_dead(now, rid, rid.split(":", 1)[0], why, out)
         if self.integrity.reports:  # a reporter expected may have died or left meanwhile
-            for verdict in pending(self.integrity, self.state.heartbeats.keys()):
+            for verdict in pending(self.integrity, set(self.state.heartbeats)):
                 self._judged(now, verdict, out)
         restores, waiting = advance_head(now, self.state, options)
         for r in restores:

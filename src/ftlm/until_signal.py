@@ -1,6 +1,6 @@
 """Block a server's command until the user stops it (SIGINT, SIGTERM) or the server stops alone.
 
-Shared by ``ftlm coordinator`` and ``ftlm serve``: each starts its server thread, prints what it
+Shared by ``ftlm coordinator`` and ``ftlm serve``: with the handlers in place, each starts its server thread, prints what it
 serves, then waits here. Standard library only. Not here: starting or stopping the servers.
 """
 
@@ -15,15 +15,20 @@ POLL_SECONDS = 0.5
 """How often the wait looks whether the server thread is still alive."""
 
 
-def wait_until_signalled(alive: Callable[[], bool], stop: Callable[[], None]) -> None:
-    """Wait until SIGINT or SIGTERM arrives (handled only from the main thread, and restored
-    after) or ``alive()`` turns false, then call ``stop``."""
+def wait_until_signalled(alive: Callable[[], bool], stop: Callable[[], None],
+                         start: Callable[[], None] | None = None) -> None:
+    """Call ``start`` (start the server, print where it serves), then wait until SIGINT or
+    SIGTERM arrives (handled only from the main thread, and restored after) or ``alive()`` turns
+    false, then call ``stop``. The handlers are in place before ``start``: a SIGTERM sent as soon
+    as the printed address answers stops the server cleanly instead of killing it."""
     stopping = threading.Event()
     previous: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda *_: stopping.set())
     try:
+        if start is not None:
+            start()
         while not stopping.wait(POLL_SECONDS) and alive():
             pass
     finally:

@@ -219,15 +219,16 @@ class Coordinator:
 
     def serve_forever(self) -> None:
         """Serve until SIGINT or SIGTERM (for the ``ftlm coordinator`` command)."""
-        self.start()
-        quiet_collector()
-        print(f"ftlm coordinator listening on {self.describe()} (hot path {native.STATUS}; Ctrl-C to stop)",
-              flush=True)
-        if not self.config.token:
-            who = "any process on this machine" if self._loopback else "anyone who reaches this port"
-            print(f"ftlm coordinator: warning: no job token (FTLM_TOKEN or ft.token_file): {who} "
-                  f"can read the job's status, kill groups and report deaths", file=sys.stderr, flush=True)
-        wait_until_signalled(lambda: self._thread is not None and self._thread.is_alive(), self.stop)
+        def start() -> None:
+            self.start()
+            quiet_collector()
+            print(f"ftlm coordinator listening on {self.describe()} (hot path {native.STATUS}; Ctrl-C to stop)",
+                  flush=True)
+            if not self.config.token:
+                who = "any process on this machine" if self._loopback else "anyone who reaches this port"
+                print(f"ftlm coordinator: warning: no job token (FTLM_TOKEN or ft.token_file): {who} "
+                      f"can read the job's status, kill groups and report deaths", file=sys.stderr, flush=True)
+        wait_until_signalled(lambda: self._thread is not None and self._thread.is_alive(), self.stop, start)
 
     def call_in_loop(self, fn: Callable[[], T], timeout: float = 5.0) -> T:
         """Run ``fn`` on the server's event loop thread and return its result; from any thread."""

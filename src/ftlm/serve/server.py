@@ -138,14 +138,15 @@ class Server:
 
     def serve_forever(self) -> None:
         """Serve until SIGINT or SIGTERM (for ``ftlm serve``)."""
-        self.start()
-        where = self.address()
-        where = f"{where}/v1" if where.startswith("http") else f"{where} (API under /v1)"
-        print(f"ftlm serve: {self.config.model_name!r} on {where} (Ctrl-C to stop)", flush=True)
-        if not self.config.token:
-            print("ftlm serve: warning: no token (FTLM_TOKEN or ft.token_file): any process that "
-                  "reaches the port can use the model", file=sys.stderr, flush=True)
-        wait_until_signalled(lambda: self._thread is not None and self._thread.is_alive(), self.stop)
+        def start() -> None:
+            self.start()
+            where = self.address()
+            where = f"{where}/v1" if where.startswith("http") else f"{where} (API under /v1)"
+            print(f"ftlm serve: {self.config.model_name!r} on {where} (Ctrl-C to stop)", flush=True)
+            if not self.config.token:
+                print("ftlm serve: warning: no token (FTLM_TOKEN or ft.token_file): any process that "
+                      "reaches the port can use the model", file=sys.stderr, flush=True)
+        wait_until_signalled(lambda: self._thread is not None and self._thread.is_alive(), self.stop, start)
 
     def _run_loop(self) -> None:
         loop = asyncio.new_event_loop()

@@ -25,6 +25,9 @@ from ftlm.ft.quorum.members import (
     withdraw_request,
 )
 from ftlm.ft.quorum.reload import reload_due, reload_hint, reload_round
+# (Imported here, if not used here, so that the compiled package registers it: a compiled
+# package's submodule is found only once the package itself imported it.)
+from ftlm.ft.quorum import integrity  # noqa: F401
 from ftlm.ft.quorum.spares import assign_roles, promoted, promotion_fields, spare_groups
 from ftlm.ft.quorum.types import (
     MAX_CLAIM,

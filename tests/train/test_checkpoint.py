@@ -740,7 +740,7 @@ def test_a_group_started_after_the_job_finished_resumes_at_its_end_and_trains_no
 # -- sharded: FSDP2 over 2 ranks (gloo), each rank hashing its share ----------------------------
 
 _RANK_SCRIPT = r"""
-import json, sys
+import json, sys, time
 from pathlib import Path
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -781,6 +781,8 @@ for _ in range(2):
     apply_update(params, state.optimizer, 1e-3, 1.0)
     state.step += 1
     state.cursor += 4
+    if rank == 0:  # rank 1 writes into the directory first: the writer's clearing must not lose it
+        time.sleep(0.5)
     ck.save(state)
     saved[state.step] = digest(state)
 ck.wait()
@@ -832,7 +834,9 @@ def _run_ranks(tmp_path: Path, root: Path, ranks: int = 2) -> list[dict]:
 def test_sharded_checkpoint_damaged_in_one_ranks_share_falls_back_on_every_rank(
         tmp_path: Path) -> None:
     """2 ranks, FSDP2 (DTensor shards), async saves with a token. Rank 1 alone hashes
-    ``__1_0.distcp``; damage there must make *both* ranks skip step 2 and load step 1."""
+    ``__1_0.distcp``; damage there must make *both* ranks skip step 2 and load step 1. Rank 1
+    reaches each save first: its digest file must survive the writer's clearing of the
+    directory (it did not, and rank 0 then waited in DCP's collectives for ~100 s)."""
     root = tmp_path / "ckpt"
     ranks = _run_ranks(tmp_path, root)
     for r in ranks:

@@ -506,13 +506,16 @@ class Checkpointer:
         path = checkpoint_dir(self.root, state.step)
         started = time.monotonic()
         step, cursor, chain = state.step, state.cursor, state.chain
+        rank, ranks = self._share()
         try:
-            if self.writer and path.exists():
-                shutil.rmtree(path)
-            path.mkdir(parents=True, exist_ok=True)
+            # The writer clears a stale directory before any rank writes into it (a rank whose
+            # digest landed first lost it to the writer's rmtree, and then left the others
+            # waiting in DCP's collectives).
+            self._on_every_rank(lambda: self._clear(path), ranks)
             # Before the save: the manifest (sealed after it) must list the file.
             digest = {"step": step, "digest": state_fingerprint(state.flat()[0])}
-            _write_atomic(path / STATE_DIGEST.format(rank=self._share()[0]), json.dumps(digest).encode())
+            self._on_every_rank(lambda: _write_atomic(path / STATE_DIGEST.format(rank=rank),
+                                                      json.dumps(digest).encode()), ranks)
             if self.async_save:
                 written = _quiet(dcp.async_save, {"train": state}, checkpoint_id=str(path),
                                  process_group=self.process_group)
@@ -524,6 +527,23 @@ class Checkpointer:
         except (Exception, CheckpointException) as e:  # a full disk, a lost mount: one message
             raise CheckpointError(f"writing checkpoint {path} failed: {_reason(e)}") from e
         self._finish(step, path, started)
+
+    def _clear(self, path: Path) -> None:
+        if self.writer and path.exists():
+            shutil.rmtree(path)
+        path.mkdir(parents=True, exist_ok=True)
+
+    def _on_every_rank(self, work: Callable[[], None], ranks: int) -> None:
+        """Run ``work`` here, then wait for the group's other ranks to have run theirs; raise on
+        every rank if it failed on any (a rank that raised alone would leave the others in the
+        next collective until its timeout)."""
+        error: OSError | None = None
+        try:
+            work()
+        except OSError as e:
+            error = e
+        if self._agree(int(error is not None), ranks):
+            raise error or CheckpointError("another rank of this group could not write its part")
 
     def save_once(self, state: TrainState, job_history: bool = False) -> bool:
         """Save ``state`` now, and wait until it is valid, unless a complete checkpoint of its

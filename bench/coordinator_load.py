@@ -617,7 +617,7 @@ def traced_coordinator(trace_path: str) -> int:
         for q in issued:
             issues.append((q.quorum_id, q.step, current["read"], before, clock()))
 
-    set_result = coord_mod._Waiter.set_result
+    set_result = coord_mod.Waiter.set_result
 
     def traced_set_result(self: Any, answer: Any) -> None:
         set_result(self, answer)
@@ -626,7 +626,7 @@ def traced_coordinator(trace_path: str) -> int:
     hot_path.HotPathProtocol.data_received = data_received  # type: ignore[method-assign]
     coord_mod.Coordinator._quorum_hot = traced_quorum  # type: ignore[method-assign]
     coord_mod.Coordinator._apply = traced_apply  # type: ignore[method-assign]
-    coord_mod._Waiter.set_result = traced_set_result  # type: ignore[method-assign]
+    coord_mod.Waiter.set_result = traced_set_result  # type: ignore[method-assign]
 
     def dump() -> None:
         with open(trace_path, "w") as f:

@@ -621,10 +621,17 @@ class Manager:
         self._fail(reason)
 
     def step_alive(self) -> bool:
-        """Between the inner steps of a DiLoCo phase (minutes without another protocol point):
-        progress, so the group is not declared hung; False once the step cannot commit (it
-        failed, or a member of its quorum was reported dead and the all-reduce would fail)."""
+        """Progress, so the group is not declared hung (between the inner steps of a DiLoCo
+        phase: minutes without another protocol point); False once the step cannot commit: it
+        failed, a member of its quorum was reported dead, or a bucket already on its way failed
+        (a peer's process ended). Cheap and non-blocking: the session asks it as backward
+        starts each bucket, and before each block of the forward pass."""
         self._progress()
+        if not self.proto.failed and not self.abort.is_set():
+            for p in self._pending or ():
+                if (why := p.failed()) is not None:
+                    self._fail(why)
+                    break
         return not self.proto.failed and not self.abort.is_set()
 
     def commit(self) -> bool:

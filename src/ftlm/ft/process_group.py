@@ -111,6 +111,17 @@ class PendingAllreduce:
         self.work, self.flat, self.tensors = work, flat, tensors
         self.divisor, self.timeout, self.what = divisor, timeout, what
 
+    def failed(self) -> str | None:
+        """Why this operation failed, if it already ended failing (a peer's process ended and
+        its sockets closed); None while it runs or once it succeeded. Never blocks."""
+        if self.work is None or not self.work.is_completed():
+            return None
+        try:
+            self.work.wait()  # completed: returns at once, raising the collective's own error if any
+        except Exception as e:  # noqa: BLE001 - any backend error is a failed collective
+            return f"{self.what} failed: {e}"
+        return None
+
     def wait(self, abort: threading.Event) -> None:
         """Wait (bounded, abortable), divide, write back; raises ``CollectiveError``. Integer
         tensors (quantised codes) are summed, not divided: their mean would be truncated."""

@@ -1,4 +1,4 @@
-"""Training: the public API (``Session``, ``Step``) and the trainer built on it.
+"""Training: the public API (``Session``, ``Step``, ``StepDoomed``) and the trainer built on it.
 
 ``from ftlm.train import Session`` loads the session on first use, so that importing a section's
 config (``ftlm.train.config``) does not load torch.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Session", "Step"]
+__all__ = ["Session", "Step", "StepDoomed"]
 
 
 def __getattr__(name: str) -> Any:

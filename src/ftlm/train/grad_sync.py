@@ -38,6 +38,14 @@ def bucket_plan(sizes: list[tuple[int, torch.dtype]], bucket_bytes: int) -> list
     return buckets
 
 
+class StepDoomed(Exception):
+    """Raised from inside the forward or backward pass of a step that can no longer commit (a
+    peer's process ended, or the coordinator reported a member of the step's quorum dead), when
+    the session was made with ``abandon_doomed_steps=True``: the rest of the pass would be
+    thrown away, so it is skipped. The loop catches it and calls ``session.commit`` as usual
+    (with any loss: the step fails, and the next one redoes its samples)."""
+
+
 class GradientSync:
     """Start each bucket's all-reduce as soon as backward finished its gradients."""
 
@@ -47,6 +55,9 @@ class GradientSync:
         self.params = params
         self.start = start
         self.local = local
+        # Whether the step can still commit, asked as each bucket is ready (None: never asked);
+        # raising ``StepDoomed`` when it cannot ends the backward pass there.
+        self.doomed: Callable[[], None] | None = None
         self.plan = bucket_plan([(local(p).numel() * local(p).element_size(), p.dtype)
                                  for p in params], bucket_bytes)
         self._bucket_of = {i: b for b, idx in enumerate(self.plan) for i in idx}
@@ -64,6 +75,8 @@ class GradientSync:
                 return
             b = self._bucket_of[i]
             self._missing[b] -= 1
+            if self.doomed is not None and self._next < len(self.plan) and self._missing[self._next] == 0:
+                self.doomed()  # (raises when the step can no longer commit)
             while self._next < len(self.plan) and self._missing[self._next] == 0:
                 self._start(self._next)
         return on_grad

@@ -52,7 +52,7 @@ from ftlm.observe.summary import build_summary, write_summary
 from ftlm.train.catchup import CatchUpBuffer
 from ftlm.train.diloco import DiLoCo
 from ftlm.train.durability import Durability
-from ftlm.train.grad_sync import GradientSync
+from ftlm.train.grad_sync import GradientSync, StepDoomed
 from ftlm.train.job import join_job, start_metrics
 from ftlm.train.nonfinite import NonFiniteJudge
 from ftlm.train.optim import apply_update
@@ -64,7 +64,7 @@ from ftlm.train.state import TrainState
 
 log = logging.getLogger("ftlm.train")
 
-__all__ = ["Session", "Step"]
+__all__ = ["Session", "Step", "StepDoomed"]
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,12 @@ class Session:
     without one, ``steps`` and ``batch_size`` are required and ``run_dir`` defaults to
     ``FTLM_RUN_DIR``, else ``runs/run``. ``state``: extra objects with ``state_dict`` /
     ``load_state_dict`` replicated and checkpointed with the model. ``tokens_per_sample``: for
-    the throughput records.
+    the throughput records. ``abandon_doomed_steps``: when a step can no longer commit (a peer's
+    process ended, or the coordinator reported a member of the quorum dead), raise
+    ``StepDoomed`` from inside its forward or backward pass instead of computing the rest of a
+    step that will be thrown away; the loop catches it and calls ``commit`` as usual. Single-
+    rank groups (a sharded group computes its doomed step to the end); off by default, so that
+    a loop that does not catch it is never surprised.
 
     Internal (the ``Trainer``): ``config`` (its sections), ``ft``, ``events``, ``metrics``,
     ``mesh``, ``coordinator``, ``data_wait`` (seconds the data loader has made training wait),
@@ -133,7 +138,7 @@ class Session:
                  ft: FaultTolerance | None = None, events: Any = None, metrics: Any = None,
                  mesh: Any = None, coordinator: str | None = None,
                  data_wait: Callable[[], float] | None = None,
-                 standalone: bool | None = None) -> None:
+                 standalone: bool | None = None, abandon_doomed_steps: bool = False) -> None:
         if config is None:
             config = resolve_config(steps=steps, batch_size=batch_size, run_dir=run_dir,
                                     checkpoint_every=checkpoint_every, seed=seed)
@@ -145,6 +150,8 @@ class Session:
         self.tokens_per_sample = tokens_per_sample
         self._data_wait = data_wait or (lambda: 0.0)
         self.model = model
+        self._abandon = abandon_doomed_steps
+        self._block_hooks: list[Any] = []
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ConfigError("the model has no parameter that requires a gradient: nothing to train")
@@ -191,6 +198,7 @@ class Session:
         self.sync = GradientSync(self.params, config.ft.bucket_bytes,
                                  start=lambda grads: self.ft.allreduce_start(grads), local=_local,
                                  hooks=self.mesh is None and not self.standalone and not self.diloco)
+        self._block_hooks = self._watch_for_doom() if self._abandon and self.sync.handles else []
         d = self.diloco
         self.state = TrainState(d.outer_module if d else self.model, d.outer_optimizer if d else optimizer,
                                 config.run.seed, mesh=self.mesh, extra=extra)
@@ -216,6 +224,7 @@ class Session:
         self.losses: list[float] = []
         self._nonfinite = NonFiniteJudge()  # whose fault a non-finite loss or gradient is
         self._stalled = False  # a step failed since the last commit
+        self._abandoned: str | None = None  # where this step's pass was abandoned (StepDoomed)
         self._last_commit: float | None = None
         self._stop = False  # this rank was asked to stop (SIGTERM, Ctrl-C)
         self._stop_agreed = False  # some rank of the group wanted to stop at a step's all-reduce
@@ -406,6 +415,7 @@ class Session:
             self.recovery.drain(plan)
             return None
         self.sync.begin()
+        self._abandoned = None
         if not plan.participating:
             if self.diloco is not None:
                 self.diloco.exchange(plan, zeros=True)
@@ -459,6 +469,25 @@ class Session:
             yield
         finally:
             self.sync.armed = armed
+
+    def _watch_for_doom(self) -> list[Any]:
+        """``abandon_doomed_steps``: ask whether the step can still commit as backward makes each
+        bucket ready and before each block of the forward pass (the children of every
+        ``ModuleList`` and ``ModuleDict``: a transformer's layers), and raise ``StepDoomed``
+        when it cannot. Single-rank groups only: the ranks of a sharded group would leave
+        their collectives at different points."""
+        self.sync.doomed = lambda: self._check_doomed("backward")
+        blocks = [b for m in self.model.modules() if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))
+                  for b in m.children()]
+        return [b.register_forward_pre_hook(lambda *_: self._check_doomed("forward")) for b in blocks]
+
+    def _check_doomed(self, where: str) -> None:
+        if self._pending is None or self.ft.step_alive():
+            return  # (outside a step: an evaluation, the warm-up)
+        self._abandoned = where
+        self.ft.fail_step(f"the step can no longer commit: the rest of its {where} pass is skipped")
+        raise StepDoomed(f"step {self._pending[0].step} can no longer commit (a member of its quorum "
+                         f"was lost): its {where} pass was abandoned; call session.commit to go on")
 
     def commit(self, loss: torch.Tensor | float) -> bool:
         """Average the gradients and ``loss`` (this rank's mean loss of the step) over the
@@ -610,7 +639,10 @@ class Session:
         # group does not know (its own cursor is behind the step's).
         known = bool(who) and plan.participating
         b = self.batch_size * self.per_sync  # a participant's slice of the step
+        if self._abandoned:
+            reason += f" (the rest of its {self._abandoned} pass was skipped)"
         self.events.emit("step_failed", step=state.step, quorum_id=plan.quorum_id, reason=reason,
+                         **({"abandoned": self._abandoned} if self._abandoned else {}),
                          **({"nonfinite_samples": [[state.cursor + i * b, state.cursor + (i + 1) * b]
                                                    for i in who]} if known else {}))
         self._nonfinite.failed(state.step, who, plan.participants,
@@ -674,6 +706,8 @@ class Session:
         self._phase = "closed"
         self._restore_handler()
         self.sync.close()
+        for h in self._block_hooks:
+            h.remove()
         self.ft.close()
         self.metrics.stop()
 

@@ -36,7 +36,7 @@ from ftlm.train.mfu import peak_flops
 from ftlm.train.objective import LanguageModeling, Objective, SummedObjective, TrainData
 from ftlm.train.optim import build_optimizer
 from ftlm.train.parallelize import group_mesh, parallelize
-from ftlm.train.session import Session, Step
+from ftlm.train.session import Session, Step, StepDoomed
 
 
 log = logging.getLogger("ftlm.train")
@@ -174,6 +174,8 @@ class Trainer:
         self.session = Session(self.model, build_optimizer(self.model, tc), config=config, ft=ft,
                                metrics=metrics, mesh=self.mesh, coordinator=coordinator,
                                standalone=standalone,
+                               # (not under torch.compile: a hook that may raise breaks its graphs)
+                               abandon_doomed_steps=not tc.compile,
                                tokens_per_sample=self.objective.tokens_per_sample,
                                data_wait=lambda: self.loader.wait_seconds)
 
@@ -230,8 +232,11 @@ class Trainer:
         rows = rows[offset:offset + len(step.samples)]
         units = self._step_units(step)
         with self.session.metrics.phase("forward_backward"):
-            loss = self._forward_backward(rows.to(self.device, non_blocking=True), units,
-                                          step.participants)
+            try:
+                loss = self._forward_backward(rows.to(self.device, non_blocking=True), units,
+                                              step.participants)
+            except StepDoomed:  # a member of the step's quorum was lost: the step fails
+                loss = torch.zeros((), device=self.device)
         return self.session.commit(loss)
 
     def _step_units(self, step: Step) -> float | None:

@@ -193,6 +193,9 @@ NOT_RUNNABLE: dict[tuple[str, str], str] = {
     ("docs/api.md", "from ftlm.train import Session"):
         "the call order around a user's model, optimizer and data (names the block leaves to "
         "the reader); examples/hf_causal_lm.py is that loop whole, run by tests/examples",
+    ("docs/api.md", "for step in session:"):
+        "the loop of the first block with StepDoomed caught (names it leaves to the reader); "
+        "tests/train/test_doomed_step.py runs such a loop whole",
     ("docs/post-training.md", "python -m bench.lifecycle"):
         "the lifecycle benchmark: an hour and more of CPU per setting (`make lifecycle`); its "
         "stages are this page's own commands, which run here",

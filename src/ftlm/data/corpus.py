@@ -99,7 +99,7 @@ def _read_txt(file: Path) -> str:
                         "re-encode the file as UTF-8") from None
 
 
-def _require_utf8(text: str, where: str) -> None:
+def require_utf8(text: str, where: str) -> None:
     """Refuse a string that has no UTF-8 form: JSON's ``\\ud800`` escapes can produce lone
     surrogates, which the tokenizer cannot encode."""
     try:
@@ -146,7 +146,7 @@ def _iter_jsonl(file: Path, field: str) -> Iterator[str]:
             if not isinstance(value, str):
                 raise DataError(f"{file}:{lineno}: field {field!r} is a {type(value).__name__}, "
                                 f"expected a string")
-            _require_utf8(value, f"{file}:{lineno}: field {field!r}")
+            require_utf8(value, f"{file}:{lineno}: field {field!r}")
             yield value
 
 

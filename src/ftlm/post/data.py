@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ftlm.data.corpus import require_utf8
 from ftlm.data.tokenizer import Tokenizer
 from ftlm.errors import DataError
 from ftlm.data.chat import completion_ids, prompt_ids, render
@@ -142,12 +143,7 @@ def _check_record(record: object, where: str) -> None:
 def _check_text(value: object, where: str, field: str) -> None:
     """Refuse a lone surrogate anywhere in ``value`` (depth is bounded by the JSON parser)."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise DataError(f"{where}: {field or 'a string'} holds a lone surrogate "
-                            f"(\\u{ord(value[e.start]):04x}); fix the text (an escape such "
-                            "as \\ud83d must be followed by its pair)") from None
+        require_utf8(value, f"{where}: {field or 'a string'}")
     elif isinstance(value, dict):
         for key, item in value.items():
             _check_text(key, where, "a field name")

@@ -131,3 +131,25 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
                 time.sleep(0.1)
             else:
                 os.kill(pid, signal.SIGKILL)
+        # What the cluster started and did not end (a test killed by its timeout mid-job): every
+        # slurmstepd and job process carries this cluster's SLURM_CONF, a path of its own.
+        for pid in self._started_by_us():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _started_by_us(self) -> list[int]:
+        """PIDs of live processes whose environment names this cluster's slurm.conf."""
+        marker = f"SLURM_CONF={self.root / 'slurm.conf'}".encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                environ = (entry / "environ").read_bytes()
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+            if marker in environ.split(b"\0"):
+                found.append(int(entry.name))
+        return found

@@ -17,7 +17,7 @@ _SCRIPT = textwrap.dedent("""
     import torch, torch.distributed as dist
     rank, path = int(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=rank, world_size=2)
-    from ftlm.ft import manager
+    from ftlm.ft import group_control
     real_get_backend = dist.get_backend
     dist.get_backend = lambda group=None: "nccl" if group is None else real_get_backend(group)
 
@@ -30,12 +30,12 @@ _SCRIPT = textwrap.dedent("""
             return fn(*args, group=group, **kwargs)
         return wrapped
 
-    control = manager.control_group()
+    control = group_control.control_group()
     for name in ("broadcast", "all_reduce", "all_gather"):
         setattr(dist, name, refuse_cpu(getattr(dist, name)))
-    quorum = manager._broadcast_json({"quorum_id": 7} if rank == 0 else None, 2, control)
-    urls = manager._gather_strings(f"http://127.0.0.1:{rank}", 2, control)
-    vote = manager._group_all(rank == 0, 2, control)
+    quorum = group_control.broadcast_json({"quorum_id": 7} if rank == 0 else None, 2, control)
+    urls = group_control.gather_strings(f"http://127.0.0.1:{rank}", 2, control)
+    vote = group_control.group_all(rank == 0, 2, control)
     print(json.dumps({"quorum": quorum, "urls": urls, "vote": vote,
                       "backend": real_get_backend(control)}))
     dist.destroy_process_group()

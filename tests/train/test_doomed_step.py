@@ -125,3 +125,34 @@ def test_without_opting_in_nothing_is_raised(tmp_path):
             model[0][0](torch.ones(2, 4)).sum().backward()
             assert session.commit(1.0)
     assert ft.asked == 0  # never asked: the loop's passes run to their end
+
+
+def test_only_the_loops_thread_is_interrupted(tmp_path):
+    """A forward pass on another thread during a doomed step (a data prefetcher generating
+    rollouts) runs to its end: ``StepDoomed`` is raised into the loop's thread alone."""
+    import threading
+
+    model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)]))
+    ft = LostPeerAt(step=0, after=0)
+    session = Session(model, torch.optim.SGD(model.parameters(), lr=0.1), steps=1, batch_size=2,
+                      run_dir=tmp_path / "run", ft=ft, standalone=False, abandon_doomed_steps=True)
+    other: list[BaseException | None] = []
+
+    def elsewhere() -> None:
+        try:
+            for layer in model[0]:
+                layer(torch.ones(1, 4))
+            other.append(None)
+        except BaseException as e:  # noqa: BLE001 - recorded for the assertion
+            other.append(e)
+
+    with session:
+        for step in session:
+            thread = threading.Thread(target=elsewhere)
+            thread.start()
+            thread.join(timeout=30)
+            with pytest.raises(StepDoomed, match="forward pass was abandoned"):
+                model[0][0](torch.ones(2, 4))
+            assert not session.commit(0.0)
+            break
+    assert other == [None]

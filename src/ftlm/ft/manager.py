@@ -15,7 +15,6 @@ decides what to do with a recovered state (load it and replay its buffered updat
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -38,7 +37,8 @@ from ftlm.ft.config import FTConfig
 from ftlm.ft.faults import FaultSchedule
 from ftlm.ft.group import GroupProtocol, Role, TooManyFailures
 from ftlm.ft.integrity import StateDigester, combine, flip_bit
-from ftlm.ft.process_group import CollectiveError, ReconfigurablePG
+from ftlm.ft.process_group import CollectiveError, ReconfigurablePG, store_on
+from ftlm.ft.group_control import broadcast_json, control_group, gather_strings, group_all
 from ftlm.ft.protocol import Recovered, ReloadCheckpoint, SnapshotFn, StepPlan, StopRequested
 from ftlm.ft.quorum_answer import MemberQuorum
 from ftlm.ft.quorum_wait import QuorumWait
@@ -114,7 +114,7 @@ class Manager:
         # One incarnation id for the whole group: rank 0's (each rank drawing its own would make
         # every other rank a stranger to the quorum).
         if self.ranks > 1:
-            incarnation = _broadcast_json(incarnation or uuid.uuid4().hex if self.rank == 0 else None,
+            incarnation = broadcast_json(incarnation or uuid.uuid4().hex if self.rank == 0 else None,
                                           self.ranks, self.control)
         self.incarnation = incarnation or uuid.uuid4().hex
         self.group = group
@@ -135,7 +135,7 @@ class Manager:
         # The next snapshot's memory, allocated ahead on a background thread (opt-in:
         # ``ft.snapshot_reserve``).
         self.reserve = SnapshotReserve() if config.snapshot_reserve else None
-        self.transfer_urls = _gather_strings(self.server.url, self.ranks, self.control)
+        self.transfer_urls = gather_strings(self.server.url, self.ranks, self.control)
         self.abort = threading.Event()
         self.quorum: MemberQuorum | None = None
         self._progress_at = time.monotonic()
@@ -171,7 +171,7 @@ class Manager:
                                             timeout=max(1.0, config.heartbeat_timeout),
                                             tls_ca=config.tls_ca,
                                             address_file=os.environ.get(ADDRESS_FILE_ENV, ""))
-            self.store = _store_on(self.host)
+            self.store = store_on(self.host)
             self.heartbeater = Heartbeater(self.client, config.heartbeat_interval, self._report,
                                            self._on_answer, on_kill=self._on_kill)
 
@@ -368,7 +368,7 @@ class Manager:
 
             def keepalive() -> None:
                 if self.ranks > 1 and time.monotonic() - told[0] >= self._rank_keepalive_every():
-                    _broadcast_json({"waiting": True}, self.ranks, self.control)
+                    broadcast_json({"waiting": True}, self.ranks, self.control)
                     told[0] = time.monotonic()
             try:
                 q = self._request_quorum(keepalive)
@@ -377,18 +377,18 @@ class Manager:
                 end = {"end": type(e).__name__, "why": str(e)}
                 if isinstance(e, ReloadCheckpoint):
                     end["head"] = e.head
-                _broadcast_json(end, self.ranks, self.control)
+                broadcast_json(end, self.ranks, self.control)
                 raise
             with self._answered:  # a quorum answer is word from the coordinator, as a heartbeat's
                 self._answered_at = time.monotonic()
             # Newer than the last heartbeat's "reload" (a group asking every step sends no
             # heartbeats, so a stale one would make it look on disk at every step after a rollback).
             self._reload_hint = (None, 0)
-            _broadcast_json(q.to_json(), self.ranks, self.control)
+            broadcast_json(q.to_json(), self.ranks, self.control)
             return q
-        got = _broadcast_json(None, self.ranks, self.control)
+        got = broadcast_json(None, self.ranks, self.control)
         while isinstance(got, dict) and got.get("waiting") is True:
-            got = _broadcast_json(None, self.ranks, self.control)
+            got = broadcast_json(None, self.ranks, self.control)
         if isinstance(got, dict) and "end" in got:
             if got["end"] == "ReloadCheckpoint":
                 raise ReloadCheckpoint(got["head"], got["why"])
@@ -446,7 +446,7 @@ class Manager:
             return
         self._digesting = False
         result = self.integrity.wait()
-        shards = _gather_strings(result[2] if result is not None else "", self.ranks, self.control)
+        shards = gather_strings(result[2] if result is not None else "", self.ranks, self.control)
         if result is not None and all(shards):
             self._integrity_report = (result[0], result[1], combine(shards))
 
@@ -641,7 +641,7 @@ class Manager:
             self._fail("this group was silent past ft.heartbeat_timeout and the coordinator "
                        "declared it dead (or did not answer): its peers failed this step")
         self._fire("before_commit")
-        ok = _group_all(not self.proto.failed, self.ranks, self.control)
+        ok = group_all(not self.proto.failed, self.ranks, self.control)
         self._progress()
         return self.proto.on_outcome(ok)
 
@@ -695,10 +695,10 @@ class Manager:
     def poll_recovery(self) -> Recovered | None:
         fetch = self._fetch
         # Every rank of the group loads its shard in the same step, or none does.
-        if not _group_all(fetch is not None and fetch.done.is_set(), self.ranks, self.control):
+        if not group_all(fetch is not None and fetch.done.is_set(), self.ranks, self.control):
             return None
         self._fetch = None
-        if not _group_all(not fetch.error and fetch.result is not None, self.ranks, self.control):
+        if not group_all(not fetch.error and fetch.result is not None, self.ranks, self.control):
             self.proto.fetch_finished()
             self.events.emit("recovery_end", step=self.proto.step, ok=False, source=fetch.source,
                              error=fetch.error)
@@ -752,7 +752,7 @@ class Manager:
             seen = now_seen
             self.abort.wait(pause)
             # The leader's clock decides for every rank (each start_step is a collective).
-            if not _broadcast_json(time.monotonic() < deadline if self.rank == 0 else None,
+            if not broadcast_json(time.monotonic() < deadline if self.rank == 0 else None,
                                    self.ranks, self.control):
                 break
         self.leave("finished")
@@ -784,62 +784,3 @@ class Manager:
             self.reserve.close()
         if self.client is not None:
             self.client.close()
-
-
-def _store_on(host: str) -> dist.TCPStore:
-    """The rendezvous store of this group's cross-group process groups, listening on ``host`` only.
-
-    Given a port, torch's TCPStore listens on every interface; handing it a socket already bound
-    to ``host`` keeps it off the others. The store has no authentication: keep ``ft.host`` on a
-    private network (see README, Security).
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.create_server((host, 0), family=family, backlog=512)
-    port = listener.getsockname()[1]
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                         master_listen_fd=listener.detach())
-
-
-# -- control collectives inside the replica group (CPU tensors on a gloo group) --------------------
-def control_group() -> dist.ProcessGroup | None:
-    """The gloo group of this replica group's ranks for control traffic: the default group when it
-    is gloo already, else a new gloo group (a collective: every rank calls it, in the same order)."""
-    if dist.get_backend() == "gloo":
-        return None  # None is the default group
-    return dist.new_group(backend="gloo")
-
-
-def _broadcast_json(value: Any, ranks: int, group: dist.ProcessGroup | None) -> Any:
-    """Rank 0's JSON value on every rank of the group (bytes in tensors: no pickle)."""
-    if ranks == 1:
-        return value
-    data = json.dumps(value).encode() if dist.get_rank() == 0 else b""
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    dist.broadcast(size, src=0, group=group)
-    buf = torch.zeros(int(size), dtype=torch.uint8)
-    if dist.get_rank() == 0:
-        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    dist.broadcast(buf, src=0, group=group)
-    return json.loads(bytes(buf.tolist()).decode())
-
-
-def _gather_strings(value: str, ranks: int, group: dist.ProcessGroup | None) -> list[str]:
-    """Every rank's ``value``, in rank order."""
-    if ranks == 1:
-        return [value]
-    width = 512
-    raw = value.encode()[:width]
-    mine = torch.zeros(width, dtype=torch.uint8)
-    mine[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    out = [torch.zeros(width, dtype=torch.uint8) for _ in range(ranks)]
-    dist.all_gather(out, mine, group=group)
-    return [bytes(t.tolist()).rstrip(b"\0").decode() for t in out]
-
-
-def _group_all(flag: bool, ranks: int, group: dist.ProcessGroup | None) -> bool:
-    """True on every rank iff ``flag`` is true on every rank of the group."""
-    if ranks == 1:
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return bool(t.item())

@@ -17,6 +17,7 @@ manager keeps on a gloo group of its own ranks, never on NCCL.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -250,3 +251,17 @@ class ReconfigurablePG:
             pass
         if any(not w.is_completed() for w in works):
             self._graveyard.append((pg, works))
+
+
+def store_on(host: str) -> dist.TCPStore:
+    """The rendezvous store of this group's cross-group process groups, listening on ``host`` only.
+
+    Given a port, torch's TCPStore listens on every interface; handing it a socket already bound
+    to ``host`` keeps it off the others. The store has no authentication: keep ``ft.host`` on a
+    private network (see README, Security).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, 0), family=family, backlog=512)
+    port = listener.getsockname()[1]
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                         master_listen_fd=listener.detach())

@@ -225,6 +225,7 @@ class Session:
         self._nonfinite = NonFiniteJudge()  # whose fault a non-finite loss or gradient is
         self._stalled = False  # a step failed since the last commit
         self._abandoned: str | None = None  # where this step's pass was abandoned (StepDoomed)
+        self._loop_thread = threading.get_ident()  # the thread that runs the caller's loop
         self._last_commit: float | None = None
         self._stop = False  # this rank was asked to stop (SIGTERM, Ctrl-C)
         self._stop_agreed = False  # some rank of the group wanted to stop at a step's all-reduce
@@ -431,6 +432,7 @@ class Session:
             # Gradients are final in the (last) backward: buckets start from there (``no_sync``).
             self.sync.armed = True
         self._pending = (plan, t0)
+        self._loop_thread = threading.get_ident()  # (``_check_doomed`` raises into it alone)
         return self._step_of(plan, 0)
 
     def _step_of(self, plan: StepPlan, k: int) -> Step:
@@ -482,8 +484,8 @@ class Session:
         return [b.register_forward_pre_hook(lambda *_: self._check_doomed("forward")) for b in blocks]
 
     def _check_doomed(self, where: str) -> None:
-        if self._pending is None or self.ft.step_alive():
-            return  # (outside a step: an evaluation, the warm-up)
+        if self._pending is None or threading.get_ident() != self._loop_thread or self.ft.step_alive():
+            return  # (outside a step: an evaluation, the warm-up; another thread: a data prefetcher)
         self._abandoned = where
         self.ft.fail_step(f"the step can no longer commit: the rest of its {where} pass is skipped")
         raise StepDoomed(f"step {self._pending[0].step} can no longer commit (a member of its quorum "

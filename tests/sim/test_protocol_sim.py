@@ -67,6 +67,19 @@ REGRESSIONS = [
     (9124, 200, "a leave judged while a group resumed after a SIGSTOP waited out an old all-reduce (a simulator bug)"),
 ]
 
+# Seeds of today's default job (long coordinator outages, corruption faults) that found bugs.
+REGRESSIONS_NOW = [
+    (854, 200, ("a leave judged while the answer of the quorum in flight had crossed the end of a "
+                "member's long-poll just before the leave arrived (a simulator bug)")),
+]
+
+
+@pytest.mark.parametrize("seed,steps,what", REGRESSIONS_NOW, ids=[str(s) for s, _, _ in REGRESSIONS_NOW])
+def test_regression_seeds_of_the_default_job(seed: int, steps: int, what: str) -> None:
+    result = run(seed, SimConfig(steps=steps))
+    assert result.ok, f"{what}: {result.error}\n" + "\n".join(result.trace)
+
+
 # (seed, faults): schedules of one kind of fault, where a rare interleaving is frequent.
 FOCUSED = [
     (12, ("hang_resume",), "a member declared dead came back and every quorum with it was aborted"),

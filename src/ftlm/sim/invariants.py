@@ -369,9 +369,15 @@ class Invariants:
     def check_leaves(self) -> None:
         """A graceful leave never makes the others wait for a timeout (all-reduce, join, heartbeat)."""
         sim = self.sim
+        c = sim.coordinator
+        current = c.state.prev_quorum if c is not None else None
+        # An answer of the quorum in flight that crossed the end of its member's long-poll before
+        # the leave arrived: that quorum waits for the member that lost it (seed 854).
+        lost = current is not None and any((*quorum_key(current), r) in sim.lost_answers
+                                           for r in current.replica_ids())
         kept = []
         for w in self.leave_watches:
-            if sim.last_loss >= w.at or sim.loss != self.c.loss:
+            if sim.last_loss >= w.at or sim.loss != self.c.loss or lost:
                 continue  # a lost message may delay anyone: not the leave's doing
             w.waiting = {r for r in w.waiting if (g := sim.incarnation(r)) is not None
                          and g.alive and not g.left and not g.stopping}

@@ -13,8 +13,9 @@ tolerance through the session, never through this protocol. The call order:
   must not commit (a non-finite loss or gradient); ``commit()``: the vote;
 * after a successful vote, ``ask(step + 1, chain)`` requests the next quorum while the update is
   applied (its answer is what the next ``start_step`` returns);
-* between the inner steps of a DiLoCo phase (``ft.sync = "diloco"``), ``step_alive()`` reports
-  progress and says whether the step can still commit;
+* between the inner steps of a DiLoCo phase (``ft.sync = "diloco"``), and before each block of
+  a forward pass and each gradient bucket of a session with ``abandon_doomed_steps``,
+  ``step_alive()`` reports progress and says whether the step can still commit (never blocks);
 * a recovering group polls ``poll_recovery()`` while its zero contribution waits
   (``allreduce_in_flight``), ``restart_recovery(reason)`` when the snapshot plus its buffer does
   not lead to the head, ``caught_up(step, chain)`` once it holds the head, and ``fire(point)`` at

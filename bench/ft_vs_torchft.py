@@ -318,8 +318,10 @@ def render_part3(reps: list[dict]) -> str:
     batches = ", ".join(f"{m}: {b}" for m, b in batch)
     head = ["model", "params", "ftlm median step s", "ftlm rejoin stall s",
             "torchft median step s", "torchft rejoin stall s"]
+    # (Measured by the runs part 2 names when both come from these repetitions.)
+    runs = "" if all(2 in r["parts"] for r in reps) else _runs_line(reps)
     return ("### 3. Stall of the healthy groups per rejoin as the state grows\n\n"
-            + _runs_line(reps)
+            + runs
             + "The SIGKILL runs of part 2; the restarted g2 rejoins and takes the state "
             "(parameters and AdamW moments) from a peer; the stall is the one charged to its "
             f"`recovery_start`. Batches per group: {batches}.\n\n" + table(head, rows) + "\n")

@@ -106,12 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-READING = """\
-3 training groups of the tiny model, g0, g1, g2 SIGKILLed in turn before the all-reduce of the
-`--kills` steps. *Degraded steps*: trained on fewer than three places (fewer samples, a lower LR);
-with a spare, only while no spare is current. ETT on 2 shared cores: the spare's process (its
-update each step) slows the others. When a spare pays for itself: docs/ft-protocol.md, 'Hot spares'.
-"""
+READING = (
+    "3 training groups of the tiny model, g0, g1, g2 SIGKILLed in turn before the all-reduce of "
+    "the `--kills` steps. *Degraded steps*: trained on fewer than three places (fewer samples, a "
+    "lower LR); with a spare, only while no spare is current. ETT on 2 shared cores: the spare's "
+    "process (its update each step) slows the others. When a spare pays for itself: "
+    "docs/ft-protocol.md, 'Hot spares'.\n")
 
 
 if __name__ == "__main__":

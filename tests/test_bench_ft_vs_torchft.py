@@ -41,7 +41,9 @@ def test_three_repetitions_render_medians_per_part():
             "0.250 (0.250-0.250) | 0.310 (0.310-0.310) | 1.100 (1.000-1.200) [1 of 3 n/a] | "
             "0.280 (0.280-0.280) |") in parts[2]
     assert "3 repetitions; each cell the median (min-max) over them" in parts[2]
-    assert "2026-12-04 10:00 UTC to 2026-12-04 12:00 UTC" in parts[3]
+    assert "2026-12-04 10:00 UTC to 2026-12-04 12:00 UTC" in parts[2]
+    assert "*Measured*" not in parts[3]  # part 2's runs, named there once
+    assert "*Measured*" in b.render([dict(r, parts=[3]) for r in reps])[3]  # alone, it names them
     assert "| ftlm | 0.870 (0.850-0.900) | 180 (180-180) | 5 (5-5) |" in parts[4]
 
 

@@ -1,7 +1,8 @@
 """Block a server's command until the user stops it (SIGINT, SIGTERM) or the server stops alone.
 
-Shared by ``ftlm coordinator`` and ``ftlm serve``: with the handlers in place, each starts its server thread, prints what it
-serves, then waits here. Standard library only. Not here: starting or stopping the servers.
+Shared by ``ftlm coordinator`` and ``ftlm serve``: with the handlers in place, each starts its
+server thread and prints what it serves, then waits here. Standard library only. Not here: how
+a server starts or stops (the callbacks it passes).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ POLL_SECONDS = 0.5
 
 
 def wait_until_signalled(alive: Callable[[], bool], stop: Callable[[], None],
-                         start: Callable[[], None] | None = None) -> None:
+                         start: Callable[[], None]) -> None:
     """Call ``start`` (start the server, print where it serves), then wait until SIGINT or
     SIGTERM arrives (handled only from the main thread, and restored after) or ``alive()`` turns
     false, then call ``stop``. The handlers are in place before ``start``: a SIGTERM sent as soon
@@ -27,8 +28,7 @@ def wait_until_signalled(alive: Callable[[], bool], stop: Callable[[], None],
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda *_: stopping.set())
     try:
-        if start is not None:
-            start()
+        start()
         while not stopping.wait(POLL_SECONDS) and alive():
             pass
     finally:

@@ -128,8 +128,8 @@ def test_without_opting_in_nothing_is_raised(tmp_path):
 
 
 def test_only_the_loops_thread_is_interrupted(tmp_path):
-    """A forward pass on another thread during a doomed step (a data prefetcher generating
-    rollouts) runs to its end: ``StepDoomed`` is raised into the loop's thread alone."""
+    """A forward pass on another thread during a doomed step (a thread of the caller's own:
+    an evaluator, say) runs to its end: ``StepDoomed`` is raised into the loop's thread alone."""
     import threading
 
     model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)]))

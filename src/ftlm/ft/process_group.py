@@ -85,10 +85,17 @@ def await_work(work: Work, timeout: float, abort: threading.Event, what: str) ->
             raise CollectiveError(f"{what} timed out after {timeout:.1f} s")
         abort.wait(pause)
         pause = min(pause * 2, 0.005)
+    if (why := completed_error(work, what)) is not None:
+        raise CollectiveError(why)
+
+
+def completed_error(work: Work, what: str) -> str | None:
+    """Why completed ``work`` failed (its backend's error, named by ``what``), or None."""
     try:
         work.wait()  # completed: returns at once, raising the collective's own error if any
     except Exception as e:  # noqa: BLE001 - any backend error is a failed collective
-        raise CollectiveError(f"{what} failed: {e}") from e
+        return f"{what} failed: {e}"
+    return None
 
 
 def _build_group(backend: str, store: Any, rank: int, world: int, timeout: timedelta) -> Any:
@@ -117,11 +124,7 @@ class PendingAllreduce:
         its sockets closed); None while it runs or once it succeeded. Never blocks."""
         if self.work is None or not self.work.is_completed():
             return None
-        try:
-            self.work.wait()  # completed: returns at once, raising the collective's own error if any
-        except Exception as e:  # noqa: BLE001 - any backend error is a failed collective
-            return f"{self.what} failed: {e}"
-        return None
+        return completed_error(self.work, self.what)
 
     def wait(self, abort: threading.Event) -> None:
         """Wait (bounded, abortable), divide, write back; raises ``CollectiveError``. Integer

@@ -75,10 +75,11 @@ class GradientSync:
                 return
             b = self._bucket_of[i]
             self._missing[b] -= 1
-            if self.doomed is not None and self._next < len(self.plan) and self._missing[self._next] == 0:
-                self.doomed()  # (raises when the step can no longer commit)
-            while self._next < len(self.plan) and self._missing[self._next] == 0:
-                self._start(self._next)
+            if self._next < len(self.plan) and self._missing[self._next] == 0:
+                if self.doomed is not None:
+                    self.doomed()  # (raises when the step can no longer commit)
+                while self._next < len(self.plan) and self._missing[self._next] == 0:
+                    self._start(self._next)
         return on_grad
 
     def _start(self, b: int) -> None:

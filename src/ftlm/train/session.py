@@ -485,7 +485,7 @@ class Session:
 
     def _check_doomed(self, where: str) -> None:
         if self._pending is None or threading.get_ident() != self._loop_thread or self.ft.step_alive():
-            return  # (outside a step: an evaluation, the warm-up; another thread: a data prefetcher)
+            return  # (outside a step: an evaluation, the warm-up; or on a thread of the caller's own)
         self._abandoned = where
         self.ft.fail_step(f"the step can no longer commit: the rest of its {where} pass is skipped")
         raise StepDoomed(f"step {self._pending[0].step} can no longer commit (a member of its quorum "

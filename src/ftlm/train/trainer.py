@@ -227,16 +227,16 @@ class Trainer:
     def train_step(self, step: Step) -> bool:
         """Train this rank's rows of ``step`` and commit; True if the step committed."""
         tc = self.config.train
-        try:  # (a post-training objective's batch may run the model too: rollouts)
-            rows = self.loader.batch(step.cursor, step.index, step.participants, tc.batch_size)
-            offset = step.samples.start - step.group_samples.start  # this rank's share of the slice
-            rows = rows[offset:offset + len(step.samples)]
-            units = self._step_units(step)
-            with self.session.metrics.phase("forward_backward"):
+        rows = self.loader.batch(step.cursor, step.index, step.participants, tc.batch_size)
+        offset = step.samples.start - step.group_samples.start  # this rank's share of the slice
+        rows = rows[offset:offset + len(step.samples)]
+        units = self._step_units(step)
+        with self.session.metrics.phase("forward_backward"):
+            try:  # (GRPO's rollouts run inside the objective's loss, so in here too)
                 loss = self._forward_backward(rows.to(self.device, non_blocking=True), units,
                                               step.participants)
-        except StepDoomed:  # a member of the step's quorum was lost: the step fails
-            loss = torch.zeros((), device=self.device)
+            except StepDoomed:  # a member of the step's quorum was lost: the step fails
+                loss = torch.zeros((), device=self.device)
         return self.session.commit(loss)
 
     def _step_units(self, step: Step) -> float | None:

@@ -254,8 +254,11 @@ def cmd_sim_check(args: argparse.Namespace) -> int:
         raise ConfigError(f"--bad-links={args.bad_links} must be at least 1")
     if args.spares < 0:
         raise ConfigError(f"--spares={args.spares} must be >= 0 (0: every group trains)")
+    sdc = SimConfig.sdc if args.sdc is None else args.sdc
+    if not 0 <= sdc <= 1:
+        raise ConfigError(f"--sdc={sdc} must be a probability in [0, 1]")
     config = SimConfig(groups=args.groups + args.spares, spares=args.spares, steps=args.steps,
-                       fault_mtbf=args.fault_mtbf, faults=faults, bad_links=args.bad_links)
+                       fault_mtbf=args.fault_mtbf, faults=faults, bad_links=args.bad_links, sdc=sdc)
     report = check(args.seeds, config, start=args.start, jobs=args.jobs, progress=True)
     print(format_report(report, config))
     return 0 if report.ok else 1
@@ -392,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--faults", default="", help="comma-separated fault kinds (default: all)")
     sp.add_argument("--bad-links", type=int, default=1,
                     help="groups with a bad link at once, at most (default 1; two good groups always remain)")
+    sp.add_argument("--sdc", type=float, default=None,
+                    help="probability that a seed's job has one silent data corruption (default 0.5)")
     sp.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
     sp.set_defaults(fn=cmd_sim_check)
 

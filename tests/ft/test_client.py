@@ -227,6 +227,27 @@ def test_a_process_convicted_of_failing_its_steps_is_told_so_in_a_field(start, c
     assert not isinstance(refused.value, Convicted)
 
 
+def test_a_process_retired_for_a_suspect_state_is_told_which_checkpoint_to_set_aside(start, client) -> None:
+    """Rule I2: the 409 of a process retired because its state may hold a corrupt group's bits
+    names that state (``suspect_state``): its ``Convicted`` carries it (the session moves that
+    checkpoint aside before exiting), on heartbeats and quorum requests alike."""
+    coord = start()
+    suspect = client(coord.url, "g0", "a")
+    suspect.heartbeat(0, 0)
+    state = coord.membership.state
+
+    def retire() -> None:
+        state.set_aside["g0:a"] = (12, "c" * 64)
+        remove_member(state, "g0:a", time.monotonic(), why="was retired: its state may hold a corrupt group's bits")
+    coord.call_in_loop(retire)
+    with pytest.raises(Convicted) as refused:
+        suspect.heartbeat(0, 0)
+    assert refused.value.suspect_state == (12, "c" * 64)
+    with pytest.raises(Convicted) as refused:
+        suspect.quorum(0, -1, False, {}, timeout=1.0)
+    assert refused.value.suspect_state == (12, "c" * 64)
+
+
 # ---------------------------------------------------------------------------------------- TLS
 
 

@@ -91,7 +91,8 @@ _END_SCRIPT = textwrap.dedent("""
         m._next_quorum()
         got = {"raised": None}
     except (ReloadCheckpoint, StaleIncarnation) as e:
-        got = {"raised": type(e).__name__, "head": getattr(e, "head", None), "why": str(e)}
+        got = {"raised": type(e).__name__, "head": getattr(e, "head", None), "why": str(e),
+               "suspect": getattr(e, "suspect_state", None)}
     print(json.dumps(got))
     dist.destroy_process_group()
 """)
@@ -102,18 +103,23 @@ def test_every_rank_of_a_group_is_told_to_reload_when_its_leader_is(two_ranks) -
     ranks, waiting for its quorum answer, raise it too (with the head), so every rank loads the
     checkpoint together instead of hanging in the broadcast."""
     results = two_ranks(_END_SCRIPT.replace("__ERROR__", 'ReloadCheckpoint(41, "no live group holds step 41")'))
-    assert results == [{"raised": "ReloadCheckpoint", "head": 41, "why": "no live group holds step 41"}] * 2
+    assert results == [{"raised": "ReloadCheckpoint", "head": 41, "why": "no live group holds step 41",
+                        "suspect": None}] * 2
 
 
-@pytest.mark.parametrize("error", ["StaleIncarnation", "Convicted"])
-def test_every_rank_of_a_group_exits_when_the_coordinator_retires_it(two_ranks, error) -> None:
+@pytest.mark.parametrize("error, suspect", [("StaleIncarnation", None), ("Convicted", None),
+                                            ("Convicted", [12, "c" * 64])])
+def test_every_rank_of_a_group_exits_when_the_coordinator_retires_it(two_ranks, error, suspect) -> None:
     """A leader whose incarnation the coordinator retired (replaced, or ``Convicted``: a bad link
-    found, ``quorum.Probe``) raises that error; the other ranks raise the same one (every rank of a
-    convicted group exits with EXIT_RETIRED) instead of waiting in the broadcast for an answer that
-    never comes."""
+    found, ``quorum.Probe``, or a state suspect of a corrupt group's bits with the state whose
+    checkpoint it sets aside) raises that error; the other ranks raise the same one (every rank
+    of a convicted group exits with EXIT_RETIRED) instead of waiting in the broadcast for an
+    answer that never comes."""
     why = "replica g0:x was retired: its link fails the steps it takes part in; this process must exit"
-    results = two_ranks(_END_SCRIPT.replace("__ERROR__", f"{error}({why!r})"))
-    assert results == [{"raised": error, "head": None, "why": why}] * 2
+    args = f"{why!r}" if suspect is None else f"{why!r}, {tuple(suspect)!r}"
+    results = two_ranks(_END_SCRIPT.replace("__ERROR__", f"{error}({args})"))
+    got = [{**r, "suspect": r["suspect"] and list(r["suspect"])} for r in results]
+    assert got == [{"raised": error, "head": None, "why": why, "suspect": suspect}] * 2
 
 
 _WAIT_SCRIPT = textwrap.dedent("""

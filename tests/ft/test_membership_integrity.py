@@ -10,7 +10,17 @@ from ftlm.ft.coordinator_requests import decode_body, parse_quorum_request
 from ftlm.ft.history import GENESIS, extend_chain
 from ftlm.ft.membership import Answer, Event, Issued, Membership
 from ftlm.ft.quorum import Convicted, Heartbeat, MemberRequest, QuorumOptions
-from ftlm.ft.quorum.integrity import DigestReport, IntegrityBook, expect, judge, record
+from ftlm.ft.quorum.integrity import (
+    DigestReport,
+    IntegrityBook,
+    copied,
+    expect,
+    judge,
+    pending,
+    record,
+    suspect_since,
+    tainted,
+)
 
 GOOD, BAD, OTHER = "a" * 32, "b" * 32, "c" * 32
 
@@ -27,6 +37,8 @@ class Job:
         self.last_id = {g: -1 for g in self.inc}
         self.events: list[Event] = []
         self.retired: dict[str, str] = {}
+        self.bodies: dict[str, dict] = {}
+        self.issued: list = []
         self.answered: set[str] = set()
         for g in self.inc:
             self.m.heartbeat(self.now, Heartbeat(self.rid(g), g, self.now, 0))
@@ -42,15 +54,24 @@ class Job:
             integrity = (*(at if at is not None else self.state[g]), digest)
         req = MemberRequest(self.rid(g), g, step, self.last_id[g], False, {"store": f"host-{g}:29500"},
                             self.now, chain, integrity=integrity)
-        for o in self.m.request(self.now, req):
+        self.take(self.m.request(self.now, req))
+
+    def tick(self, seconds: float) -> None:
+        self.now += seconds
+        self.take(self.m.tick(self.now))
+
+    def take(self, outputs: list) -> None:
+        for o in outputs:
             if isinstance(o, Event):
                 self.events.append(o)
             elif isinstance(o, Answer) and o.status == 409:
                 assert o.body.get("convicted") is True, o.body  # its process exits with EXIT_RETIRED
                 self.retired[o.replica_id] = o.body["error"]
+                self.bodies[o.replica_id] = o.body
             elif isinstance(o, Answer) and o.status == 200:
                 self.answered.add(o.replica_id)
             elif isinstance(o, Issued):
+                self.issued.append(o.quorum)
                 self.commit(o.quorum)
 
     def commit(self, q) -> None:
@@ -185,3 +206,107 @@ def test_a_state_held_again_by_new_incarnations_is_compared_anew():
     assert again.agreed and again.majority == BAD
     expect(book, 10, GENESIS, frozenset({"g0:b", "g1:b"}))  # a retry by the same members: judged
     assert book.judged[(10, GENESIS)] is again
+
+
+def _agree(book: IntegrityBook, step: int, digests: dict[str, str]) -> None:
+    """Judge the state of ``step`` from the digests of the replica ids given."""
+    expect(book, step, GENESIS, frozenset(digests))
+    for rid, digest in digests.items():
+        record(book, DigestReport(rid, rid.split(":")[0], "h", step, GENESIS, digest), set(digests))
+
+
+def test_the_copies_of_a_corrupt_state_are_traced_through_copies_of_copies():
+    """Rule I2: whoever copied from the corrupt member after its last agreed digest, directly or
+    through another member, may hold its bits; a copy made before that digest does not."""
+    book = IntegrityBook()
+    _agree(book, 5, {"x:a": GOOD, "y:a": GOOD})
+    copied(book, 3, {"w:a": "x:a"})  # before step 5, whose digest x agreed on
+    copied(book, 7, {"y:b": "x:a"})
+    copied(book, 9, {"z:a": "y:b"})
+    copied(book, 8, {"v:a": "y:a"})  # from a member that never copied from x
+    assert suspect_since(book, "x:a", 10) == 6
+    assert tainted(book, "x:a", 10) == {"y:b": "x:a", "z:a": "y:b"}
+    # An agreement judged later, at a later step, was with its own copies: it vouches for nothing
+    # before the step it is found corrupt at.
+    _agree(book, 15, {"x:a": BAD, "y:b": BAD})
+    assert suspect_since(book, "x:a", 10) == 6
+
+
+def test_a_lone_digest_agrees_with_nothing():
+    book = IntegrityBook()
+    expect(book, 5, GENESIS, frozenset({"x:a"}))
+    (verdict,) = record(book, DigestReport("x:a", "x", "h", 5, GENESIS, BAD), {"x:a"})
+    assert verdict.agreed  # nobody differs...
+    assert book.agreed_at == {}  # ...but nothing was compared: x is not vouched for at step 5
+    assert suspect_since(book, "x:a", 10) == 0
+    assert pending(book, {"x:a"}) == []
+
+
+def _copy_before_the_verdict() -> Job:
+    """Four groups commit step 0; g0's state is corrupt. g3 restarts behind and is told to copy
+    from g0 (participant 0) before g2, slow, has sent its digest of step 0."""
+    job = Job(4)
+    job.step_all()
+    held = dict(job.before)
+    job.inc["g3"], job.state["g3"] = "b", (0, GENESIS)
+    job.m.heartbeat(job.now, Heartbeat(job.rid("g3"), "g3", job.now, 0))
+    job.ask("g0", BAD, at=held["g0"])
+    job.ask("g1", GOOD, at=held["g1"])
+    job.ask("g3")
+    job.tick(2.5)  # the join timeout: the quorum goes on without g2
+    (q,) = job.issued[-1:]
+    assert q.participants == ["g0:a", "g1:a"] and q.sources == {"g3:b": "g0:a"}
+    job.ask("g2", GOOD, at=held["g2"])  # the verdict: g0 is outvoted
+    return job
+
+
+def test_a_group_that_copied_the_corrupt_state_before_the_verdict_is_retired_with_it():
+    job = _copy_before_the_verdict()
+    assert sorted(job.retired) == ["g0:a", "g3:b"]
+    copied_one = [e for e in job.kinds("state_mismatch") if e.get("copied_from")]
+    assert [(e["replica_id"], e["copied_from"]) for e in copied_one] == [("g3:b", "g0:a")]
+    assert job.m.integrity.corrupt_count == {"g0": 1}  # a copy is not a faulty device
+    (suspect,) = job.kinds("suspect_states")
+    assert suspect["replica_id"] == "g0:a" and suspect["copied"] == {"g3:b": "g0:a"}
+    assert suspect["vouched"] == ["g1:a", "g2:a"]
+
+
+def test_a_restarted_group_holding_a_suspect_state_recovers_instead_of_training():
+    """g0 took part in step 1 before it was found corrupt and may have written its checkpoint;
+    its next process loads it and claims the job's newest state: it must copy from a group
+    vouched for, not train on its bits."""
+    job = _copy_before_the_verdict()
+    newest = job.state["g1"]  # step 2: what g0 and g1 committed
+    job.inc["g0"], job.state["g0"] = "b", newest
+    job.m.heartbeat(job.now, Heartbeat(job.rid("g0"), "g0", job.now, newest[0], chain=newest[1]))
+    job.step_all()
+    job.step_all()
+    assert job.m.state.head[0] >= newest[0]
+    (q,) = [q for q in job.issued if q.step == newest[0]][-1:]
+    assert "g0:b" in q.recovering and "g0:b" not in q.participants
+    assert q.sources["g0:b"] in ("g1:a", "g2:a")
+
+
+def test_with_nobody_vouched_for_left_a_suspect_state_is_set_aside():
+    """Every group vouched for dies; the restarted corrupt group holds the job's newest state,
+    from a checkpoint it wrote: it is retired and told to set that checkpoint aside (it starts
+    again from an older one) instead of the job rolling back to its bits."""
+    job = _copy_before_the_verdict()
+    head = job.m.state.head
+    job.inc["g0"] = "b"
+    job.m.heartbeat(job.now, Heartbeat(job.rid("g0"), "g0", job.now, head[0], chain=head[1]))
+    for g in ("g1", "g2"):
+        job.take(job.m.report_dead(job.now, job.rid(g), g, "SIGKILL"))
+    job.inc = {"g0": "b"}
+    job.state["g0"] = head
+    for _ in range(14):  # the rollback grace (two heartbeat timeouts, 60 s) passes
+        if "g0:b" in job.retired:
+            break
+        job.m.heartbeat(job.now, Heartbeat(job.rid("g0"), "g0", job.now, head[0], chain=head[1]))
+        job.tick(5.0)
+    assert not job.kinds("restore")  # never rolled back to the suspect state
+    assert "g0:b" in job.retired, job.m.reason
+    assert job.bodies["g0:b"]["suspect_state"] == [head[0], head[1]]
+    with pytest.raises(Convicted) as refused:
+        job.ask("g0")
+    assert refused.value.suspect_state == head

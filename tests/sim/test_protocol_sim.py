@@ -157,24 +157,32 @@ def test_hangs_that_end_on_their_own_keep_the_job_live() -> None:
     assert report.ok, format_report(report, config)
 
 
-@pytest.mark.xfail(strict=True, reason="open: under dense hangs and crashes a corruption the majority "
-                   "outvoted survives to the end (seed 63; the integrity rule's known gap)")
 def test_a_corruption_outvoted_under_dense_hangs_and_crashes_does_not_survive() -> None:
-    """Seed 63 of the dense hang-and-crash job with silent corruption on: found when corruption
-    faults joined the simulator; replay: ``ftlm sim check --start 63 --seeds 1 --steps 150
-    --groups 3 --faults hang_resume,crash --fault-mtbf 2``."""
+    """Seed 63 of the dense hang-and-crash job: the corrupt group wrote the checkpoint of step
+    10 before it was found, and groups restarted from it while no group vouched for was left;
+    they set it aside and start again from an older state (rule I2). Replay: ``ftlm sim check
+    --start 63 --seeds 1 --steps 150 --groups 3 --faults hang_resume,crash --fault-mtbf 2``."""
     result = run(63, SimConfig(steps=150, faults=("hang_resume", "crash"), fault_mtbf=2.0))
     assert result.ok, result.error
 
 
-@pytest.mark.xfail(strict=True, reason="open: the integrity rule's known gap in the default job: a "
-                   "corruption the majority outvoted reaches every group by the end")
 @pytest.mark.parametrize("seed", [1668, 3844, 4488])
 def test_a_corruption_outvoted_in_the_default_job_does_not_survive(seed: int) -> None:
-    """Seeds 1668, 3844 and 4488 of the default job (5,000-seed run of 2026-12-03): the three groups end
-    alike, each with the state a majority had outvoted. Replay: ``ftlm sim check --start SEED
-    --seeds 1``."""
+    """Seeds 1668, 3844 and 4488 of the default job (5,000-seed run of 2026-12-03): a group
+    copied the corrupt group's state (1668, 4488), or restarted from a checkpoint it wrote
+    (3844), before the verdict came; all three groups ended with the outvoted state. Replay:
+    ``ftlm sim check --start SEED --seeds 1``."""
     result = run(seed, SimConfig(steps=200))
+    assert result.ok, result.error
+
+
+@pytest.mark.parametrize("seed", [157, 214])
+def test_a_corruption_is_judged_by_the_digests_it_was_compared_with(seed: int) -> None:
+    """A corruption in every seed of the dense job: seed 157, a lone participant's digest
+    "agreed" with nothing and made the corrupt group look verified at step 10; seed 214, the
+    convicted group had replaced its corrupt state by a copy before the verdict came (the
+    verdict was right about the state it reported)."""
+    result = run(seed, SimConfig(steps=150, faults=("hang_resume", "crash"), fault_mtbf=2.0, sdc=1.0))
     assert result.ok, result.error
 
 

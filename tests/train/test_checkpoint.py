@@ -216,6 +216,25 @@ def test_flipped_bytes_in_distcp_fall_back_to_the_previous_checkpoint(tmp_path: 
     assert _steps_on_disk(tmp_path) == ["rejected-step-00000008", "step-00000004"]
 
 
+def test_a_checkpoint_suspect_of_a_corrupt_writer_is_set_aside_and_an_older_one_loads(tmp_path: Path) -> None:
+    """Rule I2: a group retired because its state may hold a corrupt group's bits moves that
+    state's checkpoint aside (matched by step and history), so its next process loads an older
+    one; a checkpoint of another history at that step, or a reader that is not the group's
+    writer, moves nothing."""
+    digests = _saved_at(tmp_path, 4, 8)
+    chain = json.loads((checkpoint_dir(tmp_path, 8) / MARKER).read_text())["chain"]
+    ck = Checkpointer(tmp_path, every=4, keep=2)
+    assert ck.set_aside(8, "f" * 64) is None  # another history's state of step 8
+    reader = Checkpointer(tmp_path, every=4, keep=2)
+    reader.writer = False
+    assert reader.set_aside(8, chain) is None
+    moved = ck.set_aside(8, chain)
+    assert moved is not None and moved.name == "rejected-step-00000008"
+    fresh = _state(seed=3)
+    assert Checkpointer(tmp_path, every=4, keep=2).restore_latest(fresh) == 4
+    assert _digest(fresh) == digests[4]
+
+
 def test_a_checkpoint_whose_state_differs_from_its_recorded_digest_falls_back(tmp_path: Path) -> None:
     """Intact files that load another state than the one saved (a corrupt writer's memory, a
     reader's): the state digest recorded at the save tells, the checkpoint is refused naming it,

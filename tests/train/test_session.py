@@ -15,9 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from ftlm.errors import ConfigError
+from ftlm.errors import EXIT_RETIRED, ConfigError
 from ftlm.ft.config import FTConfig
 from ftlm.ft.coordinator import Coordinator
+from ftlm.ft.quorum import Convicted
 from ftlm.observe.events import read_events
 from ftlm.observe.summary import build_summary
 from ftlm.train import Session, Step
@@ -58,6 +59,41 @@ def test_a_plain_module_trains_alone_and_every_sample_is_used_once(tmp_path, mon
     losses = session.losses
     assert statistics.fmean(losses[-5:]) < 0.5 * statistics.fmean(losses[:5]), losses
     assert (tmp_path / "model.safetensors").is_file()
+
+
+def test_a_session_retired_for_a_suspect_state_sets_its_checkpoint_aside(tmp_path, monkeypatch) -> None:
+    """The coordinator retires a group whose state may hold a corrupt group's bits (rule I2),
+    naming that state (``Convicted.suspect_state``): the session moves its checkpoint aside as
+    the process exits with EXIT_RETIRED, and the next session resumes from an older one."""
+    monkeypatch.delenv("FTLM_CONFIG", raising=False)
+    monkeypatch.delenv("FTLM_COORDINATOR", raising=False)
+    x, y = dataset()
+
+    def train(steps: int) -> Session:
+        net = model()
+        session = Session(net, torch.optim.SGD(net.parameters()), lr=0.1, steps=steps, batch_size=8,
+                          run_dir=tmp_path, checkpoint_every=4)
+        return session
+
+    first = train(8)
+    net = first.model
+    for step in first:
+        rows = [p % ROWS for p in step.samples]
+        loss = nn.functional.mse_loss(net(x[rows]), y[rows])
+        loss.backward()
+        first.commit(loss)
+    first.close()
+    suspect = (first.state.step, first.state.chain)
+    assert suspect[0] == 8
+    second = train(12)
+    with pytest.raises(SystemExit) as exited:
+        with second:
+            raise Convicted("replica g0:x was retired: its state may hold a corrupt group's bits", suspect)
+    assert exited.value.code == EXIT_RETIRED
+    assert (tmp_path / "checkpoints" / "rejected-step-00000008").is_dir()
+    third = train(12)
+    assert third.state.step == 4
+    third.abort()
 
 
 def test_gradient_accumulation_under_no_sync_matches_one_backward(tmp_path, monkeypatch) -> None:

@@ -84,6 +84,16 @@ def reload_word(answer: dict[str, Any]) -> tuple[int | None, int]:
             again if type(again) is int and again >= 0 else 0)
 
 
+def suspect_word(answer: dict[str, Any]) -> tuple[int, str] | None:
+    """A 409 answer's ``suspect_state`` (step, chain): the state whose checkpoint the retired
+    process sets aside (``quorum.Convicted``); None without a valid one."""
+    word = answer.get("suspect_state")
+    if (isinstance(word, list) and len(word) == 2 and type(word[0]) is int and word[0] >= 0
+            and isinstance(word[1], str) and 0 < len(word[1]) <= 128):
+        return word[0], word[1]
+    return None
+
+
 # Errors that mean "no usable answer from the server" rather than "the server said no".
 # OSError covers refused and reset connections and socket timeouts.
 _NETWORK_ERRORS = (OSError, http.client.HTTPException)
@@ -285,8 +295,10 @@ class CoordinatorClient:
             body = answer if isinstance(answer, dict) else {}
             raise QuorumTimeout(str(body.get("reason", message)), *reload_word(body))
         if status == 409:
-            convicted = isinstance(answer, dict) and answer.get("convicted") is True
-            raise (Convicted if convicted else StaleIncarnation)(message)
+            body = answer if isinstance(answer, dict) else {}
+            if body.get("convicted") is True:
+                raise Convicted(message, suspect_word(body))
+            raise StaleIncarnation(message)
         if status == 401:
             raise ConfigError(
                 f"coordinator at {self.url} refused the token ({message}); give every process the job's "

@@ -418,6 +418,14 @@ class Coordinator:
                 elif o.kind == "quorum":
                     log.info("quorum %d at step %d: %s", o.fields["quorum_id"], o.fields["step"],
                              o.fields["reason"])
+                elif o.kind == "state_mismatch" and o.fields.get("copied_from"):
+                    log.error("group %s copied its state from %s before that was found corrupt at step %s: "
+                              "retired", o.fields["group"], o.fields["copied_from"], o.fields["step"])
+                    self.metrics.state_mismatches.inc()
+                elif o.kind == "suspect_states":
+                    log.error("states of steps %s-%s may hold the bits of %s, found corrupt at step %s: "
+                              "only %s vouch for them", o.fields["from_step"], o.fields["to_step"],
+                              o.fields["replica_id"], o.fields["step"], ", ".join(o.fields["vouched"]) or "nobody")
                 elif o.kind == "state_mismatch":
                     log.error("group %s (host %s) holds another state than %s at step %s: retired%s",
                               o.fields["group"], o.fields["host"] or "?",
@@ -764,6 +772,8 @@ def _stale_body(e: StaleIncarnation) -> bytes:
     body: dict[str, object] = {"error": str(e)}
     if isinstance(e, Convicted):
         body["convicted"] = True
+        if e.suspect_state is not None:
+            body["suspect_state"] = list(e.suspect_state)
     return json.dumps(body).encode()
 
 

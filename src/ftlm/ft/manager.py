@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from ftlm.ft.client import (CoordinatorClient, CoordinatorError, CoordinatorUnavailable, CoordinatorUnreachable,
-                            Convicted, Heartbeater, QuorumTimeout, StaleIncarnation, reload_word)
+                            Convicted, Heartbeater, QuorumTimeout, StaleIncarnation, reload_word,
+                            suspect_word)
 from ftlm.ft.coordinator_address import ADDRESS_FILE_ENV
 from ftlm.ft.config import FTConfig
 from ftlm.ft.faults import FaultSchedule
@@ -376,6 +377,8 @@ class Manager:
                 end = {"end": type(e).__name__, "why": str(e)}
                 if isinstance(e, ReloadCheckpoint):
                     end["head"] = e.head
+                if isinstance(e, Convicted) and e.suspect_state is not None:
+                    end["suspect_state"] = list(e.suspect_state)
                 broadcast_json(end, self.ranks, self.control)
                 raise
             with self._answered:  # a quorum answer is word from the coordinator, as a heartbeat's
@@ -392,7 +395,9 @@ class Manager:
             if got["end"] == "ReloadCheckpoint":
                 raise ReloadCheckpoint(got["head"], got["why"])
             # Every rank ends as its leader does: a retired group's ranks all exit with its status.
-            ends = {"StopRequested": StopRequested, "StaleIncarnation": StaleIncarnation, "Convicted": Convicted}
+            if got["end"] == "Convicted":
+                raise Convicted(got["why"], suspect_word(got))
+            ends = {"StopRequested": StopRequested, "StaleIncarnation": StaleIncarnation}
             raise ends.get(got["end"], TooManyFailures)(got["why"])
         return MemberQuorum.from_json(got)
 

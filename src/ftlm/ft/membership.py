@@ -44,7 +44,20 @@ from ftlm.ft.quorum import (
     remove_member,
     withdraw_request,
 )
-from ftlm.ft.quorum.integrity import WHY_CORRUPT, DigestReport, IntegrityBook, Verdict, expect, is_quarantined, pending
+from ftlm.ft.quorum.integrity import (
+    WHY_CORRUPT,
+    DigestReport,
+    IntegrityBook,
+    Verdict,
+    copied,
+    expect,
+    is_quarantined,
+    pending,
+    suspect_since,
+    suspect_states,
+    tainted,
+    vouch_copies,
+)
 from ftlm.ft.quorum.integrity import record as record_digest
 
 DEAD_MEMORY_SECONDS = 60.0
@@ -233,6 +246,16 @@ class Membership:
         restores, waiting = advance_head(now, self.state, options)
         for r in restores:
             out.append(Event("restore", self._restore_fields(r)))
+        stranded, self.state.stranded = self.state.stranded, {}
+        for rid, (step, chain) in stranded.items():
+            hb = self.state.heartbeats.get(rid)
+            if hb is not None:
+                why = (f"its state (step {step}) may hold the bits of a member found corrupt, and no group "
+                       "vouched for holds a state: it sets that state's checkpoint aside and starts again "
+                       "from an older one")
+                self.state.set_aside[rid] = (step, chain)
+                out.append(Event("member_dead", {"group": hb.group, "replica_id": rid, "reason": why}))
+                self._retire_corrupt(now, rid, hb.group, why, out, (step, chain))
         if (guilty := convict(self.state)) is not None:
             self._retire_guilty(now, guilty[0], guilty[1], guilty[2], out)
         head, due = reload_due(now, self.state, options)
@@ -255,6 +278,9 @@ class Membership:
         expect(self.integrity, quorum.step, quorum.chain, frozenset(quorum.participants))
         new_id = quorum.quorum_id != self._last_emitted_id
         if new_id:
+            if quorum.sources:
+                copied(self.integrity, quorum.step, quorum.sources)
+                vouch_copies(self.state, quorum.step, quorum.sources)
             self._last_emitted_id = quorum.quorum_id
             out.append(Event("quorum", {"quorum_id": quorum.quorum_id, "step": quorum.step,
                                         "participants": list(quorum.participants),
@@ -441,17 +467,51 @@ class Membership:
                    f"its replicated state at step {verdict.step} differs from its peers' and no majority "
                    "holds one state (silent data corruption): the job rolls back to its newest durable "
                    "checkpoint")
-            if remove_member(self.state, r.replica_id, now, why=f"was retired: {why}"):
-                self.dead.append((now, r.replica_id, r.group, why))
-                out.append(Answer(r.replica_id, 409, {"error": f"{r.replica_id} was retired: {why}; this "
-                                                               "process must exit (its supervisor starts it again)",
-                                                      "convicted": True}))  # ``quorum.Convicted``
+            self._retire_corrupt(now, r.replica_id, r.group, why, out)
+            if not trusted:
+                continue
+            # Whoever copied the corrupt state before it was found holds the same bits, and the
+            # checkpoints it (or they) wrote since may hold them too (rule I2).
+            entry = suspect_states(self.state, self.integrity, verdict, r.replica_id,
+                                   suspect_since(self.integrity, r.replica_id, verdict.step))
+            copies = tainted(self.integrity, r.replica_id, verdict.step)
+            out.append(Event("suspect_states", {
+                "replica_id": r.replica_id, "group": r.group, "step": verdict.step,
+                "from_step": min(entry.states, default=verdict.step),
+                "to_step": max(entry.states, default=verdict.step), "copied": dict(copies),
+                "vouched": sorted(entry.vouched)}))
+            for rid, source in copies.items():
+                hb = self.state.heartbeats.get(rid)
+                if hb is None:
+                    continue  # gone already
+                req = self.state.pending.get(rid)
+                out.append(Event("state_mismatch", {
+                    "group": hb.group, "replica_id": rid, "host": _host(req) if req is not None else "",
+                    "step": verdict.step, "chain": verdict.chain,
+                    "digest": "", "digests": dict(verdict.digests), "majority": verdict.majority,
+                    "copied_from": source, "times": self.integrity.corrupt_count.get(hb.group, 0),
+                    "quarantined": False}))
+                self._retire_corrupt(now, rid, hb.group, f"it copied its state from {source}, whose state "
+                                     f"differs from the majority's at step {verdict.step} (silent data "
+                                     "corruption)", out)
         if not trusted:
             out.append(Event("integrity_rollback", {
                 "step": verdict.step, "digests": dict(verdict.digests), "last_agreed": self.integrity.last_agreed,
                 "reason": (f"the {len(verdict.digests)} groups at step {verdict.step} hold different states "
                            "and no majority holds one: every one is retired and the job continues from "
                            "its newest durable checkpoint")}))
+
+    def _retire_corrupt(self, now: float, replica_id: str, group: str, why: str, out: list[Output],
+                        suspect: tuple[int, str] | None = None) -> None:
+        """Retire a member whose state is corrupt or suspect; ``suspect``: the state whose
+        checkpoint it sets aside before it exits (``quorum.Convicted``)."""
+        if remove_member(self.state, replica_id, now, why=f"was retired: {why}"):
+            self.dead.append((now, replica_id, group, why))
+            body: dict[str, Any] = {"error": f"{replica_id} was retired: {why}; this process must exit (its "
+                                             "supervisor starts it again)", "convicted": True}  # ``quorum.Convicted``
+            if suspect is not None:
+                body["suspect_state"] = list(suspect)
+            out.append(Answer(replica_id, 409, body))
 
     def _restore_fields(self, r: Restore) -> dict[str, Any]:
         return {"step": r.to_step, "from_step": r.from_step, "to_step": r.to_step, "chain": r.chain,

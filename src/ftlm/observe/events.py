@@ -82,7 +82,13 @@ Kinds used across ftlm and their fields:
   corruption. ``replica_id``, ``host`` (its leader's), ``chain``, ``digest`` (its own),
   ``digests`` (group -> digest of every group that reported that state), ``times`` (how often
   that group was found corrupt) and ``quarantined`` (it is not let back on ``host``). The
-  coordinator retired it; it recovers from a majority member when it comes back.
+  coordinator retired it; it recovers from a majority member when it comes back. With
+  ``copied_from`` (and no ``digest``): ``target`` copied its state from that replica before it
+  was found corrupt (rule I2), and was retired with it.
+* ``suspect_states``: ``replica_id`` (of ``target``) was found corrupt at ``step``; the job's
+  states of steps ``from_step`` to ``to_step`` may hold its bits (a checkpoint it wrote): only
+  the members in ``vouched`` (and their copies) may claim them; ``copied``: replica id -> whom it
+  copied from, for each member retired as a copy.
 * ``integrity_rollback``: the groups at ``step`` hold different states and no majority holds
   one: every one was retired, and the job continues from its newest durable checkpoint
   (``digests``, ``last_agreed``: the newest step whose digests all agreed, ``reason``).
@@ -105,7 +111,7 @@ KINDS: tuple[str, ...] = (
     "failure_injected", "member_dead", "member_left", "recovery_start", "recovery_end",
     "checkpoint_saved", "checkpoint_rejected", "checkpoint_failed", "checkpoint_reloaded", "coordinator_restart", "restore",
     "eval", "group_lost", "coordinator_unreachable", "coordinator_back", "state_mismatch",
-    "integrity_rollback", "network_healed", "spare_promoted",
+    "integrity_rollback", "suspect_states", "network_healed", "spare_promoted",
 )
 """Event kinds ftlm emits (documented above); ``emit`` accepts others for forward compatibility."""
 

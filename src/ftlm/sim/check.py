@@ -118,7 +118,7 @@ def format_report(report: CheckReport, config: SimConfig, show: int = 3) -> str:
     return "\n".join(lines)
 
 
-CLI_FIELDS = ("groups", "spares", "steps", "faults", "fault_mtbf", "bad_links")
+CLI_FIELDS = ("groups", "spares", "steps", "faults", "fault_mtbf", "bad_links", "sdc")
 """The fields of ``SimConfig`` that ``ftlm sim check`` sets from its options."""
 
 
@@ -143,5 +143,7 @@ def replay_command(seed: int, steps: int, config: SimConfig) -> str:
         cmd += f" --fault-mtbf {config.fault_mtbf:g}"
     if config.bad_links != defaults.bad_links:
         cmd += f" --bad-links {config.bad_links}"
+    if config.sdc != defaults.sdc:
+        cmd += f" --sdc {config.sdc:g}"
     return cmd
 

@@ -53,6 +53,17 @@ class Storage:
         elif role.participant_index == 0 and self.checkpoint_due(inc.state.step):
             self.disk[inc.state.step] = copy_state(inc.state)
 
+    def set_aside(self, inc: Incarnation, suspect: object) -> None:
+        """A process retired for a suspect state (``quorum.Convicted.suspect_state``) moves that
+        state's checkpoint aside (``Checkpointer.set_aside``) before it exits."""
+        if not isinstance(suspect, (list, tuple)) or not inc.alive:
+            return
+        step, chain = suspect
+        on_disk = self.disk.get(step)
+        if on_disk is not None and on_disk.chain == chain:
+            del self.disk[step]
+            self.sim.log(f"{inc.replica_id} sets the checkpoint of step {step} aside")
+
     def saves_on_stop(self, inc: Incarnation) -> bool:
         """The trainer's ``_saves_on_stop``: a group stopped by SIGTERM that wrote its last step's
         checkpoints saves that step on its way out unless it is on disk (periodic or not)."""

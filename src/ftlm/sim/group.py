@@ -250,6 +250,7 @@ class GroupModel:
             return
         inc.request = None
         if answer.status == 409:
+            sim.storage.set_aside(inc, (answer.body or {}).get("suspect_state"))
             sim.launcher.die(inc, "stale incarnation")
             return
         head, again = reload_word(answer.body or {})

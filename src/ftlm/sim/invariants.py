@@ -167,17 +167,36 @@ class Invariants:
         """The coordinator found ``replica_id``'s state digest outvoted (or no majority): it must
         never take part in a step again, and a majority's verdict must be right: an outvoted
         group holds a corrupt state (unless a corruption spread to the majority by a snapshot
-        or a checkpoint first: then the majority's state wins, corrupt or not)."""
+        or a checkpoint first: then the majority's state wins, corrupt or not). A member retired
+        because it copied a corrupt member's state (``copied_from``, rule I2) reports no digest:
+        its state now counts."""
         rid = fields["replica_id"]
         self.found_corrupt.add(rid)
         inc = self.sim.groups.get(fields["group"])
-        self.sim.log(f"state mismatch: {rid} at step {fields['step']} (majority {fields['majority'][:8] or '-'})")
+        copied = f" (copied from {fields['copied_from']})" if fields.get("copied_from") else ""
+        self.sim.log(f"state mismatch: {rid} at step {fields['step']}{copied} (majority {fields['majority'][:8] or '-'})")
         if not fields["majority"] or inc is None or inc.replica_id != rid:
             return
-        if inc.state.corruption:
+        # The corruption the outvoted digest shows (the member may have replaced that state
+        # since, by a copy: the verdict was right about the state it reported).
+        reported = self._corruption_of(fields)
+        if reported:
+            self.outvoted.add(reported)
+        elif inc.state.corruption:
             self.outvoted.add(inc.state.corruption)
         elif not any(g is not None and g.state.corruption for g in self.sim.groups.values()):
             self.fail(f"{rid} was found corrupt at step {fields['step']} but no group holds a corrupt state")
+
+    def _corruption_of(self, fields: dict) -> int:
+        """Which silent corruption the reported ``digest`` of state (step, chain) holds (0: none
+        or no digest); ``State.digest`` hashes the corruption's number with the history."""
+        digest = fields.get("digest")
+        if not digest:
+            return 0
+        for c in range(1, self.sim.faults.corruptions + 1):
+            if State(fields["step"], fields["chain"], 0, (), c).digest() == digest:
+                return c
+        return 0
 
     def check_no_corrupt_participant(self, q: Quorum) -> None:
         """A group found corrupt never takes part in a step again (it is retired)."""

@@ -179,7 +179,8 @@ class Simulation:
         (the process then exits, as the real one does on a 409)."""
         try:
             result = call(self.coordinator)
-        except StaleIncarnation:
+        except StaleIncarnation as e:
+            self.storage.set_aside(inc, getattr(e, "suspect_state", None))
             if not inc.left:  # (a message that overtook its own leave: the process exits anyway)
                 self.at(self.latency(), lambda: self.launcher.die(inc, "stale incarnation"), "stale")
             return None

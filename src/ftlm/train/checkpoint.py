@@ -751,6 +751,17 @@ class Checkpointer:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.process_group)
         return int(worst.item())
 
+    def set_aside(self, step: int, chain: str) -> Path | None:
+        """Move the checkpoint of ``step`` aside (kept for inspection, never loaded) when it holds
+        the state of history ``chain``; its new path, or None (another history, none of that step,
+        or not this group's writer)."""
+        if not self.writer:
+            return None
+        for s, path in valid_checkpoints(self.root):
+            if s == step and _marker_chain(path) == chain:
+                return self._quarantine(path)
+        return None
+
     def _quarantine(self, path: Path) -> Path | None:
         """Move a rejected checkpoint out of the way (kept for inspection); its new path."""
         target = self.root / f"{REJECTED_PREFIX}{path.name}"

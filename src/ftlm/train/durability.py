@@ -125,6 +125,19 @@ class Durability:
         log.info("stopping at step %d: saved its checkpoint in %.1f s (checkpoint.on_stop)",
                  self.state.step, time.perf_counter() - t0)
 
+    def set_aside(self, step: int, chain: str) -> None:
+        """This group was retired because its state (``step``, ``chain``) may hold the bits of a
+        group found corrupt (the coordinator's rule I2): move that state's checkpoint aside, so
+        that the next process starts from an older one. Errors are logged, never raised."""
+        try:
+            moved = self.checkpointer.set_aside(step, chain)
+        except OSError as e:
+            log.warning("could not set the checkpoint of step %d aside: %s", step, e)
+            return
+        if moved is not None:
+            log.warning("the checkpoint of step %d may hold a corrupt group's state: moved to %s; the "
+                        "next start loads an older one", step, moved)
+
     def reload(self, head: int) -> tuple[int, float] | None:
         """No live group holds the job's newest state (step ``head``): load the newest durable
         checkpoint if it is newer than this group's state. Returns (its step, seconds), or None

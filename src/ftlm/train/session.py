@@ -752,6 +752,9 @@ class Session:
             self.interrupt()
             self.close()
         else:
+            suspect = getattr(error, "suspect_state", None)  # (``ftlm.ft.Convicted``)
+            if suspect is not None and self.disk is not None:
+                self.disk.set_aside(*suspect)
             self.abort()
             if isinstance(error, RetiredError):
                 # The launchers count a group retired by its exit status, not by a message.

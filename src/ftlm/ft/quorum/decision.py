@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 
 from ftlm.ft.quorum.bad_link import leave_out
+from ftlm.ft.quorum.integrity import head_suspect, untrusted
 from ftlm.ft.quorum.members import live_view
 from ftlm.ft.quorum.spares import assign_roles
 from ftlm.ft.quorum.types import (
@@ -54,6 +55,10 @@ def compute_quorum(now: float, state: CoordinatorState, options: QuorumOptions) 
         named = _named([live.heartbeats[r].group for r in itertools.islice(holders, MISSING_NAMED)], len(holders))
         return None, (f"waiting for the holders of step {head[0]} ({named}) to ask; "
                       f"the groups asking must recover from them")
+    if head_suspect(state) and all(untrusted(state, r, head) for r, req in pending.items()
+                                   if (req.step, req.chain) == head):
+        return None, (f"waiting for a holder of step {head[0]} not suspect of a corruption found late "
+                      "to ask; the groups asking may hold a corrupt member's bits and must recover")
 
     prev = state.prev_quorum
     index.track_prev(prev)
@@ -158,6 +163,8 @@ def _build(now: float, state: CoordinatorState, options: QuorumOptions, live: Co
     assert state.head is not None
     candidates: dict[str, MemberRequest] = dict(live.pending)
     holders = {r for r, req in candidates.items() if (req.step, req.chain) == state.head}
+    if state.suspect:  # a state a corrupt member may have written: held only by the vouched (rule I2)
+        holders = {r for r in holders if not untrusted(state, r, state.head)}
     out, why = leave_out(state, options, candidates, holders)
     if out:
         candidates = {r: req for r, req in candidates.items() if r not in out}

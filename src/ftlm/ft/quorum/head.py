@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ftlm.ft.quorum.integrity import head_suspect, trusted_claims, untrusted
 from ftlm.ft.quorum.members import live_view
 from ftlm.ft.quorum.reload import await_reloads, end_reloads
-from ftlm.ft.quorum.types import CoordinatorState, QuorumOptions, Restore, plural
+from ftlm.ft.quorum.types import MAX_HEAD_LOG, CoordinatorState, QuorumOptions, Restore, plural
 
 
 def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) -> tuple[list[Restore], str]:
@@ -36,6 +37,8 @@ def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
         return [], ""
     if state.head is None:
         return _choose_head(now, state, options, live)
+    if head_suspect(state):  # a state a corrupt member may have written counts only from the vouched
+        holders = trusted_claims(state, live.heartbeats)
     step, _ = state.head
     ahead = {(step + 1, chain) for chain, _ in state.index.head_quorum_info(state) if holders.get((step + 1, chain))}
     if ahead:
@@ -106,6 +109,16 @@ def _roll_back(now: float, state: CoordinatorState, options: QuorumOptions,
     waiting = await_reloads(now, state, options, claims, step)
     if waiting:
         return [], waiting
+    if state.suspect:
+        trusted = {r: c for r, c in claims.items() if not untrusted(state, r, c)}
+        if not trusted:
+            # Every live state may hold a corrupt member's bits (checkpoints it wrote): its
+            # holders set them aside and start again from older ones (rule I2).
+            state.stranded = claims
+            return [], (f"no live group holds the newest state (step {step}) or an older one that "
+                        "is not suspect of a corruption found late; "
+                        f"{plural(len(claims), 'group')} set their checkpoints aside and start again")
+        claims = trusted
     # The newest state a live group holds may be of a branch an earlier rollback abandoned (a
     # durable checkpoint of it), but never beyond where the job ever got: one step past the
     # furthest head (a commit of a quorum issued there may not have been reported before its
@@ -132,6 +145,11 @@ def _roll_back(now: float, state: CoordinatorState, options: QuorumOptions,
 
 def _set_head(state: CoordinatorState, head: tuple[int, str], now: float) -> None:
     state.head = head
+    log = state.head_log
+    log.pop(head[0], None)  # (a rollback: the newest states are last)
+    log[head[0]] = head[1]
+    if len(log) > MAX_HEAD_LOG:
+        log.pop(next(iter(log)))
     state.head_quorums = []
     state.head_seen_at = now
     state.top = max(state.top, head[0])

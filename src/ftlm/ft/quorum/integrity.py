@@ -12,12 +12,22 @@ that is still a member reported, ``judge`` compares them:
 * no majority (two groups that differ, or three that all differ): nobody can be trusted, and
   the job rolls back to its newest durable checkpoint.
 
+A corrupt state may have been handed on before its digest was compared (rule I2): a member
+that recovered from the corrupt one holds the same bits, and so does a checkpoint the corrupt one
+wrote, which a restarted member loads. The book keeps which member copied from which, at what
+step (``copied``), and the steps at which each member's digest agreed with another's;
+``tainted`` names every member that copied, directly or through another, from the corrupt one
+after its last agreement: they are retired with it. ``suspect_states`` records the job's states
+since then in ``CoordinatorState.suspect``: a claim of one of them counts only from a member the
+majority vouched for (``untrusted``, read by the head and the quorum decision).
+
 A group found corrupt ``QUARANTINE_AFTER`` times is *quarantined*: a new incarnation of it on
 the same host is refused as a convicted one, so launchers give up on it there.
 
-Every function here is pure bookkeeping over ``IntegrityBook``; nothing here retires a member,
-logs an event or answers a request (``ftlm.ft.membership`` does, from the ``Verdict``), and the
-quorum decision never reads this book: a corrupt member leaves the quorum only by being retired.
+Every function here is bookkeeping over ``IntegrityBook`` and ``CoordinatorState.suspect``;
+nothing here retires a member, logs an event or answers a request (``ftlm.ft.membership`` does,
+from the ``Verdict``), and the quorum decision never reads the digests: a corrupt member leaves
+the quorum only by being retired.
 """
 
 from __future__ import annotations
@@ -25,8 +35,14 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ftlm.ft.quorum.types import CoordinatorState, Heartbeat, SuspectStates
+
 MAX_STATES = 64
 """Most states whose digests are kept at once (older ones are dropped, judged or not)."""
+MAX_SUSPECT = 16
+"""Most ranges of suspect states kept (``SuspectStates``; the oldest go)."""
+MAX_COPIES = 256
+"""Most state copies (a recovering member and its source) remembered at once (the oldest go)."""
 QUARANTINE_AFTER = 2
 """A group found corrupt this many times is not let back on the same host."""
 WHY_CORRUPT = "its replicated state differs from the majority's (silent data corruption)"
@@ -81,6 +97,10 @@ class IntegrityBook:
     """(group, host) pairs never let back."""
     last_agreed: int = -1
     """The newest step whose digests all agreed (-1: none yet)."""
+    agreed_at: dict[str, list[int]] = field(default_factory=dict)
+    """replica id -> the steps at which its digest was the majority's (newest last, a few)."""
+    copies: list[tuple[int, str, str]] = field(default_factory=list)
+    """(step, source, recovering) of each state copy a quorum ordered, oldest first."""
 
 
 def expect(book: IntegrityBook, step: int, chain: str, participants: frozenset[str]) -> None:
@@ -96,6 +116,104 @@ def expect(book: IntegrityBook, step: int, chain: str, participants: frozenset[s
         del book.judged[key]
     book.expected[key] = participants
     _bound(book)
+
+
+def copied(book: IntegrityBook, step: int, sources: dict[str, str]) -> None:
+    """A quorum issued at ``step`` told each recovering member (key) to copy its state from a
+    participant (value)."""
+    for dst, src in sorted(sources.items()):
+        entry = (step, src, dst)
+        if entry not in book.copies[-len(sources):]:  # (the same quorum answered again)
+            book.copies.append(entry)
+    del book.copies[:-MAX_COPIES]
+
+
+def suspect_since(book: IntegrityBook, corrupt: str, step: int) -> int:
+    """The first step whose state ``corrupt``, found corrupt at ``step``, may have held corrupt:
+    one past the newest step before ``step`` at which its digest agreed with a majority (an
+    agreement at a later step, judged first, was with its own copies)."""
+    return max((a for a in book.agreed_at.get(corrupt, ()) if a < step), default=-1) + 1
+
+
+def tainted(book: IntegrityBook, corrupt: str, step: int) -> dict[str, str]:
+    """The members that may hold the bits of ``corrupt``, found corrupt at ``step``: every one
+    that copied from it from ``suspect_since`` on, and every one that copied from those after
+    their copy; replica id -> the replica id it copied from."""
+    return _copies_of(book, {corrupt: suspect_since(book, corrupt, step)})
+
+
+def _copies_of(book: IntegrityBook, since: dict[str, int]) -> dict[str, str]:
+    """The members that copied from a holder in ``since`` (holder -> the first step from which
+    its copies count), directly or through another; replica id -> whom it copied from."""
+    since = dict(since)
+    out: dict[str, str] = {}
+    for step, src, dst in book.copies:  # oldest first: a copy of a copy comes after the first
+        if src in since and step >= since[src] and dst not in since:
+            out[dst] = src
+            since[dst] = step
+    return out
+
+
+def suspect_states(state: CoordinatorState, book: IntegrityBook, verdict: Verdict, corrupt: str,
+                   lo: int) -> SuspectStates:
+    """``corrupt`` was found corrupt by ``verdict``, its bits suspect from step ``lo``: the
+    job's states from ``lo`` to the commit in flight become suspect (``SuspectStates``), vouched
+    for by the live members whose digest agreed with the majority and those that copied from
+    them since (``untrusted``)."""
+    agreeing = {r for r in state.heartbeats if verdict.step in book.agreed_at.get(r, ())}
+    vouched: dict[str, tuple[int, tuple[int, str] | None]] = dict.fromkeys(agreeing, (0, None))
+    for rid in _copies_of(book, dict.fromkeys(agreeing, verdict.step)):
+        vouched[rid] = (next(s for s, _, dst in reversed(book.copies) if dst == rid), None)
+    # (Step 0 is never suspect: every group starts from the same initial state.)
+    states = {s: {c} for s, c in state.head_log.items() if s >= max(lo, 1)}
+    if state.head is not None:  # and what a commit in flight reaches
+        for chain, _ in state.index.head_quorum_info(state):
+            states.setdefault(state.head[0] + 1, set()).add(chain)
+    entry = SuspectStates(states, vouched, corrupt)
+    state.suspect.append(entry)
+    del state.suspect[:-MAX_SUSPECT]
+    return entry
+
+
+def vouch_copies(state: CoordinatorState, step: int, sources: dict[str, str]) -> None:
+    """A quorum issued at ``step`` told recovering members (keys) to copy from participants
+    (values): a copy of a vouched member's state is vouched for (a claim from ``step`` on, but
+    not the one it holds now: the copy may fail and leave it with what it held), a copy of
+    anyone else's is not."""
+    for entry in state.suspect:
+        for dst, src in sources.items():
+            if src in entry.vouched and dst not in entry.vouched:
+                hb = state.heartbeats.get(dst)
+                entry.vouched[dst] = (step, (hb.step, hb.chain) if hb is not None else None)
+            elif src not in entry.vouched:
+                entry.vouched.pop(dst, None)
+
+
+def untrusted(state: CoordinatorState, replica_id: str, claim: tuple[int, str]) -> bool:
+    """Whether ``replica_id``'s claim of the state ``claim`` (step, chain) is a state of a
+    ``SuspectStates`` that does not vouch for it (it must recover from one that is vouched for)."""
+    step, chain = claim
+    for entry in state.suspect:
+        if chain in entry.states.get(step, ()):
+            first, held = entry.vouched.get(replica_id, (step + 1, None))
+            if step < first or claim == held:
+                return True
+    return False
+
+
+def head_suspect(state: CoordinatorState) -> bool:
+    """Whether the head is a state of a ``SuspectStates`` (the claims of members at it or
+    behind it may be suspect, and nobody is told to load a checkpoint that may hold a corrupt
+    member's bits)."""
+    if state.head is None:
+        return False
+    step, chain = state.head
+    return any(chain in entry.states.get(step, ()) for entry in state.suspect)
+
+
+def trusted_claims(state: CoordinatorState, heartbeats: dict[str, Heartbeat]) -> Counter[tuple[int, str]]:
+    """The claims of ``heartbeats`` less the ``untrusted`` ones: (step, chain) -> how many."""
+    return Counter((hb.step, hb.chain) for r, hb in heartbeats.items() if not untrusted(state, r, (hb.step, hb.chain)))
 
 
 def record(book: IntegrityBook, report: DigestReport, members: set[str] | frozenset[str]) -> list[Verdict]:
@@ -114,6 +232,8 @@ def record(book: IntegrityBook, report: DigestReport, members: set[str] | frozen
                        () if report.digest == done.majority else (report,))
         book.judged[key] = Verdict(done.step, done.chain, digests, done.majority, done.corrupt + late.corrupt)
         book.reporters[key] = book.reporters.get(key, frozenset()) | {report.replica_id}
+        if done.majority and not late.corrupt:
+            _agreed(book, report.replica_id, report.step)
         if late.corrupt and done.majority:
             _count(book, report)
         return [late] if late.corrupt else []
@@ -137,6 +257,10 @@ def pending(book: IntegrityBook, members: set[str] | frozenset[str]) -> list[Ver
             book.reporters[key] = frozenset(reports)
             if verdict.agreed:
                 book.last_agreed = max(book.last_agreed, verdict.step)
+            agreeing = [rid for rid, r in reports.items() if r.digest == verdict.majority]
+            if verdict.majority and len(agreeing) > 1:  # (one digest alone was compared with nothing)
+                for rid in agreeing:
+                    _agreed(book, rid, verdict.step)
             for r in verdict.corrupt if verdict.majority else ():  # (a split convicts nobody)
                 _count(book, r)
             out.append(verdict)
@@ -167,7 +291,15 @@ def _count(book: IntegrityBook, report: DigestReport) -> None:
         book.quarantined.add((group, report.host))
 
 
+def _agreed(book: IntegrityBook, replica_id: str, step: int) -> None:
+    steps = book.agreed_at.setdefault(replica_id, [])
+    steps.append(step)
+    del steps[:-8]  # (verdicts come at most a few states out of order)
+
+
 def _bound(book: IntegrityBook) -> None:
     for table in (book.expected, book.reports, book.judged, book.reporters):
         while len(table) > MAX_STATES:
             table.pop(next(iter(table)))  # the oldest first (dicts keep insertion order)
+    while len(book.agreed_at) > MAX_COPIES:  # a member forgotten counts as never agreed: more is retired
+        book.agreed_at.pop(next(iter(book.agreed_at)))

@@ -60,13 +60,16 @@ def _retire(state: CoordinatorState, replica_id: str, now: float, why: str = "")
         state.retired_why[replica_id] = why
         while len(state.retired_why) > MAX_RETIRED:
             state.retired_why.pop(next(iter(state.retired_why)))
+    while len(state.set_aside) > MAX_RETIRED:
+        state.set_aside.pop(next(iter(state.set_aside)))
 
 
 def _retire_other_incarnations(state: CoordinatorState, replica_id: str, group: str, now: float) -> list[str]:
     if replica_id in state.retired:
         why = state.retired_why.get(replica_id)
         if why is not None:  # the one reason recorded: a conviction (``remove_member``'s ``why``)
-            raise Convicted(f"replica {replica_id} {why}; this process must exit")
+            raise Convicted(f"replica {replica_id} {why}; this process must exit",
+                            state.set_aside.get(replica_id))
         raise StaleIncarnation(f"replica {replica_id} was replaced or declared hung; this process must exit")
     index = state.index
     beating, asking = index.hb_groups.get(group), index.pending_groups.get(group)

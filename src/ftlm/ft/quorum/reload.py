@@ -11,6 +11,7 @@ loading anything (the members do, ``ftlm.ft.group``).
 
 from __future__ import annotations
 
+from ftlm.ft.quorum.integrity import head_suspect
 from ftlm.ft.quorum.types import CoordinatorState, MemberRequest, QuorumOptions
 
 
@@ -26,6 +27,8 @@ def await_reloads(now: float, state: CoordinatorState, options: QuorumOptions,
     caught by ``progress_timeout``); a look that a departure made stale is done again
     (``_void_stale_looks``).
     """
+    if head_suspect(state):
+        return ""  # nobody looks on disk: a newer checkpoint may hold a corrupt member's bits
     _void_stale_looks(now, state)
     for r, c in claims.items():
         if c[0] < step:
@@ -66,7 +69,7 @@ def reload_due(now: float, state: CoordinatorState, options: QuorumOptions) -> t
     (``reload_hint``) and looks before it asks.
     """
     step = _unheld_head(now, state, options)
-    if step is None:
+    if step is None or head_suspect(state):
         return -1, []
     _void_stale_looks(now, state)
     rounds = state.reload_rounds
@@ -82,7 +85,7 @@ def reload_hint(now: float, state: CoordinatorState, options: QuorumOptions, rep
     durable checkpoint before it asks (see ``reload_due``); None otherwise."""
     step = _unheld_head(now, state, options)
     hb = state.heartbeats.get(replica_id)
-    if step is None or hb is None or hb.step >= step or state.reloads.get(replica_id, now) is None:
+    if step is None or hb is None or head_suspect(state) or hb.step >= step or state.reloads.get(replica_id, now) is None:
         return None  # held, not behind, or it looked already
     state.reloads.setdefault(replica_id, now)
     return step

@@ -38,6 +38,8 @@ MAX_CLAIM = 2**53
 """Largest step or quorum id a member may claim (beyond it JSON numbers lose precision)."""
 MAX_WATCH = 256
 """Most replica ids one quorum request may ask about (``watch``: the joiners a source serves)."""
+MAX_HEAD_LOG = 1024
+"""Most recent head states the coordinator remembers (``CoordinatorState.head_log``)."""
 MISSING_NAMED = 20
 """Most groups a reason names (the rest are counted): reasons stay short at any size."""
 
@@ -52,9 +54,17 @@ class StaleIncarnation(FaultError):
 
 
 class Convicted(StaleIncarnation, RetiredError):
-    """The incarnation was retired for failing the steps it took part in (``convict``); the
-    coordinator's 409 answer says so in a field (``"convicted": true``), and the process exits
-    with ``ftlm.errors.EXIT_RETIRED``."""
+    """The incarnation was retired for failing the steps it took part in (``convict``), or for a
+    state found or suspected corrupt (``integrity``); the coordinator's 409 answer says so in a
+    field (``"convicted": true``), and the process exits with ``ftlm.errors.EXIT_RETIRED``.
+
+    ``suspect_state``: (step, chain) of the state it claimed when that state may hold a corrupt
+    member's bits (a checkpoint it loaded, rule I2): it sets that checkpoint aside before it
+    exits, so that its next process starts from an older one."""
+
+    def __init__(self, message: str, suspect_state: tuple[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.suspect_state = suspect_state
 
 
 @dataclass
@@ -321,6 +331,23 @@ class Restore:
     reason: str
 
 
+@dataclass
+class SuspectStates:
+    """States a member found corrupt may have handed on (rule I2): the job's states (``states``,
+    step -> chain) from the step after the newest at which its digest agreed with a majority up
+    to the commit in flight when it was found. It may have written checkpoints of its corrupt
+    bits at any of them, which a restarted member loads. A claim of one of these states counts
+    (as a holder of the head, or as the target of a rollback) only from a member ``vouched``
+    for: one whose digest the majority that found it corrupt agreed with, or one told to copy
+    its state from such a member since (its claims from that copy's step on, less the state it
+    held when told: the copy may fail). States of another history (after a rollback) are not
+    suspect."""
+
+    states: dict[int, set[str]]
+    vouched: dict[str, tuple[int, tuple[int, str] | None]]
+    """replica id -> (the first step of the claims it is vouched for, a claim it is not)."""
+    corrupt: str  # the replica id found corrupt
+
 
 @dataclass
 class CoordinatorState:
@@ -358,6 +385,17 @@ class CoordinatorState:
     searches: tuple[int, int] = (-1, 0)
     """(step, searches of it that ended without a verdict): the next one takes the groups in
     another order (``_shuffle``)."""
+    suspect: list[SuspectStates] = field(default_factory=list)
+    """States a member found corrupt may have handed on: only members vouched for may claim them
+    (``integrity.untrusted``, rule I2)."""
+    head_log: dict[int, str] = field(default_factory=dict)
+    """The head's chain at each of its recent steps (``MAX_HEAD_LOG``): the states a
+    ``SuspectStates`` names."""
+    stranded: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """Members to retire now because they hold a suspect state and nobody vouched for holds
+    any (``head._roll_back``) -> that state (they set its checkpoint aside)."""
+    set_aside: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """Retired replica ids told to set their state's checkpoint aside -> that state."""
     index: MemberIndex = field(default_factory=MemberIndex, compare=False, repr=False)
     """Counts and heaps over ``heartbeats`` and ``pending`` (kept by the tables themselves)."""
 

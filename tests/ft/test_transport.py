@@ -940,3 +940,24 @@ def test_a_transfer_is_counted_on_both_ends_for_the_network_metrics() -> None:
     for kind in ("transfer_received", "transfer_sent"):
         assert after[kind][0] - before[kind][0] == 40_000
         assert after[kind][1] > before[kind][1]
+
+
+def test_a_source_on_this_host_is_told_from_one_on_another() -> None:
+    """``on_this_host`` picks ``ft.transfer_parallel_local`` (groups side by side on one machine,
+    where more connections only take the cores the others train on) or ``ft.transfer_parallel``."""
+    from ftlm.ft.transport import on_this_host
+    assert on_this_host("http://127.0.0.1:29500/snapshot/1")
+    assert on_this_host("http://localhost:29500/")
+    assert on_this_host("http://[::1]:29500/") or not socket.has_ipv6
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("198.51.100.7", 9))  # no packet is sent: it only picks the outgoing address
+        mine = probe.getsockname()[0]
+    except OSError:
+        mine = ""
+    finally:
+        probe.close()
+    if mine:
+        assert on_this_host(f"http://{mine}:29500/")  # one of this machine's interfaces
+    assert not on_this_host("http://198.51.100.7:29500/")  # TEST-NET-2: nobody's here
+    assert not on_this_host("http://no-such-host.invalid:29500/")

@@ -214,7 +214,11 @@ class FTConfig:
     bucket_bytes: int = 25 << 20
     """Size of the flat buckets of the gradient all-reduce."""
     transfer_parallel: int = 4
-    """Parallel connections of a live state transfer."""
+    """Parallel connections of a live state transfer from a source on another host."""
+    transfer_parallel_local: int = 1
+    """Parallel connections of a live state transfer from a source on this host (groups launched
+    side by side): there more connections buy no bandwidth, only the cores the other groups train
+    on (``bench.ft_vs_torchft`` part 3: an 82M rejoin stalled the others half as long with one)."""
     transfer_chunk_bytes: int = 4 << 20
     """Chunk size of a live state transfer (each chunk is checksummed)."""
     snapshot_server: str = "process"
@@ -331,7 +335,7 @@ class FTConfig:
         _require_number(s, "startup_stall_timeout", self.startup_stall_timeout, positive=False)
         for name, low in (("groups", 0), ("spares", 0), ("min_replicas", 1), ("max_consecutive_failures", 1),
                           ("catchup_max_steps", 1), ("catchup_max_bytes", 1), ("bucket_bytes", 1),
-                          ("transfer_parallel", 1), ("integrity_every", 0),
+                          ("transfer_parallel", 1), ("transfer_parallel_local", 1), ("integrity_every", 0),
                           ("crash_loop_restarts", 1), ("coordinator_max_connections", 8),
                           ("transfer_chunk_bytes", 1024)):
             value = getattr(self, name)

@@ -48,7 +48,7 @@ from ftlm.ft.framing import ExpectedLayout, expected_layout, layout
 from ftlm.ft.serve_process import make_snapshot_server
 from ftlm.ft.snapshot_reserve import SnapshotReserve
 from ftlm.ft.tls import client_context
-from ftlm.ft.transport import TransferError, fetch_snapshot, snapshot_pinned, snapshot_state
+from ftlm.ft.transport import TransferError, fetch_snapshot, on_this_host, snapshot_pinned, snapshot_state
 
 log = logging.getLogger("ftlm.ft.manager")
 
@@ -668,9 +668,10 @@ class Manager:
 
         def run() -> None:
             try:
+                parallel = (self.config.transfer_parallel_local if on_this_host(fetch.url)
+                            else self.config.transfer_parallel)
                 fetch.result = fetch_snapshot(
-                    fetch.url, fetch.step, token=self.token,
-                    parallel=self.config.transfer_parallel,
+                    fetch.url, fetch.step, token=self.token, parallel=parallel,
                     timeout=self.config.allreduce_timeout,
                     wait_available=self.config.quorum_timeout, progress=progress,
                     expected=self._expected, ssl_context=self._client_tls,

@@ -38,6 +38,7 @@ replaying them (the manager and `ftlm.ft.catchup` do that), or making certificat
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import json
 import logging
 import os
@@ -45,6 +46,7 @@ import socket
 import ssl
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -65,7 +67,7 @@ from ftlm.ft.snapshot_routes import SnapshotRoutes
 from ftlm.observe.iostats import timed_io
 
 __all__ = ["ExpectedLayout", "Snapshot", "SnapshotServer", "TransferError", "default_max_bytes",
-           "expected_layout", "fetch_snapshot", "list_snapshots", "snapshot_state",
+           "expected_layout", "fetch_snapshot", "list_snapshots", "on_this_host", "snapshot_state",
            "state_digest"]
 
 _MAX_HEADER_BYTES = MAX_WIRE_HEADER_BYTES
@@ -430,6 +432,27 @@ def _allocate(nbytes: int) -> memoryview:
     except (MemoryError, RuntimeError) as e:
         reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         raise _Problem(f"cannot allocate {nbytes} bytes for the snapshot ({reason})") from None
+
+
+def on_this_host(url: str) -> bool:
+    """Whether the host of ``url`` is this machine: a loopback address, or an address a socket
+    here can bind (one of this machine's interfaces). A name that does not resolve is not."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    for family, _, _, _, addr in infos:
+        ip = str(addr[0]).split("%")[0]
+        try:
+            if ipaddress.ip_address(ip).is_loopback:
+                return True
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((ip, 0))
+            return True
+        except (OSError, ValueError):
+            continue
+    return False
 
 
 def fetch_snapshot(url: str, step: int, token: str = "", parallel: int = 4,

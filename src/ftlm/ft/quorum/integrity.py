@@ -119,12 +119,9 @@ def expect(book: IntegrityBook, step: int, chain: str, participants: frozenset[s
 
 
 def copied(book: IntegrityBook, step: int, sources: dict[str, str]) -> None:
-    """A quorum issued at ``step`` told each recovering member (key) to copy its state from a
+    """A new quorum issued at ``step`` told each recovering member (key) to copy its state from a
     participant (value)."""
-    for dst, src in sorted(sources.items()):
-        entry = (step, src, dst)
-        if entry not in book.copies[-len(sources):]:  # (the same quorum answered again)
-            book.copies.append(entry)
+    book.copies.extend((step, src, dst) for dst, src in sorted(sources.items()))
     del book.copies[:-MAX_COPIES]
 
 

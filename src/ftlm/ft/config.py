@@ -218,7 +218,8 @@ class FTConfig:
     transfer_parallel_local: int = 1
     """Parallel connections of a live state transfer from a source on this host (groups launched
     side by side): there more connections buy no bandwidth, only the cores the other groups train
-    on (``bench.ft_vs_torchft`` part 3: an 82M rejoin stalled the others half as long with one)."""
+    on (at 82M, part 3's plan of ``bench.ft_vs_torchft`` run by hand: a rejoin stalled the others
+    0.57-0.82 s with one connection, 1.19-1.35 s with four)."""
     transfer_chunk_bytes: int = 4 << 20
     """Chunk size of a live state transfer (each chunk is checksummed)."""
     snapshot_server: str = "process"

@@ -472,7 +472,7 @@ class Membership:
                 continue
             # Whoever copied the corrupt state before it was found holds the same bits, and the
             # checkpoints it (or they) wrote since may hold them too (rule I2).
-            entry = suspect_states(self.state, self.integrity, verdict, r.replica_id,
+            entry = suspect_states(self.state, self.integrity, verdict,
                                    suspect_since(self.integrity, r.replica_id, verdict.step))
             copies = tainted(self.integrity, r.replica_id, verdict.step)
             out.append(Event("suspect_states", {

@@ -753,7 +753,7 @@ class Session:
             self.close()
         else:
             suspect = getattr(error, "suspect_state", None)  # (``ftlm.ft.Convicted``)
-            if suspect is not None and self.disk is not None:
+            if suspect is not None:
                 self.disk.set_aside(*suspect)
             self.abort()
             if isinstance(error, RetiredError):

@@ -151,9 +151,9 @@ def _copies_of(book: IntegrityBook, since: dict[str, int]) -> dict[str, str]:
     return out
 
 
-def suspect_states(state: CoordinatorState, book: IntegrityBook, verdict: Verdict, corrupt: str,
+def suspect_states(state: CoordinatorState, book: IntegrityBook, verdict: Verdict,
                    lo: int) -> SuspectStates:
-    """``corrupt`` was found corrupt by ``verdict``, its bits suspect from step ``lo``: the
+    """A member was found corrupt by ``verdict``, its bits suspect from step ``lo``: the
     job's states from ``lo`` to the commit in flight become suspect (``SuspectStates``), vouched
     for by the live members whose digest agreed with the majority and those that copied from
     them since (``untrusted``)."""
@@ -166,7 +166,7 @@ def suspect_states(state: CoordinatorState, book: IntegrityBook, verdict: Verdic
     if state.head is not None:  # and what a commit in flight reaches
         for chain, _ in state.index.head_quorum_info(state):
             states.setdefault(state.head[0] + 1, set()).add(chain)
-    entry = SuspectStates(states, vouched, corrupt)
+    entry = SuspectStates(states, vouched)
     state.suspect.append(entry)
     del state.suspect[:-MAX_SUSPECT]
     return entry

@@ -346,7 +346,6 @@ class SuspectStates:
     states: dict[int, set[str]]
     vouched: dict[str, tuple[int, tuple[int, str] | None]]
     """replica id -> (the first step of the claims it is vouched for, a claim it is not)."""
-    corrupt: str  # the replica id found corrupt
 
 
 @dataclass

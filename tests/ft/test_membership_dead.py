@@ -71,3 +71,53 @@ def test_a_job_finished_through_leave_is_never_rolled_back_for_a_late_group() ->
     assert not [o for o in outputs if isinstance(o, Issued) or getattr(o, "kind", "") == "restore"], outputs
     assert not [o for o in outputs if isinstance(o, Event) and o.kind == "restore"]
     assert m.state.head[0] == 3 and "the job finished at step 3" in m.reason
+
+
+def test_a_late_group_at_the_last_step_is_told_who_left_finished() -> None:
+    """Bench finding: a group killed near the end restarted from the final checkpoint after the
+    others had left finished; its finish loop waited ``quorum_timeout`` (30 s) for groups that
+    were never coming back. Its quorum now counts the groups that left on purpose, so that
+    ``group_count + groups_left`` reaches the job's groups at once."""
+    from ftlm.ft.quorum_answer import MemberQuorum, member_json
+
+    m = Membership(QuorumOptions(1, 1.0, 1.0, 3, rebuild_grace=0.0), epoch="e")
+    groups = ("g0", "g1", "g2")
+    for g in groups:
+        m.heartbeat(0.0, Heartbeat(f"{g}:a", g, 0.0, 0))
+    first = [o.quorum for g in groups for o in m.request(
+        0.1, MemberRequest(f"{g}:a", g, 0, -1, False, {}, 0.1, GENESIS)) if isinstance(o, Issued)]
+    assert first[-1].groups_left == 0
+    q = first[-1]
+    for g in ("g0", "g1"):  # both committed step 0 and finished there (the job's last step)
+        m.heartbeat(0.15, Heartbeat(f"{g}:a", g, 0.15, 1, q.quorum_id, q.next_chain()))
+    m.leave(0.2, "g0:a", "g0", "finished")
+    m.leave(0.2, "g1:a", "g1", "finished")
+    m.heartbeat(0.3, Heartbeat("g2:a", "g2", 0.3, 1, q.quorum_id, q.next_chain()))
+    late = [o.quorum for o in m.request(0.3, MemberRequest("g2:a", "g2", 1, q.quorum_id, False, {},
+                                                             0.3, q.next_chain())) if isinstance(o, Issued)]
+    assert late and late[-1].group_count == 1 and late[-1].groups_left == 2
+    answer = MemberQuorum.from_json(member_json(late[-1], "g2:a"))
+    assert answer.group_count + answer.groups_left == 3
+    # A group that comes back is no longer counted as gone.
+    m.heartbeat(0.4, Heartbeat("g0:b", "g0", 0.4, 0))
+    again = [o.quorum for o in m.request(0.4, MemberRequest("g2:a", "g2", 1, late[-1].quorum_id, False,
+                                                              {}, 0.4, q.next_chain())) if isinstance(o, Issued)]
+    assert not again or again[-1].groups_left == 1
+
+
+def test_a_group_that_finished_another_history_is_still_waited_for() -> None:
+    """Simulator finding (spares seed 192): a group left finished at the last step of a history
+    the job then rolled back from; counted as done, the others ended at once and its model file,
+    written later, replaced theirs. Only groups that finished at the quorum's own state count."""
+    m = Membership(QuorumOptions(1, 1.0, 1.0, 2, rebuild_grace=0.0), epoch="e")
+    for g in ("g0", "g1"):
+        m.heartbeat(0.0, Heartbeat(f"{g}:a", g, 0.0, 0))
+    first = [o.quorum for g in ("g0", "g1") for o in m.request(
+        0.1, MemberRequest(f"{g}:a", g, 0, -1, False, {}, 0.1, GENESIS)) if isinstance(o, Issued)]
+    m.heartbeat(0.15, Heartbeat("g0:a", "g0", 0.15, 1, first[-1].quorum_id, "f" * 64))  # another history
+    m.leave(0.2, "g0:a", "g0", "finished")
+    q = first[-1]
+    m.heartbeat(0.3, Heartbeat("g1:a", "g1", 0.3, 1, q.quorum_id, q.next_chain()))
+    late = [o.quorum for o in m.request(0.3, MemberRequest("g1:a", "g1", 1, q.quorum_id, False, {},
+                                                             0.3, q.next_chain())) if isinstance(o, Issued)]
+    assert late and late[-1].groups_left == 0

@@ -310,3 +310,56 @@ def test_with_nobody_vouched_for_left_a_suspect_state_is_set_aside():
     with pytest.raises(Convicted) as refused:
         job.ask("g0")
     assert refused.value.suspect_state == head
+
+
+def test_two_groups_that_differ_never_resume_from_a_state_after_their_last_agreement():
+    """Two groups agree on the state of step 0, then differ on the state of step 2 (one of them
+    was corrupted in between; nobody can tell which). Each is retired and told to set aside the
+    checkpoint of the state it reported; restarted from a checkpoint of step 2 or of step 1
+    (written after the agreement, maybe by the corrupt group), they are retired again and set
+    that one aside too; from step 0's state the job rolls back and trains on."""
+    job = Job(2)
+    job.step_all()  # step 0 committed
+    job.step_all({"g0": GOOD, "g1": GOOD})  # the state of step 0 agrees; step 1 committed
+    assert job.m.integrity.last_agreed == 0
+    job.step_all()  # step 2 committed
+    job.step_all({"g0": GOOD, "g1": BAD})  # the state of step 2 differs
+    assert sorted(job.retired) == ["g0:a", "g1:a"]
+    reported = job.before["g0"]
+    assert all(job.bodies[r]["suspect_state"] == list(reported) for r in job.retired)
+    (rollback,) = job.kinds("integrity_rollback")
+    assert rollback["last_agreed"] == 0 and "at or before step 0" in rollback["reason"]
+    (suspect,) = job.kinds("suspect_states")
+    assert suspect["from_step"] == 1 and suspect["vouched"] == []
+
+    def restart_from(state: tuple[int, str], incarnation: str) -> None:
+        job.inc = {g: incarnation for g in ("g0", "g1")}
+        for g in job.inc:
+            job.state[g] = job.before[g] = state
+            job.last_id[g] = -1
+            job.m.heartbeat(job.now, Heartbeat(job.rid(g), g, job.now, state[0], chain=state[1]))
+        for _ in range(20):  # up to the rollback grace (two heartbeat timeouts, 60 s) and past it
+            if all(job.rid(g) in job.retired for g in job.inc) or any(
+                    set(q.participants) == {job.rid(g) for g in job.inc} for q in job.issued):
+                return
+            for g in job.inc:
+                if job.rid(g) in job.retired:
+                    continue
+                try:
+                    job.m.heartbeat(job.now, Heartbeat(job.rid(g), g, job.now, state[0], chain=state[1]))
+                    job.ask(g)
+                except Convicted as e:  # retired in the meantime (its answer was a 409)
+                    job.retired[job.rid(g)] = str(e)
+                    job.bodies[job.rid(g)] = {"suspect_state": list(e.suspect_state or ())}
+            job.tick(5.0)
+
+    chain1 = extend_chain(GENESIS, 0, job.issued[0].quorum_id, job.issued[0].participants)
+    for incarnation, state in (("b", reported), ("c", (1, chain1))):
+        restart_from(state, incarnation)
+        assert not [q for q in job.issued if job.rid("g0") in q.participants], \
+            f"trained from the suspect state {state}"
+        assert all(job.bodies[job.rid(g)]["suspect_state"] == list(state) for g in job.inc), job.m.reason
+    restart_from((0, GENESIS), "d")
+    assert not [r for r in job.retired if r.endswith(":d")]
+    (first, *_) = [q for q in job.issued if q.participants == ["g0:d", "g1:d"]]
+    assert first.step == 0 and first.chain == GENESIS  # the job goes on from step 0's state

@@ -186,6 +186,37 @@ def test_a_corruption_is_judged_by_the_digests_it_was_compared_with(seed: int) -
     assert result.ok, result.error
 
 
+@pytest.mark.parametrize("seed", [0, 25, 30, 195])
+def test_two_groups_that_differ_resume_from_before_their_disagreement(seed: int) -> None:
+    """Two groups, a corruption in every seed: 16 of 200 seeds ended with the corrupt state
+    (0, 25, 30 among them) when the groups resumed from the newest checkpoint, which the corrupt
+    group had written; seed 195, after that fix, because one group's lone digest of step 10
+    (the other was recovering) counted as the last agreement. Replay: ``ftlm sim check --start
+    SEED --seeds 1 --groups 2 --sdc 1``."""
+    result = run(seed, SimConfig(groups=2, sdc=1.0))
+    assert result.ok, result.error
+
+
+def test_finishers_wait_for_a_group_that_finished_another_history() -> None:
+    """Spares seed 192: a group that left finished at step 200 of a history the job rolled back
+    from was counted as done, and its model file, written last, held that history. Replay:
+    ``ftlm sim check --start 192 --seeds 1 --groups 3 --spares 1``."""
+    result = run(192, SimConfig(groups=3, spares=1))
+    assert result.ok, result.error
+
+
+@pytest.mark.parametrize("seed", [420, 1131, 1581])
+def test_a_split_verdict_retires_the_copies_and_looks_before_the_split(seed: int) -> None:
+    """Three groups, one recovering while the other two's digests differed (no majority): the
+    recovering one had copied the corrupt reporter's state, and its agreements with it since
+    made the split's "last agreement" a corrupt one (1581: the verdict of step 5 came after
+    the copies had agreed at steps 10-20). A split now retires the copies too, and suspects
+    the states since the reporters' last agreement before the split state. Replay: ``ftlm sim
+    check --start SEED --seeds 1 --sdc 1``."""
+    result = run(seed, SimConfig(sdc=1.0))
+    assert result.ok, result.error
+
+
 def test_graceful_leaves_never_make_the_others_wait() -> None:
     """SIGTERM (finish the step, or the step owed to an early request, then leave) or an
     interrupted step, densely, at every moment; launchers restart most leavers later."""

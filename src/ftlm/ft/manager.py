@@ -734,8 +734,8 @@ class Manager:
 
         A group that reached the last step is the only source left for a group still recovering
         (or restarted near the end): it answers quorums at the final step, publishing its state
-        for them, until a quorum shows all ``expected_groups`` groups up to date, or no such
-        quorum came within ``quorum_timeout``.
+        for them, until a quorum shows all ``expected_groups`` groups up to date (less those that
+        left the job on purpose: ``groups_left``), or no such quorum came within ``quorum_timeout``.
         """
         deadline = time.monotonic() + self.config.quorum_timeout
         pause, seen = FINISH_POLL_SECONDS[0], None
@@ -746,7 +746,7 @@ class Manager:
                 log.warning("stopped waiting for the other groups to finish: %s", e)
                 break
             q = plan.quorum
-            if not q.recovering_count and q.group_count >= max(1, self.expected_groups):
+            if not q.recovering_count and q.group_count + q.groups_left >= max(1, self.expected_groups):
                 break
             if q.recovering_count:  # someone is pulling from us: stay for as long as that takes
                 deadline = time.monotonic() + self.config.quorum_timeout

@@ -126,6 +126,8 @@ class Membership:
         # the time to exit (save, summarize, stop its servers) instead of taking it for hung.
         self.departed: deque[tuple[float, str, str, str]] = deque()
         self._gone_groups: set[str] = set()  # left on purpose, not back since
+        # Groups that left finished, not back since: the state they finished at (step, chain).
+        self._finished_at: dict[str, tuple[int, str]] = {}
         self._options_less_gone: tuple[QuorumOptions, QuorumOptions] | None = None  # (options, less gone)
         self.kill_requests: set[str] = set()
         # (time, replica id, the probe that found it) of members retired for failing every step
@@ -160,6 +162,7 @@ class Membership:
         for old in record_heartbeat(self.state, hb):
             self._mark_dead(now, old, hb.group, REASON_REPLACED, out)
         self._gone_groups.discard(hb.group)
+        self._finished_at.pop(hb.group, None)
         if tick or self.state.head is None:  # (while rebuilding: the answer says whether it still is)
             out += self.tick(now)
         dead, aborted = self._dead_in_flight(now)
@@ -189,6 +192,7 @@ class Membership:
         for old in record_request(self.state, req):
             self._mark_dead(now, old, req.group, REASON_REPLACED, out)
         self._gone_groups.discard(req.group)
+        self._finished_at.pop(req.group, None)
         if req.integrity is not None:
             step, chain, digest = req.integrity
             report = DigestReport(req.replica_id, req.group, host, step, chain, digest)
@@ -210,6 +214,9 @@ class Membership:
         """
         out = self._resumed(now)
         stranded = self._unfinished_quorums(replica_id)
+        hb = self.state.heartbeats.get(replica_id)
+        if reason == "finished" and hb is not None:
+            self._finished_at[group] = (hb.step, hb.chain)
         # A group that leaves having finished holds the job's final state: it is never rolled back.
         if remove_member(self.state, replica_id, now, finished=reason == "finished"):
             out.append(Event("member_left", {"group": group, "replica_id": replica_id, "reason": reason}))
@@ -274,6 +281,9 @@ class Membership:
             return out
         started = self.state.round_started
         prev = self.state.prev_quorum
+        # (Only those that finished at this very state: one that finished another history, or
+        # left otherwise, may still write its model or come back: the finishers wait for it.)
+        quorum.groups_left = sum(1 for at in self._finished_at.values() if at == (quorum.step, quorum.chain))
         commit_quorum(self.state, quorum)
         expect(self.integrity, quorum.step, quorum.chain, frozenset(quorum.participants))
         new_id = quorum.quorum_id != self._last_emitted_id
@@ -454,8 +464,25 @@ class Membership:
         """The digests of one state were compared (``quorum.integrity``): retire every member
         whose state differs from the majority's (it recovers from a majority member when its
         supervisor starts it again); without a majority, retire them all: the job rolls back to
-        its newest durable checkpoint, which the groups load when they start again."""
+        the newest durable checkpoint from before the disagreement. Every state of the job since
+        the last step whose digests all agreed is suspect then, vouched for by nobody (rule I2):
+        each group sets aside the checkpoint of the state it held, and a group that starts from
+        another suspect checkpoint is retired and sets that one aside too, until the groups hold
+        a state from before the disagreement (or step 0)."""
         trusted = bool(verdict.majority)
+        if not trusted:
+            # Whoever copied a reporter's state since its last agreement may hold the bad bits.
+            split_copies = {rid: src for r in verdict.corrupt
+                            for rid, src in tainted(self.integrity, r.replica_id, verdict.step).items()}
+            # The states since the reporters' last agreement before this state (a later one, judged
+            # first, may be an agreement of a corrupt member with its own copy).
+            lo = min(suspect_since(self.integrity, r.replica_id, verdict.step) for r in verdict.corrupt)
+            entry = suspect_states(self.state, self.integrity, verdict, lo)
+            out.append(Event("suspect_states", {
+                "replica_id": "", "group": "", "step": verdict.step,
+                "from_step": min(entry.states, default=verdict.step),
+                "to_step": max(entry.states, default=verdict.step), "copied": dict(split_copies),
+                "vouched": []}))
         for r in verdict.corrupt:
             fields: dict[str, Any] = {
                 "group": r.group, "replica_id": r.replica_id, "host": r.host, "step": verdict.step,
@@ -466,20 +493,23 @@ class Membership:
             why = (f"{WHY_CORRUPT} at step {verdict.step}" if trusted else
                    f"its replicated state at step {verdict.step} differs from its peers' and no majority "
                    "holds one state (silent data corruption): the job rolls back to its newest durable "
-                   "checkpoint")
-            self._retire_corrupt(now, r.replica_id, r.group, why, out)
-            if not trusted:
-                continue
-            # Whoever copied the corrupt state before it was found holds the same bits, and the
-            # checkpoints it (or they) wrote since may hold them too (rule I2).
-            entry = suspect_states(self.state, self.integrity, verdict,
-                                   suspect_since(self.integrity, r.replica_id, verdict.step))
-            copies = tainted(self.integrity, r.replica_id, verdict.step)
-            out.append(Event("suspect_states", {
-                "replica_id": r.replica_id, "group": r.group, "step": verdict.step,
-                "from_step": min(entry.states, default=verdict.step),
-                "to_step": max(entry.states, default=verdict.step), "copied": dict(copies),
-                "vouched": sorted(entry.vouched)}))
+                   f"checkpoint from before step {lo}")
+            self._retire_corrupt(now, r.replica_id, r.group, why, out,
+                                 suspect=None if trusted else (verdict.step, verdict.chain))
+            if trusted:
+                # Whoever copied the corrupt state before it was found holds the same bits, and
+                # the checkpoints it (or they) wrote since may hold them too (rule I2).
+                entry = suspect_states(self.state, self.integrity, verdict,
+                                       suspect_since(self.integrity, r.replica_id, verdict.step))
+                copies = tainted(self.integrity, r.replica_id, verdict.step)
+                out.append(Event("suspect_states", {
+                    "replica_id": r.replica_id, "group": r.group, "step": verdict.step,
+                    "from_step": min(entry.states, default=verdict.step),
+                    "to_step": max(entry.states, default=verdict.step), "copied": dict(copies),
+                    "vouched": sorted(entry.vouched)}))
+            else:
+                copies = {rid: src for rid, src in split_copies.items() if src == r.replica_id}
+            whose = "the majority's" if trusted else "its peers'"
             for rid, source in copies.items():
                 hb = self.state.heartbeats.get(rid)
                 if hb is None:
@@ -491,15 +521,17 @@ class Membership:
                     "digest": "", "digests": dict(verdict.digests), "majority": verdict.majority,
                     "copied_from": source, "times": self.integrity.corrupt_count.get(hb.group, 0),
                     "quarantined": False}))
+                held = None if trusted else (hb.step, hb.chain)
                 self._retire_corrupt(now, rid, hb.group, f"it copied its state from {source}, whose state "
-                                     f"differs from the majority's at step {verdict.step} (silent data "
-                                     "corruption)", out)
+                                     f"differs from {whose} at step {verdict.step} (silent data "
+                                     "corruption)", out, suspect=held)
         if not trusted:
             out.append(Event("integrity_rollback", {
-                "step": verdict.step, "digests": dict(verdict.digests), "last_agreed": self.integrity.last_agreed,
+                "step": verdict.step, "digests": dict(verdict.digests), "last_agreed": lo - 1,
                 "reason": (f"the {len(verdict.digests)} groups at step {verdict.step} hold different states "
                            "and no majority holds one: every one is retired and the job continues from "
-                           "its newest durable checkpoint")}))
+                           f"its newest durable checkpoint at or before step {max(lo - 1, 0)}, "
+                           "the last step whose digests agreed before")}))
 
     def _retire_corrupt(self, now: float, replica_id: str, group: str, why: str, out: list[Output],
                         suspect: tuple[int, str] | None = None) -> None:

@@ -46,7 +46,7 @@ def shared_fields(q: Quorum) -> dict[str, Any]:
             "epoch": q.epoch, "issued_at": q.issued_at, "reason": q.reason, "size": q.size,
             "participant_count": q.participant_count, "recovering_count": q.recovering_count,
             "spare_count": q.spare_count, "group_count": q.group_count, "digest": q.digest,
-            "store": q.store}
+            "store": q.store, "groups_left": q.groups_left}
 
 
 def own_fields(q: Quorum, replica_id: str) -> dict[str, Any]:
@@ -147,6 +147,8 @@ class MemberQuorum:
     spare: bool = False
     """This member holds the head but trains no data: it follows the step with zeros."""
     spare_count: int = 0
+    groups_left: int = 0
+    """Groups that left finished at this state and have not come back (``Quorum.groups_left``)."""
 
     # -- the questions GroupProtocol and the manager ask (same names as on ``Quorum``) ----------
     def next_chain(self) -> str:
@@ -219,7 +221,8 @@ class MemberQuorum:
             "next_chain": self.committed_chain, "epoch": self.epoch, "issued_at": self.issued_at,
             "reason": self.reason, "size": self.size, "participant_count": self.participant_count,
             "recovering_count": self.recovering_count, "spare_count": self.spare_count,
-            "group_count": self.group_count, "digest": self.digest, "store": self.store}
+            "group_count": self.group_count, "digest": self.digest, "store": self.store,
+            "groups_left": self.groups_left}
         if self.source is not None:
             out["source"] = _member(self.source)
         if self.participant_ids is not None:
@@ -256,7 +259,8 @@ class MemberQuorum:
                 joiners=[_parse_member(m) for m in d.get("joiners") or []],
                 present_ids=frozenset(str(r) for r in d.get("present") or []),
                 participant_ids=[str(r) for r in participant_ids] if participant_ids is not None else None,
-                spare=bool(d.get("spare", False)), spare_count=int(d.get("spare_count", 0)))
+                spare=bool(d.get("spare", False)), spare_count=int(d.get("spare_count", 0)),
+                groups_left=int(d.get("groups_left", 0)))
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"not a quorum answer: {e!r} in {str(d)[:200]}") from e
         if q.spare and q.index is not None:

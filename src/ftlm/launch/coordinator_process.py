@@ -89,6 +89,10 @@ def error_line(log: Path, offset: int = 0) -> str:
     return text[-1] if text else ""
 
 
+RECORD_NAME = "convictions.jsonl"
+"""The coordinator's conviction record, next to the run's events.jsonl."""
+
+
 class CoordinatorProcess:
     """``ftlm coordinator`` for one job, started (and restarted) by the supervisor."""
 
@@ -101,6 +105,8 @@ class CoordinatorProcess:
         self.port = port
         self.token = token
         self.events = Path(events)
+        # Convictions for corruption, kept across restarts (``ftlm.ft.conviction_record``).
+        self.record = self.events.with_name(RECORD_NAME)
         self.log = Path(log)
         self.proc: subprocess.Popen | None = None
         self.started = 0.0  # when the current process began answering
@@ -143,7 +149,8 @@ class CoordinatorProcess:
         self.proc = self._take_standby()
         if self.proc is None:
             cmd = [*self.prefix, sys.executable, "-m", "ftlm.cli", "coordinator", str(self.config_file),
-                   "--host", self.host, "--port", str(self.port), "--events", str(self.events)]
+                   "--host", self.host, "--port", str(self.port), "--events", str(self.events),
+                   "--record", str(self.record)]
             with open(self.log, "ab") as log:
                 self.proc = subprocess.Popen(cmd, env=self._env(), stdout=log,
                                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -175,7 +182,8 @@ class CoordinatorProcess:
 
     def _spawn_standby(self) -> None:
         cmd = [*self.prefix, sys.executable, "-m", "ftlm.launch.coordinator_standby", str(self.config_file),
-               "--host", self.host, "--port", str(self.port), "--events", str(self.events)]
+               "--host", self.host, "--port", str(self.port), "--events", str(self.events),
+                   "--record", str(self.record)]
         with open(self.log, "ab") as log:
             self._standby = subprocess.Popen(cmd, env=self._env(), stdout=log,
                                              stderr=subprocess.STDOUT, stdin=subprocess.PIPE)

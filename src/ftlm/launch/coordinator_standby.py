@@ -10,7 +10,7 @@ standby's stdin and the standby builds a fresh ``Coordinator`` (a new epoch, no 
 same rebuild from the groups' heartbeats as any restart) and binds the port within tens of
 milliseconds. EOF on stdin (the supervisor is gone) makes it exit.
 
-    python -m ftlm.launch.coordinator_standby CONFIG --port PORT [--host HOST] [--events PATH]
+    python -m ftlm.launch.coordinator_standby CONFIG --port PORT [--host HOST] [--events PATH] [--record PATH]
 
 Not responsible for: deciding when to take over (``ftlm.launch.coordinator_process``), or
 anything the coordinator does once serving (``ftlm.ft.coordinator``).
@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--events", default="")
+    p.add_argument("--record", default="")
     args = p.parse_args(argv)
     # Everything slow happens now, before the coordinator is needed.
     from ftlm.config import load_config
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         coordinator = Coordinator(config.ft.coordinator_config(
             host=args.host, port=port, token=os.environ.get("FTLM_TOKEN", ""), insecure=False),
             events=events)
+        from ftlm.ft.conviction_record import with_record
+        coordinator.events = with_record(args.record, coordinator.membership.integrity, coordinator.events)
         coordinator.serve_forever()
     except FtlmError as e:
         print(f"{ERROR_PREFIX}{e}", file=sys.stderr, flush=True)

@@ -90,8 +90,10 @@ Kinds used across ftlm and their fields:
   the members in ``vouched`` (and their copies) may claim them; ``copied``: replica id -> whom it
   copied from, for each member retired as a copy.
 * ``integrity_rollback``: the groups at ``step`` hold different states and no majority holds
-  one: every one was retired, and the job continues from its newest durable checkpoint
-  (``digests``, ``last_agreed``: the newest step whose digests all agreed, ``reason``).
+  one: every one was retired (and whoever copied their states since), and the job continues
+  from its newest durable checkpoint at or before ``last_agreed`` (the reporters' last step of
+  agreeing digests before ``step``; the states since are suspect, a ``suspect_states`` event
+  with an empty ``replica_id``) (``digests``, ``reason``).
 """
 
 from __future__ import annotations

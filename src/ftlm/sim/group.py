@@ -381,7 +381,7 @@ class GroupModel:
             else:
                 sim.at(0.1, lambda: self.next_step(inc), "drain ask")
             return
-        if not q.recovering_count and q.group_count >= self.c.groups:
+        if not q.recovering_count and q.group_count + q.groups_left >= self.c.groups:
             self.finish(inc)
             return
         if inc.draining_since is None or q.recovering_count:

@@ -175,7 +175,14 @@ class Invariants:
         inc = self.sim.groups.get(fields["group"])
         copied = f" (copied from {fields['copied_from']})" if fields.get("copied_from") else ""
         self.sim.log(f"state mismatch: {rid} at step {fields['step']}{copied} (majority {fields['majority'][:8] or '-'})")
-        if not fields["majority"] or inc is None or inc.replica_id != rid:
+        if not fields["majority"]:
+            # No majority (two groups): the corrupt one's state must not survive either (the
+            # job rolls back to before the disagreement).
+            reported = self._corruption_of(fields)
+            if reported:
+                self.outvoted.add(reported)
+            return
+        if inc is None or inc.replica_id != rid:
             return
         # The corruption the outvoted digest shows (the member may have replaced that state
         # since, by a copy: the verdict was right about the state it reported).

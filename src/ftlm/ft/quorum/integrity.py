@@ -96,7 +96,7 @@ class IntegrityBook:
     quarantined: set[tuple[str, str]] = field(default_factory=set)
     """(group, host) pairs never let back."""
     last_agreed: int = -1
-    """The newest step whose digests all agreed (-1: none yet)."""
+    """The newest step whose digests, two or more, all agreed (-1: none yet)."""
     agreed_at: dict[str, list[int]] = field(default_factory=dict)
     """replica id -> the steps at which its digest was the majority's (newest last, a few)."""
     copies: list[tuple[int, str, str]] = field(default_factory=list)
@@ -252,7 +252,7 @@ def pending(book: IntegrityBook, members: set[str] | frozenset[str]) -> list[Ver
             verdict = judge(list(reports.values()))
             book.judged[key] = verdict
             book.reporters[key] = frozenset(reports)
-            if verdict.agreed:
+            if verdict.agreed and len(reports) > 1:  # (a lone digest vouches for nothing)
                 book.last_agreed = max(book.last_agreed, verdict.step)
             agreeing = [rid for rid, r in reports.items() if r.digest == verdict.majority]
             if verdict.majority and len(agreeing) > 1:  # (one digest alone was compared with nothing)
@@ -282,10 +282,15 @@ def is_quarantined(book: IntegrityBook, group: str, host: str) -> bool:
 
 
 def _count(book: IntegrityBook, report: DigestReport) -> None:
-    group = report.group
+    count_corrupt(book, report.group, report.host)
+
+
+def count_corrupt(book: IntegrityBook, group: str, host: str) -> None:
+    """``group`` was found corrupt on ``host`` (now, or in a previous coordinator's life: the
+    record ``ftlm.ft.conviction_record`` keeps); quarantined there from ``QUARANTINE_AFTER`` on."""
     book.corrupt_count[group] = book.corrupt_count.get(group, 0) + 1
     if book.corrupt_count[group] >= QUARANTINE_AFTER:
-        book.quarantined.add((group, report.host))
+        book.quarantined.add((group, host))
 
 
 def _agreed(book: IntegrityBook, replica_id: str, step: int) -> None:

@@ -178,6 +178,10 @@ class Quorum:
     spares: list[str] = field(default_factory=list)
     """Members holding the head that train no data (beyond ``max_participants``): they enter the
     all-reduce with zeros and apply its average, as a participant does, sorted by group."""
+    groups_left: int = 0
+    """Groups that left the job finished at this quorum's state (step, chain) and have not come
+    back: a group at the last step waits for the job's other groups, but not for these (the
+    coordinator sets it as it issues the quorum)."""
     _ranks: dict[str, int] = field(init=False, repr=False, compare=False)
     """replica id -> its position among the members (its rank)."""
     _slices: dict[str, int] = field(init=False, repr=False, compare=False)
@@ -284,6 +288,7 @@ class Quorum:
             "participants": list(self.participants),
             "recovering": list(self.recovering),
             "spares": list(self.spares),
+            "groups_left": self.groups_left,
             "sources": dict(self.sources),
             "issued_at": self.issued_at,
             "reason": self.reason,
@@ -310,6 +315,7 @@ class Quorum:
                 chain=str(d.get("chain", GENESIS)),
                 epoch=str(d.get("epoch", "")),
                 spares=[str(r) for r in d.get("spares") or []],
+                groups_left=int(d.get("groups_left") or 0),
             )
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"not a quorum: {e!r} in {str(d)[:200]}") from e

@@ -1,0 +1,69 @@
+"""The coordinator's conviction record: a group found corrupt once before a coordinator restart
+and once after is quarantined, as it would be by one coordinator (``ftlm.ft.conviction_record``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from ftlm.ft.conviction_record import RecordingEvents, restore, with_record
+from ftlm.ft.quorum import Convicted, MemberRequest
+from ftlm.ft.quorum.integrity import IntegrityBook, is_quarantined
+from tests.ft.test_membership_integrity import BAD, GOOD, Job
+
+
+def _convict_g1(job: Job, record: RecordingEvents) -> None:
+    """Steps until g1's digest is outvoted; the events go through ``record`` as the coordinator's."""
+    job.step_all()
+    job.step_all({"g0": GOOD, "g1": BAD, "g2": GOOD})
+    for e in job.events:
+        record.emit(e.kind, **e.fields)
+
+
+def test_a_conviction_before_a_restart_counts_after_it(tmp_path):
+    path = tmp_path / "convictions.jsonl"
+    first = Job(3)
+    _convict_g1(first, RecordingEvents(path))
+    (line,) = path.read_text().splitlines()
+    assert json.loads(line)["group"] == "g1" and json.loads(line)["host"] == "host-g1"
+    # A new coordinator (empty state) on the same record: g1's second conviction quarantines it.
+    second = Job(3)
+    assert restore(path, second.m.integrity) == 1
+    assert second.m.integrity.corrupt_count == {"g1": 1}
+    assert isinstance(with_record(str(path), IntegrityBook(), None), RecordingEvents)
+    assert with_record("", IntegrityBook(), None) is None  # no path: no record
+    _convict_g1(second, RecordingEvents(path))
+    (mismatch,) = second.kinds("state_mismatch")
+    assert mismatch["times"] == 2 and mismatch["quarantined"] is True
+    assert is_quarantined(second.m.integrity, "g1", "host-g1")
+    # Its next incarnation on that host is refused as a convicted one.
+    with pytest.raises(Convicted):
+        second.m.request(second.now, MemberRequest("g1:b", "g1", 0, -1, False, {"store": "host-g1:29500"},
+                                                   second.now, second.state["g1"][1]))
+    assert len(path.read_text().splitlines()) == 2
+
+
+def test_copies_and_rollbacks_are_not_recorded_and_a_torn_line_is_skipped(tmp_path, caplog):
+    path = tmp_path / "convictions.jsonl"
+    record = RecordingEvents(path)
+    record.emit("state_mismatch", group="g2", host="h", step=5, majority="", digest="x")  # no majority
+    record.emit("state_mismatch", group="g3", host="h", step=5, majority=GOOD, copied_from="g1:a")
+    record.emit("quorum", quorum_id=1)
+    assert not path.exists()
+    path.write_text('{"group": "g1", "host": "h", "step": 3}\n{"group": "g1", "ho')  # a torn append
+    book = IntegrityBook()
+    with caplog.at_level(logging.WARNING, logger="ftlm.coordinator"):
+        assert restore(path, book) == 1
+    assert book.corrupt_count == {"g1": 1} and not book.quarantined
+    assert f"{path}:2 is not a conviction record" in caplog.text
+    assert restore(tmp_path / "missing.jsonl", IntegrityBook()) == 0
+
+
+def test_the_coordinator_command_and_its_launchers_pass_a_record(tmp_path):
+    """``ftlm launch local`` keeps the record next to events.jsonl (cold start and standby)."""
+    from ftlm.launch.coordinator_process import RECORD_NAME, CoordinatorProcess
+
+    proc = CoordinatorProcess(tmp_path / "config.toml", 0, "t", tmp_path / "events.jsonl", tmp_path / "c.log")
+    assert proc.record == tmp_path / RECORD_NAME

@@ -1,18 +1,20 @@
-"""Hot spares against none under the same failures: stall per failure, ETT, degraded steps.
+"""Hot spares against none under the same failures: stall per failure, ETT, and the simulator.
 
 ``python -m bench.spares`` launches the tiny model on the demo data with ``ftlm launch local``'s
-launcher, three training groups, without a spare and with one (``--spares 1``), interleaved,
-``--reps`` times each. Both runs get the same failures: a SIGKILL of g0, g1, g2 in turn (training
-groups in both runs), before the all-reduce of the steps ``--kills`` names (``FTLM_FAULT``'s
-named point, so the same step whatever the machine's speed; the launcher's time-based chaos
-struck groups still starting on a loaded 2-core box, and nothing trained).
+launcher, ``--groups`` training groups (4 by default), without a spare and with one
+(``--spares 1``), interleaved, ``--reps`` times each. Both runs get the same seeded chaos: a
+SIGKILL every ``--interval`` seconds exactly (30 by default), of a group that trained in the
+last quorum (never a spare, a group still starting or recovering, or the last up-to-date group),
+so that both runs see the same number of training failures.
 
 Measured per run from ``summary.json`` and ``events.jsonl``: failures injected, the stall charged
-to each failure or rejoin (``stall_seconds``, median), ETT, the steps trained on fewer than three
-places (degraded: the LR was scaled down and fewer samples a step were trained), promotions and
-the seconds from a failure to its promotion. It writes its section of BENCHMARKS.md unless
-``--no-write``. It does not measure the spare's cost in GPU-hours (a fourth group's resources):
-that is the goodput model's (``ftlm simulate``).
+to each failure (``stall_seconds``, median, also in median steps), ETT, the steps trained on
+fewer than all places (degraded: fewer samples a step, a lower LR), promotions and the seconds
+from a failure to its promotion. Each run is then calibrated (``ftlm simulate --calibrate`` on
+its directory, before the directory is removed) and simulated with its own failures replayed:
+the simulator's ETT against the measured one. It writes its section of BENCHMARKS.md unless
+``--no-write``. The spare's cost in GPU-hours (one more group's resources) is the goodput
+model's (``ftlm simulate --spares``).
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ from pathlib import Path
 
 from bench.common import ensure_demo, median, section_header, table, write_section
 
-TRAINING_GROUPS = 3
-
-
-def run_once(data: Path, spares: int, steps: int, kills: list[int], rep: int) -> dict:
+def run_once(data: Path, groups: int, spares: int, steps: int, interval: float, seed: int,
+             rep: int) -> dict:
     from ftlm.config import build_config
+    from ftlm.goodput.calibrate import calibrate
+    from ftlm.goodput.engine import run
+    from ftlm.launch.chaos import Chaos
     from ftlm.launch.local import LocalLauncher
     from ftlm.observe.events import read_events
 
@@ -47,18 +50,35 @@ def run_once(data: Path, spares: int, steps: int, kills: list[int], rep: int) ->
             "observe": {"progress": False},
         })
         t0 = time.monotonic()
-        faults = {f"g{i % TRAINING_GROUPS}": [f"before_allreduce@{step}+"] for i, step in enumerate(kills)}
-        summary = LocalLauncher(config, groups=TRAINING_GROUPS, spares=spares, progress=False,
-                                faults=faults).run()
+        launcher = LocalLauncher(config, groups=groups, spares=spares, progress=False)
+        launcher.chaos = Chaos(interval, seed, regular=True, participants_only=True)
+        summary = launcher.run()
+        if launcher.stopped_by:  # Ctrl-C or SIGTERM stopped this run: the bench stops with it
+            raise KeyboardInterrupt(launcher.stopped_by)
         events = read_events(config.run.path / "events.jsonl")
+        cal = calibrate(config.run.path)
+        simulated = run(cal.replay_model(), 0).ett
+    from ftlm.observe.summary import failure_events
+
     places = {e["step"]: e["participants"] for e in events if e["kind"] == "commit"}
     stalls = summary.get("stall_seconds") or []
+    kinds = [f.how == "rejoin" for f in failure_events(events)]
+    failure_stalls = [x for x, rejoin in zip(stalls, kinds) if not rejoin]
+    rejoin_stalls = [x for x, rejoin in zip(stalls, kinds) if rejoin]
+    wire = {True: [], False: []}
+    for e in events:
+        if e["kind"] == "commit" and isinstance(e.get("wire_bytes"), int):
+            wire[bool(e.get("spare"))].append(e["wire_bytes"])
     spare = summary.get("spares") or {}
     delays = spare.get("failure_to_promotion_seconds") or []
+    step = float(summary.get("median_step_seconds") or 0.0)
     return {"spares": spares, "rep": rep, "seconds": time.monotonic() - t0,
-            "failures": summary.get("failures_injected", 0), "stalls": stalls,
-            "median_stall": median(stalls) if stalls else 0.0, "ett": summary.get("ett", 0.0),
-            "degraded": sum(1 for n in places.values() if n < TRAINING_GROUPS),
+            "failures": summary.get("failures_injected", 0), "stalls": failure_stalls,
+            "median_stall": median(failure_stalls) if failure_stalls else 0.0, "step": step,
+            "median_rejoin": median(rejoin_stalls) if rejoin_stalls else None,
+            "spare_wire": median(wire[True]) / median(wire[False]) if wire[True] and wire[False] else None,
+            "ett": summary.get("ett", 0.0), "measured": cal.measured_ett, "simulated": simulated,
+            "degraded": sum(1 for n in places.values() if n < groups),
             "promotions": spare.get("promotions", 0),
             "promotion_delay": median(delays) if delays else None,
             "problems": summary.get("problems") or []}
@@ -66,52 +86,68 @@ def run_once(data: Path, spares: int, steps: int, kills: list[int], rep: int) ->
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.spares", description=__doc__.split("\n\n")[0])
-    p.add_argument("--kills", default="30,200,370",
-                   help="steps at which g0, g1, g2 (in turn) are killed, comma-separated (default 30,200,370)")
-    p.add_argument("--steps", type=int, default=500, help="steps per run (default 500)")
+    p.add_argument("--groups", type=int, default=4, help="training groups (default 4)")
+    p.add_argument("--interval", type=float, default=30.0,
+                   help="seconds between SIGKILLs of a training group (default 30)")
+    p.add_argument("--steps", type=int, default=1500, help="steps per run (default 1500)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the chaos (which group is killed)")
     p.add_argument("--reps", type=int, default=1, help="runs of each kind, interleaved (default 1)")
-    p.add_argument("--quick", action="store_true", help="smoke size: one kill at step 30, 150 steps")
+    p.add_argument("--quick", action="store_true", help="smoke size: 3 groups, 150 steps, a kill every 10 s")
     p.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
-    kills = [30] if args.quick else [int(s) for s in args.kills.split(",") if s.strip()]
-    steps = 150 if args.quick else args.steps
-    if not kills or max(kills) >= steps or args.reps < 1:
-        p.error("--kills needs one step or more, each below --steps; --reps at least 1")
+    if args.quick:
+        args.groups, args.steps, args.interval = 3, 150, 10.0
+    if args.groups < 2 or args.steps < 20 or args.interval <= 0 or args.reps < 1:
+        p.error("--groups at least 2, --steps at least 20, --interval above 0, --reps at least 1")
     data = ensure_demo()
     loads = [os.getloadavg()[0]]
     t0 = time.monotonic()
     runs = []
     for rep in range(args.reps):
         for spares in (0, 1):
-            r = run_once(data, spares, steps, kills, rep)
+            r = run_once(data, args.groups, spares, args.steps, args.interval, args.seed, rep)
             loads.append(os.getloadavg()[0])
             print(f"rep {rep} spares {spares}: {r}", flush=True)
             runs.append(r)
     fmt = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
-    rows = [[r["rep"], r["spares"], r["failures"], len(r["stalls"]), fmt(r["median_stall"]),
-             f"{r['ett']:.3f}", r["degraded"], r["promotions"], fmt(r["promotion_delay"]),
+    rows = [[r["rep"], r["spares"], r["failures"],
+             f"{r['median_stall']:.2f} ({r['median_stall'] / r['step']:.1f})" if r["step"] else fmt(r["median_stall"]),
+             fmt(r["median_rejoin"]), f"{r['step']:.3f}",
+             f"{r['ett']:.3f}", f"{r['measured']:.3f}", f"{r['simulated']:.3f}",
+             f"{100 * (r['simulated'] - r['measured']):+.1f}", r["degraded"], r["promotions"],
+             fmt(r["promotion_delay"]), fmt(r["spare_wire"]),
              "; ".join(r["problems"])[:80] or "none"] for r in runs]
-    headers = ["rep", "spares", "failures injected", "stalls", "median stall s", "ETT",
-               "degraded steps", "promotions", "failure to promotion s (median)", "problems"]
+    headers = ["rep", "spares", "failures injected", "stall per failure s (steps), median",
+               "rejoin stall s, median", "median step s", "ETT (summary)",
+               "ETT (simulator's reference)", "simulated, failures replayed",
+               "simulated - measured (points)", "degraded steps", "promotions",
+               "failure to promotion s (median)", "spare's bytes / participant's", "problems"]
     text = table(headers, rows)
     print(text, flush=True)
     if not args.no_write:
-        flags = ["--quick"] if args.quick else ["--kills", args.kills, "--steps", str(steps),
-                                                "--reps", str(args.reps)]
+        flags = ["--quick"] if args.quick else ["--groups", str(args.groups), "--interval",
+                                                f"{args.interval:g}", "--steps", str(args.steps),
+                                                "--seed", str(args.seed), "--reps", str(args.reps)]
         body = section_header("Hot spares: none against one under the same failures", "bench.spares", flags)
         body += (f"* Load average (1 min) during the runs: {min(loads):.1f} to {max(loads):.1f}; took "
                  f"{time.monotonic() - t0:.0f} s\n\n")
-        body += text + "\n\n" + READING
+        body += text + "\n\n" + READING.format(groups=args.groups, interval=args.interval)
         write_section("spares", body)
     return 0
 
 
 READING = (
-    "3 training groups of the tiny model, g0, g1, g2 SIGKILLed in turn before the all-reduce of "
-    "the `--kills` steps. *Degraded steps*: trained on fewer than three places (fewer samples, a "
-    "lower LR); with a spare, only while no spare is current. ETT on 2 shared cores: the spare's "
-    "process (its update each step) slows the others. When a spare pays for itself: "
-    "docs/ft-protocol.md, 'Hot spares'.\n")
+    "{groups} training groups of the tiny model; every {interval:g} s one that trained in the last "
+    "quorum is SIGKILLed (same seed both sides). *Stall per failure*: the job's stall charged to "
+    "a failure (`stall_seconds`: its longest commit gap less a median step), in seconds and in "
+    "median steps; *rejoin stall*: the same for a repaired group's return. *Degraded steps*: trained on fewer than {groups} places "
+    "(fewer samples, a lower LR); with a spare, only while no spare is current. *Simulated*: "
+    "`ftlm simulate --calibrate` on the run, its own failures replayed, against the ETT of the "
+    "simulator's reference (committed tokens over wall time at the all-places rate). *Spare's "
+    "bytes*: what a spare sends in a step's all-reduce over what a participant sends (it enters "
+    "it with zeros). ETT on 2 shared cores: the spare's process (its update each step) slows the "
+    "others (see the median step). When a spare pays for itself: docs/ft-protocol.md, 'Hot "
+    "spares'.\n")
 
 
 if __name__ == "__main__":

@@ -151,3 +151,51 @@ def test_calibration_replays_the_runs_own_failures(tmp_path):
     assert cal.teardown == pytest.approx(0.0, abs=1e-6)  # the record ends at the last commit
     replay = cal.replay_model()
     assert replay.failure_trace == cal.failure_trace and replay.protect_last
+
+
+def _spare_run(run_dir: Path) -> None:
+    """3 training places and a spare: g0 starts as the spare (it asked last), g2 is killed at
+    t=1012.02 and g0 promoted 0.3 s later; g2 restarts 5 s after the kill and is the spare then."""
+    groups = ["g0", "g1", "g2", "g3"]
+    events = [_event(T0, "run_start", "supervisor", groups=4, spares=1, chaos_mtbf=30.0)]
+    kill, ts = T0 + 12.02, T0 + 2.0
+    events += [_event(kill, "failure_injected", "supervisor", target="g2", how="SIGKILL"),
+               _event(kill + 0.1, "member_dead", "coordinator", target="g2:abc"),
+               _event(kill + 0.3, "spare_promoted", "coordinator", promoted=["g0"],
+                      replaced=["g2"], seconds=0.2),
+               _event(kill + 5.0, "recovery_start", "g2", source="g1")]
+    for step in range(300):
+        if step:
+            ts += 0.5 if ts < kill < ts + 0.5 else DT
+        trainers = ["g1", "g2", "g3"] if ts < kill else ["g0", "g1", "g3"]
+        spare = "g0" if ts < kill else ("g2" if ts > kill + 5.5 else None)
+        for g in trainers:
+            events.append(_event(ts, "commit", g, step, quorum_id=1, participants=3,
+                                 samples=[0, 24], loss=3.0, tokens=TOKENS_PER_GROUP * 3, lr=1e-3,
+                                 step_seconds=DT))
+        if spare:
+            events.append(_event(ts, "commit", spare, step, quorum_id=1, participants=3, spare=True,
+                                 samples=[0, 24], loss=3.0, tokens=TOKENS_PER_GROUP * 3, lr=1e-3,
+                                 step_seconds=DT))
+    events.sort(key=lambda e: e["ts"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    summary = build_summary(events, wall_seconds=ts - T0, state_hashes={g: "a" * 64 for g in groups},
+                            config={}, groups=groups)
+    write_summary(run_dir / "summary.json", summary)
+
+
+def test_calibration_of_a_run_with_a_spare_counts_places_and_numbers_the_spare_last(tmp_path):
+    """The simulator's slots are the training places, then the spares: g0 began as the spare, so
+    it is the last slot, and the failure trace names g2 by its slot. The promotion is timed from
+    the kill (0.3 s), not from the death's detection (0.2 s)."""
+    _spare_run(tmp_path / "run")
+    cal = calibrate(tmp_path / "run")
+    assert cal.groups == 3 and cal.spares == 1
+    assert cal.promotion == pytest.approx(0.3, abs=1e-6)
+    assert cal.failure_trace == ((pytest.approx(12.02), 1),)  # slots: g1, g2, g3, then g0
+    model = cal.replay_model()
+    assert model.spares == 1 and model.promotion == pytest.approx(0.3, abs=1e-6)
+    code, out, _ = _run(["simulate", "--calibrate", str(tmp_path / "run"), "--days", "0.01",
+                         "--runs", "1"])
+    assert code == 0 and "3 groups (+1 spare; promotion 0.30 s after a failure)" in out

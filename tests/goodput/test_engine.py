@@ -132,3 +132,23 @@ def test_start_up_teardown_and_a_replayed_failure_cost_exactly_their_seconds():
 def test_bad_traces_and_phases_are_config_errors(changes, match):
     with pytest.raises(ConfigError, match=match):
         _no_stall(groups=2).with_changes(**changes)
+
+
+def test_a_current_spare_takes_a_failed_place_without_catch_up_and_a_stale_one_does_not():
+    """One failure of a training group at t=100 of 1000 s, with a long catch-up (300 s): a current
+    spare trains in its place after ``promotion`` seconds, so only the stall is lost; the failed
+    group comes back as the spare after its restart and catch-up. With a second failure at t=110
+    (the promoted spare's place), no spare is current (the first group is still restarting):
+    that place stays empty until the repaired group is current, which costs the job the time a
+    group without spares would lose."""
+    base = _no_stall(groups=2, duration=1000.0, restart=50.0, catchup_extra=300.0,
+                     failure_trace=((100.0, 0),))
+    without = run(base).ett
+    spare = run(base.with_changes(spares=1, promotion=1.0)).ett
+    assert without == pytest.approx(1 - (50 + 300) / 2 / 1000, abs=1e-9)
+    assert spare == pytest.approx(1 - 1.0 / 2 / 1000, abs=1e-9)
+    # The spare (slot 2) is promoted at 101; the place it took fails at 110; slot 0 restarts at
+    # 150, catches up until 450 as a spare, then trains: the place was empty 110..450.
+    twice = run(base.with_changes(spares=1, promotion=1.0,
+                                  failure_trace=((100.0, 0), (110.0, 2)))).ett
+    assert twice == pytest.approx(1 - (1.0 + 340.0) / 2 / 1000, abs=1e-9)

@@ -732,3 +732,37 @@ def test_the_end_kills_every_late_process_even_one_slow_to_exit_and_returns():
     launcher.groups = [SimpleNamespace(procs=[p], finished=True) for p in procs]
     launcher._terminate_all()
     assert all(p.killed for p in procs)
+
+
+def test_regular_chaos_hits_only_participants_at_fixed_intervals() -> None:
+    """``bench.spares``' chaos: a failure every ``mtbf`` seconds exactly, of a group that trained
+    in the last quorum (a spare, a starting or a recovering group is never hit)."""
+    from types import SimpleNamespace
+
+    from ftlm.launch.chaos_injection import ChaosInjection
+
+    chaos = Chaos(mtbf=30.0, seed=1, regular=True, participants_only=True)
+    assert [chaos.next_gap() for _ in range(3)] == [30.0, 30.0, 30.0]
+    killed: list[str] = []
+
+    class Proc:
+        def __init__(self, name: str) -> None:
+            self.name, self.pid = name, 0
+
+        def kill(self) -> None:
+            killed.append(self.name)
+
+    def group(name: str) -> SimpleNamespace:
+        return SimpleNamespace(name=name, replica_id=f"{name}:a", procs=[Proc(name)], stopped=False,
+                               finished=False, restart_at=None, incarnation="a", registered=True,
+                               cause=None, running=lambda: True)
+
+    injector = ChaosInjection()
+    injector.groups = [group(n) for n in ("g0", "g1", "g2", "g3")]
+    injector.ranks, injector.chaos, injector._healthy = 1, chaos, set()
+    injector.coordinator = SimpleNamespace(running=lambda: True)
+    events = SimpleNamespace(emit=lambda *a, **k: None)
+    status = {"last_quorum": {"participants": ["g1:a", "g2:a", "g3:a"], "spares": ["g0:a"]}}
+    for _ in range(40):
+        injector._inject(events, status)
+    assert killed and "g0" not in killed and set(killed) <= {"g1", "g2", "g3"}

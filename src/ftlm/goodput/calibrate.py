@@ -17,6 +17,12 @@ From ``events.jsonl`` and ``summary.json`` of a finished ``ftlm launch local`` (
   less one median step);
 * ``speed_by_participants``: the job's token rate with P groups committing over the rate with
   all of them (commits within a stall, gaps over 3 median steps, are left out).
+* with spare groups (``run_start``'s ``spares``): ``groups`` counts the training places only,
+  ``promotion`` the mean time from a failure to the promotion of a spare in its place (from the
+  failure itself: the summary's ``failure_to_promotion_seconds`` counts from the failure or its
+  detection, whichever came last), and the groups
+  are numbered for the failure trace by their role at the first quorum (those that trained
+  first, then the spares), as the simulator numbers its slots.
 
 Means, not medians: ETT is linear in each of them. ``Calibration.local_model`` is the same job
 as a ``JobModel``; ``Calibration.measured_ett`` is the run's ETT against the same reference
@@ -74,6 +80,10 @@ class Calibration:
     """How many measurements each mean is over."""
     failure_trace: tuple[tuple[float, int], ...] = ()
     """The run's group failures, ``(seconds from the start, group index)``."""
+    spares: int = 0
+    """Spare groups the run was launched with (beside ``groups`` training places)."""
+    promotion: float | None = None
+    """Mean seconds from a failure to the promotion of a spare in its place (None: none)."""
 
     def replay_model(self) -> JobModel:
         """``local_model`` with the run's own failures (times and groups) instead of random ones."""
@@ -84,8 +94,9 @@ class Calibration:
         run only scales the failure rate, which is set from ``job_mtbf``; chaos never strikes
         the last up-to-date group, so neither does the model)."""
         mtbf = self.job_mtbf if self.failures else NO_FAILURES_MTBF
-        return JobModel(groups=self.groups, gpus_per_group=1, mode="ft",
-                        gpu_mtbf_hours=mtbf * self.groups / 3600.0,
+        return JobModel(groups=self.groups, gpus_per_group=1, mode="ft", spares=self.spares,
+                        promotion=self.promotion,
+                        gpu_mtbf_hours=mtbf * (self.groups + self.spares) / 3600.0,
                         detection=min(self.detection, self.stall), stall=self.stall,
                         restart=self.restart, catchup_extra=self.catchup,
                         rejoin_stall=self.rejoin_stall, startup=self.startup,
@@ -145,6 +156,30 @@ def _speeds(events: list[dict], groups: int, median_step: float,
     return speeds, full
 
 
+def _promotion_delays(events: list[dict], failures: list) -> list[float]:
+    """Per ``spare_promoted`` event: seconds from the latest failure of a group it replaced."""
+    delays = []
+    for e in events:
+        if e["kind"] != "spare_promoted":
+            continue
+        replaced = {affected_group({"target": r}) for r in e.get("replaced") or ()}
+        before = [f.ts for f in failures if f.group in replaced and f.ts <= e["ts"]]
+        if before:
+            delays.append(e["ts"] - max(before))
+    return delays
+
+
+def _by_first_role(names: list[str], events: list[dict]) -> list[str]:
+    """``names`` with the groups whose first commit was as a spare last (stable otherwise): the
+    simulator's slots are the training places first, then the spares."""
+    first_spare: dict[str, bool] = {}
+    for e in events:
+        group = affected_group(e) if e["kind"] == "commit" else None
+        if group is not None and group not in first_spare:
+            first_spare[group] = bool(e.get("spare"))
+    return sorted(names, key=lambda n: first_spare.get(n, False))
+
+
 def _was_member(events: list[dict], failures: list, failure) -> bool:
     """Whether the failed group was in the quorums when it failed (it committed or began
     recovering since its previous failure): only then do the others stall, in the model too."""
@@ -159,10 +194,11 @@ def calibrate(run_dir: Path | str) -> Calibration:
     run_dir = Path(run_dir)
     events, summary = _load(run_dir)
     events = sorted(final_history(events)[0], key=lambda e: e["ts"])
-    names = [str(g) for g in summary["groups"]]
-    groups = len(names)
+    spares = max((int(e.get("spares") or 0) for e in events if e["kind"] == "run_start"), default=0)
+    names = _by_first_role([str(g) for g in summary["groups"]], events)
+    groups = len(names) - spares
     if groups < 1 or not events:
-        raise DataError(f"{run_dir}: no groups or no events; was the run started?")
+        raise DataError(f"{run_dir}: no training groups or no events; was the run started?")
     steps = commit_steps(events)
     if len(steps) < 3:
         raise DataError(f"{run_dir}: only {len(steps)} committed step(s); calibrate on a run "
@@ -214,8 +250,10 @@ def calibrate(run_dir: Path | str) -> Calibration:
     tokens = float(summary.get("tokens_committed") or sum(r.tokens for r in steps))
     mean_detection = _mean(detection, default=0.0)
     stall = _mean(failure_stalls)
+    delays = _promotion_delays(events, failures)
     return Calibration(
-        run_dir=str(run_dir), groups=groups, duration=duration, startup=startup,
+        run_dir=str(run_dir), groups=groups, spares=spares,
+        promotion=_mean([float(d) for d in delays]) if delays else None, duration=duration, startup=startup,
         teardown=teardown,
         failures=len(failures), job_mtbf=duration / len(failures) if failures else float("inf"),
         detection=mean_detection, stall=max(stall, 0.0), rejoin_stall=_mean(rejoin_stalls),

@@ -214,7 +214,11 @@ def format_calibration(cal, simulated: float, std: float, replayed: float) -> st
     """The calibration of one run and the simulated vs measured ETT of that same job: with
     random failures at the run's rate, and with the run's own failures replayed."""
     speeds = ", ".join(f"{s:.2f}" for s in cal.speed_by_participants)
-    lines = [f"calibration from {cal.run_dir}: {cal.groups} groups, {cal.duration:.0f} s, "
+    spares = ""
+    if cal.spares:
+        promotion = "none" if cal.promotion is None else f"{cal.promotion:.2f} s after a failure"
+        spares = f" (+{cal.spares} spare{'s' if cal.spares > 1 else ''}; promotion {promotion})"
+    lines = [f"calibration from {cal.run_dir}: {cal.groups} groups{spares}, {cal.duration:.0f} s, "
              f"{cal.failures} failures (job MTBF {cal.job_mtbf:.1f} s)",
              f"  start-up {cal.startup:.1f} s; teardown {cal.teardown:.1f} s; detection {cal.detection:.2f} s; stall per failure "
              f"{cal.stall:.2f} s; rejoin stall {cal.rejoin_stall:.2f} s",

@@ -62,6 +62,8 @@ class _Slot:
     state: str
     epoch: int = 0
     """Bumped on every failure: a pending event of an older epoch is stale."""
+    current_at: float = 0.0
+    """A spare: when it holds the job's state (it is promoted only from then on)."""
 
 
 class _Job:
@@ -209,17 +211,20 @@ class _Job:
             slot.state = _STARTING
             self.push(self.now + m.restart, "restarted", i, slot.epoch)
         if was in (_TRAINING, _RECOVERING):
-            self.promote_spare(delay=m.leave_time if graceful else m.detection)
+            promotion = m.detection if m.promotion is None else m.promotion
+            self.promote_spare(delay=m.leave_time if graceful else promotion)
 
     def promote_spare(self, delay: float) -> None:
-        """A spare (if any) takes the place of a group that just left the training set."""
+        """A current spare (if any) takes the place of a group that just left the training set,
+        ``delay`` seconds from now, with no catch-up: it applied every committed step. A spare
+        that is not current yet is never promoted (it is, once current: ``spare_current``)."""
         active = sum(1 for s in self.slots if s.state in (_TRAINING, _RECOVERING))
         if active >= self.m.groups:
             return
         for j, s in enumerate(self.slots):
-            if s.state == _SPARE:
+            if s.state == _SPARE and s.current_at <= self.now:
                 s.state = _RECOVERING
-                self.push(self.now + delay + self.m.catchup, "caught_up", j, s.epoch)
+                self.push(self.now + delay, "caught_up", j, s.epoch)
                 return
 
     def ft_event(self, kind: str, i: int, epoch: int) -> None:
@@ -236,7 +241,11 @@ class _Job:
                 slot.state = _RECOVERING
                 self.push(self.now + m.catchup, "caught_up", i, slot.epoch)
             else:
-                slot.state = _SPARE
+                slot.state = _SPARE  # it catches up like any joiner before it is current
+                slot.current_at = self.now + m.catchup
+                self.push(slot.current_at, "spare_current", i, slot.epoch)
+        elif kind == "spare_current":
+            self.promote_spare(delay=0.0)  # a place left free while no spare was current
         elif kind == "caught_up":
             slot.state = _TRAINING
             self.stall(m.rejoin_stall, "rejoin")

@@ -58,8 +58,13 @@ class JobModel:
     gpus_per_group: int = 8192
     """GPUs in each replica group; any one failing takes its whole group down."""
     spares: int = 0
-    """Spare groups kept started and idle; a spare replaces a failed group at once (it only
-    catches up), and the repaired group becomes a spare."""
+    """Spare groups kept started and current (they apply every committed step, as ftlm's do): a
+    current spare trains in a failed group's place ``promotion`` seconds after the failure, with
+    no catch-up; the repaired group catches up and becomes a spare (current ``catchup`` seconds
+    after its restart)."""
+    promotion: float | None = None
+    """ft: seconds from a training group's failure until a current spare trains in its place
+    (the next quorum); None: ``detection``."""
     gpu_mtbf_hours: float = FT_HSDP_GPU_MTBF_HOURS
     """Mean time between failures of one GPU, in hours; the job sees one failure every
     ``gpu_mtbf_hours * 3600 / allocated GPUs`` seconds (allocated: training and spare groups)."""
@@ -151,6 +156,8 @@ class JobModel:
                 raise ConfigError(f"failure_trace has ({t!r}, {slot!r}); each failure needs a time "
                                   f"in [0, duration] and a group index in [0, "
                                   f"{self.groups + self.spares})")
+        if self.promotion is not None:
+            _number("promotion", self.promotion, 0.0)
         speeds = self.speed_by_participants
         if speeds:
             if len(speeds) != self.groups:

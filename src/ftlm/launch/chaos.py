@@ -45,19 +45,29 @@ class Chaos:
     of a real group get it each at its own moment; one rank is the extreme of that). The group
     must leave gracefully and come back; it is not a failure. Without ``preempt`` the draws are
     those of earlier versions (same seed, same schedule).
+
+    ``regular``: a failure every ``mtbf`` seconds exactly instead of exponential gaps (two runs
+    compared side by side then see failures at the same times). ``participants_only``: only
+    groups that trained in the last quorum are hit, never a spare or a group still starting or
+    recovering (the supervisor filters its candidates by it), so that a job with spares and one
+    without see the same number of training failures.
     """
 
     def __init__(self, mtbf: float, seed: int, hang: bool = False, coordinator: bool = False,
-                 preempt: bool = False):
+                 preempt: bool = False, regular: bool = False, participants_only: bool = False):
         self.mtbf = mtbf
         self.hang = hang
         self.coordinator = coordinator
         self.preempt = preempt
+        self.regular = regular
+        self.participants_only = participants_only
         self.rng = random.Random(seed)
 
     def next_gap(self) -> float | None:
         """Seconds until the next failure; None when chaos is off."""
-        return self.rng.expovariate(1.0 / self.mtbf) if self.mtbf > 0 else None
+        if self.mtbf <= 0:
+            return None
+        return self.mtbf if self.regular else self.rng.expovariate(1.0 / self.mtbf)
 
     def choose(self, groups: list[str], ranks: int, coordinator_up: bool) -> Fault | None:
         """The next failure among ``groups`` (and the coordinator when it is in the mix and up);

@@ -47,6 +47,9 @@ class ChaosInjection:
                 and g.restart_at is None]
         candidates = [g.name for g in live if g.replica_id not in healthy
                       or any(x.replica_id in healthy for x in live if x is not g)]
+        if self.chaos.participants_only:
+            candidates = [name for name in candidates
+                          if next(g for g in live if g.name == name).replica_id in healthy]
         fault = self.chaos.choose(candidates, self.ranks, self.coordinator.running())
         if fault is None:
             return

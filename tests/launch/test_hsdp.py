@@ -219,3 +219,28 @@ def test_sharded_checkpoint_save_and_restore_with_2_ranks_is_bitwise(tmp_path, d
     b = load_file(resumed.run.path / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((resumed.run.path / "summary.json").read_text())["steps_committed"] == 10
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_diloco_groups_sharded_with_fsdp2_lose_a_rank_and_recover_the_outer_state(tmp_path, demo_data):
+    """HSDP inside DiLoCo workers: 2 groups x 2 ranks (FSDP2 over each group), H=4 inner steps
+    per synchronisation; rank 1 of g1 is killed at an outer all-reduce, the group restarts and
+    recovers the outer state shard by shard from g0 while g0 trains on alone. About 25 s on an
+    idle 2-core box (slow tier: four processes importing torch). The default tier covers DiLoCo
+    on one rank (tests/train/test_diloco.py) and HSDP recovery (above)."""
+    steps, h = 40, 4
+    config = make_config(tmp_path / "run", demo_data, steps=steps,
+                         ft={**ALL_IN_FIRST_QUORUM, "sync": "diloco", "diloco_inner_steps": h},
+                         checkpoint=CATCH_UP_FROM_PEERS)
+    summary = LocalLauncher(config, groups=2, ranks_per_group=2, progress=False,
+                            faults={"g1.r1": ["before_allreduce@5+"]}).run()
+    events = read_events(config.run.path / "events.jsonl")
+    assert [(e["group"], e["rank"]) for e in events if e["kind"] == "failure_injected"] == [("g1", 1)]
+    assert recovered(events, "g1"), "the restarted group never caught up"
+    assert commits_while_down(events, "g1") > 0, "the healthy group stopped"
+    check_invariants(summary, events, 2, steps=steps)
+    commits = [e for e in events if e["kind"] == "commit"]
+    # Each outer step commits its inner steps' samples: participants x H x batch.
+    assert all(e["samples"][1] - e["samples"][0] == e["participants"] * h * 4 for e in commits)
+    assert summary["state_hashes"]["g0"] == summary["state_hashes"]["g1"]

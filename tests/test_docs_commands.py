@@ -148,6 +148,9 @@ NOT_RUNNABLE: dict[tuple[str, str], str] = {
         "creates .venv and installs torch and ftlm from PyPI (network); the environment the "
         "other commands run in is that .venv, and its data is what `prepared` builds",
     ("README.md", "make test"): "runs the whole suite, this test among it",
+    ("README.md", "ftlm launch local examples/chaos.toml"):
+        "run as written, under chaos, by tests/examples/test_examples.py (the script's own "
+        "--steps must match the config's, which this test's shrinking breaks)",
     ("README.md", "source .venv/bin/activate"):
         "activation puts .venv/bin first on PATH; the commands here run with this "
         "interpreter's bin directory first on PATH, which is the same",

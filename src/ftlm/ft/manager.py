@@ -735,7 +735,8 @@ class Manager:
         A group that reached the last step is the only source left for a group still recovering
         (or restarted near the end): it answers quorums at the final step, publishing its state
         for them, until a quorum shows all ``expected_groups`` groups up to date (less those that
-        left the job on purpose: ``groups_left``), or no such quorum came within ``quorum_timeout``.
+        left finished at that same state: ``groups_left``), or no such quorum came within
+        ``quorum_timeout``.
         """
         deadline = time.monotonic() + self.config.quorum_timeout
         pause, seen = FINISH_POLL_SECONDS[0], None

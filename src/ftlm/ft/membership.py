@@ -214,9 +214,9 @@ class Membership:
         """
         out = self._resumed(now)
         stranded = self._unfinished_quorums(replica_id)
-        hb = self.state.heartbeats.get(replica_id)
-        if reason == "finished" and hb is not None:
-            self._finished_at[group] = (hb.step, hb.chain)
+        last = self.state.heartbeats.get(replica_id)
+        if reason == "finished" and last is not None:
+            self._finished_at[group] = (last.step, last.chain)
         # A group that leaves having finished holds the job's final state: it is never rolled back.
         if remove_member(self.state, replica_id, now, finished=reason == "finished"):
             out.append(Event("member_left", {"group": group, "replica_id": replica_id, "reason": reason}))
@@ -465,10 +465,11 @@ class Membership:
         whose state differs from the majority's (it recovers from a majority member when its
         supervisor starts it again); without a majority, retire them all: the job rolls back to
         the newest durable checkpoint from before the disagreement. Every state of the job since
-        the last step whose digests all agreed is suspect then, vouched for by nobody (rule I2):
-        each group sets aside the checkpoint of the state it held, and a group that starts from
-        another suspect checkpoint is retired and sets that one aside too, until the groups hold
-        a state from before the disagreement (or step 0)."""
+        the reporters' last agreement before this state is suspect then, vouched for by nobody
+        (rule I2), and whoever copied a reporter's state since is retired with them: each sets
+        aside the checkpoint of the state it held, and a group that starts from another suspect
+        checkpoint is retired and sets that one aside too, until the groups hold a state from
+        before the disagreement (or step 0)."""
         trusted = bool(verdict.majority)
         if not trusted:
             # Whoever copied a reporter's state since its last agreement may hold the bad bits.

@@ -20,9 +20,9 @@ From ``events.jsonl`` and ``summary.json`` of a finished ``ftlm launch local`` (
 * with spare groups (``run_start``'s ``spares``): ``groups`` counts the training places only,
   ``promotion`` the mean time from a failure to the promotion of a spare in its place (from the
   failure itself: the summary's ``failure_to_promotion_seconds`` counts from the failure or its
-  detection, whichever came last), and the groups
-  are numbered for the failure trace by their role at the first quorum (those that trained
-  first, then the spares), as the simulator numbers its slots.
+  detection, whichever came last), and the groups are numbered for the failure trace by their
+  role at the first quorum (those that trained first, then the spares), as the simulator
+  numbers its slots.
 
 Means, not medians: ETT is linear in each of them. ``Calibration.local_model`` is the same job
 as a ``JobModel``; ``Calibration.measured_ett`` is the run's ETT against the same reference

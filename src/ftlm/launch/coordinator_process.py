@@ -183,7 +183,7 @@ class CoordinatorProcess:
     def _spawn_standby(self) -> None:
         cmd = [*self.prefix, sys.executable, "-m", "ftlm.launch.coordinator_standby", str(self.config_file),
                "--host", self.host, "--port", str(self.port), "--events", str(self.events),
-                   "--record", str(self.record)]
+               "--record", str(self.record)]
         with open(self.log, "ab") as log:
             self._standby = subprocess.Popen(cmd, env=self._env(), stdout=log,
                                              stderr=subprocess.STDOUT, stdin=subprocess.PIPE)

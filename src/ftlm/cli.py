@@ -179,8 +179,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     coordinator = Coordinator(config.ft.coordinator_config(
         host=args.host, port=args.port, token=os.environ.get("FTLM_TOKEN", ""),
         insecure=args.insecure), events=events)
-    from ftlm.ft.conviction_record import with_record
-    coordinator.events = with_record(args.record, coordinator.membership.integrity, coordinator.events)
+    from ftlm.ft.coordinator_record import with_record
+    coordinator.events = with_record(args.record, coordinator.membership, coordinator.events)
     coordinator.serve_forever()
     return 0
 
@@ -309,8 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append the coordinator's events (quorums, deaths, rollbacks) to this "
                         "events.jsonl; the token comes from the FTLM_TOKEN environment variable")
     p.add_argument("--record", default="", metavar="PATH",
-                   help="keep the groups found corrupt in this file (JSON lines) and count them again "
-                        "when a coordinator starts on it, so that quarantines survive a restart")
+                   help="keep the groups found corrupt and those that left finished in this file "
+                        "(JSON lines) and take them in again when a coordinator starts on it, so that "
+                        "quarantines and the end of the job survive a restart")
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without a job token (FTLM_TOKEN or "
                         "ft.token_file): anyone who reaches the port can then steer the job")

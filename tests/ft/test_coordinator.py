@@ -427,7 +427,9 @@ def test_every_malformed_body_is_a_one_line_400_and_changes_nothing(start, group
         ],
         "/v1/leave": [b'{"group": "g1", "incarnation": "a", "reason": "done\\nERROR forged log line"}',
                       b'{"group": "g1", "incarnation": "a", "reason": "\\ud800"}',
-                      b'{"group": "g1", "incarnation": "a", "reason": 7}'],
+                      b'{"group": "g1", "incarnation": "a", "reason": 7}',
+                      b'{"group": "g1", "incarnation": "a", "reason": "finished", "step": -1}',
+                      b'{"group": "g1", "incarnation": "a", "reason": "finished", "step": 3, "chain": "xyz"}'],
         "/v1/dead": [b'{"group": "g1", "incarnation": ["a"]}', b'{"group": {"$ne": null}}'],
         "/v1/kill": [b'{"group": 1e999}', b'{"group": "g0", "group": "g1"}', b"null", b'"g0"'],
     }
@@ -742,3 +744,15 @@ def test_peers_reports_expire_a_silent_member_long_before_its_heartbeat_times_ou
     assert {q.quorum_id for q in quorums} == {first.quorum_id + 1} and quorums[0].size == 3
     dead = events.of("member_dead")
     assert [d["replica_id"] for d in dead] == ["g2:a"] and "reported the step" in dead[0]["reason"]
+
+
+def test_a_leave_says_the_state_it_finished_at(start, groups) -> None:
+    """A finished group's leave carries its final state (``ManagerClient.leave(reason, at)``):
+    the coordinator counts it as finished there even if its last heartbeat was a step older."""
+    coord = start(heartbeat_timeout=30.0, expected_groups=1)
+    g0 = groups(coord.url, "g0")
+    ask_all([g0])
+    final = (7, "e" * 64)
+    g0.heartbeater.stop()  # as ``Manager.leave`` does
+    g0.client.leave("finished", final)
+    wait_until(lambda: coord.membership._finished_at.get("g0") == final)

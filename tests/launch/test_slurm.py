@@ -227,7 +227,7 @@ def test_coordinator_job_has_its_own_partition_time_and_signal(tmp_path, tiny_co
     assert "#SBATCH --signal=B:USR2@60" in text and "trap on_usr2 USR2" in text
     assert "exec " not in text  # the shell stays to handle the signal
     # Convictions for corruption (quarantines) outlive the coordinator job: the next one reads them.
-    assert '--record "$OUT/state/convictions.jsonl"' in text
+    assert '--record "$OUT/state/coordinator_record.jsonl"' in text
     group = (out / "group-g0.sbatch").read_text()
     assert "#SBATCH --partition=gpu" in group and "#SBATCH --time=4:00:00" in group
     # Defect 5: the groups reach the coordinator through a relay that re-reads its address file.

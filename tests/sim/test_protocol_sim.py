@@ -205,6 +205,26 @@ def test_finishers_wait_for_a_group_that_finished_another_history() -> None:
     assert result.ok, result.error
 
 
+@pytest.mark.parametrize("seed", [90, 132, 224])
+def test_the_last_group_at_the_end_does_not_wait_for_nobody(seed: int) -> None:
+    """A group resuming at the final state after every other group finished must finish at once
+    (``SimConfig.end_bound``). Seed 90: the coordinator restarted after two groups had finished,
+    so it no longer knew they had (now in its record, ``ftlm.ft.coordinator_record``), and one
+    had left with a heartbeat of step 199 (a leave now says the state it finished at). Replay:
+    ``ftlm sim check --start SEED --seeds 1``."""
+    result = run(seed)
+    assert result.ok, result.error
+
+
+def test_a_coordinator_that_forgets_who_finished_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without its record a restarted coordinator does not count the groups that finished before
+    it started: the last group waits out the drain, and the end-of-job bound says so."""
+    import ftlm.sim.world
+
+    monkeypatch.setattr(ftlm.sim.world, "apply_entry", lambda membership, entry: None)
+    assert "still in the job" in (run(90).error or "")
+
+
 @pytest.mark.parametrize("seed", [420, 1131, 1581])
 def test_a_split_verdict_retires_the_copies_and_looks_before_the_split(seed: int) -> None:
     """Three groups, one recovering while the other two's digests differed (no majority): the

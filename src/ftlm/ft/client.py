@@ -155,9 +155,12 @@ class CoordinatorClient:
                 "chain": chain, "progress_age": round(max(0.0, progress_age), 3),
                 "known_head": max(known_head, step)}
 
-    def leave(self, reason: str) -> None:
-        """Leave the job on purpose (finished, stopped, preempted): not reported as a failure."""
-        body = {"group": self.group, "incarnation": self.incarnation, "reason": reason[:200]}
+    def leave(self, reason: str, at: tuple[int, str] | None = None) -> None:
+        """Leave the job on purpose (finished, stopped, preempted): not reported as a failure.
+        ``at``: the state (step, chain) it leaves with (a finished group's final state)."""
+        body: dict[str, Any] = {"group": self.group, "incarnation": self.incarnation, "reason": reason[:200]}
+        if at is not None:
+            body.update(step=at[0], chain=at[1])
         self._request("POST", "/v1/leave", body, self.timeout)
 
     def report_dead(self, group: str, incarnation: str, reason: str) -> None:

@@ -30,7 +30,8 @@ and ``GET /metrics`` included (docs/design.md, 'Security'); Prometheus sends it 
                       because attempts without it committed, ``quorum.Probe``). ``failed`` with ``last_quorum_id`` of the current quorum
                       reports its step failed: peers silent since are declared dead
                       after ``suspect_window`` (corroborated by their silence)
-  POST /v1/leave, /v1/dead  {group, incarnation, reason}: a replica left on purpose / its process ended
+  POST /v1/leave, /v1/dead  {group, incarnation, reason[, step, chain]}: a replica left on purpose
+                      (at that state) / its process ended
   POST /v1/kill       {group} -> {replica_ids} | 404 {error}: marks the group's live replica; its
                       next heartbeat answers carry ``"kill": true`` (chaos drills; its manager kills it)
   GET  /status[?offset=N&limit=M]  JSON, at most ``STATUS_LIMIT`` members per page (``members_total``,
@@ -647,7 +648,7 @@ class Coordinator:
             return _error(400, str(e))
         rid = f"{m.group}:{m.incarnation}"
         log.info("member %s left: %s", rid, m.reason)
-        self._apply(self.membership.leave(time.monotonic(), rid, m.group, m.reason))
+        self._apply(self.membership.leave(time.monotonic(), rid, m.group, m.reason, m.at))
         return web.json_response({"replica_id": rid, "left": True})
 
     async def _handle_dead(self, request: web.Request) -> web.Response:

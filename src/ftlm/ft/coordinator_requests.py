@@ -70,6 +70,8 @@ class MemberBody:
     group: str
     incarnation: str
     reason: str
+    at: tuple[int, str] | None = None
+    """A leave's state (step, chain): where the group finished (None: not said)."""
 
 
 # ------------------------------------------------------------------------------------- decoding
@@ -249,9 +251,11 @@ def _watch_field(body: dict[str, Any]) -> tuple[str, ...]:
 
 
 def parse_member(body: Any) -> MemberBody:
-    """``POST /v1/leave`` and ``POST /v1/dead``: {group, incarnation[, reason]}."""
+    """``POST /v1/leave`` and ``POST /v1/dead``: {group, incarnation[, reason][, step, chain]}
+    (a leave's step and chain: the state it finished at)."""
     group, incarnation = _name_field(body, "group"), _name_field(body, "incarnation")
-    return MemberBody(group, incarnation, _text_field(body, "reason"))
+    at = (_int_field(body, "step", 0), _chain_field(body)) if isinstance(body, dict) and "step" in body else None
+    return MemberBody(group, incarnation, _text_field(body, "reason"), at)
 
 
 def parse_kill(body: Any) -> str:

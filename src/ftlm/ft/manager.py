@@ -761,17 +761,18 @@ class Manager:
             if not broadcast_json(time.monotonic() < deadline if self.rank == 0 else None,
                                    self.ranks, self.control):
                 break
-        self.leave("finished")
+        self.leave("finished", (step, chain))
 
-    def leave(self, reason: str) -> None:
-        """Tell the coordinator this group leaves on purpose (leader; once)."""
+    def leave(self, reason: str, at: tuple[int, str] | None = None) -> None:
+        """Tell the coordinator this group leaves on purpose (leader; once), with the state it
+        leaves with when ``at`` says it (finished: its last heartbeat may predate the last step)."""
         if self._left or self.client is None:
             return
         self._left = True
         if self.heartbeater is not None:
             self.heartbeater.stop()
         try:
-            self.client.leave(reason)
+            self.client.leave(reason, at)
         except (CoordinatorError, OSError) as e:
             log.warning("could not tell the coordinator that %s leaves: %s", self.replica_id, e)
 

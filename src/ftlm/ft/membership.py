@@ -200,12 +200,23 @@ class Membership:
                 self._judged(now, verdict, out)
         return out + self.tick(now) if tick else out
 
+    def restore_finished(self, group: str, step: int, chain: str) -> None:
+        """``group`` left finished at ``(step, chain)`` before this coordinator started (its
+        record, ``ftlm.ft.coordinator_record``): counted in ``groups_left`` at that state until
+        it is heard from again. Not taken as gone: an entry of an earlier launch in the same run
+        directory must not let a new launch's first quorum start without one of its groups
+        (the rebuild and the first quorum wait ``join_timeout`` for it at most)."""
+        if not any(hb.group == group for hb in self.state.heartbeats.values()):
+            self._finished_at[group] = (step, chain)
+
     def withdraw(self, req: MemberRequest) -> None:
         """The asker stopped waiting (timeout, disconnect): never issue it a quorum nobody receives."""
         withdraw_request(self.state, req)
 
-    def leave(self, now: float, replica_id: str, group: str, reason: str) -> list[Output]:
-        """A group leaves on purpose (finished, preempted, stopped): not a failure.
+    def leave(self, now: float, replica_id: str, group: str, reason: str,
+              at: tuple[int, str] | None = None) -> list[Output]:
+        """A group leaves on purpose (finished, preempted, stopped): not a failure. ``at``: the
+        state (step, chain) it says it leaves with, newer than its last heartbeat's maybe.
 
         The quorums in flight that counted it and whose step it has not reported done cannot
         complete (it was interrupted mid-step, or its answer crossed its stop request): heartbeat
@@ -215,12 +226,21 @@ class Membership:
         out = self._resumed(now)
         stranded = self._unfinished_quorums(replica_id)
         last = self.state.heartbeats.get(replica_id)
-        if reason == "finished" and last is not None:
-            self._finished_at[group] = (last.step, last.chain)
+        if last is not None and at is not None and at[0] >= last.step:
+            last = self.state.heartbeats[replica_id] = dataclasses.replace(last, step=at[0], chain=at[1])
+        fields: dict[str, Any] = {"group": group, "replica_id": replica_id, "reason": reason}
+        # Where it finished: what it says, else its last heartbeat. Said by one just declared dead
+        # (silent while it waited for its last quorum) it still counts: it finished there.
+        final = at if at is not None else (last.step, last.chain) if last is not None else None
+        if reason == "finished" and final is not None:
+            self._finished_at[group] = final
+            fields.update(step=final[0], chain=final[1])  # (kept in the coordinator's record)
         # A group that leaves having finished holds the job's final state: it is never rolled back.
         if remove_member(self.state, replica_id, now, finished=reason == "finished"):
-            out.append(Event("member_left", {"group": group, "replica_id": replica_id, "reason": reason}))
+            out.append(Event("member_left", fields))
             self.departed.append((now, replica_id, group, reason))
+        elif "chain" in fields:
+            out.append(Event("member_left", fields))
         if not any(hb.group == group for hb in self.state.heartbeats.values()):
             self._gone_groups.add(group)
         if stranded:

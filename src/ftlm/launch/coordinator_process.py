@@ -89,7 +89,7 @@ def error_line(log: Path, offset: int = 0) -> str:
     return text[-1] if text else ""
 
 
-RECORD_NAME = "convictions.jsonl"
+RECORD_NAME = "coordinator_record.jsonl"
 """The coordinator's conviction record, next to the run's events.jsonl."""
 
 
@@ -105,7 +105,7 @@ class CoordinatorProcess:
         self.port = port
         self.token = token
         self.events = Path(events)
-        # Convictions for corruption, kept across restarts (``ftlm.ft.conviction_record``).
+        # Convictions and finished leaves, kept across restarts (``ftlm.ft.coordinator_record``).
         self.record = self.events.with_name(RECORD_NAME)
         self.log = Path(log)
         self.proc: subprocess.Popen | None = None

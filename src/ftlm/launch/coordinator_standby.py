@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         coordinator = Coordinator(config.ft.coordinator_config(
             host=args.host, port=port, token=os.environ.get("FTLM_TOKEN", ""), insecure=False),
             events=events)
-        from ftlm.ft.conviction_record import with_record
-        coordinator.events = with_record(args.record, coordinator.membership.integrity, coordinator.events)
+        from ftlm.ft.coordinator_record import with_record
+        coordinator.events = with_record(args.record, coordinator.membership, coordinator.events)
         coordinator.serve_forever()
     except FtlmError as e:
         print(f"{ERROR_PREFIX}{e}", file=sys.stderr, flush=True)

@@ -101,7 +101,7 @@ def coordinator_script(run: RunConfig, cluster: ClusterConfig, out: Path, workdi
         "> \"$OUT/state/prometheus-coordinator.json.tmp\"",
         "mv \"$OUT/state/prometheus-coordinator.json.tmp\" \"$OUT/state/prometheus-coordinator.json\"",
         f'{cluster.python} -m ftlm.cli coordinator "$OUT/config.toml" --host 0.0.0.0 '
-        f'--port "$PORT" --record "$OUT/state/convictions.jsonl" --set ft.token_file="$OUT/token" '
+        f'--port "$PORT" --record "$OUT/state/coordinator_record.jsonl" --set ft.token_file="$OUT/token" '
         f'{" ".join(f"--set {s}" for s in cluster.ft_settings())} &',
         "child=$!",
         "while :; do",

@@ -50,7 +50,8 @@ Kinds used across ftlm and their fields:
   attempts of ``step - 1`` failed with it and committed without it and ``step`` failed with it
   again: a bad link or device, ``ftlm.ft.quorum.Probe``; then ``host`` names the host its leader
   ran on, where to look for the bad link).
-* ``member_left``: ``target`` left the job on purpose (``reason``: finished, stopped).
+* ``member_left``: ``target`` left the job on purpose (``reason``: finished, stopped; a finished
+  leave also has the ``step`` and ``chain`` it finished at).
 * ``restore``: an explicit rollback: no live group held the newest committed state, so the job
   continues from ``to_step`` (``from_step``, ``holders``, ``reason``, ``source``). Commits of steps
   ``>= to_step`` made before it are not part of the final history.

@@ -405,7 +405,8 @@ class GroupModel:
         if sim.coordinator is not None:
             def arrive() -> None:
                 if sim.coordinator is not None:
-                    sim.deliver_outputs(sim.coordinator.leave(sim.now, inc.replica_id, inc.group, "finished"))
+                    sim.deliver_outputs(sim.coordinator.leave(sim.now, inc.replica_id, inc.group, "finished",
+                                                                   (inc.state.step, inc.state.chain)))
                     sim.invariants.watch_leave(inc)
             sim.to_door(arrive)
         inc.alive = False

@@ -57,6 +57,8 @@ class Invariants:
         self.promotions = 0  # see SimResult
         self.spare_quorums = 0
         self.last_issued: Quorum | None = None  # the last quorum issued with a new id (any epoch)
+        self.alone_since: dict[str, float] = {}  # replica id -> since when it is the last at the end
+        self.first_finish: float | None = None  # when the first group finished
         # The job's record as events.jsonl would hold it (the trainer's commits, the coordinator's
         # restores): at the end the summary's accounting of it must prove what happened.
         self.record: list[dict] = []
@@ -78,6 +80,30 @@ class Invariants:
             best = max((g.state.step for g in sim.groups.values() if g is not None), default=0)
             self.fail(f"no liveness: {self.c.liveness_seconds:g} s after the last fault the job is at "
                       f"step {best} of {self.c.steps}")
+        if sim.finished:
+            self.check_last_at_end()
+
+    def check_last_at_end(self) -> None:
+        """A running group at the final state, when every other group finished with that state,
+        finishes within ``end_bound`` (its quorum counts the others as finished there,
+        ``Quorum.groups_left``): nobody can join it, so waiting for joiners is waiting for nobody."""
+        sim = self.sim
+        if self.first_finish is None:
+            self.first_finish = sim.now
+        if not self.c.coordinator_record and any(up > self.first_finish for _, up in sim.outages):
+            return  # a coordinator restarted without its record forgot who finished: quorum_timeout
+        for group, inc in sim.groups.items():
+            if (inc is None or not inc.alive or not inc.running or inc.finished or inc.left
+                    or set(sim.finished) != set(sim.groups) - {group}
+                    or {(s.step, s.chain) for s in sim.finished.values()} != {(inc.state.step, inc.state.chain)}):
+                if inc is not None:
+                    self.alone_since.pop(inc.replica_id, None)
+                continue
+            since = self.alone_since.setdefault(inc.replica_id, sim.now)
+            if sim.now - since - sim.down_seconds(since) > self.c.end_bound:
+                self.fail(f"{inc.replica_id} holds the final state, every other group finished with it, "
+                          f"and it is still in the job {sim.now - since:.1f} s later (waiting for joiners "
+                          f"that cannot come?)")
 
     def check_hangs_detected(self) -> None:
         """Every injected hang is detected and its process killed within 30 simulated s of the

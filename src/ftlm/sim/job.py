@@ -142,6 +142,15 @@ class SimConfig:
     """Liveness of a graceful leave: every other healthy group gets a quorum without the leaver
     within this many simulated seconds of the leave reaching the coordinator (5 heartbeat
     intervals: below the heartbeat, join and all-reduce timeouts a leave must not wait for)."""
+    coordinator_record: bool = True
+    """A restarted coordinator takes in its record (convictions, finished leaves), as under
+    ``ftlm launch local`` and Slurm (``ftlm.ft.coordinator_record``); False: it starts empty, as on
+    Kubernetes, and the end-of-job bound is not judged after it restarted with a group finished."""
+    end_bound: float = 6.0
+    """Liveness at the end: a running group at the final state, every other group finished with
+    that state, finishes within this many simulated seconds (coordinator outages not counted;
+    two lost answers cost it ``poll_timeout`` each). Nobody can join it, so it must not wait
+    ``drain_seconds`` (10 s here, ``ft.quorum_timeout`` in the runtime) for joiners."""
 
 
 class Violation(AssertionError):

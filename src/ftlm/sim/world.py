@@ -22,6 +22,7 @@ import heapq
 import random
 from typing import Any, Callable
 
+from ftlm.ft.coordinator_record import apply_entry, entry_of
 from ftlm.ft.membership import Answer, Event, Issued, Membership
 from ftlm.ft.quorum import MemberRequest, QuorumOptions, StaleIncarnation
 from ftlm.sim.collective import AllReduce, quorum_key
@@ -78,6 +79,7 @@ class Simulation:
         self.lost_groups: set[str] = set()  # died after every other group had finished: not restarted
         self.exited: dict[str, float] = {}  # finished group -> when the supervisor sees its process end
         self.departed: set[str] = set()  # left and not started again by the launcher
+        self.record_kept: list[dict] = []  # the coordinator's record (``SimConfig.coordinator_record``)
         self.loss = self.c.loss
         self.last_loss = float("-inf")  # when a message was last lost
         self.lost_answers: set[tuple[str, int, int, str]] = set()  # (epoch, quorum id, step, replica id)
@@ -242,6 +244,8 @@ class Simulation:
         def restart() -> None:
             if self.coordinator_epoch == epoch:
                 self.coordinator = Membership(self.options, self._epoch(), TICK)
+                for entry in self.record_kept:  # (the run directory's coordinator_record.jsonl)
+                    apply_entry(self.coordinator, entry)
                 self._outage_over()
                 self.log("coordinator restart")
         self.at(self._maybe_long(self.rng.uniform(0.2, 1.5)), restart, "coordinator restart")
@@ -293,6 +297,8 @@ class Simulation:
                 inv.check_no_corrupt_participant(q)
                 inv.check_roles(q)
             elif isinstance(o, Event):
+                if self.c.coordinator_record and (entry := entry_of(o.kind, o.fields)) is not None:
+                    self.record_kept.append(entry)
                 if o.kind == "member_dead":
                     inv.check_silence(o.fields["replica_id"], o.fields["reason"])
                 if o.kind == "member_dead" and self.coordinator is not None and self.coordinator.convictions:

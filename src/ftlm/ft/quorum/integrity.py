@@ -287,7 +287,7 @@ def _count(book: IntegrityBook, report: DigestReport) -> None:
 
 def count_corrupt(book: IntegrityBook, group: str, host: str) -> None:
     """``group`` was found corrupt on ``host`` (now, or in a previous coordinator's life: the
-    record ``ftlm.ft.conviction_record`` keeps); quarantined there from ``QUARANTINE_AFTER`` on."""
+    record ``ftlm.ft.coordinator_record`` keeps); quarantined there from ``QUARANTINE_AFTER`` on."""
     book.corrupt_count[group] = book.corrupt_count.get(group, 0) + 1
     if book.corrupt_count[group] >= QUARANTINE_AFTER:
         book.quarantined.add((group, host))

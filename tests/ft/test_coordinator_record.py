@@ -1,5 +1,6 @@
-"""The coordinator's conviction record: a group found corrupt once before a coordinator restart
-and once after is quarantined, as it would be by one coordinator (``ftlm.ft.conviction_record``)."""
+"""The coordinator's record (``ftlm.ft.coordinator_record``): a group found corrupt once before a
+coordinator restart and once after is quarantined, as it would be by one coordinator; a group that
+left finished before the restart is still counted as finished after it."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import logging
 
 import pytest
 
-from ftlm.ft.conviction_record import RecordingEvents, restore, with_record
+from ftlm.ft.coordinator_record import RecordingEvents, restore, with_record
 from ftlm.ft.quorum import Convicted, MemberRequest
-from ftlm.ft.quorum.integrity import IntegrityBook, is_quarantined
+from ftlm.ft.quorum import Heartbeat
+from ftlm.ft.quorum.integrity import is_quarantined
 from tests.ft.test_membership_integrity import BAD, GOOD, Job
 
 
@@ -23,17 +25,17 @@ def _convict_g1(job: Job, record: RecordingEvents) -> None:
 
 
 def test_a_conviction_before_a_restart_counts_after_it(tmp_path):
-    path = tmp_path / "convictions.jsonl"
+    path = tmp_path / "coordinator_record.jsonl"
     first = Job(3)
     _convict_g1(first, RecordingEvents(path))
     (line,) = path.read_text().splitlines()
     assert json.loads(line)["group"] == "g1" and json.loads(line)["host"] == "host-g1"
     # A new coordinator (empty state) on the same record: g1's second conviction quarantines it.
     second = Job(3)
-    assert restore(path, second.m.integrity) == 1
+    assert restore(path, second.m) == 1
     assert second.m.integrity.corrupt_count == {"g1": 1}
-    assert isinstance(with_record(str(path), IntegrityBook(), None), RecordingEvents)
-    assert with_record("", IntegrityBook(), None) is None  # no path: no record
+    assert isinstance(with_record(str(path), Job(1).m, None), RecordingEvents)
+    assert with_record("", Job(1).m, None) is None  # no path: no record
     _convict_g1(second, RecordingEvents(path))
     (mismatch,) = second.kinds("state_mismatch")
     assert mismatch["times"] == 2 and mismatch["quarantined"] is True
@@ -46,19 +48,42 @@ def test_a_conviction_before_a_restart_counts_after_it(tmp_path):
 
 
 def test_copies_and_rollbacks_are_not_recorded_and_a_torn_line_is_skipped(tmp_path, caplog):
-    path = tmp_path / "convictions.jsonl"
+    path = tmp_path / "coordinator_record.jsonl"
     record = RecordingEvents(path)
     record.emit("state_mismatch", group="g2", host="h", step=5, majority="", digest="x")  # no majority
     record.emit("state_mismatch", group="g3", host="h", step=5, majority=GOOD, copied_from="g1:a")
     record.emit("quorum", quorum_id=1)
     assert not path.exists()
     path.write_text('{"group": "g1", "host": "h", "step": 3}\n{"group": "g1", "ho')  # a torn append
-    book = IntegrityBook()
+    m = Job(1).m
     with caplog.at_level(logging.WARNING, logger="ftlm.coordinator"):
-        assert restore(path, book) == 1
-    assert book.corrupt_count == {"g1": 1} and not book.quarantined
-    assert f"{path}:2 is not a conviction record" in caplog.text
-    assert restore(tmp_path / "missing.jsonl", IntegrityBook()) == 0
+        assert restore(path, m) == 1
+    assert m.integrity.corrupt_count == {"g1": 1} and not m.integrity.quarantined
+    assert f"{path}:2 is not a record of the coordinator's" in caplog.text
+    assert restore(tmp_path / "missing.jsonl", Job(1).m) == 0
+
+
+def test_a_finished_leave_is_recorded_with_the_state_it_left_with_and_counted_after_a_restart(tmp_path):
+    """g1 leaves finished at step 7 while its last heartbeat still says step 6: the leave's own
+    state counts. A coordinator restarted on the record counts g1 in ``groups_left`` at that
+    state (not at another), and forgets it once g1 is heard from again."""
+    path = tmp_path / "coordinator_record.jsonl"
+    first = Job(2)
+    record = RecordingEvents(path)
+    first.m.heartbeat(first.now, Heartbeat("g1:a", "g1", first.now, 6, chain="c" * 64))
+    for o in first.m.leave(first.now, "g1:a", "g1", "finished", (7, "d" * 64)):
+        if hasattr(o, "kind"):
+            record.emit(o.kind, **o.fields)
+    (line,) = path.read_text().splitlines()
+    assert {k: v for k, v in json.loads(line).items() if k != "ts"} == {
+        "left": "finished", "group": "g1", "step": 7, "chain": "d" * 64}
+    second = Job(2)
+    second.m.state.heartbeats.pop("g1:a")  # g1 is gone: the new coordinator never hears it
+    assert restore(path, second.m) == 1
+    assert second.m._finished_at == {"g1": (7, "d" * 64)}
+    assert second.m.options_now().expected_groups == 2  # (an earlier launch's entry: not gone)
+    second.m.heartbeat(second.now, Heartbeat("g1:b", "g1", second.now, 0))
+    assert second.m._finished_at == {}  # back: no longer finished
 
 
 def test_the_coordinator_command_and_its_launchers_pass_a_record(tmp_path):

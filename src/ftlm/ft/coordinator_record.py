@@ -1,0 +1,138 @@
+"""The coordinator's record: what a restarted coordinator must not forget.
+
+The coordinator's state is soft: a restarted coordinator rebuilds the job from the groups'
+heartbeats. Two facts are in no heartbeat:
+
+* **Convictions.** How often each group was found corrupt, and so where it is quarantined (rule
+  I1): a coordinator restarted after a group's first conviction would let the same faulty device
+  be convicted twice more before refusing it.
+* **Finished leaves.** Which groups left the job finished, and at which state (``Quorum.
+  groups_left``): a group still in the job at the final state waits for the others to finish or
+  to come back. After a restart, with the finished groups gone, it would wait for nobody until
+  ``ft.quorum_timeout``.
+
+With a record file (``ftlm coordinator --record PATH``; ``ftlm launch local`` and the Slurm layout
+pass one in the run directory) each conviction by a majority and each finished leave is appended as
+one JSON line, and a coordinator starting on that file takes them in again before it serves.
+
+Responsible for: what is kept (``entry_of``), reading the record into a ``Membership``
+(``restore``, ``apply_entry``; the protocol simulator replays its coordinator's record the same
+way) and appending to it as ``state_mismatch`` and ``member_left`` events pass
+(``RecordingEvents``). Not responsible for:
+judging digests (``ftlm.ft.quorum.integrity``), refusing a quarantined group or counting the
+groups left (``ftlm.ft.membership``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ftlm.ft.quorum.integrity import count_corrupt
+
+if TYPE_CHECKING:
+    from ftlm.ft.membership import Membership
+
+log = logging.getLogger("ftlm.coordinator")
+
+
+def _entry(line: str) -> dict[str, Any]:
+    """One record line: a conviction ``{"group", "host", "step"}`` or a finished leave
+    ``{"left": "finished", "group", "step", "chain"}``; ``ValueError`` otherwise."""
+    entry = json.loads(line)
+    if not isinstance(entry, dict) or not isinstance(entry.get("group"), str) or not entry["group"]:
+        raise ValueError("no group")
+    if entry.get("left") == "finished":
+        if not isinstance(entry.get("step"), int) or not isinstance(entry.get("chain"), str):
+            raise ValueError("a finished leave needs an integer step and a chain")
+    elif not isinstance(entry.get("host"), str):
+        raise ValueError("a conviction needs a host")
+    return entry
+
+
+def entry_of(kind: str, fields: dict[str, Any]) -> dict[str, Any] | None:
+    """What the record keeps of a coordinator event: a conviction by a majority (not a copy's),
+    a finished leave (with the state it finished at); None for every other event."""
+    if kind == "state_mismatch" and fields.get("majority") and not fields.get("copied_from"):
+        return {"group": fields.get("group", ""), "host": fields.get("host", ""), "step": fields.get("step", -1)}
+    if kind == "member_left" and fields.get("reason") == "finished" and "chain" in fields:
+        return {"left": "finished", "group": fields.get("group", ""), "step": fields.get("step", -1),
+                "chain": fields["chain"]}
+    return None
+
+
+def apply_entry(membership: Membership, entry: dict[str, Any]) -> None:
+    """Take one record entry (``entry_of``'s) into ``membership``."""
+    if entry.get("left") == "finished":
+        membership.restore_finished(entry["group"], entry["step"], entry["chain"])
+    else:
+        count_corrupt(membership.integrity, entry["group"], entry["host"])
+
+
+def restore(path: Path, membership: Membership) -> int:
+    """Take the record in ``path`` into ``membership``: the convictions are counted again, the
+    finished leaves known again; how many lines it took. A missing file is an empty record; a
+    line that is neither (a torn last line, an edit) is skipped with a warning naming it."""
+    try:
+        lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return 0
+    n = convicted = 0
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            entry = _entry(line)
+        except ValueError as e:
+            log.warning("%s:%d is not a record of the coordinator's (%s); skipped", path, i, e)
+            continue
+        apply_entry(membership, entry)
+        convicted += entry.get("left") is None
+        n += 1
+    if convicted:
+        where = ", ".join(f"{g} on {h}" for g, h in sorted(membership.integrity.quarantined)) or "none"
+        log.warning("restored %d conviction(s) for corruption from %s; quarantined: %s", convicted, path, where)
+    return n
+
+
+class RecordingEvents:
+    """The coordinator's event sink, appending each conviction by a majority and each finished
+    leave to ``path`` before passing every event on to ``inner`` (None: nowhere else)."""
+
+    def __init__(self, path: Path, inner: Any = None) -> None:
+        self.path = path
+        self.inner = inner
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        entry = entry_of(kind, fields)
+        if entry is not None:
+            self._append({"ts": time.time(), **entry})
+        if self.inner is not None:
+            self.inner.emit(kind, **fields)
+
+    def _append(self, entry: dict[str, Any]) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, (json.dumps(entry) + "\n").encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:  # it still holds for this coordinator's life
+            log.error("could not record %s of %s in %s: %s (a restarted coordinator will not "
+                      "remember it)", "the finished leave" if entry.get("left") else "the conviction",
+                      entry["group"], self.path, e)
+
+
+def with_record(path: str, membership: Membership, events: Any) -> Any:
+    """``events`` wrapped to append to the record in ``path`` after restoring ``membership``
+    from it; ``events`` itself without a path."""
+    if not path:
+        return events
+    restore(Path(path), membership)
+    return RecordingEvents(Path(path), events)

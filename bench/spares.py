@@ -28,8 +28,33 @@ from pathlib import Path
 
 from bench.common import ensure_demo, median, section_header, table, write_section
 
+
+def stall_parts(events: list[dict], step: float) -> list[tuple[float, float, float]]:
+    """Each injected kill's commit gap in three parts, in seconds: the doomed step (from the
+    healthy groups' last commit before the kill to the first of them failing its collective:
+    the step the failure takes with it), detection (from there to the coordinator's next quorum,
+    which waits until it knows who failed), and restart (from that quorum to the next commit,
+    less a median ``step``: the new process group and the step's slower start). Their sum is
+    the gap less a median step, the failure's ``stall_seconds`` when this gap is its longest."""
+    parts = []
+    for kill in (e for e in events if e["kind"] == "failure_injected" and e.get("signal") == "SIGKILL"):
+        t, dead = kill["ts"], kill.get("target")
+        others = [e for e in events if e.get("group") not in (dead, "supervisor", "coordinator")]
+        before = [e["ts"] for e in others if e["kind"] == "commit" and e["ts"] <= t]
+        quorum = next((e["ts"] for e in events if e["kind"] == "quorum" and e["ts"] > t), None)
+        if not before or quorum is None:
+            continue
+        after = next((e["ts"] for e in others if e["kind"] == "commit" and e["ts"] > quorum), None)
+        failed = next((e["ts"] for e in others if e["kind"] == "step_failed" and t < e["ts"] <= quorum), None)
+        if after is None:
+            continue
+        failed = failed if failed is not None else t  # no collective failed: the kill itself
+        parts.append((failed - max(before), quorum - failed, after - quorum - step))
+    return parts
+
+
 def run_once(data: Path, groups: int, spares: int, steps: int, interval: float, seed: int,
-             rep: int) -> dict:
+             rep: int, dim: int = 64, layers: int = 2) -> dict:
     from ftlm.config import build_config
     from ftlm.goodput.calibrate import calibrate
     from ftlm.goodput.engine import run
@@ -40,8 +65,8 @@ def run_once(data: Path, groups: int, spares: int, steps: int, interval: float, 
     with tempfile.TemporaryDirectory(prefix="ftlm-bench-spares-") as tmp:
         config = build_config({
             "run": {"name": "spares", "dir": str(Path(tmp) / "run"), "seed": 3},
-            "model": {"size": "tiny", "vocab_size": 4096, "dim": 64, "n_layers": 2, "n_heads": 4,
-                      "n_kv_heads": 2, "ffn_dim": 128, "max_seq_len": 128},
+            "model": {"size": "tiny", "vocab_size": 4096, "dim": dim, "n_layers": layers, "n_heads": 4,
+                      "n_kv_heads": 2, "ffn_dim": 2 * dim, "max_seq_len": 128},
             "data": {"dir": str(data), "seq_len": 128, "prefetch": 2},
             "train": {"steps": steps, "batch_size": 4, "lr": 3e-3, "warmup_steps": 5, "threads": 1},
             "ft": {"heartbeat_interval": 0.1, "heartbeat_timeout": 1.0, "join_timeout": 15.0,
@@ -72,7 +97,9 @@ def run_once(data: Path, groups: int, spares: int, steps: int, interval: float, 
     spare = summary.get("spares") or {}
     delays = spare.get("failure_to_promotion_seconds") or []
     step = float(summary.get("median_step_seconds") or 0.0)
-    return {"spares": spares, "rep": rep, "seconds": time.monotonic() - t0,
+    parts = stall_parts(events, step)
+    return {"parts": [median([p[i] for p in parts]) if parts else None for i in range(3)],
+            "spares": spares, "rep": rep, "seconds": time.monotonic() - t0,
             "failures": summary.get("failures_injected", 0), "stalls": failure_stalls,
             "median_stall": median(failure_stalls) if failure_stalls else 0.0, "step": step,
             "median_rejoin": median(rejoin_stalls) if rejoin_stalls else None,
@@ -92,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=1500, help="steps per run (default 1500)")
     p.add_argument("--seed", type=int, default=0, help="seed of the chaos (which group is killed)")
     p.add_argument("--reps", type=int, default=1, help="runs of each kind, interleaved (default 1)")
+    p.add_argument("--dim", type=int, default=64,
+                   help="model width (default 64; larger: longer steps, so detection is a smaller part of one)")
+    p.add_argument("--layers", type=int, default=2, help="model layers (default 2)")
     p.add_argument("--quick", action="store_true", help="smoke size: 3 groups, 150 steps, a kill every 10 s")
     p.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
@@ -99,26 +129,30 @@ def main(argv: list[str] | None = None) -> int:
         args.groups, args.steps, args.interval = 3, 150, 10.0
     if args.groups < 2 or args.steps < 20 or args.interval <= 0 or args.reps < 1:
         p.error("--groups at least 2, --steps at least 20, --interval above 0, --reps at least 1")
+    if args.dim < 16 or args.dim % 4 or args.layers < 1:
+        p.error("--dim a multiple of 4 (its 4 heads), at least 16; --layers at least 1")
     data = ensure_demo()
     loads = [os.getloadavg()[0]]
     t0 = time.monotonic()
     runs = []
     for rep in range(args.reps):
         for spares in (0, 1):
-            r = run_once(data, args.groups, spares, args.steps, args.interval, args.seed, rep)
+            r = run_once(data, args.groups, spares, args.steps, args.interval, args.seed, rep,
+                         args.dim, args.layers)
             loads.append(os.getloadavg()[0])
             print(f"rep {rep} spares {spares}: {r}", flush=True)
             runs.append(r)
     fmt = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
     rows = [[r["rep"], r["spares"], r["failures"],
              f"{r['median_stall']:.2f} ({r['median_stall'] / r['step']:.1f})" if r["step"] else fmt(r["median_stall"]),
+             " / ".join(fmt(x) for x in r["parts"]),
              fmt(r["median_rejoin"]), f"{r['step']:.3f}",
              f"{r['ett']:.3f}", f"{r['measured']:.3f}", f"{r['simulated']:.3f}",
              f"{100 * (r['simulated'] - r['measured']):+.1f}", r["degraded"], r["promotions"],
              fmt(r["promotion_delay"]), fmt(r["spare_wire"]),
              "; ".join(r["problems"])[:80] or "none"] for r in runs]
     headers = ["rep", "spares", "failures injected", "stall per failure s (steps), median",
-               "rejoin stall s, median", "median step s", "ETT (summary)",
+               "doomed step / detection / restart s, medians", "rejoin stall s, median", "median step s", "ETT (summary)",
                "ETT (simulator's reference)", "simulated, failures replayed",
                "simulated - measured (points)", "degraded steps", "promotions",
                "failure to promotion s (median)", "spare's bytes / participant's", "problems"]
@@ -127,20 +161,24 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         flags = ["--quick"] if args.quick else ["--groups", str(args.groups), "--interval",
                                                 f"{args.interval:g}", "--steps", str(args.steps),
-                                                "--seed", str(args.seed), "--reps", str(args.reps)]
+                                                "--seed", str(args.seed), "--reps", str(args.reps),
+                                                "--dim", str(args.dim), "--layers", str(args.layers)]
         body = section_header("Hot spares: none against one under the same failures", "bench.spares", flags)
         body += (f"* Load average (1 min) during the runs: {min(loads):.1f} to {max(loads):.1f}; took "
                  f"{time.monotonic() - t0:.0f} s\n\n")
-        body += text + "\n\n" + READING.format(groups=args.groups, interval=args.interval)
+        body += text + "\n\n" + READING.format(groups=args.groups, interval=args.interval, dim=args.dim, layers=args.layers)
         write_section("spares", body)
     return 0
 
 
 READING = (
-    "{groups} training groups of the tiny model; every {interval:g} s one that trained in the last "
+    "{groups} training groups of a small Transformer (width {dim}, {layers} layers); every {interval:g} s one that trained in the last "
     "quorum is SIGKILLed (same seed both sides). *Stall per failure*: the job's stall charged to "
     "a failure (`stall_seconds`: its longest commit gap less a median step), in seconds and in "
-    "median steps; *rejoin stall*: the same for a repaired group's return. *Degraded steps*: trained on fewer than {groups} places "
+    "median steps, and in three parts: the *doomed step* (from the last commit before the kill to "
+    "the first healthy group failing its collective: the step the failure takes with it), "
+    "*detection* (to the coordinator's next quorum, which waits until it knows who failed) and "
+    "*restart* (from that quorum to the next commit, less a median step); *rejoin stall*: the same for a repaired group's return. *Degraded steps*: trained on fewer than {groups} places "
     "(fewer samples, a lower LR); with a spare, only while no spare is current. *Simulated*: "
     "`ftlm simulate --calibrate` on the run, its own failures replayed, against the ETT of the "
     "simulator's reference (committed tokens over wall time at the all-places rate). *Spare's "

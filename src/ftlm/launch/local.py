@@ -152,6 +152,7 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
         self._healthy: set[str] = set()  # participants of the last quorum seen (chaos spares the last)
         self.token = secrets.token_hex(16)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a rank exited, or a stop: the supervisor's round is due now
         self._coordinator_lock = threading.Lock()
         self.coordinator: CoordinatorProcess | None = None
         self.events: EventLog | None = None
@@ -243,15 +244,24 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
                 # A session of its own: a Ctrl-C at the terminal reaches the launcher alone,
                 # which stops the groups with SIGTERM, between steps (a SIGINT could land
                 # mid-update, and the committed step would not be saved).
-                g.procs.append(subprocess.Popen([*(at.prefix if at else []), *cmd], env=env,
-                                                stdout=log, start_new_session=True,
-                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                proc = subprocess.Popen([*(at.prefix if at else []), *cmd], env=env,
+                                        stdout=log, start_new_session=True,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            g.procs.append(proc)
+            # The death of a rank is reported at once, not at the next 0.1 s round: the healthy
+            # groups' next quorum waits for that report (or for the heartbeat timeout).
+            threading.Thread(target=self._wake_on_exit, args=(proc,), daemon=True,
+                             name=f"ftlm-exit-{g.name}.{rank}").start()
         if self.config.observe.metrics:
             self._write_targets()
         g.started = time.time()
         g.restart_at = None
         g.stopped = g.registered = g.progressed = g.killed = g.stuck_exit = False
         g.first_step = g.absent_since = g.left_at = g.exiting_since = g.erring_since = None
+
+    def _wake_on_exit(self, proc: subprocess.Popen) -> None:
+        proc.wait()
+        self._wake.set()
 
     def _address_file(self) -> Path:
         """Where the coordinator's current URL is kept for the groups (``FTLM_COORDINATOR_FILE``)."""
@@ -338,7 +348,8 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
                         self._inject(events, status)
                         next_chaos = time.time() + self.chaos.next_gap()
                 view.update(status)
-                self._stop.wait(0.1)
+                self._wake.wait(0.1)
+                self._wake.clear()
         finally:
             view.update(status)
             view.close()
@@ -589,6 +600,7 @@ class LocalLauncher(Watchdog, ChaosInjection, RunEnd):
         def stop(signum: int, _frame: object) -> None:
             self.stopped_by = signal.Signals(signum).name
             self._stop.set()
+            self._wake.set()
         return signal.signal(signal.SIGINT, stop), signal.signal(signal.SIGTERM, stop)
 
     @staticmethod

@@ -4,11 +4,11 @@ Three replica groups are simulated in one process (the shared 2-core box cannot 
 three processes in its budget): each group is a copy of the model with its own AdamW, the
 all-reduce is an in-process mean, and the outer step, the fragments and the int8 code are
 ``ftlm.train.diloco``'s own functions (``split_fragments``, ``int8_*``) with the outer Nesterov
-SGD of the defaults. The arms, at the same tokens (``--inner-steps`` inner steps of ``--batch``
-sequences per group):
+SGD of the defaults. The arms, at the same tokens (the inner steps ``--sizes`` gives each model
+size, of ``--batch`` sequences per group):
 
 * ``sync``: the gradient averaged every step (one AdamW step on 3 x batch);
-* ``diloco H=10`` and ``diloco H=50``: plain DiLoCo;
+* ``diloco H=10``, ``H=50`` and ``H=100``: plain DiLoCo;
 * ``streaming F=4 int8``: H=48 (a multiple of the fragments, as ``ft.diloco_fragments`` requires), 4 fragments, overlap 1 step (alpha 0.5), int8 outer gradient
   with error feedback.
 
@@ -17,7 +17,7 @@ successors), so the held-out loss has a floor and the run needs no corpus. Repor
 held-out loss (mean and 95% interval over seeds, t with n-1 degrees of freedom) and the bytes a
 group puts on the wire between groups per token it trains (counted from the payloads sent).
 
-    python -m bench.diloco [--seeds 3] [--inner-steps 200] [--write]
+    python -m bench.diloco [--seeds 3] [--sizes tiny:1000,small:300] [--jobs 2] [--write]
 
 Not measured: speed (the simulation has no network), failures (tests/train/test_diloco_launch.py).
 """
@@ -64,16 +64,19 @@ def loss_of(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
 
 
-def run(arm: dict, seed: int, args) -> tuple[float, float]:
-    """Held-out loss after the arm's training, and wire bytes per token."""
+def run(arm: dict, seed: int, args, size: str = "tiny", inner_steps: int | None = None) -> tuple[float, float]:
+    """Held-out loss after the arm's training of ``inner_steps`` steps per group of a ``size``
+    model, and wire bytes per token."""
+    torch.set_num_threads(1)
+    inner_steps = inner_steps or args.inner_steps
     torch.manual_seed(seed)
-    cfg = ModelConfig(size="tiny", vocab_size=args.vocab, max_seq_len=args.seq)
+    cfg = ModelConfig(size=size, vocab_size=args.vocab, max_seq_len=args.seq)
     base = Transformer(cfg)
     probs = markov(args.vocab, seed)
     # The whole stream at once (one vectorised pass): the same for every arm of a seed.
-    stream = sample(probs, args.inner_steps * GROUPS * args.batch, args.seq + 1,
+    stream = sample(probs, inner_steps * GROUPS * args.batch, args.seq + 1,
                     torch.Generator().manual_seed(seed))
-    stream = stream.view(args.inner_steps, GROUPS, args.batch, args.seq + 1)
+    stream = stream.view(inner_steps, GROUPS, args.batch, args.seq + 1)
     held_out = sample(probs, 64, args.seq + 1, torch.Generator().manual_seed(10_000 + seed))
     models = [copy.deepcopy(base) for _ in range(GROUPS)]
     inner = [torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.0) for m in models]
@@ -86,7 +89,7 @@ def run(arm: dict, seed: int, args) -> tuple[float, float]:
     residual: dict[tuple[int, int], torch.Tensor] = {}
     sent = tokens = 0
     pending: dict | None = None
-    for step in range(args.inner_steps):
+    for step in range(inner_steps):
         batches = stream[step]
         tokens += GROUPS * args.batch * args.seq
         for m, b in zip(models, batches):
@@ -186,36 +189,84 @@ def counted_bytes(args, workdir: str) -> list[tuple[str, float]]:
 
 
 ARMS = {"sync (every step)": {"h": 1}, "diloco H=10": {"h": 10}, "diloco H=50": {"h": 50},
+        "diloco H=100": {"h": 100},
         "streaming H=48 F=4 int8 overlap 1": {"h": 48, "fragments": 4, "overlap": 1, "wire": "int8"}}
+
+
+def interval(xs: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95% interval (t, n-1 degrees of freedom)."""
+    mean = statistics.fmean(xs)
+    if len(xs) < 2:
+        return mean, float("nan")
+    return mean, T95.get(len(xs) - 1, 2.0) * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+def parse_sizes(text: str) -> list[tuple[str, int]]:
+    """``tiny:1000,small:300`` -> [("tiny", 1000), ("small", 300)]."""
+    out = []
+    for part in text.split(","):
+        size, _, steps = part.partition(":")
+        if size not in ("tiny", "small", "base") or not steps.isdigit() or int(steps) < 100:
+            raise SystemExit(f"--sizes: {part!r} is not SIZE:INNER_STEPS with SIZE tiny|small|base "
+                             "and at least 100 inner steps (H=100 needs one outer step); "
+                             "for example --sizes tiny:1000,small:300")
+        out.append((size, int(steps)))
+    return out
+
+
+def _job(job: tuple) -> tuple:
+    size, steps, name, seed, args = job
+    t0 = time.time()
+    loss, bpt = run(ARMS[name], seed, args, size, steps)
+    return size, name, seed, loss, bpt, time.time() - t0
+
+
+def quality_rows(size: str, results: dict) -> list[tuple]:
+    """One row per arm: loss over seeds, the gap to sync paired by seed (percent), bytes."""
+    sync = results[(size, "sync (every step)")]
+    seeds = sorted(sync)
+    sync_bpt = statistics.fmean(b for _, b in sync.values())
+    rows = []
+    for name in ARMS:
+        got = results[(size, name)]
+        losses = [got[s][0] for s in seeds]
+        mean, half = interval(losses)
+        gaps = [100 * (got[s][0] - sync[s][0]) / sync[s][0] for s in seeds]
+        gap, gap_half = interval(gaps)
+        bpt = statistics.fmean(got[s][1] for s in seeds)
+        rows.append((name, f"{mean:.4f} ± {half:.4f}", " ".join(f"{x:.4f}" for x in losses),
+                     "-" if name.startswith("sync") else f"{gap:+.2f}% ± {gap_half:.2f}",
+                     f"{bpt:.2f}", f"{sync_bpt / bpt:.0f}x"))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--inner-steps", type=int, default=200)
+    ap.add_argument("--sizes", default="tiny:1000,small:300",
+                    help="model sizes and inner steps per group, SIZE:STEPS,... (default %(default)s)")
+    ap.add_argument("--inner-steps", type=int, default=200, help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
     ap.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md's section")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    rows, t0 = [], time.time()
-    for name, arm in ARMS.items():
-        losses, bpt = [], []
-        for seed in range(args.seeds):
-            loss, b = run(arm, seed, args)
-            losses.append(loss)
-            bpt.append(b)
-            print(f"{name} seed {seed}: held-out {loss:.4f}, {b:.1f} B/token", flush=True)
-        mean = statistics.fmean(losses)
-        half = (T95.get(len(losses) - 1, 2.0) * statistics.stdev(losses) / math.sqrt(len(losses))
-                if len(losses) > 1 else float("nan"))
-        rows.append((name, f"{mean:.4f} ± {half:.4f}", " ".join(f"{x:.4f}" for x in losses),
-                     f"{statistics.fmean(bpt):.2f}"))
-    sync_bpt = float(rows[0][3])
-    rows = [(*r, f"{sync_bpt / float(r[3]):.0f}x") for r in rows]
-    flags = [f"--seeds {args.seeds}", f"--inner-steps {args.inner_steps}", f"--batch {args.batch}",
+    sizes = parse_sizes(args.sizes)
+    # The largest jobs first, so that the pool's last minutes are not one long run alone.
+    jobs = [(size, steps, name, seed, args) for size, steps in sizes for name in ARMS
+            for seed in range(args.seeds)]
+    jobs.sort(key=lambda j: -(j[1] * (1 if j[0] == "tiny" else 8)))
+    results: dict = {}
+    t0 = time.time()
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for done, (size, name, seed, loss, bpt, secs) in enumerate(pool.map(_job, jobs), 1):
+            results.setdefault((size, name), {})[seed] = (loss, bpt)
+            print(f"[{done}/{len(jobs)}, {time.time() - t0:.0f} s] {size} {name} seed {seed}: "
+                  f"held-out {loss:.4f}, {bpt:.1f} B/token ({secs:.0f} s)", flush=True)
+    flags = [f"--seeds {args.seeds}", f"--sizes {args.sizes}", f"--batch {args.batch}",
              f"--seq {args.seq}", f"--vocab {args.vocab}"]
     import tempfile
     with tempfile.TemporaryDirectory() as workdir:
@@ -223,13 +274,17 @@ def main(argv: list[str] | None = None) -> int:
     base = counted[0][1]
     counted_rows = [(name, f"{b:.2f}", f"{base / b:.0f}x") for name, b in counted]
     body = (section_header("DiLoCo: held-out loss at equal tokens, bytes between groups", "bench.diloco", flags)
-            + f"\n{GROUPS} groups simulated in one process, tiny Transformer (vocab {args.vocab}, "
-            f"seq {args.seq}), {args.inner_steps} inner steps x batch {args.batch} per group; "
-            f"{time.time() - t0:.0f} s on this box. Interval: 95% over seeds (t).\n\n"
-            + table(["arm", "held-out loss", "per seed", "bytes/token per group", "less than sync"], rows)
-            + "\n\nBytes between groups per token counted by `ftlm.train.Session` itself (`summary.json` "
-            f"`bytes_between_groups_per_token`, one group alone, {args.batch} x {args.seq} tokens a step):\n\n"
-            + table(["mode", "bytes/token per group", "less than every step"], counted_rows))
+            + f"\n{GROUPS} groups simulated in one process (vocab {args.vocab}, seq {args.seq}, batch "
+            f"{args.batch} per group); {time.time() - t0:.0f} s on this box. Intervals: 95% over "
+            f"{args.seeds} seeds (t); the gap to sync is paired by seed (the same data and initial "
+            "weights).\n")
+    for size, steps in sizes:
+        body += (f"\n{size} model, {steps} inner steps per group:\n\n"
+                 + table(["arm", "held-out loss", "per seed", "gap to sync", "bytes/token per group",
+                          "less than sync"], quality_rows(size, results)) + "\n")
+    body += ("\nBytes between groups per token counted by `ftlm.train.Session` itself (`summary.json` "
+             f"`bytes_between_groups_per_token`, one group alone, {args.batch} x {args.seq} tokens a step):\n\n"
+             + table(["mode", "bytes/token per group", "less than every step"], counted_rows))
     return publish("diloco", body, args.write)
 
 

@@ -47,6 +47,7 @@ COORDINATOR_SWEEP = ("--sweep", "100,500,1000,2000,3000,4000,2000@1.5", "--secon
 LIFECYCLE = ("--seeds", "3", "--set", "sft_seeds=3", "--set", "test_seed=20261202", "--set",
              "pair_temperature=0.7", "--set", "dpo_steps=120", "--set", "grpo_lr=5e-5", "--set",
              "grpo_steps=40")
+DILOCO = ("--seeds", "3", "--sizes", "tiny:2000,small:300", "--jobs", "2", "--write")
 NEMESIS = ("--runs", "8", "--seed", "1", "--steps", "400", "--faults", "10", "--write")
 TEST_TIME_SCALING = ("--from-json", "bench/results/test_time_scaling/outcome_add.json",
                      "--note-file", "bench/results/test_time_scaling/note.md")
@@ -64,6 +65,7 @@ JOBS = (
     Job("preemption", "preemption", ("--reps", "2", "--preemptions", "4", "--every", "10",
                                      "--steps", "900")),
     Job("convergence", "convergence"),
+    Job("diloco", "diloco", DILOCO),
     Job("soak_preempt", "soak", ("--preempt", "--seeds", "24"), ("--quick", "--preempt")),
     Job("soak_4x1", "soak", SOAK_END, None),
     Job("fault_matrix", "fault_matrix"),

@@ -100,6 +100,23 @@ def spread(values: Sequence[float]) -> str:
     return f"{min(values):.3g}-{max(values):.3g}"
 
 
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+"""Student t's 97.5 % quantile for 1..30 degrees of freedom (two-sided 95 % intervals)."""
+
+
+def t_interval(values: Sequence[float]) -> tuple[float, float]:
+    """Mean of ``values`` (independent seeds or chains) and the half-width of its two-sided 95 %
+    interval (Student t, n - 1 degrees of freedom); the half-width is nan for one value."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, float("nan")
+    df = len(values) - 1
+    t = _T975[df - 1] if df <= len(_T975) else 1.96 + 2.4 / df
+    return mean, t * statistics.stdev(values) / len(values) ** 0.5
+
+
 def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     """A Markdown table."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]

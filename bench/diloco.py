@@ -17,7 +17,7 @@ successors), so the held-out loss has a floor and the run needs no corpus. Repor
 held-out loss (mean and 95% interval over seeds, t with n-1 degrees of freedom) and the bytes a
 group puts on the wire between groups per token it trains (counted from the payloads sent).
 
-    python -m bench.diloco [--seeds 3] [--sizes tiny:1000,small:300] [--jobs 2] [--write]
+    python -m bench.diloco [--seeds 3] [--sizes tiny:2000,small:300] [--jobs 2] [--write] [--quick]
 
 Not measured: speed (the simulation has no network), failures (tests/train/test_diloco_launch.py).
 """
@@ -26,20 +26,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import publish, section_header, table
+from bench.common import publish, section_header, t_interval, table
 from ftlm.model.config import ModelConfig
 from ftlm.model.llama import Transformer
 from ftlm.train.diloco import int8_decode, int8_encode, int8_levels, int8_rows, split_fragments
 
 GROUPS = 3
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57}
 
 
 def markov(vocab: int, seed: int) -> torch.Tensor:
@@ -193,14 +191,6 @@ ARMS = {"sync (every step)": {"h": 1}, "diloco H=10": {"h": 10}, "diloco H=50": 
         "streaming H=48 F=4 int8 overlap 1": {"h": 48, "fragments": 4, "overlap": 1, "wire": "int8"}}
 
 
-def interval(xs: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95% interval (t, n-1 degrees of freedom)."""
-    mean = statistics.fmean(xs)
-    if len(xs) < 2:
-        return mean, float("nan")
-    return mean, T95.get(len(xs) - 1, 2.0) * statistics.stdev(xs) / math.sqrt(len(xs))
-
-
 def parse_sizes(text: str) -> list[tuple[str, int]]:
     """``tiny:1000,small:300`` -> [("tiny", 1000), ("small", 300)]."""
     out = []
@@ -230,9 +220,9 @@ def quality_rows(size: str, results: dict) -> list[tuple]:
     for name in ARMS:
         got = results[(size, name)]
         losses = [got[s][0] for s in seeds]
-        mean, half = interval(losses)
+        mean, half = t_interval(losses)
         gaps = [100 * (got[s][0] - sync[s][0]) / sync[s][0] for s in seeds]
-        gap, gap_half = interval(gaps)
+        gap, gap_half = t_interval(gaps)
         bpt = statistics.fmean(got[s][1] for s in seeds)
         rows.append((name, f"{mean:.4f} ± {half:.4f}", " ".join(f"{x:.4f}" for x in losses),
                      "-" if name.startswith("sync") else f"{gap:+.2f}% ± {gap_half:.2f}",
@@ -243,7 +233,7 @@ def quality_rows(size: str, results: dict) -> list[tuple]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--sizes", default="tiny:1000,small:300",
+    ap.add_argument("--sizes", default="tiny:2000,small:300",
                     help="model sizes and inner steps per group, SIZE:STEPS,... (default %(default)s)")
     ap.add_argument("--inner-steps", type=int, default=200, help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=4)
@@ -252,7 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
     ap.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md's section")
+    ap.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone (wins over --write)")
+    ap.add_argument("--quick", action="store_true", help="smoke size: 2 seeds of the tiny model, 100 inner steps")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.seeds, args.sizes = 2, "tiny:100"
+    if args.seeds < 1 or args.jobs < 1:
+        ap.error("--seeds and --jobs at least 1")
     sizes = parse_sizes(args.sizes)
     # The largest jobs first, so that the pool's last minutes are not one long run alone.
     jobs = [(size, steps, name, seed, args) for size, steps in sizes for name in ARMS
@@ -285,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     body += ("\nBytes between groups per token counted by `ftlm.train.Session` itself (`summary.json` "
              f"`bytes_between_groups_per_token`, one group alone, {args.batch} x {args.seq} tokens a step):\n\n"
              + table(["mode", "bytes/token per group", "less than every step"], counted_rows))
-    return publish("diloco", body, args.write)
+    return publish("diloco", body, args.write and not args.no_write)
 
 
 if __name__ == "__main__":

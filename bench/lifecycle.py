@@ -58,6 +58,7 @@ from bench.common import (
     ensure_demo,
     publish,
     section_header,
+    t_interval,
     table,
 )
 
@@ -101,20 +102,10 @@ FIRST_TEST = TEST_DRAWS[0]
 CHAINS = 5
 """Independent chains (seeds, each with its own SFT run) of the default run."""
 
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
-         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-"""Student t's 97.5 % quantile for 1..30 degrees of freedom (two-sided 95 % intervals)."""
-
-
 def interval_over_chains(values: list[float]) -> tuple[float, float] | None:
     """Mean of per-chain ``values`` and its 95 % interval over chains (Student t, n - 1 degrees
     of freedom); None for fewer than two chains."""
-    if len(values) < 2:
-        return None
-    df = len(values) - 1
-    t = _T975[df - 1] if df <= len(_T975) else 1.96 + 2.4 / df
-    return statistics.fmean(values), t * statistics.stdev(values) / len(values) ** 0.5
+    return t_interval(values) if len(values) >= 2 else None
 
 
 def _config(run_dir: Path, seed: int, **sections):

@@ -41,7 +41,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from bench.common import REPO_ROOT, publish, section_header, table
+from bench.common import REPO_ROOT, publish, section_header, t_interval, table
 from ftlm.infer import Engine, SamplingParams
 from ftlm.infer import strategies as st
 from ftlm.infer.chat import chat_stop_ids, render_chat
@@ -51,17 +51,13 @@ from ftlm.tasks import Task, check
 from ftlm.tasks import generate as generate_tasks
 
 SECTION = "test_time_scaling"
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 9: 2.262}
 LARGE = "larger policy, 1 sample"
 
 
 def interval(values: list[float]) -> tuple[float, float]:
     """Mean and the half-width of its 95% t-interval (0 for one value)."""
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, 0.0
-    t = T95.get(len(values) - 1, 1.96)
-    return mean, t * statistics.stdev(values) / math.sqrt(len(values))
+    mean, half = t_interval(values)
+    return mean, 0.0 if len(values) < 2 else half
 
 
 def prompts_of(tok, tasks: list[Task], chat: bool) -> list[list[int]]:

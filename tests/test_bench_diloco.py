@@ -1,0 +1,42 @@
+"""bench.diloco's arithmetic: the sizes it parses, the gap to sync paired by seed, and the bytes
+it counts per token for each arm (a few inner steps of a tiny model)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from bench.common import t_interval
+from bench.diloco import ARMS, parse_sizes, quality_rows, run
+
+
+def test_sizes_are_parsed_and_a_bad_one_names_the_fix() -> None:
+    assert parse_sizes("tiny:2000,small:300") == [("tiny", 2000), ("small", 300)]
+    for bad in ("tiny", "huge:300", "tiny:50", "tiny:x"):
+        with pytest.raises(SystemExit, match="SIZE:INNER_STEPS"):
+            parse_sizes(bad)
+
+
+def test_the_gap_to_sync_is_paired_by_seed() -> None:
+    """Seed 1 is harder for every arm: paired, the gap's interval is tight; the loss's is not."""
+    results = {("tiny", name): {seed: (base * (1 + 0.01 * k), 100.0 / (k + 1))
+                                for seed, base in ((0, 2.0), (1, 3.0))}
+               for k, name in enumerate(ARMS)}
+    rows = {r[0]: r for r in quality_rows("tiny", results)}
+    sync, h10 = rows["sync (every step)"], rows["diloco H=10"]
+    assert sync[3] == "-" and h10[3] == "+1.00% ± 0.00"
+    assert h10[5] == "2x"  # bytes per token: half of sync's
+    mean, half = t_interval([2.02, 3.03])
+    assert h10[1] == f"{mean:.4f} ± {half:.4f}" and half > 1
+    assert math.isnan(t_interval([1.0])[1])
+
+
+def test_bytes_per_token_follow_the_payloads() -> None:
+    """Every step sends 4 bytes per parameter per group step; H=10 a tenth of that."""
+    args = argparse.Namespace(batch=2, seq=16, vocab=64, lr=3e-3, inner_steps=10)
+    loss_sync, sync = run(ARMS["sync (every step)"], 0, args, "tiny", 10)
+    loss_h10, h10 = run(ARMS["diloco H=10"], 0, args, "tiny", 10)
+    assert math.isfinite(loss_sync) and math.isfinite(loss_h10)
+    assert sync / h10 == pytest.approx(10.0)

@@ -66,6 +66,7 @@ JOBS = (
                                      "--steps", "900")),
     Job("convergence", "convergence"),
     Job("diloco", "diloco", DILOCO),
+    Job("cross_dc", "cross_dc", (), ("--runs", "1", "--no-write")),
     Job("soak_preempt", "soak", ("--preempt", "--seeds", "24"), ("--quick", "--preempt")),
     Job("soak_4x1", "soak", SOAK_END, None),
     Job("fault_matrix", "fault_matrix"),

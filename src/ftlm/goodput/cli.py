@@ -86,6 +86,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="spot preemptions per GPU-hour (with both prices: spot vs on-demand)")
     c.add_argument("--spot-notice", type=float, help="seconds of notice a preemption gives "
                    "(default 30)")
+    x = p.add_argument_group("groups in several data centres (--cross-dc; docs/diloco.md)")
+    x.add_argument("--cross-dc", action="store_true",
+                   help="project every-step, DiLoCo and streaming DiLoCo with the groups spread over "
+                        "regions joined by slow links: step time, tokens/s, ETT, days to target")
+    x.add_argument("--params", type=float, default=70e9, help="model parameters (default 70e9)")
+    x.add_argument("--regions", default="2,4", help="region counts to compare (default 2,4)")
+    x.add_argument("--gbits", default="1,10", help="Gbit/s per link between regions (default 1,10)")
+    x.add_argument("--rtt-ms", type=float, default=50.0, help="round trip between regions (default 50)")
+    x.add_argument("--inner-steps", type=int, default=100, help="DiLoCo H (default 100)")
+    x.add_argument("--fragments", type=int, default=4, help="streaming fragments (default 4)")
+    x.add_argument("--token-overhead", type=float, default=0.0,
+                   help="extra tokens the DiLoCo modes need for the same loss, a fraction (default 0)")
     p.set_defaults(fn=cmd_simulate)
 
 
@@ -154,8 +166,39 @@ def describe(model) -> str:
             f"mode {model.mode}, job MTBF {model.job_mtbf / 60:.1f} min, {extra}")
 
 
+def _numbers(text: str, name: str, kind=float) -> list:
+    from ftlm.errors import ConfigError
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise ConfigError(f"--{name}={text!r}: give comma-separated numbers, e.g. --{name} 2,4")
+    return values
+
+
+def cmd_cross_dc(args: argparse.Namespace) -> int:
+    """``--cross-dc``: the modes of ``ft.sync`` side by side (``ftlm.goodput.cross_dc``)."""
+    from ftlm.goodput.cross_dc import CrossDC, format_table
+    fields = {"params": args.params, "rtt": args.rtt_ms / 1e3, "inner_steps": args.inner_steps,
+              "fragments": args.fragments, "token_overhead": args.token_overhead, "days": args.days}
+    for opt, field in (("groups", "groups"), ("gpus_per_group", "gpus_per_group"),
+                       ("gpu_mtbf_hours", "gpu_mtbf_hours")):
+        if getattr(args, opt) is not None:
+            fields[field] = getattr(args, opt)
+    job = CrossDC(**fields)
+    text = format_table(job, _numbers(args.regions, "regions", int), _numbers(args.gbits, "gbits"),
+                        runs=args.runs)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cross_dc": text}, indent=2) + "\n")
+    return 0
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     _check_args(args)
+    if args.cross_dc:
+        return cmd_cross_dc(args)
     from ftlm.goodput import presets
     from ftlm.goodput.engine import estimate, run
     out: dict = {}

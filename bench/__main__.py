@@ -77,6 +77,8 @@ JOBS = (
     Job("coordinator_load", "coordinator_load", COORDINATOR_SWEEP, None),
     Job("nemesis", "nemesis", NEMESIS, None,
         needs="root, ip, tc and nft for network namespaces (`make system-deps`)"),
+    Job("slow_link", "slow_link", ("--reps", "2"), ("--inner-steps", "40", "--no-write"),
+        needs="root, ip, tc and nft for network namespaces (`make system-deps`)"),
     Job("transfer", "transfer"),
     Job("serve_impact", "serve_impact"),
     Job("transfer_priority", "transfer_priority", (), None),

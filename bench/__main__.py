@@ -67,6 +67,8 @@ JOBS = (
     Job("convergence", "convergence"),
     Job("diloco", "diloco", DILOCO),
     Job("cross_dc", "cross_dc", (), ("--runs", "1", "--no-write")),
+    Job("diloco_chaos", "diloco_chaos", (), ("--groups", "3", "--steps", "100", "--interval", "10",
+                                             "--no-write")),
     Job("soak_preempt", "soak", ("--preempt", "--seeds", "24"), ("--quick", "--preempt")),
     Job("soak_4x1", "soak", SOAK_END, None),
     Job("fault_matrix", "fault_matrix"),

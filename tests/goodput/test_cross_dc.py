@@ -29,14 +29,16 @@ def test_each_mode_pays_its_traffic_as_the_module_says() -> None:
     assert fast == pytest.approx(t, rel=1e-3)  # an infinitely fast link: compute alone
 
 
-def test_a_failure_costs_diloco_the_lost_inner_share_not_a_step_of_everyone() -> None:
+def test_a_failure_costs_diloco_half_a_phase_of_everyone() -> None:
+    """As the runtime does it: the protocol step fails for all, every group redoes its phase."""
     job = CrossDC(params=1e9, rtt=0.0)
     step, sync, _, per = step_and_sync(job, "every_step", 2, 10.0)
     assert failure_stall(job, "every_step", step, sync, per) == pytest.approx(job.stall_beyond_step + step)
     step, sync, _, per = step_and_sync(job, "diloco", 2, 10.0)
-    lost = 50 * job.compute_seconds / job.groups
     redone = sync * sync / (per * step)
-    assert failure_stall(job, "diloco", step, sync, per) == pytest.approx(job.stall_beyond_step + redone + lost)
+    assert failure_stall(job, "diloco", step, sync, per) == pytest.approx(job.stall_beyond_step + 50 * step + redone)
+    step, sync, _, per = step_and_sync(job, "streaming", 2, 10.0)
+    assert per == 25 and failure_stall(job, "streaming", step, sync, per) > job.stall_beyond_step + 12.5 * step
 
 
 def test_on_slow_links_streaming_beats_diloco_beats_every_step() -> None:

@@ -22,9 +22,10 @@ The assumptions, all stated in the output:
   DiLoCo papers report parity at billions of parameters; the tiny models of BENCHMARKS.md's
   DiLoCo table do not show it, so pass the overhead you believe).
 * **Failures.** Per-GPU MTBF of Llama 3 by default. Every step: a failure stalls everyone for
-  ftlm's measured stall plus one step redone. DiLoCo: the healthy groups lose nothing during the
-  inner phase; the outer all-reduce is redone when a failure strikes it, and the failed group's
-  inner work since its last synchronisation (H/2 steps on average, a 1/groups share) is lost.
+  ftlm's measured stall plus one step redone. DiLoCo, as ftlm runs it (docs/diloco.md): a
+  failure fails the protocol step for everyone, and every group's inner steps since that step's
+  start are redone (half a phase on average: H/2 inner steps, H/(2F) for streaming), plus the
+  outer all-reduce when the failure struck it.
 
 Not responsible for: simulating the failures (``engine``), or the network at packet level.
 """
@@ -145,8 +146,7 @@ def failure_stall(job: CrossDC, mode: str, step: float, sync: float, per_sync: i
         return job.stall_beyond_step + step
     period = per_sync * step
     redone = sync * min(1.0, sync / period)  # the outer all-reduce, when the failure struck it
-    lost_inner = (job.inner_steps / 2) * job.compute_seconds / job.groups
-    return job.stall_beyond_step + redone + lost_inner
+    return job.stall_beyond_step + (per_sync / 2) * step + redone  # half a phase, everyone's
 
 
 def project(job: CrossDC, regions: int, gbits: float, runs: int = 4, seed: int = 0) -> list[ModeResult]:

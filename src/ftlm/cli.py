@@ -259,8 +259,10 @@ def cmd_sim_check(args: argparse.Namespace) -> int:
     sdc = SimConfig.sdc if args.sdc is None else args.sdc
     if not 0 <= sdc <= 1:
         raise ConfigError(f"--sdc={sdc} must be a probability in [0, 1]")
+    from ftlm.sim.check import LONG_STEPS
     config = SimConfig(groups=args.groups + args.spares, spares=args.spares, steps=args.steps,
-                       fault_mtbf=args.fault_mtbf, faults=faults, bad_links=args.bad_links, sdc=sdc)
+                       fault_mtbf=args.fault_mtbf, faults=faults, bad_links=args.bad_links, sdc=sdc,
+                       **(LONG_STEPS if args.long_steps else {}))  # type: ignore[arg-type]
     report = check(args.seeds, config, start=args.start, jobs=args.jobs, progress=True)
     print(format_report(report, config))
     return 0 if report.ok else 1
@@ -403,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="groups with a bad link at once, at most (default 1; two good groups always remain)")
     sp.add_argument("--sdc", type=float, default=None,
                     help="probability that a seed's job has one silent data corruption (default 0.5)")
+    sp.add_argument("--long-steps", action="store_true",
+                    help="every step a 1-2 s phase with the timeouts above it, as a DiLoCo "
+                         "synchronisation's inner steps (default: 20-60 ms steps)")
     sp.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
     sp.set_defaults(fn=cmd_sim_check)
 

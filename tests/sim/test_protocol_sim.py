@@ -225,6 +225,21 @@ def test_a_coordinator_that_forgets_who_finished_is_found(monkeypatch: pytest.Mo
     assert "still in the job" in (run(90).error or "")
 
 
+@pytest.mark.parametrize("seed", [0, 10, 14])
+def test_long_steps_abandon_a_doomed_step_and_a_leave_waits_for_nobody(seed: int) -> None:
+    """DiLoCo-shaped steps (``--long-steps``: a 1-2 s phase each). Without the session's
+    ``abandon_doomed_steps`` in the model, a group whose quorum lost a member computed to the end
+    of its phase, and the others waited out the rest of theirs after a graceful leave (found
+    when the simulator first ran long steps: 20 of 150 seeds, with a checker that also judged
+    groups already training without the leaver). Replay: ``ftlm sim check --start SEED --seeds 1
+    --steps 60 --long-steps``."""
+    from ftlm.sim.check import LONG_STEPS
+
+    assert run(seed, SimConfig(steps=60, **LONG_STEPS)).ok  # type: ignore[arg-type]
+    unmodelled = run(seed, SimConfig(steps=60, abandon_doomed_steps=False, **LONG_STEPS))  # type: ignore[arg-type]
+    assert "got no quorum without it" in (unmodelled.error or "")
+
+
 @pytest.mark.parametrize("seed", [420, 1131, 1581])
 def test_a_split_verdict_retires_the_copies_and_looks_before_the_split(seed: int) -> None:
     """Three groups, one recovering while the other two's digests differed (no majority): the
@@ -589,3 +604,12 @@ def test_a_corrupt_group_left_in_the_quorum_is_found(monkeypatch: pytest.MonkeyP
     config = SimConfig(steps=60, sdc=1.0, fault_mtbf=0.0)
     errors = [run(seed, config).error for seed in range(6)]
     assert any("found corrupt but a participant" in e for e in errors), errors
+
+
+def test_a_long_steps_seed_replays_with_its_option() -> None:
+    from ftlm.sim.check import LONG_STEPS, replay_command
+
+    config = SimConfig(steps=60, sdc=1.0, **LONG_STEPS)  # type: ignore[arg-type]
+    assert replay_command(7, 60, config) == "ftlm sim check --start 7 --seeds 1 --steps 60 --groups 3 --sdc 1 --long-steps"
+    odd = SimConfig(steps=60, loss=0.0, **LONG_STEPS)  # type: ignore[arg-type]
+    assert "step_seconds=(1.0, 2.0)" in replay_command(7, 60, odd)  # no option for loss: Python

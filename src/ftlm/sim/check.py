@@ -120,6 +120,11 @@ def format_report(report: CheckReport, config: SimConfig, show: int = 3) -> str:
 
 CLI_FIELDS = ("groups", "spares", "steps", "faults", "fault_mtbf", "bad_links", "sdc")
 """The fields of ``SimConfig`` that ``ftlm sim check`` sets from its options."""
+LONG_STEPS = {"step_seconds": (1.0, 2.0), "allreduce_timeout": 5.0, "progress_timeout": 8.0,
+              "quorum_seconds": 15.0, "progress_seconds": 60.0}
+"""``--long-steps``: every step a 1-2 s phase, as a DiLoCo synchronisation's inner steps are,
+with the timeouts above a phase (``ft.allreduce_timeout`` must exceed one) and the progress
+bound scaled with it (a bad-link search takes several attempts of a step each)."""
 
 
 def replay_command(seed: int, steps: int, config: SimConfig) -> str:
@@ -128,7 +133,12 @@ def replay_command(seed: int, steps: int, config: SimConfig) -> str:
     defaults = SimConfig()
     changed = {f.name: getattr(config, f.name) for f in fields(config)
                if getattr(config, f.name) != getattr(defaults, f.name)}
+    long_steps = all(changed.get(k) == v for k, v in LONG_STEPS.items())
+    if long_steps:
+        changed = {k: v for k, v in changed.items() if k not in LONG_STEPS}
     if any(name not in CLI_FIELDS for name in changed):
+        if long_steps:
+            changed.update(LONG_STEPS)
         args = ", ".join(f"{k}={v!r}" for k, v in {"groups": config.groups, **changed, "steps": steps}.items())
         return (f'python -c "from ftlm.sim.protocol import SimConfig, run; '
                 f'print(run({seed}, SimConfig({args})).error or \'ok\')"')
@@ -145,5 +155,7 @@ def replay_command(seed: int, steps: int, config: SimConfig) -> str:
         cmd += f" --bad-links {config.bad_links}"
     if config.sdc != defaults.sdc:
         cmd += f" --sdc {config.sdc:g}"
+    if long_steps:
+        cmd += " --long-steps"
     return cmd
 

@@ -35,6 +35,10 @@ if TYPE_CHECKING:
     from ftlm.sim.world import Simulation
 
 
+ABANDON_SECONDS = 0.005
+"""From the news that a step is doomed to the next block or bucket boundary, where the session
+abandons the step (a fixed delay: no draw from the seed's random source)."""
+
 class GroupModel:
     """Each group's step loop in one ``Simulation``."""
 
@@ -98,6 +102,11 @@ class GroupModel:
             inc.abort_pending = True
             if inc.phase == "collective":
                 self.sim.allreduce.abort(inc, "a quorum member was reported dead")
+            elif inc.phase == "training" and self.c.abandon_doomed_steps:
+                # As the session (``abandon_doomed_steps``): the rest of the forward or backward
+                # pass is skipped at the next block or bucket, and the step fails at once.
+                q = inc.quorum
+                self.sim.at(ABANDON_SECONDS, lambda: self.sim.allreduce.enter(inc, q), "abandon doomed step")
 
     # -- asking for a quorum -----------------------------------------------------------------------
     def next_step(self, inc: Incarnation) -> None:

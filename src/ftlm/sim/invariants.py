@@ -409,7 +409,14 @@ class Invariants:
             return
         if c.state.prev_quorum is None and len({g.group for g in others}) < c.options_now().expected_groups:
             return  # a coordinator's first quorum waits for the groups it expects (some left before it started)
-        self.leave_watches.append(LeaveWatch(leaver.replica_id, sim.now, sim.now + self.c.leave_bound, healthy))
+        # One that trains in a quorum without the leaver (issued before the leave arrived) waits
+        # for nobody: its next quorum comes after its step, however long (a DiLoCo phase).
+        waiting = {g.replica_id for g in others if g.replica_id in healthy and not (
+            g.phase in ("training", "collective") and g.quorum is not None
+            and not g.quorum.present(leaver.replica_id))}
+        if not waiting:
+            return
+        self.leave_watches.append(LeaveWatch(leaver.replica_id, sim.now, sim.now + self.c.leave_bound, waiting))
         self.leaves_judged += 1
 
     def answered(self, inc: Incarnation, q: Quorum) -> None:

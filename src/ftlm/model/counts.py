@@ -74,7 +74,14 @@ def size_problem(cfg: ModelConfig) -> str | None:
         return f"max_seq_len={cfg.max_seq_len} is above {MAX_POSITIONS} positions"
     params = param_count(cfg)
     if params > MAX_PARAMETERS:
-        return (f"the shape (dim={cfg.dim}, n_layers={cfg.n_layers}, ffn_dim={cfg.ffn_dim}, "
-                f"vocab_size={cfg.vocab_size}) has {params:.3g} parameters, above "
+        return (f"the shape (dim={_short(cfg.dim)}, n_layers={cfg.n_layers}, ffn_dim={_short(cfg.ffn_dim)}, "
+                f"vocab_size={_short(cfg.vocab_size)}) has {_short(params)} parameters, above "
                 f"{MAX_PARAMETERS:.0e}")
     return None
+
+
+def _short(n: int) -> str:
+    """``n`` for a message: as it is up to 16 digits, else as ``9.99e99`` (a float cannot hold
+    every int a config may give: ``vocab_size`` with 200 digits)."""
+    text = str(n)
+    return text if len(text) <= 16 else f"{text[0]}.{text[1:3]}e{len(text) - 1}"

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             + f"* Load average (1 min) during the runs: {min(loads):.1f} to {max(loads):.1f}; took "
             f"{time.monotonic() - t0:.0f} s\n\n"
             + f"Two groups and the coordinator in network namespaces; each group's link capped by `tc` at "
-            f"{link}; {args.inner_steps} inner steps per group of the nemesis' model (about 0.6M parameters, "
+            f"{link}; {args.inner_steps} inner steps per group of the nemesis' model (336k parameters, "
             "float32 all-reduce) per run. Steady tokens/s from `summary.json` (start-up left out).\n\n"
             + text + "\n")
     return publish("slow_link", body, not args.no_write)

@@ -94,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{time.monotonic() - t0:.0f} s\n\n"
             + f"{args.groups} groups of the tiny model, {args.steps} inner steps per group per run; every "
             f"{args.interval:g} s a group that trained in the last quorum is SIGKILLed (the same seed for both "
-            "modes). DiLoCo: a group killed during its inner phase is left out of that outer step and its "
-            "samples are not counted (they are trained again).\n\n" + text + "\n")
+            "modes). DiLoCo: a kill during an inner phase fails that outer step for every group; it is "
+            "retried without the killed group, and every sample of the failed phase is given out again "
+            "(none counted twice, none skipped).\n\n" + text + "\n")
     return publish("diloco_chaos", body, not args.no_write)
 
 

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.diloco_chaos", description=__doc__.split("\n\n")[0])
     p.add_argument("--groups", type=int, default=4, help="groups (default 4)")
     p.add_argument("--inner-steps", type=int, default=20, help="DiLoCo H (default 20)")
-    p.add_argument("--steps", type=int, default=1500, help="inner steps per group per run (default 1500)")
+    p.add_argument("--steps", type=int, default=1000, help="inner steps per group per run (default 1000)")
     p.add_argument("--interval", type=float, default=30.0, help="seconds between SIGKILLs (default 30)")
     p.add_argument("--seed", type=int, default=0, help="seed of the chaos (default 0)")
     p.add_argument("--reps", type=int, default=1, help="interleaved repetitions (default 1)")

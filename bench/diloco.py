@@ -152,12 +152,15 @@ def run(arm: dict, seed: int, args, size: str = "tiny", inner_steps: int | None 
     return held, sent / tokens
 
 
-def counted_bytes(args, workdir: str) -> list[tuple[str, float]]:
+def counted_bytes(args, workdir: str) -> list[tuple[str, float, int]]:
     """``summary.json``'s ``bytes_between_groups_per_token`` of real ``ftlm.train.Session`` runs
-    (one group alone: a group's payload per token is the same with any number of groups)."""
+    (one group alone: a group's payload per token is the same with any number of groups), and the
+    largest payload one exchange put on the wire (``wire_bytes`` of the ``commit`` events): what
+    the link must carry within the steps an exchange may take, so the peak bandwidth."""
     import os
     from pathlib import Path
 
+    from ftlm.observe.events import read_events
     from ftlm.train import Session
     out = []
     modes = {"every step": ("every_step", {}, 10),
@@ -181,7 +184,10 @@ def counted_bytes(args, workdir: str) -> list[tuple[str, float]]:
             loss = loss_of(model, data[[p % len(data) for p in step.samples]])
             loss.backward()
             session.commit(loss)
-        out.append((name, session.close()["bytes_between_groups_per_token"]))
+        per_token = session.close()["bytes_between_groups_per_token"]
+        largest = max(e.get("wire_bytes", 0) for e in read_events(run_dir / "events.jsonl")
+                      if e["kind"] == "commit")
+        out.append((name, per_token, largest))
     del os.environ["FTLM_CONFIG"]
     return out
 
@@ -268,7 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as workdir:
         counted = counted_bytes(args, workdir)
     base = counted[0][1]
-    counted_rows = [(name, f"{b:.2f}", f"{base / b:.0f}x") for name, b in counted]
+    plain = dict((name, largest) for name, _, largest in counted)["diloco H=100"]
+    counted_rows = [(name, f"{b:.2f}", f"{base / b:.0f}x", f"{largest:,}", f"{largest / plain:.2f}")
+                    for name, b, largest in counted]
     body = (section_header("DiLoCo: held-out loss at equal tokens, bytes between groups", "bench.diloco", flags)
             + f"\n{GROUPS} groups simulated in one process (vocab {args.vocab}, seq {args.seq}, batch "
             f"{args.batch} per group); {time.time() - t0:.0f} s on this box. Intervals: 95% over "
@@ -280,7 +288,11 @@ def main(argv: list[str] | None = None) -> int:
                           "less than sync"], quality_rows(size, results)) + "\n")
     body += ("\nBytes between groups per token counted by `ftlm.train.Session` itself (`summary.json` "
              f"`bytes_between_groups_per_token`, one group alone, {args.batch} x {args.seq} tokens a step):\n\n"
-             + table(["mode", "bytes/token per group", "less than every step"], counted_rows))
+             + table(["mode", "bytes/token per group", "less than every step",
+                      "largest exchange, bytes per group", "largest / plain DiLoCo's"], counted_rows)
+             + "\nThe largest exchange is what the link between groups must carry within the steps "
+             "an exchange may take (plain DiLoCo: its outer step, blocking; streaming: one "
+             "fragment, overlapped with the next inner step), so it sets the peak bandwidth.\n")
     return publish("diloco", body, args.write and not args.no_write)
 
 

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from bench.common import t_interval
-from bench.diloco import ARMS, parse_sizes, quality_rows, run
+from bench.diloco import ARMS, counted_bytes, parse_sizes, quality_rows, run
 
 
 def test_sizes_are_parsed_and_a_bad_one_names_the_fix() -> None:
@@ -40,3 +40,14 @@ def test_bytes_per_token_follow_the_payloads() -> None:
     loss_h10, h10 = run(ARMS["diloco H=10"], 0, args, "tiny", 10)
     assert math.isfinite(loss_sync) and math.isfinite(loss_h10)
     assert sync / h10 == pytest.approx(10.0)
+
+
+def test_counted_bytes_give_the_largest_exchange(tmp_path) -> None:
+    """Real sessions: every step and plain DiLoCo each send the whole float32 model in one
+    exchange; streaming with 4 int8 fragments sends about a sixteenth of it at once."""
+    args = argparse.Namespace(batch=2, seq=16, vocab=64, lr=3e-3)
+    counted = {name: (per_token, largest) for name, per_token, largest in counted_bytes(args, str(tmp_path))}
+    every, plain, streaming = (counted[k] for k in ("every step", "diloco H=100", "streaming H=100 F=4 int8"))
+    assert every[1] == plain[1] > 0
+    assert every[0] / plain[0] == pytest.approx(100.0, rel=0.01)
+    assert plain[1] / 20 < streaming[1] < plain[1] / 10

@@ -1,6 +1,7 @@
 """The coordinator's record (``ftlm.ft.coordinator_record``): a group found corrupt once before a
 coordinator restart and once after is quarantined, as it would be by one coordinator; a group that
-left finished before the restart is still counted as finished after it."""
+left finished before the restart is still counted as finished after it; the states a corrupt
+group may have handed on stay suspect after it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from ftlm.ft.coordinator_record import RecordingEvents, restore, with_record
 from ftlm.ft.quorum import Convicted, MemberRequest
 from ftlm.ft.quorum import Heartbeat
 from ftlm.ft.quorum.integrity import is_quarantined
-from tests.ft.test_membership_integrity import BAD, GOOD, Job
+from ftlm.ft.membership import Membership
+from ftlm.ft.quorum import QuorumOptions
+from tests.ft.test_membership_integrity import BAD, GOOD, Job, _copy_before_the_verdict
 
 
 def _convict_g1(job: Job, record: RecordingEvents) -> None:
@@ -28,11 +31,11 @@ def test_a_conviction_before_a_restart_counts_after_it(tmp_path):
     path = tmp_path / "coordinator_record.jsonl"
     first = Job(3)
     _convict_g1(first, RecordingEvents(path))
-    (line,) = path.read_text().splitlines()
-    assert json.loads(line)["group"] == "g1" and json.loads(line)["host"] == "host-g1"
+    convictions = [json.loads(line) for line in path.read_text().splitlines() if "suspect" not in line]
+    assert [(c["group"], c["host"]) for c in convictions] == [("g1", "host-g1")]
     # A new coordinator (empty state) on the same record: g1's second conviction quarantines it.
     second = Job(3)
-    assert restore(path, second.m) == 1
+    assert restore(path, second.m) == 2  # the conviction and the suspect states
     assert second.m.integrity.corrupt_count == {"g1": 1}
     assert isinstance(with_record(str(path), Job(1).m, None), RecordingEvents)
     assert with_record("", Job(1).m, None) is None  # no path: no record
@@ -44,7 +47,7 @@ def test_a_conviction_before_a_restart_counts_after_it(tmp_path):
     with pytest.raises(Convicted):
         second.m.request(second.now, MemberRequest("g1:b", "g1", 0, -1, False, {"store": "host-g1:29500"},
                                                    second.now, second.state["g1"][1]))
-    assert len(path.read_text().splitlines()) == 2
+    assert sum("suspect" not in line for line in path.read_text().splitlines()) == 2
 
 
 def test_copies_and_rollbacks_are_not_recorded_and_a_torn_line_is_skipped(tmp_path, caplog):
@@ -92,3 +95,81 @@ def test_the_coordinator_command_and_its_launchers_pass_a_record(tmp_path):
 
     proc = CoordinatorProcess(tmp_path / "config.toml", 0, "t", tmp_path / "events.jsonl", tmp_path / "c.log")
     assert proc.record == tmp_path / RECORD_NAME
+
+
+def _restarted_corrupt_group_at_the_head(job: Job, m: Membership) -> None:
+    """The coordinator restarted with ``m``; every group vouched for is gone; g0, found corrupt
+    before the restart, comes back from a checkpoint it wrote of the job's newest state."""
+    head = job.m.state.head
+    job.m = m
+    job.inc = {"g0": "b"}
+    job.state["g0"] = job.before["g0"] = head
+    job.last_id["g0"] = -1
+    for _ in range(20):  # up to the rollback grace (two heartbeat timeouts, 60 s) and past it
+        if "g0:b" in job.retired or job.kinds("restore"):
+            return
+        job.m.heartbeat(job.now, Heartbeat(job.rid("g0"), "g0", job.now, head[0], chain=head[1]))
+        job.ask("g0")
+        job.tick(5.0)
+
+
+def test_suspect_states_and_who_is_vouched_for_survive_a_restart(tmp_path):
+    """Rule I2 across a coordinator restart: g0 was found corrupt after g3 copied from it; the
+    states since its last agreement stay suspect for the restarted coordinator, so g0's next
+    process, back from its own checkpoint of the newest state with nobody vouched for left, is
+    retired and sets that checkpoint aside. A coordinator without the record would take that
+    state as the job's and train on from g0's bits."""
+    path = tmp_path / "coordinator_record.jsonl"
+    job = _copy_before_the_verdict()
+    record = RecordingEvents(path)
+    for e in job.events:
+        record.emit(e.kind, **e.fields)
+    head, suspect = job.m.state.head, job.m.state.suspect
+    assert suspect and any(head[1] in e.states.get(head[0], ()) for e in suspect)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert "suspect" in lines[-1]
+    options = QuorumOptions(1, 2.0, 30.0, 4, rebuild_grace=0.0)
+
+    restarted = Membership(options, epoch="f")
+    assert restore(path, restarted) == len(lines)
+    assert [(e.states, e.vouched) for e in restarted.state.suspect] == [(e.states, e.vouched) for e in suspect]
+    _restarted_corrupt_group_at_the_head(job, restarted)
+    assert not job.kinds("restore")  # never rolled back to the suspect state
+    assert "g0:b" in job.retired, job.m.reason
+    assert job.bodies["g0:b"]["suspect_state"] == list(head)
+
+    forgetful = _copy_before_the_verdict()  # the same job, its coordinator restarted without a record
+    _restarted_corrupt_group_at_the_head(forgetful, Membership(options, epoch="f"))
+    assert "g0:b" not in forgetful.retired
+
+
+def test_a_copy_of_a_vouched_member_is_vouched_for_after_a_restart(tmp_path):
+    """A quorum that tells a recovering member to copy from one vouched for changes who may
+    claim the suspect states: a ``suspect_vouched`` event, kept in the record."""
+    path = tmp_path / "coordinator_record.jsonl"
+    job = _copy_before_the_verdict()
+    job.inc["g3"], job.state["g3"] = "c", (0, job.state["g3"][1])
+    job.m.heartbeat(job.now, Heartbeat(job.rid("g3"), "g3", job.now, 0))
+    for _ in range(3):
+        job.step_all()
+    (vouched,) = job.kinds("suspect_vouched")  # (g2 recovering from g1 changed nothing: vouched already)
+    assert vouched["sources"]["g3:c"] == "g1:a"
+    record = RecordingEvents(path)
+    for e in job.events:
+        record.emit(e.kind, **e.fields)
+    restarted = Membership(QuorumOptions(1, 2.0, 30.0, 4, rebuild_grace=0.0), epoch="f")
+    restore(path, restarted)
+    assert "g3:c" in restarted.state.suspect[-1].vouched
+    assert restarted.state.suspect[-1].vouched == job.m.state.suspect[-1].vouched
+
+
+def test_a_malformed_suspect_line_is_skipped_and_names_itself(tmp_path, caplog):
+    path = tmp_path / "coordinator_record.jsonl"
+    path.write_text('{"suspect": [{"states": {"x": ["c"]}, "vouched": {}}]}\n{"suspect": 3}\n'
+                    '{"suspect": [{"states": {"2": ["c"]}, "vouched": {"g0:a": [1, null]}}]}\n')
+    m = Job(1).m
+    with caplog.at_level(logging.WARNING, logger="ftlm.coordinator"):
+        assert restore(path, m) == 1
+    assert f"{path}:1 is not a record" in caplog.text and f"{path}:2 is not a record" in caplog.text
+    ((states, vouched),) = [(e.states, e.vouched) for e in m.state.suspect]
+    assert states == {2: {"c"}} and vouched == {"g0:a": (1, None)}

@@ -446,3 +446,44 @@ def test_a_stop_request_ends_the_wait_through_a_coordinator_outage():
     finally:
         m.close()
         coordinator.stop()
+
+
+class _FlakyClient:
+    """A coordinator client whose first ``down`` leaves find nobody listening."""
+
+    def __init__(self, down: int) -> None:
+        self.down = down
+        self.calls: list[tuple[str, object]] = []
+
+    def leave(self, reason: str, at: object = None) -> None:
+        from ftlm.ft.client import CoordinatorUnreachable
+
+        self.calls.append((reason, at))
+        if len(self.calls) <= self.down:
+            raise CoordinatorUnreachable("connection refused", time.monotonic())
+
+
+def _leaver(client: _FlakyClient):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(_left=False, client=client, heartbeater=None, replica_id="g0:a")
+
+
+def test_a_finished_leave_is_told_again_while_the_coordinator_restarts(monkeypatch) -> None:
+    """A group that finished while the coordinator was down tells it again until it answers
+    (the last group at the final state would otherwise wait for it); other leaves once."""
+    import ftlm.ft.manager as manager_module
+
+    slept: list[float] = []
+    monkeypatch.setattr(manager_module.time, "sleep", slept.append)
+    finished = _FlakyClient(down=3)
+    Manager.leave(_leaver(finished), "finished", (7, "c" * 64))
+    assert finished.calls == [("finished", (7, "c" * 64))] * 4 and slept == [0.2, 0.4, 0.8]
+    stopped = _FlakyClient(down=1)
+    Manager.leave(_leaver(stopped), "stopped")
+    assert len(stopped.calls) == 1
+    never = _FlakyClient(down=10**6)  # the coordinator never comes back: it gives up
+    clock = iter(range(0, 10**6, 5))
+    monkeypatch.setattr(manager_module.time, "monotonic", lambda: float(next(clock)))
+    Manager.leave(_leaver(never), "finished", (7, "c" * 64))
+    assert 2 <= len(never.calls) <= 8

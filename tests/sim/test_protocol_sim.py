@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 import subprocess
 import sys
@@ -223,6 +225,51 @@ def test_a_coordinator_that_forgets_who_finished_is_found(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(ftlm.sim.world, "apply_entry", lambda membership, entry: None)
     assert "still in the job" in (run(90).error or "")
+
+
+DENSE_TWO = SimConfig(groups=2, sdc=1.0, fault_mtbf=1.5,
+                     faults=("crash", "coordinator_crash", "old_checkpoint", "hang_resume"))
+"""Two groups, a corruption in every job, a fault every 1.5 simulated s (crashes of the groups and
+of the coordinator, stale checkpoints, hangs that end): ``ftlm sim check --groups 2 --sdc 1
+--fault-mtbf 1.5 --faults crash,coordinator_crash,old_checkpoint,hang_resume``."""
+
+
+def test_a_finished_leave_is_told_again_after_a_coordinator_outage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seed 0 of ``DENSE_TWO``: g0 finished while the coordinator was down (0.4 s); its leave,
+    tried once, never arrived, and g1, resuming at the final state, waited for it. A finished
+    group now tells the coordinator again for ``FINISHED_LEAVE_RETRY_SECONDS``
+    (``Manager.leave``); with that at 0 the end-of-job bound finds the wait."""
+    import ftlm.sim.group
+
+    assert run(0, DENSE_TWO).ok
+    monkeypatch.setattr(ftlm.sim.group, "FINISHED_LEAVE_RETRY_SECONDS", 0.0)
+    assert "still in the job" in (run(0, DENSE_TWO).error or "")
+
+
+DENSE_THREE = dataclasses.replace(DENSE_TWO, groups=3, checkpoint_every=10)
+"""The same faults on three groups, a checkpoint every 10 steps."""
+
+
+def test_suspect_states_outlive_a_coordinator_restart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seed 379 of ``DENSE_THREE``: a corruption outvoted, then the coordinator restarted; without
+    the suspect states in its record (``ftlm.ft.coordinator_record``) a checkpoint the corrupt
+    group wrote became the job's state again, and its bits survived to the end."""
+    import ftlm.sim.world
+
+    assert run(379, DENSE_THREE).ok
+    keep = ftlm.sim.world.apply_entry
+    monkeypatch.setattr(ftlm.sim.world, "apply_entry", lambda m, e: None if "suspect" in e else keep(m, e))
+    assert "survived to the end" in (run(379, DENSE_THREE).error or "")
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: the chains of steps before a coordinator's start")
+def test_a_split_found_by_a_coordinator_that_missed_the_corrupt_steps() -> None:
+    """Seed 152 of ``DENSE_THREE``: g1 is corrupted at step 19 while the coordinator is down
+    (16 s); the coordinator that comes back finds g1 and g2 split at step 25, but it never saw
+    the chains of steps 16-23 (its ``head_log`` starts at its own start), so the checkpoint g1
+    wrote at step 20 is not among the suspect states, and every group resumes from it. Fixing it
+    needs the chains (or the reporters' last agreement) from before the coordinator's start."""
+    assert run(152, DENSE_THREE).ok
 
 
 @pytest.mark.parametrize("seed", [0, 10, 14])

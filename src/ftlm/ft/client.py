@@ -45,6 +45,14 @@ __all__ = [
 ]
 
 
+FINISHED_LEAVE_RETRY_SECONDS = 30.0
+"""How long a finished group keeps telling an unreachable coordinator that it leaves (a
+coordinator restarting: its standby serves within a second, a cold start within seconds). A
+finished leave that never arrives leaves every group still at the final state waiting for it
+until ``ft.quorum_timeout``; other leaves are tried once (a group that left silently is found
+dead by its missing heartbeats)."""
+
+
 class CoordinatorError(Exception):
     """The coordinator answered with an unexpected error (a bug on one side; not worth retrying)."""
 

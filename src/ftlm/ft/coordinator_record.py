@@ -1,7 +1,7 @@
 """The coordinator's record: what a restarted coordinator must not forget.
 
 The coordinator's state is soft: a restarted coordinator rebuilds the job from the groups'
-heartbeats. Two facts are in no heartbeat:
+heartbeats. Three facts are in no heartbeat:
 
 * **Convictions.** How often each group was found corrupt, and so where it is quarantined (rule
   I1): a coordinator restarted after a group's first conviction would let the same faulty device
@@ -10,15 +10,20 @@ heartbeats. Two facts are in no heartbeat:
   groups_left``): a group still in the job at the final state waits for the others to finish or
   to come back. After a restart, with the finished groups gone, it would wait for nobody until
   ``ft.quorum_timeout``.
+* **Suspect states** (rule I2): which states a member found corrupt may have handed on (a
+  checkpoint it wrote), and who is vouched for to claim them. Forgotten, a restarted member that
+  loads a checkpoint of the corrupt member's would count as a holder of the job's state, and its
+  bits would spread again.
 
 With a record file (``ftlm coordinator --record PATH``; ``ftlm launch local`` and the Slurm layout
-pass one in the run directory) each conviction by a majority and each finished leave is appended as
+pass one in the run directory) each conviction by a majority, each finished leave and each change
+of the suspect states (the whole list, a few entries at most: the newest line wins) is appended as
 one JSON line, and a coordinator starting on that file takes them in again before it serves.
 
 Responsible for: what is kept (``entry_of``), reading the record into a ``Membership``
 (``restore``, ``apply_entry``; the protocol simulator replays its coordinator's record the same
 way) and appending to it as ``state_mismatch`` and ``member_left`` events pass
-(``RecordingEvents``). Not responsible for:
+(``RecordingEvents``), ``suspect_states`` and ``suspect_vouched`` too. Not responsible for:
 judging digests (``ftlm.ft.quorum.integrity``), refusing a quarantined group or counting the
 groups left (``ftlm.ft.membership``).
 """
@@ -32,7 +37,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ftlm.ft.quorum.integrity import count_corrupt
+from ftlm.ft.quorum.integrity import count_corrupt, restore_suspect
 
 if TYPE_CHECKING:
     from ftlm.ft.membership import Membership
@@ -41,9 +46,14 @@ log = logging.getLogger("ftlm.coordinator")
 
 
 def _entry(line: str) -> dict[str, Any]:
-    """One record line: a conviction ``{"group", "host", "step"}`` or a finished leave
-    ``{"left": "finished", "group", "step", "chain"}``; ``ValueError`` otherwise."""
+    """One record line: a conviction ``{"group", "host", "step"}``, a finished leave
+    ``{"left": "finished", "group", "step", "chain"}`` or the suspect states ``{"suspect": [...]}``
+    (``integrity.suspect_snapshot``); ``ValueError`` otherwise."""
     entry = json.loads(line)
+    if isinstance(entry, dict) and "suspect" in entry:
+        if not isinstance(entry["suspect"], list):
+            raise ValueError("suspect states must be a list")
+        return entry
     if not isinstance(entry, dict) or not isinstance(entry.get("group"), str) or not entry["group"]:
         raise ValueError("no group")
     if entry.get("left") == "finished":
@@ -56,7 +66,10 @@ def _entry(line: str) -> dict[str, Any]:
 
 def entry_of(kind: str, fields: dict[str, Any]) -> dict[str, Any] | None:
     """What the record keeps of a coordinator event: a conviction by a majority (not a copy's),
-    a finished leave (with the state it finished at); None for every other event."""
+    a finished leave (with the state it finished at), the suspect states after a change; None
+    for every other event."""
+    if kind in ("suspect_states", "suspect_vouched") and isinstance(fields.get("suspect"), list):
+        return {"suspect": fields["suspect"]}
     if kind == "state_mismatch" and fields.get("majority") and not fields.get("copied_from"):
         return {"group": fields.get("group", ""), "host": fields.get("host", ""), "step": fields.get("step", -1)}
     if kind == "member_left" and fields.get("reason") == "finished" and "chain" in fields:
@@ -66,8 +79,11 @@ def entry_of(kind: str, fields: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def apply_entry(membership: Membership, entry: dict[str, Any]) -> None:
-    """Take one record entry (``entry_of``'s) into ``membership``."""
-    if entry.get("left") == "finished":
+    """Take one record entry (``entry_of``'s) into ``membership``; ``ValueError`` for suspect
+    states that are not a ``suspect_snapshot`` (``membership`` left as it was)."""
+    if "suspect" in entry:
+        restore_suspect(membership.state, entry["suspect"])
+    elif entry.get("left") == "finished":
         membership.restore_finished(entry["group"], entry["step"], entry["chain"])
     else:
         count_corrupt(membership.integrity, entry["group"], entry["host"])
@@ -75,7 +91,7 @@ def apply_entry(membership: Membership, entry: dict[str, Any]) -> None:
 
 def restore(path: Path, membership: Membership) -> int:
     """Take the record in ``path`` into ``membership``: the convictions are counted again, the
-    finished leaves known again; how many lines it took. A missing file is an empty record; a
+    finished leaves and the newest suspect states known again; how many lines it took. A missing file is an empty record; a
     line that is neither (a torn last line, an edit) is skipped with a warning naming it."""
     try:
         lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
@@ -87,11 +103,11 @@ def restore(path: Path, membership: Membership) -> int:
             continue
         try:
             entry = _entry(line)
+            apply_entry(membership, entry)
         except ValueError as e:
             log.warning("%s:%d is not a record of the coordinator's (%s); skipped", path, i, e)
             continue
-        apply_entry(membership, entry)
-        convicted += entry.get("left") is None
+        convicted += entry.get("left") is None and "suspect" not in entry
         n += 1
     if convicted:
         where = ", ".join(f"{g} on {h}" for g, h in sorted(membership.integrity.quarantined)) or "none"
@@ -100,8 +116,9 @@ def restore(path: Path, membership: Membership) -> int:
 
 
 class RecordingEvents:
-    """The coordinator's event sink, appending each conviction by a majority and each finished
-    leave to ``path`` before passing every event on to ``inner`` (None: nowhere else)."""
+    """The coordinator's event sink, appending each conviction by a majority, each finished
+    leave and each change of the suspect states to ``path`` before passing every event on to
+    ``inner`` (None: nowhere else)."""
 
     def __init__(self, path: Path, inner: Any = None) -> None:
         self.path = path
@@ -124,9 +141,11 @@ class RecordingEvents:
             finally:
                 os.close(fd)
         except OSError as e:  # it still holds for this coordinator's life
-            log.error("could not record %s of %s in %s: %s (a restarted coordinator will not "
-                      "remember it)", "the finished leave" if entry.get("left") else "the conviction",
-                      entry["group"], self.path, e)
+            what = ("the suspect states" if "suspect" in entry else
+                    f"the finished leave of {entry['group']}" if entry.get("left") else
+                    f"the conviction of {entry['group']}")
+            log.error("could not record %s in %s: %s (a restarted coordinator will not remember it)",
+                      what, self.path, e)
 
 
 def with_record(path: str, membership: Membership, events: Any) -> Any:

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ftlm.ft.client import (CoordinatorClient, CoordinatorError, CoordinatorUnavailable, CoordinatorUnreachable,
-                            Convicted, Heartbeater, QuorumTimeout, StaleIncarnation, reload_word,
-                            suspect_word)
+from ftlm.ft.client import (FINISHED_LEAVE_RETRY_SECONDS, CoordinatorClient, CoordinatorError,
+                            CoordinatorUnavailable, CoordinatorUnreachable, Convicted, Heartbeater,
+                            QuorumTimeout, StaleIncarnation, reload_word, suspect_word)
 from ftlm.ft.coordinator_address import ADDRESS_FILE_ENV
 from ftlm.ft.config import FTConfig
 from ftlm.ft.faults import FaultSchedule
@@ -771,10 +771,24 @@ class Manager:
         self._left = True
         if self.heartbeater is not None:
             self.heartbeater.stop()
-        try:
-            self.client.leave(reason, at)
-        except (CoordinatorError, OSError) as e:
-            log.warning("could not tell the coordinator that %s leaves: %s", self.replica_id, e)
+        give_up = time.monotonic() + (FINISHED_LEAVE_RETRY_SECONDS if reason == "finished" else 0.0)
+        pause = 0.2
+        while True:
+            try:
+                self.client.leave(reason, at)
+                return
+            except CoordinatorUnavailable as e:
+                if time.monotonic() + pause > give_up:
+                    log.warning("could not tell the coordinator that %s leaves (%s): %s", self.replica_id,
+                                reason, e)
+                    return
+                log.info("the coordinator is unreachable (%s); telling it again in %.1f s that %s leaves "
+                         "(%s)", e, pause, self.replica_id, reason)
+                time.sleep(pause)
+                pause = min(2 * pause, 2.0)
+            except (CoordinatorError, OSError) as e:
+                log.warning("could not tell the coordinator that %s leaves: %s", self.replica_id, e)
+                return
 
     def close(self) -> None:
         self._closed = True

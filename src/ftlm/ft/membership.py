@@ -54,6 +54,7 @@ from ftlm.ft.quorum.integrity import (
     is_quarantined,
     pending,
     suspect_since,
+    suspect_snapshot,
     suspect_states,
     tainted,
     vouch_copies,
@@ -310,7 +311,10 @@ class Membership:
         if new_id:
             if quorum.sources:
                 copied(self.integrity, quorum.step, quorum.sources)
-                vouch_copies(self.state, quorum.step, quorum.sources)
+                if vouch_copies(self.state, quorum.step, quorum.sources):
+                    # (Kept in the coordinator's record: a restarted one knows who is vouched for.)
+                    out.append(Event("suspect_vouched", {"step": quorum.step, "sources": dict(quorum.sources),
+                                                         "suspect": suspect_snapshot(self.state)}))
             self._last_emitted_id = quorum.quorum_id
             out.append(Event("quorum", {"quorum_id": quorum.quorum_id, "step": quorum.step,
                                         "participants": list(quorum.participants),
@@ -503,7 +507,7 @@ class Membership:
                 "replica_id": "", "group": "", "step": verdict.step,
                 "from_step": min(entry.states, default=verdict.step),
                 "to_step": max(entry.states, default=verdict.step), "copied": dict(split_copies),
-                "vouched": []}))
+                "vouched": [], "suspect": suspect_snapshot(self.state)}))
         for r in verdict.corrupt:
             fields: dict[str, Any] = {
                 "group": r.group, "replica_id": r.replica_id, "host": r.host, "step": verdict.step,
@@ -527,7 +531,7 @@ class Membership:
                     "replica_id": r.replica_id, "group": r.group, "step": verdict.step,
                     "from_step": min(entry.states, default=verdict.step),
                     "to_step": max(entry.states, default=verdict.step), "copied": dict(copies),
-                    "vouched": sorted(entry.vouched)}))
+                    "vouched": sorted(entry.vouched), "suspect": suspect_snapshot(self.state)}))
             else:
                 copies = {rid: src for rid, src in split_copies.items() if src == r.replica_id}
             whose = "the majority's" if trusted else "its peers'"

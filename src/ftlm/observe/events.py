@@ -89,7 +89,11 @@ Kinds used across ftlm and their fields:
 * ``suspect_states``: ``replica_id`` (of ``target``) was found corrupt at ``step``; the job's
   states of steps ``from_step`` to ``to_step`` may hold its bits (a checkpoint it wrote): only
   the members in ``vouched`` (and their copies) may claim them; ``copied``: replica id -> whom it
-  copied from, for each member retired as a copy.
+  copied from, for each member retired as a copy; ``suspect``: every range of suspect states the
+  coordinator holds now (``ftlm.ft.quorum.integrity.suspect_snapshot``, kept in its record).
+* ``suspect_vouched``: a quorum issued at ``step`` told members to copy (``sources``: replica id
+  -> its source), and who is vouched for to claim suspect states changed (a copy of a vouched
+  member is vouched for, a copy of another is not); ``suspect`` as in ``suspect_states``.
 * ``integrity_rollback``: the groups at ``step`` hold different states and no majority holds
   one: every one was retired (and whoever copied their states since), and the job continues
   from its newest durable checkpoint at or before ``last_agreed`` (the reporters' last step of
@@ -114,7 +118,7 @@ KINDS: tuple[str, ...] = (
     "failure_injected", "member_dead", "member_left", "recovery_start", "recovery_end",
     "checkpoint_saved", "checkpoint_rejected", "checkpoint_failed", "checkpoint_reloaded", "coordinator_restart", "restore",
     "eval", "group_lost", "coordinator_unreachable", "coordinator_back", "state_mismatch",
-    "integrity_rollback", "suspect_states", "network_healed", "spare_promoted",
+    "integrity_rollback", "suspect_states", "suspect_vouched", "network_healed", "spare_promoted",
 )
 """Event kinds ftlm emits (documented above); ``emit`` accepts others for forward compatibility."""
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ftlm.ft.client import reload_word
+from ftlm.ft.client import FINISHED_LEAVE_RETRY_SECONDS, reload_word
 from ftlm.ft.group import TooManyFailures
 from ftlm.ft.membership import Answer
 from ftlm.ft.quorum import Heartbeat, MemberRequest, Quorum
@@ -411,13 +411,17 @@ class GroupModel:
         sim.log(f"finished {inc.replica_id} at step {inc.state.step}")
         # It left the job; its process writes its results and exits a moment later.
         sim.exited[inc.group] = sim.now + sim.rng.uniform(0.2, 3.0)
-        if sim.coordinator is not None:
-            def arrive() -> None:
-                if sim.coordinator is not None:
-                    sim.deliver_outputs(sim.coordinator.leave(sim.now, inc.replica_id, inc.group, "finished",
-                                                                   (inc.state.step, inc.state.chain)))
-                    sim.invariants.watch_leave(inc)
-            sim.to_door(arrive)
+        # ``Manager.leave``: told again while the coordinator is down, for a while.
+        give_up = sim.now + FINISHED_LEAVE_RETRY_SECONDS
+
+        def arrive() -> None:
+            if sim.coordinator is not None:
+                sim.deliver_outputs(sim.coordinator.leave(sim.now, inc.replica_id, inc.group, "finished",
+                                                               (inc.state.step, inc.state.chain)))
+                sim.invariants.watch_leave(inc)
+            elif sim.now < give_up:
+                sim.at(sim.rng.uniform(0.2, 2.0), lambda: sim.to_door(arrive), f"leave again {inc.replica_id}")
+        sim.to_door(arrive)
         inc.alive = False
         sim.invariants.check_finished_alike(inc)
         sim.storage.write_model(inc)

@@ -172,18 +172,57 @@ def suspect_states(state: CoordinatorState, book: IntegrityBook, verdict: Verdic
     return entry
 
 
-def vouch_copies(state: CoordinatorState, step: int, sources: dict[str, str]) -> None:
+def vouch_copies(state: CoordinatorState, step: int, sources: dict[str, str]) -> bool:
     """A quorum issued at ``step`` told recovering members (keys) to copy from participants
     (values): a copy of a vouched member's state is vouched for (a claim from ``step`` on, but
     not the one it holds now: the copy may fail and leave it with what it held), a copy of
-    anyone else's is not."""
+    anyone else's is not. Whether any ``SuspectStates`` changed."""
+    changed = False
     for entry in state.suspect:
         for dst, src in sources.items():
             if src in entry.vouched and dst not in entry.vouched:
                 hb = state.heartbeats.get(dst)
                 entry.vouched[dst] = (step, (hb.step, hb.chain) if hb is not None else None)
-            elif src not in entry.vouched:
-                entry.vouched.pop(dst, None)
+                changed = True
+            elif src not in entry.vouched and dst in entry.vouched:
+                del entry.vouched[dst]
+                changed = True
+    return changed
+
+
+def suspect_snapshot(state: CoordinatorState) -> list[dict]:
+    """``state.suspect`` as JSON data (the coordinator's record keeps the newest; a restarted
+    coordinator takes it in again with ``restore_suspect``)."""
+    return [{"states": {str(s): sorted(chains) for s, chains in sorted(e.states.items())},
+             "vouched": {rid: [first, list(held) if held is not None else None]
+                         for rid, (first, held) in sorted(e.vouched.items())}}
+            for e in state.suspect]
+
+
+def restore_suspect(state: CoordinatorState, snapshot: object) -> None:
+    """Replace ``state.suspect`` with a ``suspect_snapshot``; ``ValueError`` naming what is
+    wrong when ``snapshot`` is not one (and ``state`` is left as it was)."""
+    if not isinstance(snapshot, list):
+        raise ValueError("suspect states must be a list")
+    entries = []
+    for e in snapshot:
+        if not isinstance(e, dict) or not isinstance(e.get("states"), dict) or not isinstance(e.get("vouched"), dict):
+            raise ValueError("a suspect entry needs 'states' and 'vouched' objects")
+        states: dict[int, set[str]] = {}
+        for s, chains in e["states"].items():
+            if not s.isdigit() or not isinstance(chains, list) or not all(isinstance(c, str) for c in chains):
+                raise ValueError(f"suspect states {s!r}: a step must map to a list of chains")
+            states[int(s)] = set(chains)
+        vouched: dict[str, tuple[int, tuple[int, str] | None]] = {}
+        for rid, v in e["vouched"].items():
+            ok = (isinstance(v, list) and len(v) == 2 and isinstance(v[0], int)
+                  and (v[1] is None or (isinstance(v[1], list) and len(v[1]) == 2
+                                        and isinstance(v[1][0], int) and isinstance(v[1][1], str))))
+            if not ok:
+                raise ValueError(f"vouched {rid!r}: must be [first step, null or [step, chain]]")
+            vouched[rid] = (v[0], (v[1][0], v[1][1]) if v[1] is not None else None)
+        entries.append(SuspectStates(states, vouched))
+    state.suspect[:] = entries[-MAX_SUSPECT:]
 
 
 def untrusted(state: CoordinatorState, replica_id: str, claim: tuple[int, str]) -> bool:

@@ -24,7 +24,11 @@ and the planned fault fired (a cell whose moment never came is reported, not pas
 Each cell runs in a child process under a time limit; results are appended to ``--results`` (one
 JSON line per cell, resumable: recorded cells are skipped) and the table goes to BENCHMARKS.md.
 
-    python -m bench.fault_matrix [--quick] [--only SUBSTRING] [--steps N] [--fresh] [--no-write]
+With ``--diloco H`` the same cells run in DiLoCo mode (``ft.sync = "diloco"``, H inner steps per
+synchronisation): each protocol step is then one outer synchronisation, so a point ``@10`` strikes
+the 10th synchronisation, and the table goes to its own section.
+
+    python -m bench.fault_matrix [--quick] [--only SUBSTRING] [--steps N] [--diloco H] [--fresh] [--no-write]
 """
 
 from __future__ import annotations
@@ -96,12 +100,17 @@ def cells() -> list[Cell]:
     return out
 
 
-def run_cell(cell: Cell, run_dir: Path, steps: int) -> None:
+def diloco_ft(h: int) -> tuple[tuple[str, str], ...]:
+    """The ``[ft]`` settings of DiLoCo mode with ``h`` inner steps (none for ``h`` 0)."""
+    return (("sync", '"diloco"'), ("diloco_inner_steps", str(h))) if h else ()
+
+
+def run_cell(cell: Cell, run_dir: Path, steps: int, diloco: int = 0) -> None:
     """In the child: one launch of 2 groups x 2 ranks with the cell's fault plans."""
     from ftlm.config import load_config
     from ftlm.launch.local import LocalLauncher
 
-    config = load_config(write_config(run_dir, Settings(steps=steps, mtbf=0.0)))
+    config = load_config(write_config(run_dir, Settings(steps=steps, mtbf=0.0, ft=diloco_ft(diloco))))
     LocalLauncher(config, groups=2, ranks_per_group=2, faults=cell.faults, extra_env=cell.env,
                   progress=False).run()
 
@@ -140,16 +149,17 @@ def _commit() -> str:
         return "?"
 
 
-def run_one(cell: Cell, root: Path, steps: int) -> dict:
+def run_one(cell: Cell, root: Path, steps: int, diloco: int = 0) -> dict:
     run_dir = root / cell.name
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     cmd = [sys.executable, "-m", "bench.fault_matrix", "--cell", cell.name,
-           "--run-dir", str(run_dir), "--steps", str(steps)]
+           "--run-dir", str(run_dir), "--steps", str(steps), "--diloco", str(diloco)]
     t0 = time.monotonic()
     code = run_logged(cmd, run_dir / "launch.log", CELL_TIMEOUT_S,
                       dict(os.environ, PYTHONPATH=f"{REPO_ROOT / 'src'}:{REPO_ROOT}"), cwd=REPO_ROOT)
-    return {**verdict(cell, code, time.monotonic() - t0, run_dir, steps), "commit": _commit()}
+    return {**verdict(cell, code, time.monotonic() - t0, run_dir, steps), "commit": _commit(),
+            "diloco": diloco}
 
 
 READING = (
@@ -212,23 +222,32 @@ def main(argv: list[str] | None = None) -> int:
                    help="a smoke run: one cell (a kill inside the all-reduce, in rank 1)")
     p.add_argument("--only", default="", help="cells whose name contains this (e.g. '.r1.')")
     p.add_argument("--steps", type=int, default=300, help="steps per run (default 300)")
-    p.add_argument("--results", default=str(REPO_ROOT / "runs" / "fault_matrix" / "results.jsonl"),
-                   help="JSON lines of finished cells: resumed from, appended to")
+    p.add_argument("--results", default="",
+                   help="JSON lines of finished cells: resumed from, appended to (default "
+                        "runs/fault_matrix/results.jsonl, runs/fault_matrix_diloco/results.jsonl "
+                        "with --diloco)")
+    p.add_argument("--diloco", type=int, default=0, metavar="H",
+                   help="run the cells in DiLoCo mode with H inner steps per synchronisation "
+                        "(default 0: every step)")
     p.add_argument("--fresh", action="store_true", help="rerun cells already in --results")
     p.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
     p.add_argument("--cell", help=argparse.SUPPRESS)  # the child: run this one cell
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.diloco < 0:
+        p.error(f"--diloco {args.diloco}: H must be 1 or more (0: every step)")
     by_name = {c.name: c for c in cells()}
     if args.cell:
-        run_cell(by_name[args.cell], Path(args.run_dir), args.steps)
+        run_cell(by_name[args.cell], Path(args.run_dir), args.steps, args.diloco)
         return 0
     ensure_demo()
-    results = Path(args.results)
+    section = SECTION + ("_diloco" if args.diloco else "")
+    results = Path(args.results or REPO_ROOT / "runs" / section / "results.jsonl")
     results.parent.mkdir(parents=True, exist_ok=True)
     done = {}
     if not args.fresh:
-        done = {r["cell"]: r for r in _events(results) if r.get("steps") == args.steps}
+        done = {r["cell"]: r for r in _events(results)
+                if r.get("steps") == args.steps and r.get("diloco", 0) == args.diloco}
     only = "inside_allreduce.r1.kill" if args.quick and not args.only else args.only
     wanted = [c for c in cells() if only in c.name]
     if not wanted:
@@ -238,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{sum(c.name in done for c in wanted)} already recorded in {results}", flush=True)
     for cell in wanted:
         if cell.name not in done:
-            record = run_one(cell, results.parent, args.steps)
+            record = run_one(cell, results.parent, args.steps, args.diloco)
             with open(results, "a") as f:
                 f.write(json.dumps(record) + "\n")
             done[cell.name] = record
@@ -247,18 +266,25 @@ def main(argv: list[str] | None = None) -> int:
         print(" | ".join(map(str, row(done[cell.name]))), flush=True)
     records = [done[c.name] for c in wanted]
     passed = sum(r["ok"] for r in records)
-    flags = [f"--steps {args.steps}"] + ([f"--only {only}"] if only else [])
-    body = (section_header("Fault matrix: every fault point x rank x kind in 2 groups x 2 ranks",
-                           "bench.fault_matrix", flags)
+    flags = ([f"--steps {args.steps}"] + ([f"--diloco {args.diloco}"] if args.diloco else [])
+             + ([f"--only {only}"] if only else []))
+    title = "Fault matrix: every fault point x rank x kind in 2 groups x 2 ranks"
+    mode = ""
+    if args.diloco:
+        title = f"Fault matrix in DiLoCo mode (H={args.diloco}): fault points x rank x kind in 2 groups x 2 ranks"
+        mode = (f" in DiLoCo mode (`ft.sync = \"diloco\"`: a step is a synchronisation of {args.diloco} "
+                f"inner steps, {args.steps * args.diloco} inner steps a group in all; a point `@10` strikes "
+                "the 10th synchronisation)")
+    body = (section_header(title, "bench.fault_matrix", flags)
             + "* Method: see `bench/fault_matrix.py`: one `LocalLauncher` run per cell, 2 groups "
-              f"x 2 ranks, {args.steps} steps of the soak's model and timeouts, the cell's "
+              f"x 2 ranks, {args.steps} steps of the soak's model and timeouts{mode}, the cell's "
               "`FTLM_FAULT` plans; pass = clean exit, 2 identical hashes, 0 duplicates, 0 gaps, "
               "every step committed, every failure explained and detected, the fault fired.\n"
             + f"* Result: {passed} of {len(records)} cell(s) passed.\n\n"
-            + matrix(records) + "\n\n" + READING)
+            + matrix(records) + ("" if args.diloco else "\n\n" + READING))
     print(body)
     if not args.no_write:
-        write_section(SECTION, body)
+        write_section(section, body)
     return 0 if passed == len(records) else 1
 
 

@@ -60,6 +60,8 @@ class Settings:
     layout: tuple[int, int] | None = None
     """(groups, ranks per group) of every run; None: alternate ``LAYOUTS`` by seed."""
     checkpoint_every: int = 50
+    ft: tuple[tuple[str, str], ...] = ()
+    """More ``[ft]`` settings, (name, TOML value) each (the fault matrix's ``--diloco``)."""
 
     def key(self) -> str:
         """Results of the same settings are comparable (and resumable)."""
@@ -83,6 +85,7 @@ def layout(seed: int, settings: Settings | None = None) -> tuple[int, int]:
 def write_config(run_dir: Path, settings: Settings) -> Path:
     """A small model on the demo data (fast steps: the soak is about faults, not speed), with
     timeouts sized for a loaded 2-core machine running 4 or 5 processes."""
+    extra_ft = "".join(f"{k} = {v}\n" for k, v in settings.ft)
     text = f"""\
 [run]
 name = "soak"
@@ -127,7 +130,7 @@ give_up_seconds = 180.0
 restart_delay = 0.5
 startup_timeout = 45.0
 bucket_bytes = 65536
-
+{extra_ft}
 [observe]
 progress = false
 """

@@ -74,3 +74,16 @@ def test_the_table_has_a_row_per_point_and_rank_and_a_column_per_kind():
     assert ("| before_commit | 1 | g1.r1 | FAIL: 2 distinct final hashes | "
             "pass (50 s, 1 restart(s), 1 rollback(s)) |") in text
     assert "Code run: kill: abc1234; hang: abc1234." in text
+
+
+def test_diloco_cells_run_the_same_job_in_diloco_mode(tmp_path) -> None:
+    """``--diloco H`` adds ``ft.sync = "diloco"`` and H inner steps to the cells' config, which
+    the trainer's config loader accepts; without it the config is the every-step one."""
+    from bench.fault_matrix import diloco_ft
+    from bench.soak import Settings, write_config
+    from ftlm.config import load_config
+
+    config = load_config(write_config(tmp_path / "d", Settings(steps=200, mtbf=0.0, ft=diloco_ft(4))))
+    assert config.ft.sync == "diloco" and config.ft.diloco_inner_steps == 4
+    plain = load_config(write_config(tmp_path / "p", Settings(steps=200, mtbf=0.0, ft=diloco_ft(0))))
+    assert plain.ft.sync == "every_step"

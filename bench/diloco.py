@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
              f"`bytes_between_groups_per_token`, one group alone, {args.batch} x {args.seq} tokens a step):\n\n"
              + table(["mode", "bytes/token per group", "less than every step",
                       "largest exchange, bytes per group", "largest / plain DiLoCo's"], counted_rows)
-             + "\nThe largest exchange is what the link between groups must carry within the steps "
+             + "\n\nThe largest exchange is what the link between groups must carry within the steps "
              "an exchange may take (plain DiLoCo: its outer step, blocking; streaming: one "
              "fragment, overlapped with the next inner step), so it sets the peak bandwidth.\n")
     return publish("diloco", body, args.write and not args.no_write)

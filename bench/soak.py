@@ -68,6 +68,7 @@ class Settings:
         key = f"steps={self.steps} mtbf={self.mtbf:g} hang={self.hang} coord={self.coordinator}"
         key += " preempt=True" if self.preempt else ""
         key += f" layout={self.layout[0]}x{self.layout[1]}" if self.layout else ""
+        key += "".join(f" {k}={v}" for k, v in self.ft)
         return key + (f" every={self.checkpoint_every}" if self.checkpoint_every != 50 else "")
 
     def section(self) -> str:

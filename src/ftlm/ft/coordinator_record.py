@@ -91,8 +91,9 @@ def apply_entry(membership: Membership, entry: dict[str, Any]) -> None:
 
 def restore(path: Path, membership: Membership) -> int:
     """Take the record in ``path`` into ``membership``: the convictions are counted again, the
-    finished leaves and the newest suspect states known again; how many lines it took. A missing file is an empty record; a
-    line that is neither (a torn last line, an edit) is skipped with a warning naming it."""
+    finished leaves and the newest suspect states known again; how many lines it took. A missing
+    file is an empty record; a line that is none of these (a torn last line, an edit) is skipped
+    with a warning naming it."""
     try:
         lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
     except FileNotFoundError:

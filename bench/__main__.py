@@ -73,7 +73,7 @@ JOBS = (
     Job("soak_preempt", "soak", ("--preempt", "--seeds", "24"), ("--quick", "--preempt")),
     Job("soak_4x1", "soak", SOAK_END, None),
     Job("fault_matrix", "fault_matrix"),
-    Job("fault_matrix_diloco", "fault_matrix", ("--diloco", "4", "--steps", "200", "--only", ".kill"),
+    Job("fault_matrix_diloco", "fault_matrix", ("--diloco", "4", "--steps", "200", "--only", ".kill,.stop"),
         ("--quick", "--diloco", "4", "--steps", "200", "--no-write")),
     Job("coordinator_crash", "coordinator_crash", ("--reps", "2", "--kills", "3")),
     Job("coordinator_crash_slurm", "coordinator_crash", ("--slurm", "--kills", "4", "--every",

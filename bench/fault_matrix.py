@@ -220,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: one cell (a kill inside the all-reduce, in rank 1)")
-    p.add_argument("--only", default="", help="cells whose name contains this (e.g. '.r1.')")
+    p.add_argument("--only", default="",
+                   help="cells whose name contains this, or one of these, comma-separated (e.g. '.r1.' "
+                        "or '.kill,.stop')")
     p.add_argument("--steps", type=int, default=300, help="steps per run (default 300)")
     p.add_argument("--results", default="",
                    help="JSON lines of finished cells: resumed from, appended to (default "
@@ -249,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         done = {r["cell"]: r for r in _events(results)
                 if r.get("steps") == args.steps and r.get("diloco", 0) == args.diloco}
     only = "inside_allreduce.r1.kill" if args.quick and not args.only else args.only
-    wanted = [c for c in cells() if only in c.name]
+    wanted = [c for c in cells() if any(part in c.name for part in only.split(","))]
     if not wanted:
         p.error(f"--only {only!r} matches no cell; cells are named POINT.rRANK.KIND, e.g. "
                 f"{cells()[0].name}")

@@ -61,7 +61,7 @@ class SimConfig:
     """Probability that one message is lost."""
     latency: tuple[float, float] = (0.001, 0.02)
     step_seconds: tuple[float, float] = (0.02, 0.06)
-    """One step's compute; a DiLoCo phase is one long step (``ftlm sim check --step-seconds``)."""
+    """One step's compute; a DiLoCo phase is one long step (``ftlm sim check --long-steps``)."""
     abandon_doomed_steps: bool = True
     """A group told its step is doomed (a member of its quorum reported dead) abandons the step's
     compute at once, as ``ftlm train``'s single-rank groups do; False: it computes to the end and

@@ -37,6 +37,12 @@ def test_a_conviction_before_a_restart_counts_after_it(tmp_path):
     second = Job(3)
     assert restore(path, second.m) == 2  # the conviction and the suspect states
     assert second.m.integrity.corrupt_count == {"g1": 1}
+    # The convicted incarnation is refused by the new coordinator too (its refusal may have been
+    # lost with the old one); the group's next incarnation is let in, and convicted again.
+    with pytest.raises(Convicted, match="was retired"):
+        second.m.request(second.now, MemberRequest("g1:a", "g1", 0, -1, False, {"store": "host-g1:29500"},
+                                                   second.now, second.state["g1"][1]))
+    second.inc["g1"] = "b"
     assert isinstance(with_record(str(path), Job(1).m, None), RecordingEvents)
     assert with_record("", Job(1).m, None) is None  # no path: no record
     _convict_g1(second, RecordingEvents(path))
@@ -50,7 +56,7 @@ def test_a_conviction_before_a_restart_counts_after_it(tmp_path):
     assert sum("suspect" not in line for line in path.read_text().splitlines()) == 2
 
 
-def test_copies_and_rollbacks_are_not_recorded_and_a_torn_line_is_skipped(tmp_path, caplog):
+def test_copies_and_splits_are_not_counted_as_convictions_and_a_torn_line_is_skipped(tmp_path, caplog):
     path = tmp_path / "coordinator_record.jsonl"
     record = RecordingEvents(path)
     record.emit("state_mismatch", group="g2", host="h", step=5, majority="", digest="x")  # no majority
@@ -127,7 +133,10 @@ def test_suspect_states_and_who_is_vouched_for_survive_a_restart(tmp_path):
     head, suspect = job.m.state.head, job.m.state.suspect
     assert suspect and any(head[1] in e.states.get(head[0], ()) for e in suspect)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    assert "suspect" in lines[-1]
+    assert any("suspect" in line for line in lines)
+    # g0 (outvoted) and g3 (its copy) are retired, and the record says so, g0's as a conviction.
+    retired = {line["retired"]: line for line in lines if "retired" in line}
+    assert set(retired) == {"g0:a", "g3:b"} and "host" in retired["g0:a"] and "host" not in retired["g3:b"]
     options = QuorumOptions(1, 2.0, 30.0, 4, rebuild_grace=0.0)
 
     restarted = Membership(options, epoch="f")
@@ -173,3 +182,79 @@ def test_a_malformed_suspect_line_is_skipped_and_names_itself(tmp_path, caplog):
     assert f"{path}:1 is not a record" in caplog.text and f"{path}:2 is not a record" in caplog.text
     ((states, vouched),) = [(e.states, e.vouched) for e in m.state.suspect]
     assert states == {2: {"c"}} and vouched == {"g0:a": (1, None)}
+
+
+
+def test_states_before_a_coordinators_first_head_are_suspect_until_trained_again():
+    """A coordinator that started at step 20 never saw the chains of steps 1-19: a group found
+    corrupt there (no agreement known) may have written a checkpoint at any of them, so every
+    state at those steps is suspect for a member nobody vouched for; a state the job commits at
+    one of them afterwards (another history, after a rollback) is not. Both survive the record."""
+    from ftlm.ft.quorum.integrity import (
+        IntegrityBook, Verdict, committed, head_suspect, restore_suspect, suspect_snapshot, suspect_states,
+        untrusted)
+    from ftlm.ft.quorum.types import CoordinatorState
+
+    state = CoordinatorState()
+    state.first_head, state.head = 20, (22, "c22")
+    state.head_log = {20: "c20", 21: "c21", 22: "c22"}
+    entry = suspect_states(state, IntegrityBook(), Verdict(22, "c22", {"g0": "x", "g1": "y"}, "", ()), 0)
+    assert entry.unknown == (1, 20) and set(entry.states) == {20, 21, 22}
+    assert untrusted(state, "g1:b", (12, "any chain the coordinator never saw"))
+    assert untrusted(state, "g1:b", (21, "c21")) and not untrusted(state, "g1:b", (21, "another"))
+    assert not untrusted(state, "g1:b", (0, "genesis"))  # step 0 is every group's
+    # Rolled back past them, the job trains step 11 again: the new state is the job's, the old
+    # one is still suspect.
+    state.head = (11, "new11")
+    committed(state, state.head)
+    assert not head_suspect(state) and not untrusted(state, "g1:b", (11, "new11"))
+    assert untrusted(state, "g1:b", (11, "old11"))
+    restarted = CoordinatorState()
+    restore_suspect(restarted, json.loads(json.dumps(suspect_snapshot(state))))
+    assert (restarted.suspect[0].unknown, restarted.suspect[0].cleared) == ((1, 20), {11: {"new11"}})
+    assert untrusted(restarted, "g1:b", (12, "old12")) and not untrusted(restarted, "g1:b", (11, "new11"))
+    with pytest.raises(ValueError, match="unknown"):
+        restore_suspect(restarted, [{"states": {}, "vouched": {}, "unknown": [1]}])
+    # A coordinator that saw the job from its start has no such steps.
+    fresh = CoordinatorState()
+    fresh.first_head, fresh.head, fresh.head_log = 0, (5, "c5"), {0: "c0", 5: "c5"}
+    assert suspect_states(fresh, IntegrityBook(), Verdict(5, "c5", {}, "", ()), 0).unknown == (0, 0)
+
+
+def test_a_retirement_is_refused_again_after_a_restart_and_a_malformed_one_skipped(tmp_path, caplog):
+    path = tmp_path / "coordinator_record.jsonl"
+    record = RecordingEvents(path)
+    record.emit("member_dead", group="g2", replica_id="g2:a", reason="suspect", retired="it holds a suspect state",
+                set_aside=[7, "c7"])
+    record.emit("member_dead", group="g2", replica_id="g2:z", reason="heartbeat timeout")  # not a retirement
+    with path.open("a") as f:
+        f.write('{"retired": "g1:a", "why": "x", "set_aside": [7]}\n')
+    m = Job(1).m
+    with caplog.at_level(logging.WARNING, logger="ftlm.coordinator"):
+        assert restore(path, m) == 1
+    assert "set_aside must be null or [step, chain]" in caplog.text
+    with pytest.raises(Convicted, match="it holds a suspect state") as refused:
+        m.request(1.0, MemberRequest("g2:a", "g2", 7, -1, False, {}, 1.0, "c7"))
+    assert refused.value.suspect_state == (7, "c7")
+
+
+def test_an_agreement_before_a_restart_bounds_the_suspect_states_after_it(tmp_path):
+    """The digests of g0..g2 agreed at step 1 (a ``state_agreed`` event, kept in the record); the
+    restarted coordinator knows that a group found corrupt later held good bits up to there."""
+    from ftlm.ft.quorum.integrity import suspect_since
+
+    path = tmp_path / "coordinator_record.jsonl"
+    job = Job(3)
+    job.step_all()
+    job.step_all()
+    job.step_all({"g0": GOOD, "g1": GOOD, "g2": GOOD})
+    (agreed,) = job.kinds("state_agreed")
+    assert agreed["groups"] == ["g0", "g1", "g2"] and agreed["replica_ids"] == ["g0:a", "g1:a", "g2:a"]
+    record = RecordingEvents(path)
+    for e in job.events:
+        record.emit(e.kind, **e.fields)
+    restarted = Membership(QuorumOptions(1, 2.0, 30.0, 3, rebuild_grace=0.0), epoch="f")
+    assert restore(path, restarted) == 1
+    step = agreed["step"]
+    assert suspect_since(restarted.integrity, "g1:a", step + 5) == step + 1
+    assert suspect_since(Membership(QuorumOptions(1, 2.0, 30.0, 3), epoch="g").integrity, "g1:a", step + 5) == 0

@@ -262,14 +262,42 @@ def test_suspect_states_outlive_a_coordinator_restart(monkeypatch: pytest.Monkey
     assert "survived to the end" in (run(379, DENSE_THREE).error or "")
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: the chains of steps before a coordinator's start")
-def test_a_split_found_by_a_coordinator_that_missed_the_corrupt_steps() -> None:
+def test_a_split_found_by_a_coordinator_that_missed_the_corrupt_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """Seed 152 of ``DENSE_THREE``: g1 is corrupted at step 19 while the coordinator is down
     (16 s); the coordinator that comes back finds g1 and g2 split at step 25, but it never saw
-    the chains of steps 16-23 (its ``head_log`` starts at its own start), so the checkpoint g1
-    wrote at step 20 is not among the suspect states, and every group resumes from it. Fixing it
-    needs the chains (or the reporters' last agreement) from before the coordinator's start."""
+    the chains of steps 16-23 (its ``head_log`` starts at its own start). Every state at the
+    steps before its first head is suspect (``SuspectStates.unknown``); without that, the
+    checkpoint g1 wrote at step 20 was not, and every group resumed from it."""
+    import ftlm.ft.quorum.integrity
+
     assert run(152, DENSE_THREE).ok
+    monkeypatch.setattr(ftlm.ft.quorum.integrity, "_names",
+                        lambda entry, step, chain: chain in entry.states.get(step, ()))
+    assert "survived to the end" in (run(152, DENSE_THREE).error or "")
+
+
+DENSE_TWO_CHECKPOINTS = dataclasses.replace(DENSE_TWO, checkpoint_every=10)
+"""``DENSE_TWO`` with a checkpoint every 10 steps."""
+
+
+def test_a_retirement_outlives_the_coordinator_that_decided_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seed 1155 of ``DENSE_TWO_CHECKPOINTS``: g0 and g1 split at step 10 and both are retired,
+    but g1 is stopped (SIGSTOP) before its refusal reaches it and the coordinator dies; the
+    next coordinator, without the retirement in its record (``restore_retired``), took g1's
+    process back and it trained again."""
+    from ftlm.ft.membership import Membership
+
+    assert run(1155, DENSE_TWO_CHECKPOINTS).ok
+    monkeypatch.setattr(Membership, "restore_retired", lambda self, *args: None)
+    assert "found corrupt but a participant" in (run(1155, DENSE_TWO_CHECKPOINTS).error or "")
+
+
+def test_a_long_poll_that_ended_while_the_group_was_stopped_counts() -> None:
+    """Seed 1384 of ``DENSE_TWO_CHECKPOINTS``: g1 asks during a coordinator outage and is stopped
+    (SIGSTOP) before its request's long-poll ends; resumed, its wait must take that unanswered
+    request as an outage (as the client's HTTP call returns it), not count the outage in
+    ``ft.quorum_timeout``: the simulator's group gave up 0.14 s early."""
+    assert run(1384, DENSE_TWO_CHECKPOINTS).ok
 
 
 @pytest.mark.parametrize("seed", [0, 10, 14])

@@ -433,6 +433,9 @@ class Coordinator:
                               "the majority" if o.fields["majority"] else "its peers", o.fields["step"],
                               " and quarantined on its host" if o.fields["quarantined"] else "")
                     self.metrics.state_mismatches.inc()
+                elif o.kind == "state_agreed":
+                    log.info("the state digests of %s agree at step %s", ", ".join(o.fields["groups"]),
+                             o.fields["step"])
                 elif o.kind == "integrity_rollback":
                     log.error("no majority of groups agrees on the state at step %s: %s",
                               o.fields["step"], o.fields["reason"])

@@ -53,6 +53,7 @@ from ftlm.ft.quorum.integrity import (
     expect,
     is_quarantined,
     pending,
+    suspect_bounds,
     suspect_since,
     suspect_snapshot,
     suspect_states,
@@ -60,6 +61,7 @@ from ftlm.ft.quorum.integrity import (
     vouch_copies,
 )
 from ftlm.ft.quorum.integrity import record as record_digest
+from ftlm.ft.quorum.types import SuspectStates
 
 DEAD_MEMORY_SECONDS = 60.0
 """How long a dead replica is remembered (status page, abort pushes to its quorum peers)."""
@@ -210,6 +212,16 @@ class Membership:
         if not any(hb.group == group for hb in self.state.heartbeats.values()):
             self._finished_at[group] = (step, chain)
 
+    def restore_retired(self, replica_id: str, why: str, set_aside: tuple[int, str] | None) -> None:
+        """``replica_id`` was retired for its state (found corrupt, or holding a suspect one)
+        before this coordinator started (its record): its messages are refused as a convicted
+        one's, naming the checkpoint to set aside, as if the retirement were this coordinator's.
+        Its answer may have been lost with the coordinator that retired it; without this it
+        would take part again, and its checkpoint stay."""
+        if set_aside is not None:
+            self.state.set_aside[replica_id] = set_aside
+        remove_member(self.state, replica_id, 0.0, why=f"was retired: {why}")
+
     def withdraw(self, req: MemberRequest) -> None:
         """The asker stopped waiting (timeout, disconnect): never issue it a quorum nobody receives."""
         withdraw_request(self.state, req)
@@ -281,8 +293,8 @@ class Membership:
                 why = (f"its state (step {step}) may hold the bits of a member found corrupt, and no group "
                        "vouched for holds a state: it sets that state's checkpoint aside and starts again "
                        "from an older one")
-                self.state.set_aside[rid] = (step, chain)
-                out.append(Event("member_dead", {"group": hb.group, "replica_id": rid, "reason": why}))
+                out.append(Event("member_dead", {"group": hb.group, "replica_id": rid, "reason": why,
+                                                 **_retired(why, (step, chain))}))
                 self._retire_corrupt(now, rid, hb.group, why, out, (step, chain))
         if (guilty := convict(self.state)) is not None:
             self._retire_guilty(now, guilty[0], guilty[1], guilty[2], out)
@@ -495,6 +507,12 @@ class Membership:
         checkpoint is retired and sets that one aside too, until the groups hold a state from
         before the disagreement (or step 0)."""
         trusted = bool(verdict.majority)
+        agreeing = self.integrity.reporters.get((verdict.step, verdict.chain), frozenset())
+        if verdict.agreed and len(agreeing) > 1:
+            out.append(Event("state_agreed", {"step": verdict.step, "chain": verdict.chain,
+                                              "digest": verdict.majority, "groups": sorted(verdict.digests),
+                                              "replica_ids": sorted(agreeing)}))
+            return
         if not trusted:
             # Whoever copied a reporter's state since its last agreement may hold the bad bits.
             split_copies = {rid: src for r in verdict.corrupt
@@ -505,22 +523,21 @@ class Membership:
             entry = suspect_states(self.state, self.integrity, verdict, lo)
             out.append(Event("suspect_states", {
                 "replica_id": "", "group": "", "step": verdict.step,
-                "from_step": min(entry.states, default=verdict.step),
-                "to_step": max(entry.states, default=verdict.step), "copied": dict(split_copies),
+                **_bounds(entry, verdict.step), "copied": dict(split_copies),
                 "vouched": [], "suspect": suspect_snapshot(self.state)}))
         for r in verdict.corrupt:
-            fields: dict[str, Any] = {
-                "group": r.group, "replica_id": r.replica_id, "host": r.host, "step": verdict.step,
-                "chain": verdict.chain, "digest": r.digest, "digests": dict(verdict.digests),
-                "majority": verdict.majority, "times": self.integrity.corrupt_count.get(r.group, 0),
-                "quarantined": is_quarantined(self.integrity, r.group, r.host)}
-            out.append(Event("state_mismatch", fields))
             why = (f"{WHY_CORRUPT} at step {verdict.step}" if trusted else
                    f"its replicated state at step {verdict.step} differs from its peers' and no majority "
                    "holds one state (silent data corruption): the job rolls back to its newest durable "
                    f"checkpoint from before step {lo}")
-            self._retire_corrupt(now, r.replica_id, r.group, why, out,
-                                 suspect=None if trusted else (verdict.step, verdict.chain))
+            held = None if trusted else (verdict.step, verdict.chain)
+            fields: dict[str, Any] = {
+                "group": r.group, "replica_id": r.replica_id, "host": r.host, "step": verdict.step,
+                "chain": verdict.chain, "digest": r.digest, "digests": dict(verdict.digests),
+                "majority": verdict.majority, "times": self.integrity.corrupt_count.get(r.group, 0),
+                "quarantined": is_quarantined(self.integrity, r.group, r.host), **_retired(why, held)}
+            out.append(Event("state_mismatch", fields))
+            self._retire_corrupt(now, r.replica_id, r.group, why, out, suspect=held)
             if trusted:
                 # Whoever copied the corrupt state before it was found holds the same bits, and
                 # the checkpoints it (or they) wrote since may hold them too (rule I2).
@@ -529,8 +546,7 @@ class Membership:
                 copies = tainted(self.integrity, r.replica_id, verdict.step)
                 out.append(Event("suspect_states", {
                     "replica_id": r.replica_id, "group": r.group, "step": verdict.step,
-                    "from_step": min(entry.states, default=verdict.step),
-                    "to_step": max(entry.states, default=verdict.step), "copied": dict(copies),
+                    **_bounds(entry, verdict.step), "copied": dict(copies),
                     "vouched": sorted(entry.vouched), "suspect": suspect_snapshot(self.state)}))
             else:
                 copies = {rid: src for rid, src in split_copies.items() if src == r.replica_id}
@@ -540,16 +556,16 @@ class Membership:
                 if hb is None:
                     continue  # gone already
                 req = self.state.pending.get(rid)
+                held = None if trusted else (hb.step, hb.chain)
+                why = (f"it copied its state from {source}, whose state differs from {whose} at step "
+                       f"{verdict.step} (silent data corruption)")
                 out.append(Event("state_mismatch", {
                     "group": hb.group, "replica_id": rid, "host": _host(req) if req is not None else "",
                     "step": verdict.step, "chain": verdict.chain,
                     "digest": "", "digests": dict(verdict.digests), "majority": verdict.majority,
                     "copied_from": source, "times": self.integrity.corrupt_count.get(hb.group, 0),
-                    "quarantined": False}))
-                held = None if trusted else (hb.step, hb.chain)
-                self._retire_corrupt(now, rid, hb.group, f"it copied its state from {source}, whose state "
-                                     f"differs from {whose} at step {verdict.step} (silent data "
-                                     "corruption)", out, suspect=held)
+                    "quarantined": False, **_retired(why, held)}))
+                self._retire_corrupt(now, rid, hb.group, why, out, suspect=held)
         if not trusted:
             out.append(Event("integrity_rollback", {
                 "step": verdict.step, "digests": dict(verdict.digests), "last_agreed": lo - 1,
@@ -561,7 +577,11 @@ class Membership:
     def _retire_corrupt(self, now: float, replica_id: str, group: str, why: str, out: list[Output],
                         suspect: tuple[int, str] | None = None) -> None:
         """Retire a member whose state is corrupt or suspect; ``suspect``: the state whose
-        checkpoint it sets aside before it exits (``quorum.Convicted``)."""
+        checkpoint it sets aside before it exits (``quorum.Convicted``), told again to a later
+        message of it. The event that names the retirement carries ``_retired``'s fields: the
+        coordinator's record keeps them (``restore_retired``)."""
+        if suspect is not None:
+            self.state.set_aside[replica_id] = suspect
         if remove_member(self.state, replica_id, now, why=f"was retired: {why}"):
             self.dead.append((now, replica_id, group, why))
             body: dict[str, Any] = {"error": f"{replica_id} was retired: {why}; this process must exit (its "
@@ -574,6 +594,18 @@ class Membership:
         return {"step": r.to_step, "from_step": r.from_step, "to_step": r.to_step, "chain": r.chain,
                 "holders": list(r.holders), "reason": r.reason,
                 "source": "live" if r.to_step >= r.from_step - 1 else "checkpoint"}
+
+
+def _retired(why: str, set_aside: tuple[int, str] | None) -> dict[str, Any]:
+    """The fields of an event naming a member retired for its state: why (what its refused
+    messages are told), and the state whose checkpoint it sets aside (None: none)."""
+    return {"retired": why, "set_aside": list(set_aside) if set_aside is not None else None}
+
+
+def _bounds(entry: SuspectStates, step: int) -> dict[str, int]:
+    """A ``suspect_states`` event's ``from_step`` and ``to_step``."""
+    first, last = suspect_bounds(entry, step)
+    return {"from_step": first, "to_step": last}
 
 
 def _host(req: MemberRequest) -> str:

@@ -86,6 +86,10 @@ Kinds used across ftlm and their fields:
   coordinator retired it; it recovers from a majority member when it comes back. With
   ``copied_from`` (and no ``digest``): ``target`` copied its state from that replica before it
   was found corrupt (rule I2), and was retired with it.
+* ``state_agreed``: the digests of the replicated state at committed step ``step`` (``chain``)
+  of two or more groups (``groups``; ``replica_ids``) agreed (``digest``): the corruption check
+  passed. Kept in the coordinator's record: a restarted coordinator knows from which step a
+  group found corrupt later may hold corrupt bits.
 * ``suspect_states``: ``replica_id`` (of ``target``) was found corrupt at ``step``; the job's
   states of steps ``from_step`` to ``to_step`` may hold its bits (a checkpoint it wrote): only
   the members in ``vouched`` (and their copies) may claim them; ``copied``: replica id -> whom it
@@ -117,7 +121,7 @@ KINDS: tuple[str, ...] = (
     "run_start", "run_end", "group_start", "group_exit", "quorum", "commit", "step_failed",
     "failure_injected", "member_dead", "member_left", "recovery_start", "recovery_end",
     "checkpoint_saved", "checkpoint_rejected", "checkpoint_failed", "checkpoint_reloaded", "coordinator_restart", "restore",
-    "eval", "group_lost", "coordinator_unreachable", "coordinator_back", "state_mismatch",
+    "eval", "group_lost", "coordinator_unreachable", "coordinator_back", "state_mismatch", "state_agreed",
     "integrity_rollback", "suspect_states", "suspect_vouched", "network_healed", "spare_promoted",
 )
 """Event kinds ftlm emits (documented above); ``emit`` accepts others for forward compatibility."""

@@ -222,8 +222,8 @@ class Faults:
             t.hung = False
             self.pending_hung.pop(t.replica_id, None)  # it came back on its own
             sim.log(f"resume {t.replica_id}")
-            if t.polling:  # its long-poll ended while it was stopped: ask anew
-                gm.ask(t, early=t.phase == "updating")
+            if t.polling:  # its long-poll ended while it was stopped: its outcome counts, as
+                gm.poll_ended(t)  # the client's wait for the HTTP call takes it, then it asks anew
             if t.phase == "updating" and t.update_pending:
                 t.update_pending = False
                 gm.update_done(t)

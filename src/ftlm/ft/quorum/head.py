@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ftlm.ft.quorum.integrity import head_suspect, trusted_claims, untrusted
+from ftlm.ft.quorum.integrity import committed, head_suspect, trusted_claims, untrusted
 from ftlm.ft.quorum.members import live_view
 from ftlm.ft.quorum.reload import await_reloads, end_reloads
 from ftlm.ft.quorum.types import MAX_HEAD_LOG, CoordinatorState, QuorumOptions, Restore, plural
@@ -44,6 +44,7 @@ def advance_head(now: float, state: CoordinatorState, options: QuorumOptions) ->
     if ahead:
         state.finished = False
         _set_head(state, max(ahead, key=lambda sc: (holders[sc], sc[1])), now)
+        committed(state, state.head)
         return [], ""
     if holders.get(state.head):
         state.head_seen_at = now
@@ -145,6 +146,8 @@ def _roll_back(now: float, state: CoordinatorState, options: QuorumOptions,
 
 def _set_head(state: CoordinatorState, head: tuple[int, str], now: float) -> None:
     state.head = head
+    if state.first_head is None:
+        state.first_head = head[0]
     log = state.head_log
     log.pop(head[0], None)  # (a rollback: the newest states are last)
     log[head[0]] = head[1]

@@ -162,14 +162,44 @@ def suspect_states(state: CoordinatorState, book: IntegrityBook, verdict: Verdic
     for rid in _copies_of(book, dict.fromkeys(agreeing, verdict.step)):
         vouched[rid] = (next(s for s, _, dst in reversed(book.copies) if dst == rid), None)
     # (Step 0 is never suspect: every group starts from the same initial state.)
-    states = {s: {c} for s, c in state.head_log.items() if s >= max(lo, 1)}
+    first = max(lo, 1)
+    states = {s: {c} for s, c in state.head_log.items() if s >= first}
     if state.head is not None:  # and what a commit in flight reaches
         for chain, _ in state.index.head_quorum_info(state):
             states.setdefault(state.head[0] + 1, set()).add(chain)
-    entry = SuspectStates(states, vouched)
+    # The steps before this coordinator's first head: it never saw their chains (it started
+    # after them), so every state at them is suspect.
+    end = state.first_head if state.first_head is not None else first
+    entry = SuspectStates(states, vouched, (first, end) if first < end else (0, 0))
     state.suspect.append(entry)
     del state.suspect[:-MAX_SUSPECT]
     return entry
+
+
+def _names(entry: SuspectStates, step: int, chain: str) -> bool:
+    """Whether ``(step, chain)`` is one of ``entry``'s suspect states."""
+    if chain in entry.states.get(step, ()):
+        return True
+    first, end = entry.unknown
+    return first <= step < end and chain not in entry.cleared.get(step, ())
+
+
+def suspect_bounds(entry: SuspectStates, default: int) -> tuple[int, int]:
+    """The first and last step of ``entry``'s suspect states (``default`` for both if none)."""
+    steps = list(entry.states) + ([entry.unknown[0], entry.unknown[1] - 1] if entry.unknown[0] < entry.unknown[1] else [])
+    return (min(steps), max(steps)) if steps else (default, default)
+
+
+def committed(state: CoordinatorState, head: tuple[int, str]) -> None:
+    """The head moved to ``head`` by a commit of a quorum issued at the step before: a new state
+    of the job, not one handed on from before a ``SuspectStates`` was made. At a step whose
+    chains the coordinator never saw (``unknown``) it is cleared (after a rollback to before
+    them, the job trains those steps again, in another history)."""
+    step, chain = head
+    for entry in state.suspect:
+        first, end = entry.unknown
+        if first <= step < end and chain not in entry.states.get(step, ()):
+            entry.cleared.setdefault(step, set()).add(chain)
 
 
 def vouch_copies(state: CoordinatorState, step: int, sources: dict[str, str]) -> bool:
@@ -195,7 +225,10 @@ def suspect_snapshot(state: CoordinatorState) -> list[dict]:
     coordinator takes it in again with ``restore_suspect``)."""
     return [{"states": {str(s): sorted(chains) for s, chains in sorted(e.states.items())},
              "vouched": {rid: [first, list(held) if held is not None else None]
-                         for rid, (first, held) in sorted(e.vouched.items())}}
+                         for rid, (first, held) in sorted(e.vouched.items())},
+             **({"unknown": list(e.unknown),
+                 "cleared": {str(s): sorted(chains) for s, chains in sorted(e.cleared.items())}}
+                if e.unknown[0] < e.unknown[1] else {})}
             for e in state.suspect]
 
 
@@ -208,11 +241,11 @@ def restore_suspect(state: CoordinatorState, snapshot: object) -> None:
     for e in snapshot:
         if not isinstance(e, dict) or not isinstance(e.get("states"), dict) or not isinstance(e.get("vouched"), dict):
             raise ValueError("a suspect entry needs 'states' and 'vouched' objects")
-        states: dict[int, set[str]] = {}
-        for s, chains in e["states"].items():
-            if not s.isdigit() or not isinstance(chains, list) or not all(isinstance(c, str) for c in chains):
-                raise ValueError(f"suspect states {s!r}: a step must map to a list of chains")
-            states[int(s)] = set(chains)
+        states = _chains_of(e["states"], "suspect states")
+        unknown = e.get("unknown", [0, 0])
+        if not (isinstance(unknown, list) and len(unknown) == 2 and all(type(x) is int and x >= 0 for x in unknown)):
+            raise ValueError("suspect 'unknown' must be [first step, end step]")
+        cleared = _chains_of(e.get("cleared", {}), "cleared states")
         vouched: dict[str, tuple[int, tuple[int, str] | None]] = {}
         for rid, v in e["vouched"].items():
             ok = (isinstance(v, list) and len(v) == 2 and isinstance(v[0], int)
@@ -221,8 +254,20 @@ def restore_suspect(state: CoordinatorState, snapshot: object) -> None:
             if not ok:
                 raise ValueError(f"vouched {rid!r}: must be [first step, null or [step, chain]]")
             vouched[rid] = (v[0], (v[1][0], v[1][1]) if v[1] is not None else None)
-        entries.append(SuspectStates(states, vouched))
+        entries.append(SuspectStates(states, vouched, (unknown[0], unknown[1]), cleared))
     state.suspect[:] = entries[-MAX_SUSPECT:]
+
+
+def _chains_of(data: object, what: str) -> dict[int, set[str]]:
+    """``{"step": [chain, ...]}`` as step -> chains; ``ValueError`` naming ``what`` otherwise."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} must be an object")
+    out: dict[int, set[str]] = {}
+    for s, chains in data.items():
+        if not s.isdigit() or not isinstance(chains, list) or not all(isinstance(c, str) for c in chains):
+            raise ValueError(f"{what} {s!r}: a step must map to a list of chains")
+        out[int(s)] = set(chains)
+    return out
 
 
 def untrusted(state: CoordinatorState, replica_id: str, claim: tuple[int, str]) -> bool:
@@ -230,7 +275,7 @@ def untrusted(state: CoordinatorState, replica_id: str, claim: tuple[int, str]) 
     ``SuspectStates`` that does not vouch for it (it must recover from one that is vouched for)."""
     step, chain = claim
     for entry in state.suspect:
-        if chain in entry.states.get(step, ()):
+        if _names(entry, step, chain):
             first, held = entry.vouched.get(replica_id, (step + 1, None))
             if step < first or claim == held:
                 return True
@@ -244,7 +289,7 @@ def head_suspect(state: CoordinatorState) -> bool:
     if state.head is None:
         return False
     step, chain = state.head
-    return any(chain in entry.states.get(step, ()) for entry in state.suspect)
+    return any(_names(entry, step, chain) for entry in state.suspect)
 
 
 def trusted_claims(state: CoordinatorState, heartbeats: dict[str, Heartbeat]) -> Counter[tuple[int, str]]:
@@ -313,6 +358,17 @@ def judge(reports: list[DigestReport]) -> Verdict:
     majority = top if 2 * n > len(digests) else ""
     corrupt = tuple(r for r in reports if r.digest != majority)
     return Verdict(first.step, first.chain, digests, majority, corrupt)
+
+
+def restore_agreed(book: IntegrityBook, step: int, replica_ids: list[str]) -> None:
+    """The digests of ``replica_ids`` agreed at ``step`` before this coordinator started (its
+    record): ``suspect_since`` counts from there, as it would have for the coordinator that
+    judged them."""
+    for rid in replica_ids:
+        if step not in book.agreed_at.get(rid, ()):
+            _agreed(book, rid, step)
+    book.last_agreed = max(book.last_agreed, step)
+    _bound(book)
 
 
 def is_quarantined(book: IntegrityBook, group: str, host: str) -> bool:

@@ -352,6 +352,12 @@ class SuspectStates:
     states: dict[int, set[str]]
     vouched: dict[str, tuple[int, tuple[int, str] | None]]
     """replica id -> (the first step of the claims it is vouched for, a claim it is not)."""
+    unknown: tuple[int, int] = (0, 0)
+    """Steps ``[first, end)`` of the suspect ones whose chains the coordinator never saw (they
+    came before its start): every state at them is suspect, less ``cleared``."""
+    cleared: dict[int, set[str]] = field(default_factory=dict)
+    """Chains at ``unknown`` steps that the job committed after the entry was made (another
+    history, after a rollback): not suspect."""
 
 
 @dataclass
@@ -396,6 +402,9 @@ class CoordinatorState:
     head_log: dict[int, str] = field(default_factory=dict)
     """The head's chain at each of its recent steps (``MAX_HEAD_LOG``): the states a
     ``SuspectStates`` names."""
+    first_head: int | None = None
+    """The step of the first head this coordinator chose: the chains of the steps before it are
+    not in ``head_log`` (``SuspectStates.unknown``)."""
     stranded: dict[str, tuple[int, str]] = field(default_factory=dict)
     """Members to retire now because they hold a suspect state and nobody vouched for holds
     any (``head._roll_back``) -> that state (they set its checkpoint aside)."""

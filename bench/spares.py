@@ -2,10 +2,12 @@
 
 ``python -m bench.spares`` launches the tiny model on the demo data with ``ftlm launch local``'s
 launcher, ``--groups`` training groups (4 by default), without a spare and with one
-(``--spares 1``), interleaved, ``--reps`` times each. Both runs get the same seeded chaos: a
-SIGKILL every ``--interval`` seconds exactly (30 by default), of a group that trained in the
-last quorum (never a spare, a group still starting or recovering, or the last up-to-date group),
-so that both runs see the same number of training failures.
+(``--spares 1``), interleaved, ``--reps`` times each. Both runs of a repetition get the same
+seeded chaos (seed ``--seed`` plus the repetition: independent between repetitions): a SIGKILL
+every ``--interval`` seconds exactly (30 by default), of a group that trained in the last quorum
+(never a spare, a group still starting or recovering, or the last up-to-date group), so that
+both runs see the same number of training failures. With several repetitions a second table
+gives each side's stall per failure and ETT as a 95% t-interval over the repetitions.
 
 Measured per run from ``summary.json`` and ``events.jsonl``: failures injected, the stall charged
 to each failure (``stall_seconds``, median, also in median steps), ETT, the steps trained on
@@ -26,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import ensure_demo, median, section_header, table, write_section
+from bench.common import ensure_demo, median, section_header, t_interval, table, write_section
 
 
 def stall_parts(events: list[dict], step: float) -> list[tuple[float, float, float]]:
@@ -117,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=30.0,
                    help="seconds between SIGKILLs of a training group (default 30)")
     p.add_argument("--steps", type=int, default=1500, help="steps per run (default 1500)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the chaos (which group is killed)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the chaos (which group is killed); repetition r uses seed + r")
     p.add_argument("--reps", type=int, default=1, help="runs of each kind, interleaved (default 1)")
     p.add_argument("--dim", type=int, default=64,
                    help="model width (default 64; larger: longer steps, so detection is a smaller part of one)")
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for rep in range(args.reps):
         for spares in (0, 1):
-            r = run_once(data, args.groups, spares, args.steps, args.interval, args.seed, rep,
+            r = run_once(data, args.groups, spares, args.steps, args.interval, args.seed + rep, rep,
                          args.dim, args.layers)
             loads.append(os.getloadavg()[0])
             print(f"rep {rep} spares {spares}: {r}", flush=True)
@@ -157,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
                "simulated - measured (points)", "degraded steps", "promotions",
                "failure to promotion s (median)", "spare's bytes / participant's", "problems"]
     text = table(headers, rows)
+    if args.reps > 1:
+        text += "\n\n" + over_reps(runs)
     print(text, flush=True)
     if not args.no_write:
         flags = ["--quick"] if args.quick else ["--groups", str(args.groups), "--interval",
@@ -169,6 +174,25 @@ def main(argv: list[str] | None = None) -> int:
         body += text + "\n\n" + READING.format(groups=args.groups, interval=args.interval, dim=args.dim, layers=args.layers)
         write_section("spares", body)
     return 0
+
+
+def over_reps(runs: list[dict]) -> str:
+    """Each side's per-repetition medians as 95% t-intervals over the repetitions (independent
+    chaos seeds), and every failure's stall pooled."""
+    rows = []
+    for spares in (0, 1):
+        side = [r for r in runs if r["spares"] == spares and r["step"]]
+        if len(side) < 2:
+            continue
+        in_steps = [r["median_stall"] / r["step"] for r in side]
+        pooled = [x / r["step"] for r in side for x in r["stalls"]]
+        cell = lambda values, digits=2: "{:.{d}f} ± {:.{d}f}".format(*t_interval(values), d=digits)  # noqa: E731
+        rows.append([spares, len(side), sum(len(r["stalls"]) for r in side), cell(in_steps),
+                     f"{median(pooled):.2f}", f"{sum(x <= 1.0 for x in pooled)} of {len(pooled)}",
+                     cell([r["measured"] for r in side], 3), cell([r["ett"] for r in side], 3)])
+    return table(["spares", "repetitions", "failures", "stall per failure, steps (repetitions' medians)",
+                  "stall per failure, steps (all failures' median)", "failures stalled one step or less",
+                  "ETT (simulator's reference)", "ETT (summary)"], rows)
 
 
 READING = (

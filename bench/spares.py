@@ -197,7 +197,8 @@ def over_reps(runs: list[dict]) -> str:
 
 READING = (
     "{groups} training groups of a small Transformer (width {dim}, {layers} layers); every {interval:g} s one that trained in the last "
-    "quorum is SIGKILLed (same seed both sides). *Stall per failure*: the job's stall charged to "
+    "quorum is SIGKILLed (the same seeded kills for both sides of a repetition, other seeds for "
+    "other repetitions). *Stall per failure*: the job's stall charged to "
     "a failure (`stall_seconds`: its longest commit gap less a median step), in seconds and in "
     "median steps, and in three parts: the *doomed step* (from the last commit before the kill to "
     "the first healthy group failing its collective: the step the failure takes with it), "
@@ -208,8 +209,9 @@ READING = (
     "simulator's reference (committed tokens over wall time at the all-places rate). *Spare's "
     "bytes*: what a spare sends in a step's all-reduce over what a participant sends (it enters "
     "it with zeros). ETT on 2 shared cores: the spare's process (its update each step) slows the "
-    "others (see the median step). When a spare pays for itself: docs/ft-protocol.md, 'Hot "
-    "spares'.\n")
+    "others (see the median step). The second table (with several repetitions): each side's "
+    "per-repetition medians as a 95% t-interval over the repetitions, every failure pooled, and "
+    "the ETTs the same way. When a spare pays for itself: docs/ft-protocol.md, 'Hot spares'.\n")
 
 
 if __name__ == "__main__":

@@ -505,7 +505,8 @@ class Membership:
         (rule I2), and whoever copied a reporter's state since is retired with them: each sets
         aside the checkpoint of the state it held, and a group that starts from another suspect
         checkpoint is retired and sets that one aside too, until the groups hold a state from
-        before the disagreement (or step 0)."""
+        before the disagreement (or step 0). Digests of two or more groups that all agree are a
+        ``state_agreed`` event (the record keeps it: where a later suspect window starts)."""
         trusted = bool(verdict.majority)
         agreeing = self.integrity.reporters.get((verdict.step, verdict.chain), frozenset())
         if verdict.agreed and len(agreeing) > 1:

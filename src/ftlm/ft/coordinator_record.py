@@ -58,7 +58,8 @@ log = logging.getLogger("ftlm.coordinator")
 
 
 def _entry(line: str) -> dict[str, Any]:
-    """One record line: a retirement ``{"retired", "why", "set_aside"}``, with a conviction's
+    """One record line: an agreement ``{"agreed": step, "replica_ids"}``; a retirement
+    ``{"retired", "why", "set_aside"}``, with a conviction's
     ``"group", "host", "step"`` when a majority found it; a conviction alone (records before
     retirements were kept); a finished leave ``{"left": "finished", "group", "step", "chain"}``;
     or the suspect states ``{"suspect": [...]}`` (``integrity.suspect_snapshot``); ``ValueError``
@@ -94,10 +95,10 @@ def _entry(line: str) -> dict[str, Any]:
 
 
 def entry_of(kind: str, fields: dict[str, Any]) -> dict[str, Any] | None:
-    """What the record keeps of a coordinator event: a member retired for its state (found
-    corrupt, a copy of a corrupt one, or holding a suspect state), with the conviction when a
-    majority found it (not a copy's); a finished leave (with the state it finished at); the
-    suspect states after a change; None for every other event."""
+    """What the record keeps of a coordinator event: an agreement of digests; a member retired
+    for its state (found corrupt, a copy of a corrupt one, or holding a suspect state), with the
+    conviction when a majority found it (not a copy's); a finished leave (with the state it
+    finished at); the suspect states after a change; None for every other event."""
     if kind in ("suspect_states", "suspect_vouched") and isinstance(fields.get("suspect"), list):
         return {"suspect": fields["suspect"]}
     if kind == "state_agreed" and isinstance(fields.get("replica_ids"), list):
@@ -107,8 +108,6 @@ def entry_of(kind: str, fields: dict[str, Any]) -> dict[str, Any] | None:
         if kind == "state_mismatch" and fields.get("majority") and not fields.get("copied_from"):
             entry.update(group=fields.get("group", ""), host=fields.get("host", ""), step=fields.get("step", -1))
         return entry
-    if kind == "state_mismatch" and fields.get("majority") and not fields.get("copied_from"):
-        return {"group": fields.get("group", ""), "host": fields.get("host", ""), "step": fields.get("step", -1)}
     if kind == "member_left" and fields.get("reason") == "finished" and "chain" in fields:
         return {"left": "finished", "group": fields.get("group", ""), "step": fields.get("step", -1),
                 "chain": fields["chain"]}
@@ -134,7 +133,8 @@ def apply_entry(membership: Membership, entry: dict[str, Any]) -> None:
 
 def restore(path: Path, membership: Membership) -> int:
     """Take the record in ``path`` into ``membership``: the convictions are counted again, the
-    finished leaves and the newest suspect states known again; how many lines it took. A missing
+    agreements, retirements, finished leaves and the newest suspect states known again; how many
+    lines it took. A missing
     file is an empty record; a line that is none of these (a torn last line, an edit) is skipped
     with a warning naming it."""
     try:
@@ -160,8 +160,8 @@ def restore(path: Path, membership: Membership) -> int:
 
 
 class RecordingEvents:
-    """The coordinator's event sink, appending each retirement for a state, each finished
-    leave and each change of the suspect states to ``path`` before passing every event on to
+    """The coordinator's event sink, appending each agreement of digests, each retirement for a
+    state, each finished leave and each change of the suspect states to ``path`` before passing every event on to
     ``inner`` (None: nowhere else)."""
 
     def __init__(self, path: Path, inner: Any = None) -> None:

@@ -78,6 +78,7 @@ FULL = {
     "dpo_steps": 120, "dpo_lr": 5e-5, "dpo_beta": 0.1, "dpo_nll": 10.0, "dpo_loss": "sigmoid",
     "grpo_steps": 40, "grpo_batch": 32, "group_size": 8, "grpo_lr": 5e-5, "grpo_kl": 0.04,
     "grpo_clip": 0.2, "grpo_temperature": 0.7, "grpo_tasks": 1000, "grpo_nll": 0.0,
+    "grpo_loss": "grpo", "ppo_epochs": 1, "grpo_filter": False, "grpo_mask_truncated": False,
     "verify": "answer",
 }
 """Sizes and hyper-parameters of the full run (``--set KEY=VALUE`` overrides one): five
@@ -157,9 +158,18 @@ def _train(kind: str, config) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     summary = Trainer.for_run(config).train() if kind == "pretrain" else post_run.run(kind, config)
     # CPU seconds of this process (every thread): what the stage cost, whatever else ran.
-    return {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
-            "tokens": summary["tokens_committed"],
-            "steps": summary["steps_committed"], "final_loss": summary["final_loss"]}
+    out = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
+           "tokens": summary["tokens_committed"],
+           "steps": summary["steps_committed"], "final_loss": summary["final_loss"]}
+    if kind == "grpo":  # the training reward at the start and at the end (objective events)
+        from ftlm.observe.events import read_events
+        rewards = [e["reward"] for e in read_events(config.run.path / "events.jsonl")
+                   if e["kind"] == "objective" and "reward" in e]
+        if rewards:
+            k = max(1, min(5, len(rewards) // 4))
+            out["reward_first"] = sum(rewards[:k]) / k
+            out["reward_last"] = sum(rewards[-k:]) / k
+    return out
 
 
 def training_problems(sizes: dict, seeds: int) -> set[tuple[str, str]]:
@@ -265,8 +275,10 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
         out["stages"].setdefault(stage, {})[seed] = entry
         if base_stage(stage) in STAGE_SIZES:
             out["stage_sizes"][stage] = {k: sizes[k] for k in STAGE_SIZES[base_stage(stage)]}
+        reward = (f" training reward {compute['reward_first']:.3f} -> {compute['reward_last']:.3f}"
+                  if "reward_last" in compute else "")
         print(f"{stage} seed {seed}: acc {acc['acc']:.3f} +- {acc['ci95']:.3f} "
-              f"({compute.get('seconds', 0):.0f} s) {acc['families']}", flush=True)
+              f"({compute.get('seconds', 0):.0f} s) {acc['families']}{reward}", flush=True)
 
     def train(kind: str, config) -> tuple[dict, bool]:
         """Train, or with ``reuse`` take the model an earlier run with the same settings left
@@ -296,7 +308,10 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
             sizes, sizes["grpo_lr"], sizes["grpo_steps"], start,
             group_size=sizes["group_size"], kl_coef=sizes["grpo_kl"],
             clip=sizes["grpo_clip"], temperature=sizes["grpo_temperature"],
-            grpo_nll=sizes["grpo_nll"],
+            grpo_nll=sizes["grpo_nll"], grpo_loss=sizes.get("grpo_loss", "grpo"),
+            ppo_epochs=sizes.get("ppo_epochs", 1),
+            filter_zero_variance=sizes.get("grpo_filter", False),
+            mask_truncated=sizes.get("grpo_mask_truncated", False),
             train_tasks=sizes["grpo_tasks"], task_seed=200 + seed,
             verify=sizes.get("verify", "answer")))
         config.train.batch_size = sizes["grpo_batch"]
@@ -632,7 +647,8 @@ STAGE_SIZES = {
     "DPO": ("pair_tasks", "pair_samples", "pair_temperature", "dpo_steps", "dpo_lr", "dpo_beta",
             "dpo_nll", "dpo_loss"),
     "GRPO": ("grpo_steps", "grpo_batch", "group_size", "grpo_lr", "grpo_kl", "grpo_clip",
-             "grpo_temperature", "grpo_tasks", "grpo_nll"),
+             "grpo_temperature", "grpo_tasks", "grpo_nll", "grpo_loss", "ppo_epochs",
+             "grpo_filter", "grpo_mask_truncated"),
 }
 STAGE_SIZES["GRPO from DPO"] = STAGE_SIZES["DPO"] + STAGE_SIZES["GRPO"]
 """The sizes that only one post-SFT stage reads (every other size is shared by the stages)."""
@@ -702,7 +718,13 @@ def _override(sizes: dict, assignments: list[str]) -> dict:
             raise SystemExit(f"--set {item!r}: expected KEY=VALUE with KEY one of "
                              f"{', '.join(sorted(sizes))}")
         kind = type(sizes[key])
-        sizes[key] = value if kind is str else kind(float(value)) if kind is int else kind(value)
+        if kind is bool:
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise SystemExit(f"--set {item!r}: {key} is true or false")
+            sizes[key] = value.lower() in ("true", "1")
+        else:
+            sizes[key] = (value if kind is str else kind(float(value)) if kind is int
+                          else kind(value))
     return sizes
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ftlm.errors import ConfigError
+from ftlm.observe.events import read_events
 from ftlm.post.config import PostConfig
 from ftlm.post.grpo import GRPO, group_advantages, grpo_loss, varied_groups
 from ftlm.post.rewards import reward_function
@@ -110,6 +111,10 @@ def test_filtered_and_truncated_samples_get_no_loss(model, tokenizer) -> None:
     assert rollout.keep.tolist() == varied.tolist()
     assert torch.equal(rollout.mask, mask[:, 1:].float() * (~cut).float()[:, None])
     assert objective.stats["truncated"] == float(cut.float().mean())
+    # step_stats: the mean over the micro-batches since the last call, then nothing.
+    first = objective.step_stats()
+    assert first["truncated"] == float(cut.float().mean())
+    assert first["reward"] == float(rewards.mean()) and objective.step_stats() == {}
     # The loss is the hand computation over the kept, unmasked tokens only.
     loss = objective.loss(model, rows)
     with torch.no_grad():
@@ -228,3 +233,9 @@ def test_grpo_with_every_option_trains_one_group_to_the_end(post_config, demo_da
     summary = run.run("grpo", config)
     assert summary["steps_committed"] == 2
     assert summary["data"]["duplicates"] == 0 and summary["data"]["gaps"] == 0
+    # Each committed step's rollout statistics, once (two micro-batches averaged); step 1 also
+    # trained step 0's rollout again, so it reports the clipped share.
+    stats = [e for e in read_events(tmp_path / "grpo" / "events.jsonl") if e["kind"] == "objective"]
+    assert [e["step"] for e in stats] == [0, 1]
+    assert all(0.0 <= e[k] <= 1.0 for e in stats for k in ("reward", "zero_variance", "truncated"))
+    assert "clipped" not in stats[0] and 0.0 <= stats[1]["clipped"] <= 1.0

@@ -65,6 +65,9 @@ Kinds used across ftlm and their fields:
   behind it, loaded the newer durable checkpoint of ``step`` (``from_step``, ``seconds``, ``chain``)
   before the coordinator's rollback.
 * ``eval``: held-out loss after step ``step`` (``loss``, ``tokens``, ``seconds``).
+* ``objective``: what the objective measured in committed step ``step`` on this rank (the means
+  over its micro-batches; ``ftlm.train.objective.ReportingObjective``). GRPO: ``reward``,
+  ``zero_variance``, ``truncated`` and, with ``ppo_epochs > 1``, ``clipped``.
 * ``coordinator_restart``: the coordinator came back and rebuilt its soft state.
 * ``coordinator_unreachable``: this group's leader got no answer at all from the coordinator at
   ``address`` while waiting for a quorum (``seconds`` since the unanswered request went out,
@@ -121,7 +124,7 @@ KINDS: tuple[str, ...] = (
     "run_start", "run_end", "group_start", "group_exit", "quorum", "commit", "step_failed",
     "failure_injected", "member_dead", "member_left", "recovery_start", "recovery_end",
     "checkpoint_saved", "checkpoint_rejected", "checkpoint_failed", "checkpoint_reloaded", "coordinator_restart", "restore",
-    "eval", "group_lost", "coordinator_unreachable", "coordinator_back", "state_mismatch", "state_agreed",
+    "eval", "objective", "group_lost", "coordinator_unreachable", "coordinator_back", "state_mismatch", "state_agreed",
     "integrity_rollback", "suspect_states", "suspect_vouched", "network_healed", "spare_promoted",
 )
 """Event kinds ftlm emits (documented above); ``emit`` accepts others for forward compatibility."""

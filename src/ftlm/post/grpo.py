@@ -175,8 +175,21 @@ class GRPO:
         self.stats: dict[str, float] = {}
         """The last micro-batch's reward mean, share of zero-variance groups, of truncated
         completions, and of clipped tokens (of the rollouts in their later passes)."""
+        self._measured: dict[str, list[float]] = {}
+        """Every micro-batch's ``stats`` since the last ``step_stats``."""
         self._end = tokenizer.token_id("<|end|>")
         self._window: dict[int, list[tuple[tuple[int, ...], Rollout]]] = {}
+
+    def step_stats(self) -> dict[str, float]:
+        """The means of ``stats`` over the micro-batches since the last call (the trainer writes
+        them as the committed step's ``objective`` event); forgets them."""
+        measured, self._measured = self._measured, {}
+        return {name: sum(values) / len(values) for name, values in measured.items()}
+
+    def _measure(self, **stats: float) -> None:
+        self.stats.update(stats)
+        for name, value in stats.items():
+            self._measured.setdefault(name, []).append(value)
 
     @property
     def last_reward(self) -> float:
@@ -232,9 +245,9 @@ class GRPO:
         if self.kl_coef:
             with torch.no_grad():
                 ref_logp, _ = completion_logprobs(self.reference, tokens, mask, self.temperature)
-        self.stats.update(reward=float(rewards.mean()),
-                          zero_variance=float(1.0 - varied.float().mean()),
-                          truncated=float(cut.float().mean()))
+        self._measure(reward=float(rewards.mean()),
+                      zero_variance=float(1.0 - varied.float().mean()),
+                      truncated=float(cut.float().mean()))
         return Rollout(tokens=tokens, mask=target_mask,
                        advantages=group_advantages(rewards).reshape(-1).to(device), keep=keep,
                        correct=(rewards.reshape(-1) > 0).to(device), ref_logp=ref_logp)
@@ -272,8 +285,8 @@ class GRPO:
         self.stats.pop("clipped", None)
         if earlier:
             n = len(fresh.tokens)
-            self.stats["clipped"] = clipped_fraction(
-                logp[n:].detach(), old[n:], advantages[n:], mask[n:] * keep[n:, None], self.clip)
+            self._measure(clipped=clipped_fraction(
+                logp[n:].detach(), old[n:], advantages[n:], mask[n:] * keep[n:, None], self.clip))
         calls = self._window[step]
         calls[slot:slot + 1] = [(key, fresh)]  # a retried step replaces its slot's rollout
         if self.ppo_epochs == 1:

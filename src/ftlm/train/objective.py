@@ -70,6 +70,19 @@ class SummedObjective(Protocol):
         ...
 
 
+@runtime_checkable
+class ReportingObjective(Protocol):
+    """An objective that measures what it saw in a step (GRPO: its rollouts' mean reward, the
+    share of groups whose rewards were all equal, of truncated completions, of clipped tokens).
+    After each committed step the trainer takes ``step_stats`` and writes it as that step's
+    ``objective`` event; a failed step's are dropped (``step_failed``): a retried step measures
+    its rows again."""
+
+    def step_stats(self) -> dict[str, float]:
+        """The means over this rank's micro-batches since the last call, then forgets them."""
+        ...
+
+
 @dataclass
 class TrainData:
     """The tokenizer and the rows a run trains on and evaluates on."""

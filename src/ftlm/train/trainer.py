@@ -33,7 +33,13 @@ from ftlm.model import Transformer, flops_per_token
 from ftlm.train.config import TrainerConfig
 from ftlm.train.evaluate import build_evaluator
 from ftlm.train.mfu import peak_flops
-from ftlm.train.objective import LanguageModeling, Objective, SummedObjective, TrainData
+from ftlm.train.objective import (
+    LanguageModeling,
+    Objective,
+    ReportingObjective,
+    SummedObjective,
+    TrainData,
+)
 from ftlm.train.optim import build_optimizer
 from ftlm.train.parallelize import group_mesh, parallelize
 from ftlm.train.session import Session, Step, StepDoomed
@@ -145,6 +151,9 @@ class Trainer:
         self.data = data
         self.tokenizer = data.tokenizer
         self.objective = objective or LanguageModeling(config.data.seq_len)
+        self.last_stats: dict[str, float] = {}
+        """What a ``ReportingObjective`` measured in the last committed step (shown by the
+        progress view)."""
         self.loader = Loader(data.train, seed=config.run.seed, prefetch=config.data.prefetch)
         # Ranks inside this replica group (torchrun environment): FSDP2 shards the model over them.
         self.mesh = group_mesh(self.device)
@@ -231,13 +240,22 @@ class Trainer:
         offset = step.samples.start - step.group_samples.start  # this rank's share of the slice
         rows = rows[offset:offset + len(step.samples)]
         units = self._step_units(step)
+        reporting = isinstance(self.objective, ReportingObjective)
+        if reporting:
+            self.objective.step_stats()  # drop what a failed step or the warm-up measured
         with self.session.metrics.phase("forward_backward"):
             try:  # (GRPO's rollouts run inside the objective's loss, so in here too)
                 loss = self._forward_backward(rows.to(self.device, non_blocking=True), units,
                                               step.participants)
             except StepDoomed:  # a member of the step's quorum was lost: the step fails
                 loss = torch.zeros((), device=self.device)
-        return self.session.commit(loss)
+        committed = self.session.commit(loss)
+        if committed and reporting:
+            stats = self.objective.step_stats()
+            if stats:
+                self.session.events.emit("objective", step=step.step, **stats)
+                self.last_stats = stats
+        return committed
 
     def _step_units(self, step: Step) -> float | None:
         """The units every participant's rows of ``step`` hold, for a ``SummedObjective``."""
@@ -338,13 +356,14 @@ class _Progress:
         loss = trainer.losses[-1] if trainer.losses else float("nan")
         if self.bar is not None:
             post = {"loss": f"{loss:.3f}", "tok/s": f"{tps:,.0f}"}
+            post.update({k: f"{v:.3f}" for k, v in trainer.last_stats.items()})
             if self.peak:
                 post["mfu"] = f"{100 * tps * self.flops_per_token / self.peak:.1f}%"
             self.bar.set_postfix(post, refresh=False)
             self.bar.update(n)
         elif not self.quiet and trainer.state.step % self.config.observe.log_every == 0:
-            log.info("step %d/%d loss %.4f tok/s %s", trainer.state.step, tc.steps, loss,
-                     f"{tps:,.0f}")
+            log.info("step %d/%d loss %.4f tok/s %s%s", trainer.state.step, tc.steps, loss,
+                     f"{tps:,.0f}", "".join(f" {k} {v:.3f}" for k, v in trainer.last_stats.items()))
 
     def close(self) -> None:
         if self.bar is not None:

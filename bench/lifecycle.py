@@ -76,6 +76,7 @@ FULL = {
     "sft_seeds": 5,
     "pair_tasks": 300, "pair_samples": 4, "pair_temperature": 0.7,
     "dpo_steps": 120, "dpo_lr": 5e-5, "dpo_beta": 0.1, "dpo_nll": 10.0, "dpo_loss": "sigmoid",
+    "pair_fallback": True, "dpo_precompute": False, "chaos_mtbf": 60.0,
     "grpo_steps": 40, "grpo_batch": 32, "group_size": 8, "grpo_lr": 5e-5, "grpo_kl": 0.04,
     "grpo_clip": 0.2, "grpo_temperature": 0.7, "grpo_tasks": 1000, "grpo_nll": 0.0,
     "grpo_loss": "grpo", "ppo_epochs": 1, "grpo_filter": False, "grpo_mask_truncated": False,
@@ -172,6 +173,32 @@ def _train(kind: str, config) -> dict:
     return out
 
 
+CHAOS_GROUPS = 2
+"""Replica groups of a chain trained again under chaos (``--stages ...,chaos``): each trains half
+of the table's batch, so that the job's batch is the table's whenever both are up."""
+
+
+def _train_chaos(kind: str, config, mtbf: float, seed: int) -> dict:
+    """``kind`` as a local job of ``CHAOS_GROUPS`` groups (``config``'s batch each) with SIGKILLs
+    every ``mtbf`` seconds on average; what it cost, and what the job's checks found."""
+    import resource
+
+    from ftlm.post_cli import launch
+    t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
+    summary = launch(kind, config, groups=CHAOS_GROUPS, chaos_mtbf=mtbf, chaos_seed=seed)
+    if summary.get("problems"):
+        raise SystemExit(f"{kind} under chaos ({config.run.path}) failed its checks: "
+                         + "; ".join(summary["problems"]))
+    return {"seconds": time.perf_counter() - t0,
+            "cpu_seconds": resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime - c0,
+            "tokens": summary["tokens_committed"], "steps": summary["steps_committed"],
+            "final_loss": summary["final_loss"], "groups": CHAOS_GROUPS,
+            "failures": summary["failures_injected"],
+            "replicas_identical": summary["replicas_identical"],
+            "hashes": len(summary["state_hashes"]),
+            "duplicates": summary["data"]["duplicates"], "gaps": summary["data"]["gaps"]}
+
+
 def training_problems(sizes: dict, seeds: int) -> set[tuple[str, str]]:
     """(family, key) of every task a training stage (SFT, preference pairs, GRPO) of any of
     ``seeds`` draws."""
@@ -259,6 +286,9 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
     test_seed = sizes.get("test_seed", FIRST_TEST[0])
     out: dict = {"sizes": sizes, "split": split, "stages": {}, "stage_sizes": {}}
     named = lambda stage: f"{stage}, {label}" if label else stage
+    # A labelled variant's own folders and pairs (dpo0-LABEL, pairs0-LABEL.jsonl): variants share
+    # the workdir's pretrained and SFT models without clashing on their own.
+    tag = "-" + "".join(c if c.isalnum() else "_" for c in label) if label else ""
 
     def record(stage: str, seed: int, compute: dict, weights: Path, trained: bool) -> None:
         # With reuse, the score of a reused model on these very tasks is read back, not computed
@@ -280,9 +310,10 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
         print(f"{stage} seed {seed}: acc {acc['acc']:.3f} +- {acc['ci95']:.3f} "
               f"({compute.get('seconds', 0):.0f} s) {acc['families']}{reward}", flush=True)
 
-    def train(kind: str, config) -> tuple[dict, bool]:
-        """Train, or with ``reuse`` take the model an earlier run with the same settings left
-        in the same folder; whether it trained."""
+    def train(kind: str, config, chaos_seed: int | None = None) -> tuple[dict, bool]:
+        """Train (with ``chaos_seed``: as a job of ``CHAOS_GROUPS`` groups under chaos), or with
+        ``reuse`` take the model an earlier run with the same settings left in the same folder;
+        whether it trained."""
         done = config.run.path / "summary.json"
         if reuse and done.is_file() and (config.run.path / "model.safetensors").is_file():
             differ = _saved_settings_differ(config.run.path, config)
@@ -298,12 +329,14 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
                     "tokens": s.get("tokens_committed", 0),
                     "steps": s.get("steps_committed", 0),
                     "final_loss": s.get("final_loss")}, False
-        compute = _train(kind, config)
+        compute = (_train(kind, config) if chaos_seed is None else
+                   _train_chaos(kind, config, sizes["chaos_mtbf"], chaos_seed))
         (config.run.path / "lifecycle_compute.json").write_text(json.dumps(compute))
         return compute, True
 
-    def grpo(stage: str, name: str, start: Path, seed: int) -> None:
-        """GRPO from the model ``start`` (also its frozen reference), as row ``stage``."""
+    def grpo(stage: str, name: str, start: Path, seed: int, chaos: bool = False) -> None:
+        """GRPO from the model ``start`` (also its frozen reference), as row ``stage`` (with
+        ``chaos``: as ``CHAOS_GROUPS`` groups under chaos, each half the batch)."""
         config = _config(root / name, seed, **_post_sections(
             sizes, sizes["grpo_lr"], sizes["grpo_steps"], start,
             group_size=sizes["group_size"], kl_coef=sizes["grpo_kl"],
@@ -314,8 +347,8 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
             mask_truncated=sizes.get("grpo_mask_truncated", False),
             train_tasks=sizes["grpo_tasks"], task_seed=200 + seed,
             verify=sizes.get("verify", "answer")))
-        config.train.batch_size = sizes["grpo_batch"]
-        compute, trained = train("grpo", config)
+        config.train.batch_size = sizes["grpo_batch"] // (CHAOS_GROUPS if chaos else 1)
+        compute, trained = train("grpo", config, seed if chaos else None)
         record(stage, seed, compute, config.run.path / "model.safetensors", trained)
 
     pre = _config(root / "pretrain", 0, train={"steps": sizes["pretrain_steps"]})
@@ -339,11 +372,14 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
         if "dpo" in stages:
             # DPO: pairs sampled from this SFT model on training tasks, checked.
             t0 = time.perf_counter()
-            pairs, counts_file = root / f"pairs{seed}.jsonl", root / f"pairs{seed}.counts.json"
+            pairs = root / f"pairs{seed}{tag}.jsonl"
+            counts_file = root / f"pairs{seed}{tag}.counts.json"
             settings = {"sft_model": str(sft_weights.resolve()), "seed": seed,
                         **{k: sizes.get(k) for k in ("families", "pair_tasks", "pair_samples",
                                                      "pair_temperature", "max_new_tokens",
                                                      "verify")}}
+            if not sizes.get("pair_fallback", True):  # (recorded only when not the default)
+                settings["pair_fallback"] = False
             if reuse and pairs.is_file() and counts_file.is_file():
                 counts = json.loads(counts_file.read_text())
                 pair_seconds = counts.pop("seconds")
@@ -353,7 +389,7 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
                                      f"{counts_file.name}); use another --workdir")
                 print(f"reusing {pairs}", flush=True)
             else:
-                pcfg = _config(root / f"pairs{seed}", seed, **_post_sections(
+                pcfg = _config(root / f"pairs{seed}{tag}", seed, **_post_sections(
                     sizes, 1e-4, 1, sft_weights))
                 tasks = generate(sizes["families"], "train", sizes["pair_tasks"], 100 + seed)
                 records, counts = make_pairs(load_reference(pcfg, torch.device("cpu")),
@@ -362,27 +398,39 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
                                              max_new_tokens=sizes["max_new_tokens"],
                                              temperature=sizes["pair_temperature"], top_k=0,
                                              seed=seed,
+                                             solution_fallback=sizes.get("pair_fallback", True),
                                              verify=VERIFIERS[sizes.get("verify", "answer")])
                 write_pairs(records, pairs)
                 pair_seconds = time.perf_counter() - t0
                 counts_file.write_text(json.dumps({**counts, "seconds": pair_seconds,
                                                    "settings": settings}))
-            dpo = _config(root / f"dpo{seed}", seed, **_post_sections(
+            dpo = _config(root / f"dpo{seed}{tag}", seed, **_post_sections(
                 sizes, sizes["dpo_lr"], sizes["dpo_steps"], sft_weights, data=str(pairs),
                 beta=sizes["dpo_beta"], dpo_nll=sizes["dpo_nll"],
-                dpo_loss=sizes.get("dpo_loss", "sigmoid")))
+                dpo_loss=sizes.get("dpo_loss", "sigmoid"),
+                dpo_precompute=sizes.get("dpo_precompute", False)))
             compute, trained = train("dpo", dpo)
             compute["pair_seconds"], compute["pairs"] = pair_seconds, counts
             record(named("DPO"), seed, compute, dpo.run.path / "model.safetensors", trained)
         if "grpo" in stages:
-            grpo(named("GRPO"), f"grpo{seed}", sft_weights, seed)
+            grpo(named("GRPO"), f"grpo{seed}{tag}", sft_weights, seed)
         if "grpo_dpo" in stages:
             # GRPO from this seed's DPO model (trained above, or by an earlier run in root).
-            dpo_weights = root / f"dpo{seed}" / "model.safetensors"
+            dpo_weights = root / f"dpo{seed}{tag}" / "model.safetensors"
             if not dpo_weights.is_file():
                 raise SystemExit(f"--stages grpo_dpo: no DPO model {dpo_weights}; add dpo to "
                                  "--stages (or run it first in the same --workdir)")
-            grpo(named("GRPO from DPO"), f"grpo_dpo{seed}", dpo_weights, seed)
+            grpo(named("GRPO from DPO"), f"grpo_dpo{seed}{tag}", dpo_weights, seed)
+        if "chaos" in stages:
+            # The chain's SFT and GRPO again, each as a fault-tolerant job under SIGKILLs: the
+            # same global batch while every group is up (each group half of it).
+            sections["train"]["batch_size"] = sizes["sft_batch"] // CHAOS_GROUPS
+            sft_chaos = _config(root / f"sft{sft_seed}-chaos", sft_seed, **sections)
+            compute, trained = train("sft", sft_chaos, chaos_seed=sft_seed)
+            record("SFT, chaos", sft_seed, compute, sft_chaos.run.path / "model.safetensors",
+                   trained)
+            grpo("GRPO, chaos", f"grpo{seed}{tag}-chaos",
+                 sft_chaos.run.path / "model.safetensors", seed, chaos=True)
     return out
 
 
@@ -440,8 +488,13 @@ def verdict(result: dict) -> str:
         base = base_stage(better)
         if base not in below:
             continue
-        worse = below[base] + better[len(base):] if base == "GRPO from DPO" else below[base]
+        # A labelled row against the row of the same label it started from, if there is one
+        # (GRPO from DPO, LABEL against DPO, LABEL; GRPO, chaos against SFT, chaos).
+        worse = below[base] + better[len(base):]
         if worse not in stages:
+            worse = below[base]
+        if worse not in stages or worse == better or (better.endswith(", chaos")
+                                                       and worse == "pretrained"):
             continue
         diff = mean(better) - mean(worse)
         interval = max(mean(better, "ci95"), mean(worse, "ci95"))
@@ -472,6 +525,35 @@ def verdict(result: dict) -> str:
         "mean over independent chains of each chain's difference, with its interval over " \
         "chains, else the paired per-task difference, averaged over seeds per task): " + \
         "; ".join(lines) + "."
+
+
+def chaos_lines(result: dict) -> str:
+    """Each stage trained again under chaos (``"SFT, chaos"``) against the same stage without
+    (``"SFT"``), seed by seed: the paired per-task difference over the chains and its interval
+    (the same accuracy when the interval holds 0), the failures the jobs survived, and whether
+    every group of each job ended with the same state."""
+    stages, lines = result["stages"], []
+    for stage in [s for s in stages if s.endswith(", chaos")]:
+        plain = stage[:-len(", chaos")]
+        if plain not in stages:
+            continue
+        runs = stages[stage]
+        pair = paired(result, stage, plain)
+        failures = sum(e.get("failures", 0) for e in runs.values())
+        same = sum(1 for e in runs.values() if e.get("replicas_identical"))
+        hashes = sorted({e.get("hashes", 0) for e in runs.values()})
+        line = (f"{stage} - {plain}: per chain " + ", ".join(
+            f"{e['acc'] - stages[plain][seed]['acc']:+.3f}" for seed, e in runs.items()
+            if seed in stages[plain]))
+        if pair is not None:
+            verdict_ = "the same accuracy" if abs(pair[0]) <= pair[1] else "DIFFERENT"
+            line += f"; paired per task {pair[0]:+.3f} ± {pair[1]:.3f}: {verdict_}"
+        line += (f"; {failures} SIGKILLs survived over {len(runs)} jobs of "
+                 f"{runs[next(iter(runs))].get('groups', '?')} groups, identical replicas in "
+                 f"{same} of {len(runs)} ({'/'.join(map(str, hashes))} hashes each)")
+        lines.append(line)
+    return ("Under chaos (each chain's SFT and GRPO again as fault-tolerant jobs, failures "
+            "injected by SIGKILL): " + "; ".join(lines) + ".") if lines else ""
 
 
 FINDINGS = """\
@@ -595,11 +677,19 @@ def format_section(result: dict, flags: list[str]) -> str:
                 else f"seed s starts from the SFT model of seed s mod {z['sft_seeds']}") +
              f"); DPO {z['dpo_steps']} steps (batch 8 pairs) on pairs "
              f"from {z['pair_tasks']} training tasks x {z['pair_samples']} samples at "
-             f"temperature {z['pair_temperature']} ({z.get('dpo_loss', 'sigmoid')} loss, beta "
-             f"{z['dpo_beta']}, NLL weight {z['dpo_nll']}, lr {z['dpo_lr']}); GRPO {z['grpo_steps']} steps of "
+             f"temperature {z['pair_temperature']} ("
+             + ("a reference solution as the chosen side when no sample is correct"
+                if sizes.get("pair_fallback", True) else "sampled pairs only") +
+             f"; {z.get('dpo_loss', 'sigmoid')} loss, beta "
+             f"{z['dpo_beta']}, NLL weight {z['dpo_nll']}, lr {z['dpo_lr']}"
+             + (", reference log-probs precomputed" if sizes.get("dpo_precompute") else "") +
+             f"); GRPO {z['grpo_steps']} steps of "
              f"{z['grpo_batch']} prompts x G={z['group_size']} at temperature "
-             f"{z['grpo_temperature']} from {z['grpo_tasks']} training tasks (clip "
-             f"{z['grpo_clip']}, KL {z['grpo_kl']}, lr {z['grpo_lr']}, NLL weight on the "
+             f"{z['grpo_temperature']} from {z['grpo_tasks']} training tasks (loss "
+             f"{z.get('grpo_loss', 'grpo')}, {z.get('ppo_epochs', 1)} pass(es) per rollout, "
+             + ("groups of equal rewards left out, " if sizes.get("grpo_filter") else "")
+             + ("truncated completions masked, " if sizes.get("grpo_mask_truncated") else "")
+             + f"clip {z['grpo_clip']}, KL {z['grpo_kl']}, lr {z['grpo_lr']}, NLL weight on the "
              f"correct samples {z.get('grpo_nll', 0)}); rewards and pairs "
              f"verified on the {sizes.get('verify', 'answer')}\n"
              "* Compute: mean wall seconds per run on this shared machine (evaluation not "
@@ -610,9 +700,15 @@ def format_section(result: dict, flags: list[str]) -> str:
     if "GRPO from DPO" in result["stages"]:
         body += ("* GRPO from DPO: the GRPO settings above, started from each seed's DPO model "
                  "(also its KL reference) instead of the SFT model\n")
+    if "SFT, chaos" in result["stages"]:
+        body += (f"* SFT, chaos and GRPO, chaos: each chain's SFT and then GRPO (from that SFT "
+                 f"model) again with the same settings as a local fault-tolerant job of "
+                 f"{CHAOS_GROUPS} replica groups, each training half of the batch, with a SIGKILL "
+                 f"every {z.get('chaos_mtbf', '?')} s on average (the chain's seed draws the "
+                 "schedule); a step with a group down trains the other half only\n")
     for stage in result["stages"]:
         own = result.get("stage_sizes", {}).get(stage)
-        if own and stage != base_stage(stage):  # a labelled variant: how its settings differ
+        if own and stage != base_stage(stage) and not stage.endswith(", chaos"):  # a labelled variant: how its settings differ
             differ = [f"{k} {_fmt(v) if isinstance(v, float) else v}" for k, v in own.items()
                       if sizes.get(k) != v]
             body += (f"* {stage}: the {base_stage(stage)} settings above"
@@ -628,6 +724,9 @@ def format_section(result: dict, flags: list[str]) -> str:
                      "incorrect / all correct, skipped): " + "; ".join(
                          f"{p['sample']} / {p['solution']} / {p['all_correct']}" for p in pairs))
     body += "\n\n" + verdict(result)
+    chaos = chaos_lines(result)
+    if chaos:
+        body += "\n\n" + chaos
     registered = json.loads(FINDINGS_RUN.read_text())["sizes"] if FINDINGS_RUN.is_file() else None
     if (registered is not None and result.get("split", "test") == "test"
             and all(sizes.get(k) == registered[k] for k in ("families", "test_seed", "sft_seeds"))
@@ -645,7 +744,7 @@ def format_section(result: dict, flags: list[str]) -> str:
 
 STAGE_SIZES = {
     "DPO": ("pair_tasks", "pair_samples", "pair_temperature", "dpo_steps", "dpo_lr", "dpo_beta",
-            "dpo_nll", "dpo_loss"),
+            "dpo_nll", "dpo_loss", "pair_fallback", "dpo_precompute"),
     "GRPO": ("grpo_steps", "grpo_batch", "group_size", "grpo_lr", "grpo_kl", "grpo_clip",
              "grpo_temperature", "grpo_tasks", "grpo_nll", "grpo_loss", "ppo_epochs",
              "grpo_filter", "grpo_mask_truncated"),

@@ -7,7 +7,14 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from ftlm.model import SIZES, ModelConfig, Transformer, flops_per_token, param_count
+from ftlm.model import (
+    SIZES,
+    ModelConfig,
+    Transformer,
+    flops_per_token,
+    forward_flops,
+    param_count,
+)
 
 
 def numel(model: torch.nn.Module) -> int:
@@ -84,3 +91,29 @@ def test_attention_term_grows_linearly_with_sequence_length():
     assert step == 12 * cfg.n_layers * cfg.dim * 1024
     with pytest.raises(ValueError, match="seq_len"):
         flops_per_token(cfg, 0)
+
+
+def test_forward_flops_of_a_small_config_by_hand():
+    cfg = ModelConfig(size="tiny", vocab_size=100, dim=16, n_layers=2, n_heads=2, n_kv_heads=1,
+                      ffn_dim=32, max_seq_len=64)
+    # Per block: q 16x16, k and v 16x8 each, o 16x16, SwiGLU 3 x 16x32; output projection 100x16.
+    matmul = 2 * (16 * 16 + 2 * 16 * 8 + 16 * 16 + 3 * 16 * 32) + 100 * 16
+    # A prompt of 3 tokens and 2 generated: 5 positions, position t attends to t keys.
+    pairs = 1 + 2 + 3 + 4 + 5
+    per_pair = 4 * 2 * 2 * 8  # Q K^T and A V, 2 FLOPs per multiply-add, 2 layers, 2 heads of 8
+    assert forward_flops(cfg, 3, 2) == 2 * matmul * 5 + per_pair * pairs
+    assert forward_flops(cfg, 5) == forward_flops(cfg, 3, 2)  # a read and a decode cost alike
+    assert forward_flops(cfg, 0) == 0
+    with pytest.raises(ValueError, match="generated=-1"):
+        forward_flops(cfg, 3, -1)
+
+
+def test_forward_flops_is_a_counted_forward_pass_less_the_keys_after_each_query():
+    cfg = ModelConfig(size="tiny", vocab_size=300, dim=64, n_layers=3, n_heads=4, n_kv_heads=2,
+                      ffn_dim=160, max_seq_len=64)
+    seq = 24
+    full_square = measured_flops(cfg, 1, seq, backward=False)
+    above_diagonal = seq * (seq - 1) // 2  # (query, later key) pairs a causal decode never reads
+    per_pair = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim
+    assert forward_flops(cfg, seq) == pytest.approx(full_square - per_pair * above_diagonal,
+                                                    rel=1e-9)

@@ -11,11 +11,11 @@ import importlib
 from typing import Any
 
 _HOME = {"ModelConfig": "config", "SIZES": "config", "flops_per_token": "counts",
-         "param_count": "counts", "Transformer": "llama"}
+         "forward_flops": "counts", "param_count": "counts", "Transformer": "llama"}
 # Sampling lives in ``ftlm.model.generate`` (import ``generate`` from there: the package attribute
 # of that name is the submodule once anything imported it).
 
-__all__ = ["ModelConfig", "SIZES", "Transformer", "param_count", "flops_per_token"]
+__all__ = ["ModelConfig", "SIZES", "Transformer", "param_count", "flops_per_token", "forward_flops"]
 
 
 def __getattr__(name: str) -> Any:

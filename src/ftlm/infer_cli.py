@@ -249,6 +249,9 @@ def cmd_verifier_train(args: argparse.Namespace) -> int:
     records, counts = _sample_verifier_data(args, args.policy, args.families or
                                             config.post.families)
     write_records(records, data)
+    # What labelling cost (policy samples drawn), kept beside the data: the verifier's training
+    # compute is its run's tokens plus these samples (bench.test_time_scaling amortises both).
+    data.with_suffix(".counts.json").write_text(json.dumps(counts))
     print(f"{_counts_line(counts)}; training the verifier ({small / 1e6:.2f}M parameters, policy "
           f"{big / 1e6:.2f}M) on {data}", flush=True)
     config = load_config(args.config, [*args.overrides, f"post.data={data}"])

@@ -69,6 +69,9 @@ def test_out_of_rounds_the_pick_is_the_best_scored_finished_candidate_and_cost_i
         # one character per token: an expansion costs its prompt, its parent and its step
         scored = [c for call in scorer.calls for p, c in call if p == prompt]
         assert result.policy_tokens == sum(len(prompt) + len(c) for c in scored)
+        # one pass per expansion: its prompt and parent read, then a step of at most 3 tokens
+        assert len(result.passes) == len(scored)
+        assert all(read >= len(prompt) and 1 <= made <= 3 for read, made in result.passes)
 
 
 def test_a_reply_that_ends_is_finished_and_leaves_the_frontier(model):

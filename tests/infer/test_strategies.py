@@ -57,6 +57,8 @@ def test_sampled_candidates_are_seeded_and_batched(model):
     assert [[c.tokens for c in row] for row in first] == [[c.tokens for c in row] for row in again]
     assert len({tuple(c.tokens) for c in first[0]}) > 1  # seed + i: the samples differ
     assert all(c.text == codec.decode(c.tokens) for c in first[0])
+    # One pass each, its prompt read and its tokens generated: what its FLOPs are counted over.
+    assert [c.passes for c in first[1]] == [[(2, len(c.tokens))] for c in first[1]]
 
 
 def test_thinking_budget_caps_the_reasoning_then_forces_the_answer(model):
@@ -70,3 +72,8 @@ def test_thinking_budget_caps_the_reasoning_then_forces_the_answer(model):
         assert close <= 5 + 1  # at most 5 reasoning tokens (one character each) and a newline
         assert "\n" not in c.text[close + len("</think>\nAnswer:"):]  # the answer is one line
         assert len(c.tokens) <= 5 + 4
+        # Two passes: the reasoning from the prompt, then the answer from the prompt, the
+        # reasoning and the forced "</think>\nAnswer:" read again.
+        (read1, made1), (read2, made2) = c.passes
+        assert read1 == len(prompts[0]) and made1 + made2 == len(c.tokens)
+        assert read2 == read1 + close + len("</think>\nAnswer:")

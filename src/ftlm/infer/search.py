@@ -11,9 +11,9 @@ finished as they stand). Every round runs the steps of all prompts through the e
 and scores all new partials in one scorer call. The answer is the finished candidate the scorer
 rates highest (``best_of_n`` over the finished ones; ``vote=True``: ``weighted_best_of_n``).
 
-The cost is counted, for compute-matched comparisons: ``policy_tokens`` is every token the
-policy processed (each expansion re-prefills its prompt and partial: this engine shares no
-prefix cache between sequences) plus the tokens it generated; the scorer's cost is the caller's
+The cost is counted, for compute-matched comparisons: ``passes`` holds each expansion's prefill
+(its prompt and partial: this engine shares no prefix cache between sequences) and the tokens it
+generated, and ``policy_tokens`` is their total; the scorer's cost is the caller's
 (it sees every ``(prompt, partial)`` pair it is asked about).
 
 Not responsible for: the scorer (``ftlm.infer.verifier.Verifier.probabilities`` is one; its
@@ -65,9 +65,14 @@ class SearchResult:
     """The pick for one prompt, the finished candidates and the policy's cost."""
 
     choice: Choice
-    policy_tokens: int
-    """Tokens the policy processed: every expansion's prefill plus its generated tokens."""
+    passes: list[tuple[int, int]]
+    """``(tokens read, tokens generated)`` of every expansion: its prefill and its step."""
     rounds: int
+
+    @property
+    def policy_tokens(self) -> int:
+        """Tokens the policy processed: every expansion's prefill plus its generated tokens."""
+        return sum(read + generated for read, generated in self.passes)
 
 
 def _check(n: int, width: int, max_steps: int, step_tokens: int) -> None:
@@ -98,11 +103,11 @@ def beam_search(engine: Engine, codec: TextCodec, prompts: Sequence[list[int]],
                           stop=tuple(params.stop) + (STEP_END,))
     frontier: list[list[Beam]] = [[Beam()] for _ in prompts]  # round 0 expands the empty beam
     finished: list[list[Beam]] = [[] for _ in prompts]
-    cost = [0] * len(prompts)
+    passes: list[list[tuple[int, int]]] = [[] for _ in prompts]
     rounds = 0
     while rounds < max_steps and any(frontier):
         grown = _expand(engine, codec, prompts, frontier, n, step_params, params, base
-                        + rounds * n, cost)
+                        + rounds * n, passes)
         rounds += 1
         pairs = [(texts[i], b.text) for i, beams in enumerate(grown) for b in beams]
         scores = iter(scorer(pairs)) if pairs else iter(())
@@ -124,13 +129,14 @@ def beam_search(engine: Engine, codec: TextCodec, prompts: Sequence[list[int]],
             cands = [Beam(finish_reason="length").candidate()]
         pick = weighted_best_of_n if vote else best_of_n
         choice = pick(cands, texts[i], _own_score)
-        results.append(SearchResult(choice, cost[i], rounds))
+        results.append(SearchResult(choice, passes[i], rounds))
     return results
 
 
 def _expand(engine: Engine, codec: TextCodec, prompts: Sequence[list[int]],
             frontier: list[list[Beam]], n: int, step_params: SamplingParams,
-            params: SamplingParams, seed: int, cost: list[int]) -> list[list[Beam]]:
+            params: SamplingParams, seed: int,
+            passes: list[list[tuple[int, int]]]) -> list[list[Beam]]:
     """Sample the next step of each frontier beam (``n`` steps per prompt, spread evenly)."""
     room = engine.max_seq_len - 1
     jobs = []
@@ -154,7 +160,7 @@ def _expand(engine: Engine, codec: TextCodec, prompts: Sequence[list[int]],
         if seq is None:  # no room left: the parent is finished as it is
             grown[i].append(replace(parent, finish_reason="length"))
             continue
-        cost[i] += len(context) + len(seq.tokens)
+        passes[i].append((len(context), len(seq.tokens)))
         raw = codec.decode(seq.tokens)
         step, ended_line = cut_at_stop(raw, (STEP_END,))
         child = Beam(parent.text + step + (STEP_END if ended_line else ""),

@@ -56,6 +56,10 @@ class Candidate:
     finish_reason: str
     answer: str | None = None
     score: float | None = None
+    passes: list[tuple[int, int]] = field(default_factory=list)
+    """``(tokens read, tokens generated)`` of each pass through the policy that produced it: its
+    prefill context and its sampled tokens, what its inference cost is counted over
+    (``ftlm.model.counts.forward_flops``). Empty when unknown."""
 
     @property
     def mean_logprob(self) -> float:
@@ -115,7 +119,7 @@ def sample_candidates(engine: Engine, codec: TextCodec, prompts: Sequence[list[i
         for s in row:
             text, _ = cut_at_stop(codec.decode(s.tokens), params.stop)
             cands.append(Candidate(text, s.tokens, s.logprobs, s.finish_reason or "abort",
-                                   extract_answer(text)))
+                                   extract_answer(text), passes=[(len(s.prompt), len(s.tokens))]))
         out.append(cands)
     return out
 
@@ -175,16 +179,17 @@ def thinking_budget(engine: Engine, codec: TextCodec, prompts: Sequence[list[int
     answer_params = replace(params, max_new_tokens=answer_tokens,
                             stop=tuple(params.stop) + ("\n",))
     room = engine.max_seq_len - 1
-    second = [engine.add((p + codec.encode(r + f))[-room:], answer_params)
-              for p, r, f in zip(prompts, reasoning, forced)]
+    contexts = [(p + codec.encode(r + f))[-room:] for p, r, f in zip(prompts, reasoning, forced)]
+    second = [engine.add(c, answer_params) for c in contexts]
     while engine.has_work():
         engine.step()
     out = []
-    for s1, s2, r, f in zip(first, second, reasoning, forced):
+    for p, c, s1, s2, r, f in zip(prompts, contexts, first, second, reasoning, forced):
         tail, _ = cut_at_stop(codec.decode(s2.tokens), ("\n",) + tuple(params.stop))
         text = r + f + tail
         out.append(Candidate(text, s1.tokens + s2.tokens, s1.logprobs + s2.logprobs,
-                             s2.finish_reason or "abort", extract_answer(text)))
+                             s2.finish_reason or "abort", extract_answer(text),
+                             passes=[(len(p), len(s1.tokens)), (len(c), len(s2.tokens))]))
     return out
 
 

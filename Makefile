@@ -90,5 +90,12 @@ bench: setup
 lifecycle: setup
 	$(BIN)/python -m bench.lifecycle
 
+# The test-time-scaling study from nothing: the lifecycle's SFT policy, a ~4x larger one, the
+# verifiers, then the study (400 held-out add tasks, 3 seeds; BENCHMARKS.md 'Test-time scaling').
+# Models under runs/tts, reused by a rerun; about an hour of CPU on a quiet 2-core box, hours at load.
+.PHONY: tts
+tts: setup
+	$(BIN)/python -m bench.tts_pipeline
+
 clean:
 	rm -rf runs .pytest_cache src/ftlm/ft/_compiled

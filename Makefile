@@ -85,10 +85,16 @@ test-slow: setup system-deps system-deps-cluster
 bench: setup
 	$(BIN)/python -m bench
 
-# The model lifecycle on a CPU (pretrain -> SFT -> DPO / GRPO, 5 independent chains; hours on 2 cores: one 800-step SFT alone took 39 min at load 11-20).
+# The model lifecycle on a CPU (pretrain -> SFT -> DPO / GRPO, 5 independent chains, then the
+# earlier tables' DPO (RPO) from the same SFT models, then chain 0's SFT and GRPO again under
+# chaos), and the table written from the three: about 4 hours of CPU on 2 cores. Models go to
+# runs/lifecycle; a rerun takes back what is there (--reuse) and continues.
 .PHONY: lifecycle
 lifecycle: setup
-	$(BIN)/python -m bench.lifecycle
+	$(BIN)/python -m bench.lifecycle --workdir runs/lifecycle --reuse --no-write --json runs/lifecycle/main.json
+	$(BIN)/python -m bench.lifecycle --workdir runs/lifecycle --reuse --no-write --stages dpo --rpo --json runs/lifecycle/rpo.json
+	$(BIN)/python -m bench.lifecycle --workdir runs/lifecycle --reuse --no-write --stages chaos --only-seeds 0 --json runs/lifecycle/chaos.json
+	$(BIN)/python -m bench.lifecycle --merge runs/lifecycle/main.json runs/lifecycle/rpo.json runs/lifecycle/chaos.json
 
 # The test-time-scaling study from nothing: the lifecycle's SFT policy, a ~4x larger one, the
 # verifiers, then the study (400 held-out add tasks, 3 seeds; BENCHMARKS.md 'Test-time scaling').

@@ -71,33 +71,45 @@ FAMILIES = "add"
 
 FULL = {
     "families": FAMILIES, "sft_families": SFT_FAMILIES, "pretrain_steps": 200,
-    "heldout_tasks": 1600, "test_seed": 20261202, "max_new_tokens": 96,
+    "heldout_tasks": 1600, "test_seed": 20261204, "max_new_tokens": 96,
     "train_tasks": 4000, "sft_steps": 800, "sft_lr": 3e-3, "sft_batch": 16, "sft_seq_len": 128,
     "sft_seeds": 5,
-    "pair_tasks": 300, "pair_samples": 4, "pair_temperature": 0.7,
-    "dpo_steps": 120, "dpo_lr": 5e-5, "dpo_beta": 0.1, "dpo_nll": 10.0, "dpo_loss": "sigmoid",
-    "pair_fallback": True, "dpo_precompute": False, "chaos_mtbf": 60.0,
-    "grpo_steps": 40, "grpo_batch": 32, "group_size": 8, "grpo_lr": 5e-5, "grpo_kl": 0.04,
+    "pair_tasks": 600, "pair_samples": 8, "pair_temperature": 0.7,
+    "dpo_steps": 120, "dpo_lr": 1e-5, "dpo_beta": 0.1, "dpo_nll": 0.0, "dpo_loss": "sigmoid",
+    "pair_fallback": False, "dpo_precompute": True, "chaos_mtbf": 60.0,
+    "grpo_steps": 80, "grpo_batch": 32, "group_size": 8, "grpo_lr": 2e-4, "grpo_kl": 0.04,
     "grpo_clip": 0.2, "grpo_temperature": 0.7, "grpo_tasks": 1000, "grpo_nll": 0.0,
-    "grpo_loss": "grpo", "ppo_epochs": 1, "grpo_filter": False, "grpo_mask_truncated": False,
+    "grpo_loss": "dapo", "ppo_epochs": 2, "grpo_filter": True, "grpo_mask_truncated": False,
     "verify": "answer",
 }
-"""Sizes and hyper-parameters of the full run (``--set KEY=VALUE`` overrides one): five
-independent chains (``sft_seeds`` 5 with ``--seeds 5``), each with its own SFT run; otherwise those
-of the pre-registered three-chain run in BENCHMARKS.md (bench/results/lifecycle/fresh20261202/,
-which ``--seeds 3 --set sft_seeds=3`` reproduces): scored on the draw of seed 20261202; DPO with the settings chosen on validation (pairs at temperature 0.7, 120 steps),
-GRPO 40 steps at lr 5e-5. The earlier tables used test_seed 1234, sft_seeds 1, pair temperature
-1.0, DPO 40 steps and GRPO 10 steps at lr 2e-4 (``--set`` them to rerun one)."""
+"""Sizes and hyper-parameters of the full run (``--set KEY=VALUE`` overrides one): those of the
+pre-registered five-chain run (bench/results/lifecycle/fresh20261204/): five independent chains
+(``sft_seeds`` 5 with ``--seeds 5``), each with its own SFT run, scored on the draw of seed
+20261204. DPO is plain DPO (no NLL term) on sampled pairs only (600 tasks x 8 samples; no
+reference solution as the chosen side), lr 1e-5, its reference log-probs precomputed; GRPO 80
+steps at lr 2e-4 with two passes per rollout, the token-level (dapo) loss and groups of equal
+rewards left out. Both were the best on validation (chain 0) of those tried on 2026-12-04.
+``RPO`` holds the DPO settings of the earlier tables (NLL weight 10, reference solutions as
+the chosen side), run as the labelled row "DPO, RPO" (``make lifecycle``). The three-chain run of
+2026-12-02 (bench/results/lifecycle/fresh20261202/) used test_seed 20261202, RPO's DPO settings,
+GRPO 40 steps at lr 5e-5 with one pass and the grpo loss; the tables before it test_seed 1234,
+sft_seeds 1, pair temperature 1.0, DPO 40 steps and GRPO 10 steps at lr 2e-4 (``--set`` them to
+rerun one)."""
+RPO = {"pair_tasks": 300, "pair_samples": 4, "pair_fallback": True, "dpo_lr": 5e-5,
+       "dpo_nll": 10.0, "dpo_precompute": False}
+"""The DPO settings of the tables up to 2026-12-02 (RPO: DPO plus an NLL term of weight 10 on
+the chosen side, mostly reference solutions), the labelled row "DPO, RPO"."""
 QUICK = {**FULL, "pretrain_steps": 20, "sft_steps": 10, "train_tasks": 100, "heldout_tasks": 20,
          "pair_tasks": 16, "dpo_steps": 4, "grpo_steps": 2, "group_size": 4, "grpo_batch": 2,
          "grpo_tasks": 100, "max_new_tokens": 48}
 VAL_SEED = 4321
 """Seed of the validation draw (training split, problems of every training stage removed)."""
-TEST_DRAWS = ((1234, 1600), (20261201, 1600), (20261202, 1600))
+TEST_DRAWS = ((1234, 1600), (20261201, 1600), (20261202, 1600), (20261204, 1600))
 """The draws of the test split (``test_seed``, tasks; families add) in the order they were fixed:
 1234 the tables up to 2026-12-01 05:19 UTC scored (a second setting was scored on it); 20261201
 the fresh draw of the 08:18 table (fixed in e0cb123); 20261202 the pre-registered run whose
-seeds vary the SFT run (fixed before any score: bench/results/lifecycle/fresh20261202/). A draw
+seeds vary the SFT run (fixed before any score: bench/results/lifecycle/fresh20261202/);
+20261204 the pre-registered five-chain run (bench/results/lifecycle/fresh20261204/). A draw
 leaves out the problems of every draw before it; a seed not listed leaves out all of them."""
 FIRST_TEST = TEST_DRAWS[0]
 """The default draw, which leaves nothing out (the earlier tables' tasks)."""
@@ -854,11 +866,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", default="", help="name this run's DPO/GRPO rows \"DPO, LABEL\" "
                    "etc.: a variant's rows, merged (--merge) beside the plain ones, each row "
                    "with its own settings")
+    p.add_argument("--rpo", action="store_true", help="the DPO settings of the earlier tables "
+                   "(RPO: NLL weight 10, reference solutions as the chosen side; RPO) as the "
+                   "labelled row \"DPO, RPO\" (with --stages dpo)")
     p.add_argument("--json", default="", help="also write the raw results here")
     p.add_argument("--from-json", default="", help="do not train: format (and write) the section "
                    "from results saved by an earlier --json run")
     args = p.parse_args(argv)
-    sizes = _override(QUICK if args.quick else FULL, args.set)
+    if args.rpo and args.label:
+        raise SystemExit("--rpo names its rows itself (\"DPO, RPO\"); drop --label")
+    if args.rpo:
+        args.label = "RPO"
+    sizes = _override({**(QUICK if args.quick else FULL), **(RPO if args.rpo else {})}, args.set)
     stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
     flags = [f for f, on in (("--quick", args.quick), ("--no-write", args.no_write)) if on]
     only = (None if not args.only_seeds else [] if args.only_seeds == "none" else

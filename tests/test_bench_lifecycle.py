@@ -19,7 +19,7 @@ import pytest
 from bench.lifecycle import (FIRST_TEST, FULL, STAGE_SIZES, TEST_DRAWS, _config,
                              _post_sections, _saved_settings_differ, base_stage, earlier_draws,
                              evaluation_tasks, format_section, merge, training_problems, verdict,
-                             CHAINS, interval_over_chains)
+                             CHAINS, RPO, interval_over_chains)
 from ftlm.tasks import generate
 
 FRESH_SEED = 20261201  # the fresh draw of the 2026-12-01 confirmation (chosen before scoring it)
@@ -30,19 +30,21 @@ def _keys(tasks) -> set[tuple[str, str]]:
     return {(t.family, t.key) for t in tasks}
 
 
-def test_the_defaults_are_five_chains_with_the_pre_registered_settings_and_the_first_draw_is_unchanged() -> None:
-    # `make lifecycle` reproduces the table: the settings recorded before that run was scored.
-    registered = json.loads((REPO_ROOT / "bench/results/lifecycle/fresh20261202/dpo.json").read_text())["sizes"]
-    grpo = json.loads((REPO_ROOT / "bench/results/lifecycle/fresh20261202/grpo.json").read_text())["sizes"]
-    for key in ("test_seed", "pair_temperature", "dpo_steps", "dpo_lr", "sft_steps"):
-        assert FULL[key] == registered[key], key
-    # Five independent chains by default; the registered run had three (--set sft_seeds=3).
-    assert FULL["sft_seeds"] == CHAINS == 5 and registered["sft_seeds"] == 3
-    for key in ("grpo_steps", "grpo_lr", "group_size", "grpo_batch"):
-        assert FULL[key] == grpo[key], key
-    assert FULL["test_seed"] == TEST_DRAWS[-1][0]
+def test_the_defaults_are_the_pre_registered_five_chain_settings_and_the_first_draw_is_unchanged() -> None:
+    # `make lifecycle` reproduces the table: the settings fixed before that run was scored.
+    registered = json.loads((REPO_ROOT / "bench/results/lifecycle/fresh20261204/settings.json").read_text())
+    assert FULL == registered["plain"] and {**FULL, **RPO} == registered["rpo"]
+    assert FULL["sft_seeds"] == CHAINS == 5
+    assert FULL["test_seed"] == TEST_DRAWS[-1][0] == 20261204
     first = {**FULL, "test_seed": FIRST_TEST[0]}
     assert evaluation_tasks(first, "test", 3) == generate(FULL["families"], "test", 1600, 1234)
+
+
+def test_the_new_draw_shares_no_problem_with_the_earlier_draws() -> None:
+    new = _keys(evaluation_tasks(FULL, "test", CHAINS))
+    assert len(new) == 1600
+    for seed, size in TEST_DRAWS[:-1]:
+        assert not new & _keys(evaluation_tasks({**FULL, "test_seed": seed}, "test", CHAINS))
 
 
 def test_fresh_draw_shares_no_problem_with_the_first_draw_nor_training() -> None:

@@ -87,7 +87,8 @@ bench: setup
 
 # The model lifecycle on a CPU (pretrain -> SFT -> DPO / GRPO, 5 independent chains, then the
 # earlier tables' DPO (RPO) from the same SFT models, then chain 0's SFT and GRPO again under
-# chaos), and the table written from the three: about 4 hours of CPU on 2 cores. Models go to
+# chaos), and the table written from the three: about two hours on a quiet 2-core box (2.1 h
+# of CPU in the run of 2026-12-04, one process at a time but for the 2-group chaos jobs). Models go to
 # runs/lifecycle; a rerun takes back what is there (--reuse) and continues.
 .PHONY: lifecycle
 lifecycle: setup

@@ -15,3 +15,8 @@ L="$PY -m bench.lifecycle --workdir runs/lifecycle --reuse --no-write"
 wait
 $L --stages chaos --only-seeds 0 --json $OUT/chaos.json > runs/lifecycle/chaos.log 2>&1
 $PY -m bench.lifecycle --merge $OUT/main_024.json $OUT/main_13.json $OUT/rpo.json $OUT/chaos.json
+# Added after the chaos rows were scored (not pre-registered): chain 0 as the same 2-group jobs
+# without failures, to tell what the failures changed from what the 2-group layout changes.
+# ( mkdir -p runs/lifecycle-control; ln -s ../lifecycle/pretrain ../lifecycle/sft0 runs/lifecycle-control/ )
+# $PY -m bench.lifecycle --workdir runs/lifecycle-control --reuse --no-write --stages chaos \
+#     --only-seeds 0 --set chaos_mtbf=0 --json $OUT/control_no_failures.json

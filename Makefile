@@ -87,15 +87,12 @@ bench: setup
 
 # The model lifecycle on a CPU (pretrain -> SFT -> DPO / GRPO, 5 independent chains, then the
 # earlier tables' DPO (RPO) from the same SFT models, then chain 0's SFT and GRPO again under
-# chaos), and the table written from the three: about two hours on a quiet 2-core box (2.1 h
+# chaos), merged into BENCHMARKS.md's table: about two hours on a quiet 2-core box (2.1 h
 # of CPU in the run of 2026-12-04, one process at a time but for the 2-group chaos jobs). Models go to
 # runs/lifecycle; a rerun takes back what is there (--reuse) and continues.
 .PHONY: lifecycle
 lifecycle: setup
-	$(BIN)/python -m bench.lifecycle --workdir runs/lifecycle --reuse --no-write --json runs/lifecycle/main.json
-	$(BIN)/python -m bench.lifecycle --workdir runs/lifecycle --reuse --no-write --stages dpo --rpo --json runs/lifecycle/rpo.json
-	$(BIN)/python -m bench.lifecycle --workdir runs/lifecycle --reuse --no-write --stages chaos --only-seeds 0 --json runs/lifecycle/chaos.json
-	$(BIN)/python -m bench.lifecycle --merge runs/lifecycle/main.json runs/lifecycle/rpo.json runs/lifecycle/chaos.json
+	$(BIN)/python -m bench.lifecycle --table --json runs/lifecycle/table.json
 
 # The test-time-scaling study from nothing: the lifecycle's SFT policy, a ~4x larger one, the
 # verifiers, then the study (400 held-out add tasks, 3 seeds; BENCHMARKS.md 'Test-time scaling').

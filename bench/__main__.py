@@ -44,9 +44,7 @@ SOAK_END = ("--layout", "4x1", "--steps", "200", "--mtbf", "12", "--checkpoint-e
             "--seeds", "12")
 COORDINATOR_SWEEP = ("--sweep", "100,500,1000,2000,3000,4000,2000@1.5", "--seconds", "60",
                      "--trace")
-LIFECYCLE = ("--seeds", "3", "--set", "sft_seeds=3", "--set", "test_seed=20261202", "--set",
-             "pair_temperature=0.7", "--set", "dpo_steps=120", "--set", "grpo_lr=5e-5", "--set",
-             "grpo_steps=40")
+LIFECYCLE = ("--table",)
 DILOCO = ("--seeds", "3", "--sizes", "tiny:2000,small:300", "--jobs", "2", "--write")
 NEMESIS = ("--runs", "8", "--seed", "1", "--steps", "400", "--faults", "10", "--write")
 TEST_TIME_SCALING = ("--from-json", "bench/results/test_time_scaling/outcome_add.json",

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 import json
 import statistics
 import sys
@@ -102,7 +103,8 @@ RPO = {"pair_tasks": 300, "pair_samples": 4, "pair_fallback": True, "dpo_lr": 5e
 the chosen side, mostly reference solutions), the labelled row "DPO, RPO"."""
 QUICK = {**FULL, "pretrain_steps": 20, "sft_steps": 10, "train_tasks": 100, "heldout_tasks": 20,
          "pair_tasks": 16, "dpo_steps": 4, "grpo_steps": 2, "group_size": 4, "grpo_batch": 2,
-         "grpo_tasks": 100, "max_new_tokens": 48}
+         "grpo_tasks": 100, "max_new_tokens": 48,
+         "pair_fallback": True}  # (a model of 10 SFT steps answers nothing right: no sampled pair)
 VAL_SEED = 4321
 """Seed of the validation draw (training split, problems of every training stage removed)."""
 TEST_DRAWS = ((1234, 1600), (20261201, 1600), (20261202, 1600), (20261204, 1600))
@@ -626,10 +628,9 @@ over five independent chains, each with its own SFT run:
   21-24 s + 45-53 s of sampling pairs (600 tasks x 8); RPO's DPO 26-29 s + 11-14 s of pairs;
   GRPO 797-948 s (80 steps, each rollout trained twice); scoring a model 13-17 s. Two processes
   ran at a time on 2 cores (`run.sh`).
-* **Earlier tables** (history; their readings are in git): the three-chain run of 2026-12-02
-  (draw 20261202) had DPO (RPO's settings) +0.039 and GRPO (40 steps at lr 5e-5, one pass)
-  +0.026 with intervals over tasks; over its three chains GRPO's interval held zero.
-* Results: `bench/results/lifecycle/fresh20261204/` (`main_024.json`, `main_13.json`,
+* The earlier three-chain table (2026-12-02, draw 20261202: RPO's DPO +0.039, GRPO at 40 steps
+  +0.026, intervals over tasks) and its reading are in git. Results of this run:
+  `bench/results/lifecycle/fresh20261204/` (`main_024.json`, `main_13.json`,
   `rpo.json`, `chaos.json`, merged by `--merge`; `run.sh`, the runs as they were started)."""
 
 
@@ -728,21 +729,26 @@ def format_section(result: dict, flags: list[str]) -> str:
     body += table(["stage", "pass@1, mean over chains (± 95 % CI over chains)",
                    "per chain (± 95 % CI over tasks)",
                    "compute (wall)", "tokens"], rows)
-    for stage, by_seed in result["stages"].items():
-        pairs = [e["pairs"] for e in by_seed.values() if "pairs" in e]
-        if base_stage(stage) == "DPO" and pairs:
-            body += (f"\n\nPairs of {stage} per seed (sampled correct vs incorrect / solution vs "
-                     "incorrect / all correct, skipped): " + "; ".join(
-                         f"{p['sample']} / {p['solution']} / {p['all_correct']}" for p in pairs))
+    pair_counts = [f"{stage}: " + "; ".join(
+        f"{p['sample']} / {p['solution']} / {p['all_correct']}" for p in pairs)
+        for stage, pairs in ((stage, [e["pairs"] for e in by_seed.values() if "pairs" in e])
+                             for stage, by_seed in result["stages"].items())
+        if base_stage(stage) == "DPO" and pairs]
+    if pair_counts:
+        body += ("\n\nPairs per seed (sampled correct vs incorrect / solution vs incorrect / all "
+                 "correct, skipped): " + ". ".join(pair_counts))
     body += "\n\n" + verdict(result)
     chaos = chaos_lines(result)
     if chaos:
         body += "\n\n" + chaos
     registered = json.loads(FINDINGS_RUN.read_text())["sizes"] if FINDINGS_RUN.is_file() else None
     if (registered is not None and result.get("split", "test") == "test"
-            and all(sizes.get(k) == registered[k] for k in ("families", "test_seed", "sft_seeds"))
+            and all(sizes.get(k) == registered[k] for k in (
+                "families", "test_seed", "sft_seeds", "sft_steps", "grpo_steps", "heldout_tasks"))
             and len(result["stages"].get("SFT", {})) == registered["sft_seeds"]):
-        body += "\n\n" + FINDINGS  # the reading of that run, not of another
+        # The reading of that run, not of another; one line per paragraph or item (the
+        # document's line budget counts lines, Markdown joins them the same).
+        body += "\n\n" + re.sub(r"\n(?=[^*\n])\s*", " ", FINDINGS)
     fams = {stage: {f: statistics.fmean(e["families"][f] for e in by_seed.values())
                     for f in next(iter(by_seed.values()))["families"]}
             for stage, by_seed in result["stages"].items()}
@@ -868,6 +874,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rpo", action="store_true", help="the DPO settings of the earlier tables "
                    "(RPO: NLL weight 10, reference solutions as the chosen side; RPO) as the "
                    "labelled row \"DPO, RPO\" (with --stages dpo)")
+    p.add_argument("--table", action="store_true", help="the whole table, as `make lifecycle` "
+                   "makes it: the chains' DPO and GRPO, the RPO row (--rpo) and chain 0 under "
+                   "chaos, in --workdir (default runs/lifecycle; what is there is taken back, "
+                   "as with --reuse), merged into one section")
     p.add_argument("--json", default="", help="also write the raw results here")
     p.add_argument("--from-json", default="", help="do not train: format (and write) the section "
                    "from results saved by an earlier --json run")
@@ -878,7 +888,9 @@ def main(argv: list[str] | None = None) -> int:
         args.label = "RPO"
     sizes = _override({**(QUICK if args.quick else FULL), **(RPO if args.rpo else {})}, args.set)
     stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
-    flags = [f for f, on in (("--quick", args.quick), ("--no-write", args.no_write)) if on]
+    # The section alone, as BENCHMARKS.md holds it, is --table's (every row).
+    flags = [f for f, on in (("--table", not args.quick), ("--quick", args.quick),
+                             ("--no-write", args.no_write)) if on]
     only = (None if not args.only_seeds else [] if args.only_seeds == "none" else
             [int(x) for x in args.only_seeds.split(",") if x.strip()])
     if args.merge:
@@ -888,6 +900,17 @@ def main(argv: list[str] | None = None) -> int:
     elif args.from_json:
         result = json.loads(Path(args.from_json).read_text())
         args.json = ""
+    elif args.table:
+        if args.rpo or args.label or only is not None or args.eval_split != "test":
+            raise SystemExit("--table runs every stage of every chain on the test split; drop "
+                             "--rpo, --label, --only-seeds and --eval-split")
+        root = Path(args.workdir) if args.workdir else REPO_ROOT / "runs" / "lifecycle"
+        result = merge([
+            run_lifecycle(root, sizes, args.seeds, "test", ("dpo", "grpo"), True),
+            run_lifecycle(root, {**sizes, **RPO}, args.seeds, "test", ("dpo",), True,
+                          label="RPO"),
+            run_lifecycle(root, sizes, args.seeds, "test", ("chaos",), True, only=[0])])
+        result["command"] = command_line()
     elif args.workdir:
         result = run_lifecycle(Path(args.workdir), sizes, args.seeds, args.eval_split, stages,
                                args.reuse, only, args.label)

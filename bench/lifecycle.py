@@ -595,7 +595,7 @@ before any model was scored on the draw; `bench/results/lifecycle/fresh20261204/
 over five independent chains, each with its own SFT run:
 
 * **GRPO is above SFT by +0.120 ± 0.048 over chains** (95 % interval [+0.072, +0.168]: it
-  excludes zero; its mean is above issue 37's 10 points, its lower end is not). Every chain
+  excludes zero; its mean is above the 10-point target, its lower end is not). Every chain
   gains: +0.054 from the weakest SFT model (0.168) to +0.150. The chosen settings (80 steps at lr
   2e-4, two passes per rollout, so the clip acts; the token-level loss; groups of equal rewards
   left out) were the best of four on validation (chain 0: +0.076; the 40-step version +0.016,

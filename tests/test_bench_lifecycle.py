@@ -19,7 +19,7 @@ import pytest
 from bench.lifecycle import (FIRST_TEST, FULL, STAGE_SIZES, TEST_DRAWS, _config,
                              _post_sections, _saved_settings_differ, base_stage, earlier_draws,
                              evaluation_tasks, format_section, merge, training_problems, verdict,
-                             CHAINS, RPO, interval_over_chains)
+                             CHAINS, RPO, chaos_lines, interval_over_chains)
 from ftlm.tasks import generate
 
 FRESH_SEED = 20261201  # the fresh draw of the 2026-12-01 confirmation (chosen before scoring it)
@@ -139,6 +139,29 @@ def test_merge_keeps_a_labelled_variant_beside_the_plain_row_with_its_own_settin
     assert "DPO, chosen - SFT: paired per task +0.625" in text
     section = format_section(out, ["--no-write"])
     assert "* DPO, chosen: the DPO settings above, but dpo_lr 0.0002, dpo_beta 0.5\n" in section
+
+
+def test_chaos_rows_are_judged_against_the_recipe_over_chains_and_their_own_start() -> None:
+    """A chaos run inside the plain stage's interval over chains reads "inside"; one far off,
+    OUTSIDE; its GRPO is judged against its own chaos SFT (not the plain SFT) for the gain."""
+    def frac(k, n=20):  # a per-task list with k of n right
+        return [1] * k + [0] * (n - k)
+    chains = {s: frac(4 + s) for s in range(3)}
+    runs = {"pretrained": {0: frac(0)}, "SFT": chains,
+            "GRPO": {s: frac(8 + 2 * s) for s in range(3)},
+            "SFT, chaos": {0: frac(5)}, "GRPO, chaos": {0: frac(9)}}
+    result = _run(runs)
+    for stage in ("SFT, chaos", "GRPO, chaos"):
+        result["stages"][stage]["0"].update(failures=2, replicas_identical=True, hashes=2,
+                                             groups=2)
+    text = chaos_lines(result)
+    assert "SFT, chaos 0.250 against SFT over chains 0.250" in text and "OUTSIDE" not in text
+    assert "its gain over SFT, chaos +0.200 against GRPO's gain over chains +0.250" in text
+    assert "4 SIGKILLs survived" not in text and text.count("2 SIGKILLs survived") == 2
+    assert "GRPO, chaos - SFT, chaos: paired per task +0.200" in verdict(result)
+    far = _run({**runs, "SFT, chaos": {0: frac(19)}})
+    assert "SFT, chaos 0.950 against SFT over chains 0.250" in chaos_lines(far)
+    assert "OUTSIDE" in chaos_lines(far)
 
 
 def test_merge_refuses_two_runs_of_one_row_with_different_settings() -> None:

@@ -181,6 +181,10 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         insecure=args.insecure), events=events)
     from ftlm.ft.coordinator_record import with_record
     coordinator.events = with_record(args.record, coordinator.membership, coordinator.events)
+    if args.lease:
+        from ftlm.launch.lease import LeaseTiming, serve_with_lease
+        return serve_with_lease(coordinator, args.lease, LeaseTiming(
+            args.lease_duration, args.lease_deadline, args.lease_retry))
     coordinator.serve_forever()
     return 0
 
@@ -317,6 +321,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without a job token (FTLM_TOKEN or "
                         "ft.token_file): anyone who reaches the port can then steer the job")
+    p.add_argument("--lease", default="", metavar="NAME",
+                   help="on Kubernetes: serve only while holding the Lease NAME (in POD_NAMESPACE), "
+                        "as a warm standby until then; the generated manifests run two such pods "
+                        "(docs/kubernetes.md, 'The coordinator')")
+    p.add_argument("--lease-duration", type=float, default=10.0, metavar="S",
+                   help="with --lease: how long an unrenewed lease lasts before the standby takes "
+                        "it (default 10)")
+    p.add_argument("--lease-deadline", type=float, default=6.0, metavar="S",
+                   help="with --lease: the holder stops serving this long after its last renewal "
+                        "began (default 6; less than --lease-duration)")
+    p.add_argument("--lease-retry", type=float, default=1.0, metavar="S",
+                   help="with --lease: how often the holder renews and the standby tries (default 1)")
     p.set_defaults(fn=cmd_coordinator)
 
     p = sub.add_parser("launch", help="launch a fault-tolerant job")

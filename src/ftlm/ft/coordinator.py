@@ -113,6 +113,10 @@ _REFUSALS = frozenset({400, 401, 403, 404, 405, 408, 413, 415})
 T = TypeVar("T")
 
 
+def _unfenced() -> None:
+    """``Coordinator.fence`` of a coordinator that answers for as long as it runs."""
+
+
 class _NoEvents:
     """Null event sink used when the coordinator has no run directory."""
 
@@ -162,6 +166,9 @@ class Coordinator:
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._port: int | None = None
+        # Called before every answer and decision: returns while this coordinator may answer,
+        # ends the process when it may not (a lost Kubernetes lease: ftlm.launch.lease).
+        self.fence: Callable[[], None] = _unfenced
 
     # ----------------------------------------------------------------- lifecycle (caller's thread)
 
@@ -170,6 +177,11 @@ class Coordinator:
         if self._port is None:
             raise RuntimeError("the coordinator is not started; call start() first")
         return self._port
+
+    @property
+    def serving(self) -> bool:
+        """Whether the server thread runs (started and not stopped)."""
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def scheme(self) -> str:
@@ -229,7 +241,7 @@ class Coordinator:
                 who = "any process on this machine" if self._loopback else "anyone who reaches this port"
                 print(f"ftlm coordinator: warning: no job token (FTLM_TOKEN or ft.token_file): {who} "
                       f"can read the job's status, kill groups and report deaths", file=sys.stderr, flush=True)
-        wait_until_signalled(lambda: self._thread is not None and self._thread.is_alive(), self.stop, start)
+        wait_until_signalled(lambda: self.serving, self.stop, start)
 
     def call_in_loop(self, fn: Callable[[], T], timeout: float = 5.0) -> T:
         """Run ``fn`` on the server's event loop thread and return its result; from any thread."""
@@ -388,6 +400,7 @@ class Coordinator:
         first, not in member order: the first to ask has waited for all the others already, and
         at 2,000 groups the last of a step's answers leaves tens of ms after the first.
         Everything else keeps the state machine's order."""
+        self.fence()
         run: dict[str, Answer] = {}  # a quorum's answers not written yet
         for o in outputs:
             if isinstance(o, Answer) and o.quorum is not None and o.replica_id not in run:
@@ -499,6 +512,7 @@ class Coordinator:
         return response
 
     async def _checked(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        self.fence()
         refusal = self._refusal(request)
         if refusal is not None:
             return refusal

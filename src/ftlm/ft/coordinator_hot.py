@@ -116,6 +116,7 @@ class HotEndpoints:
 
     def serve(self, path: str, raw: bytes, conn: HotPathProtocol) -> bool:
         coord = self.coord
+        coord.fence()
         try:
             parsed = coord._bodies.heartbeat(raw) if path == HOT_PATHS[0] else coord._bodies.quorum(raw)
         except ValueError:

@@ -21,6 +21,7 @@ import yaml
 from ftlm.errors import ConfigError
 from ftlm.launch.cluster_config import ClusterConfig
 from ftlm.launch.k8s import COORDINATOR_NODE_LOSS_SECONDS, generate_k8s, read_dashboards
+from ftlm.launch.lease import LEADER_LABEL
 
 kv = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[test]'")
 models = pytest.importorskip("kubeflow_trainer_api.models", reason="pip install -e '.[test]'")
@@ -68,7 +69,7 @@ def test_core_manifests_pass_strict_kubernetes_schemas(manifests, multi_node):
     docs, _ = manifests
     kinds = {d["kind"] for d in _core(docs).values()}
     assert kinds == {"Secret", "ConfigMap", "PersistentVolumeClaim", "Deployment", "Service", "Job",
-                     "PodDisruptionBudget", "PriorityClass"}
+                     "PodDisruptionBudget", "PriorityClass", "ServiceAccount", "Role", "RoleBinding"}
     for layout in (docs, multi_node[0]):
         for name, doc in _core(layout).items():
             kv.validate(doc, "1.33.0", strict=True)  # raises ValidationError with the field path
@@ -160,17 +161,19 @@ def test_secret_config_and_coordinator_fit_together(manifests):
     assert c["command"][3:8] == ["coordinator", "/etc/ftlm/config.toml", "--host", "0.0.0.0", "--port"]
     assert "tcpSocket" in c["readinessProbe"] and "tcpSocket" in c["livenessProbe"]
     svc = docs["base/coordinator-service.yaml"]
-    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    selector = dict(svc["spec"]["selector"])
+    assert selector.pop(LEADER_LABEL) == "true"  # set on its own pod by the lease holder
+    assert selector.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     assert docs["monitoring/grafana-dashboards.yaml"]["data"] == {"ftlm.json": '{"title": "ftlm"}\n'}
     pm = docs["monitoring/podmonitor.yaml"]
     assert pm["apiVersion"] == "monitoring.coreos.com/v1"
     assert {e["port"] for e in pm["spec"]["podMetricsEndpoints"]} == {"http", "metrics", "metrics-1"}
-    # The coordinator outranks the groups and no voluntary disruption takes it.
+    # The coordinator outranks the groups; a voluntary disruption takes one of its two pods at most.
     pc = docs["base/coordinator-priorityclass.yaml"]
     assert dep["spec"]["template"]["spec"]["priorityClassName"] == pc["metadata"]["name"]
     assert "namespace" not in pc["metadata"]  # cluster-scoped
     pdb = docs["base/coordinator-pdb.yaml"]
-    assert pdb["spec"]["maxUnavailable"] == 0
+    assert pdb["spec"]["maxUnavailable"] == 1 and dep["spec"]["replicas"] == 2
     assert pdb["spec"]["selector"]["matchLabels"].items() <= \
         dep["spec"]["template"]["metadata"]["labels"].items()
 
@@ -191,6 +194,58 @@ def test_a_lost_coordinator_node_frees_its_pod_in_seconds_not_five_minutes(manif
         if path.startswith("jobs/") and doc.get("kind") == "Job":
             keys = {t.get("key") for t in doc["spec"]["template"]["spec"].get("tolerations", [])}
             assert not keys & set(tolerations), path
+
+
+def test_the_standby_coordinator_holds_a_lease_with_just_the_rights_it_uses(manifests):
+    """Two coordinator pods run ``--lease <job>-coordinator`` with their pod's name and namespace,
+    on different nodes where they can, under a service account whose Role grants exactly the
+    calls the election makes (replayed here against ``ftlm.testing.kube_api``)."""
+    from ftlm.launch.lease import LeaseElector, PodLabels
+    from ftlm.testing.kube_api import KubeState
+    docs, _ = manifests
+    dep = docs["base/coordinator-deployment.yaml"]
+    pod = dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    name = dep["metadata"]["name"]
+    assert c["command"][c["command"].index("--lease") + 1] == name
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]}
+    assert env == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+    assert dep["spec"]["strategy"]["type"] == "RollingUpdate"
+    anti = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+    assert anti["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    sa = docs["base/coordinator-serviceaccount.yaml"]
+    binding = docs["base/coordinator-rolebinding.yaml"]
+    role = docs["base/coordinator-role.yaml"]
+    assert pod["serviceAccountName"] == sa["metadata"]["name"] == binding["subjects"][0]["name"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]
+               for r in rule["resources"] for v in rule["verbs"]}
+    # Every call of a takeover, a renewal and a release, as the API server would authorise it.
+    state = KubeState()
+    state.add_pod("a", "10.0.0.1", 29510, namespace="ml")
+    state.add_pod("b", "10.0.0.2", 29510, namespace="ml", labels={LEADER_LABEL: "true"})
+    e = LeaseElector(state.in_process(), "ml", name, "a")
+    assert e.try_acquire_or_renew() and e.try_acquire_or_renew()
+    assert PodLabels(state.in_process(), "ml").take_over("a")
+    e.release()
+    verbs = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch"}
+    used = set()
+    for method, path, _ in state.calls:
+        group = "coordination.k8s.io" if "/leases" in path else ""
+        resource = "leases" if "/leases" in path else "pods"
+        verb = "list" if method == "GET" and path.split("?")[0].endswith("/pods") else verbs[method]
+        used.add((group, resource, verb))
+    assert used == granted
+
+
+def test_without_a_standby_the_coordinator_is_one_pod_recreated(tmp_path, tiny_config):
+    docs = _generate(tmp_path, tiny_config(), coordinator_standby=False, namespace="ml")
+    dep = docs["base/coordinator-deployment.yaml"]
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    assert "--lease" not in dep["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert LEADER_LABEL not in docs["base/coordinator-service.yaml"]["spec"]["selector"]
+    assert docs["base/coordinator-pdb.yaml"]["spec"]["maxUnavailable"] == 0
+    assert not [p for p in docs if "role" in p or "serviceaccount" in p]
 
 
 def test_missing_dashboards_folder_leaves_a_note(tmp_path, tiny_config):

@@ -121,7 +121,12 @@ class ClusterConfig:
     coordinator_priority: int = 1000000
     """Value of the coordinator's PriorityClass (above the groups, so it is evicted last); 0: none."""
     service_account: str = ""
-    """Service account of the pods; empty means the namespace's default."""
+    """Service account of the pods; empty means the namespace's default (the coordinator's, with
+    coordinator_standby: one generated for it, allowed to hold its Lease and label its pods)."""
+    coordinator_standby: bool = True
+    """Kubernetes: two coordinator pods, one serving while it holds a Lease and one warm standby
+    that takes over ~10 s after the holder's node is lost (docs/kubernetes.md); false: one pod,
+    replaced by the Deployment (about 60-70 s after a node loss)."""
     coordinator_port: int = 29510
     """TCP port of the coordinator (quorum, /status, /metrics)."""
     metrics_port: int = 9400
@@ -211,6 +216,8 @@ class ClusterConfig:
             raise ConfigError(f"{_S}.spread_topology_key={self.spread_topology_key!r} must be a node "
                               "label name such as topology.kubernetes.io/zone, or empty")
         _int("coordinator_priority", self.coordinator_priority, 0, 1000000000)
+        if not isinstance(self.coordinator_standby, bool):
+            raise ConfigError(f"{_S}.coordinator_standby={self.coordinator_standby!r} must be true or false")
         _int("coordinator_port", self.coordinator_port, 1, 65535)
         _int("rendezvous_port", self.rendezvous_port, 1, 65535)
         _int("metrics_port", self.metrics_port, 0, 65535)

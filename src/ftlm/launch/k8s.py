@@ -4,7 +4,8 @@ Pure functions build each object as a dict from the run config and the ``[cluste
 ``generate_k8s`` writes them, one object per file, in folders that are applied together:
 
 * ``base/``: the job token Secret, the config ConfigMap, the checkpoint PVC, the coordinator
-  Deployment, Service, PodDisruptionBudget and PriorityClass (always needed);
+  Deployment, Service, PodDisruptionBudget and PriorityClass, and with a standby coordinator
+  (``cluster.coordinator_standby``) its ServiceAccount, Role and RoleBinding (always needed);
 * ``jobs/``: the replica groups, one indexed Job each (N pods for an N-node group, found by
   torchrun's c10d rendezvous through a headless Service): the default, plain Kubernetes;
 * ``jobset/jobset.yaml``: the same groups as one JobSet whose failure policy restarts only the
@@ -27,6 +28,7 @@ from typing import Any
 from ftlm.config import RunConfig
 from ftlm.launch.alerts import AlertBounds, dump_yaml, prometheus_rule_groups
 from ftlm.launch.cluster_config import ClusterConfig
+from ftlm.launch.lease import LEADER_LABEL
 
 CONFIG_DIR = "/etc/ftlm"  # the ConfigMap's mount: config.toml
 TOKEN_DIR = "/var/run/ftlm"  # the Secret's mount: token (the coordinator reads a file)
@@ -108,11 +110,14 @@ def priority_class(names: Names, cluster: ClusterConfig) -> dict[str, Any]:
 
 
 def coordinator_disruption_budget(names: Names, cluster: ClusterConfig) -> dict[str, Any]:
-    """No voluntary eviction of the coordinator (a drain waits for an operator to move it with
-    ``kubectl delete pod``, at a moment of their choosing); involuntary loss is the Deployment's."""
+    """With a standby, one coordinator pod at a time may be evicted (a drain of the holder's node
+    hands the lease over in about a second). Without one, no voluntary eviction (a drain waits for
+    an operator to move it with ``kubectl delete pod``, at a moment of their choosing);
+    involuntary loss is the Deployment's."""
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
             "metadata": _meta(names.coordinator, names, cluster, "coordinator"),
-            "spec": {"maxUnavailable": 0, "selector": {"matchLabels": {
+            "spec": {"maxUnavailable": 1 if cluster.coordinator_standby else 0,
+                     "selector": {"matchLabels": {
                 LABEL: names.job, "ftlm.dev/component": "coordinator"}}}}
 
 
@@ -131,14 +136,19 @@ def node_loss_tolerations(seconds: int) -> list[dict[str, Any]]:
 
 
 def coordinator_deployment(run: RunConfig, names: Names, cluster: ClusterConfig) -> dict[str, Any]:
+    """The coordinator: with ``coordinator_standby``, two pods of which the Lease holder serves
+    (``ftlm.launch.lease``); else one, replaced by the Deployment."""
     port = cluster.coordinator_port
-    # /status and /metrics need the token, so the probes only check that the port accepts.
+    standby = cluster.coordinator_standby
+    # /status and /metrics need the token, so the probes only check that the port accepts (a
+    # standby's port accepts too: it answers 503, so both pods are Ready and a drain moves either).
     probe = {"tcpSocket": {"port": "http"}, "periodSeconds": 5, "timeoutSeconds": 2}
     labels = {LABEL: names.job, "ftlm.dev/component": "coordinator"}
+    lease = ["--lease", names.coordinator] if standby else []
     container = {
         "name": "coordinator", "image": cluster.image, "imagePullPolicy": cluster.image_pull_policy,
         "command": ["python", "-m", "ftlm.cli", "coordinator", f"{CONFIG_DIR}/config.toml",
-                    "--host", "0.0.0.0", "--port", str(port),
+                    "--host", "0.0.0.0", "--port", str(port), *lease,
                     "--set", f"ft.token_file={TOKEN_DIR}/token",
                     *[arg for s in cluster.ft_settings() for arg in ("--set", s)]],
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
@@ -156,24 +166,68 @@ def coordinator_deployment(run: RunConfig, names: Names, cluster: ClusterConfig)
                            "tolerations": node_loss_tolerations(COORDINATOR_NODE_LOSS_SECONDS)}
     if cluster.coordinator_priority:
         pod["priorityClassName"] = names.coordinator
-    if cluster.service_account:
+    if standby:
+        # The lease's identity and namespace; the label the Service selects is set by the holder.
+        container["env"] = [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+                            for name, path in (("POD_NAME", "metadata.name"),
+                                               ("POD_NAMESPACE", "metadata.namespace"))]
+        pod["serviceAccountName"] = cluster.service_account or names.coordinator
+        pod["automountServiceAccountToken"] = True  # the API token the lease is held with
+        # Not both on one node: a node's loss must leave the standby.
+        pod["affinity"] = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": labels},
+                                                "topologyKey": "kubernetes.io/hostname"}}]}}
+    elif cluster.service_account:
         pod["serviceAccountName"] = cluster.service_account
+    # Without a standby, Recreate: two coordinators of one job must never answer at the same
+    # time; a new one (its node lost or drained) rebuilds its state from the groups' heartbeats.
+    # With one, the lease keeps the second from answering, and a rolling update moves one pod
+    # at a time (the holder's SIGTERM releases the lease to the other).
+    strategy = ({"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+                if standby else {"type": "Recreate"})
     return {"apiVersion": "apps/v1", "kind": "Deployment",
             "metadata": _meta(names.coordinator, names, cluster, "coordinator"),
-            # Recreate: two coordinators of one job must never answer at the same time. A new
-            # one (its node lost or drained) rebuilds its state from the groups' heartbeats.
-            "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
+            "spec": {"replicas": 2 if standby else 1, "strategy": strategy,
                      "selector": {"matchLabels": labels},
                      "template": {"metadata": {"labels": labels, "annotations": _scrape(port)},
                                   "spec": pod}}}
 
 
 def coordinator_service(names: Names, cluster: ClusterConfig) -> dict[str, Any]:
+    """Where the groups reach the coordinator: with a standby, only the pod the Lease holder
+    labelled (``LEADER_LABEL``)."""
+    selector = {LABEL: names.job, "ftlm.dev/component": "coordinator"}
+    if cluster.coordinator_standby:
+        selector[LEADER_LABEL] = "true"
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _meta(names.coordinator, names, cluster, "coordinator"),
-            "spec": {"selector": {LABEL: names.job, "ftlm.dev/component": "coordinator"},
+            "spec": {"selector": selector,
                      "ports": [{"name": "http", "port": cluster.coordinator_port,
                                 "targetPort": "http", "protocol": "TCP"}]}}
+
+
+def coordinator_rbac(names: Names, cluster: ClusterConfig) -> dict[str, dict[str, Any]]:
+    """What the coordinator pods may do with the API (with a standby): hold their Lease and move
+    the leader label between their pods; a service account of their own unless one is named."""
+    subject = cluster.service_account or names.coordinator
+    out: dict[str, dict[str, Any]] = {
+        "base/coordinator-role.yaml": {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": _meta(names.coordinator, names, cluster, "coordinator"),
+            "rules": [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                       "verbs": ["get", "create", "update"]},
+                      {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "patch"]}]},
+        "base/coordinator-rolebinding.yaml": {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": _meta(names.coordinator, names, cluster, "coordinator"),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": names.coordinator},
+            "subjects": [{"kind": "ServiceAccount", "name": subject, "namespace": cluster.namespace}]},
+    }
+    if not cluster.service_account:
+        out["base/coordinator-serviceaccount.yaml"] = {
+            "apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": _meta(names.coordinator, names, cluster, "coordinator")}
+    return out
 
 
 def nodes_service(names: Names, cluster: ClusterConfig) -> dict[str, Any]:
@@ -556,6 +610,8 @@ def build_manifests(run: RunConfig, cluster: ClusterConfig, config_toml: str, to
         del out["base/coordinator-priorityclass.yaml"]
     if cluster.nodes_per_group == 1:
         del out["base/nodes-service.yaml"]
+    if cluster.coordinator_standby:
+        out.update(coordinator_rbac(names, cluster))
     for g in cluster.group_names():
         out[f"jobs/job-{g}.yaml"] = group_job(run, names, cluster, g)
         out[f"trainjob/trainjob-{g}.yaml"] = trainjob(run, names, cluster, g)

@@ -47,8 +47,8 @@ COORDINATOR_SWEEP = ("--sweep", "100,500,1000,2000,3000,4000,2000@1.5", "--secon
 LIFECYCLE = ("--table",)
 DILOCO = ("--seeds", "3", "--sizes", "tiny:2000,small:300", "--jobs", "2", "--write")
 NEMESIS = ("--runs", "8", "--seed", "1", "--steps", "400", "--faults", "10", "--write")
-TEST_TIME_SCALING = ("--from-json", "bench/results/test_time_scaling/outcome_add.json",
-                     "--note-file", "bench/results/test_time_scaling/note.md")
+TEST_TIME_SCALING = ("--from-json", "bench/results/test_time_scaling/study.json",
+                     "--note-file", "bench/results/test_time_scaling/models.md")
 
 JOBS = (
     Job("train_throughput", "train_throughput", gpu_section="train_throughput_gpu"),

@@ -238,6 +238,29 @@ def test_kube_api_over_http_and_its_errors():
         KubeApi(fake.url, timeout=1.0).call("GET", "/api/v1/namespaces/default/pods/x")
 
 
+def test_a_standby_on_a_taken_port_names_the_fix():
+    import socket
+    from ftlm.launch.lease import StandbyListener
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}.*choose another: --port"):
+            StandbyListener("127.0.0.1", port, lambda: "")
+
+
+def test_a_standby_answers_503_naming_the_holder():
+    import urllib.error
+    import urllib.request
+    from ftlm.launch.lease import StandbyListener
+    listener = StandbyListener("127.0.0.1", _free_port(), lambda: "coord-a")
+    try:
+        port = listener.sock.getsockname()[1]
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=10)
+        assert e.value.code == 503 and "coord-a" in e.value.read().decode()
+    finally:
+        listener.close()
+
+
 def test_lease_without_a_cluster_names_the_fix(monkeypatch):
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.delenv("FTLM_KUBE_API", raising=False)

@@ -304,7 +304,7 @@ def _exit_lost(reason: str) -> None:
 
 
 class PodLabels:
-    """The leader label on this pod and the previous holder's (the Service's routing)."""
+    """The leader label on the coordinator pods: the Service's routing."""
 
     def __init__(self, api: KubeApi, namespace: str) -> None:
         self.api, self.namespace = api, namespace
@@ -349,7 +349,11 @@ class StandbyListener:
 
     def __init__(self, host: str, port: int, holder: Callable[[], str]) -> None:
         self.holder = holder
-        self.sock = socket.create_server((host, port), reuse_port=False, backlog=16)
+        try:
+            self.sock = socket.create_server((host, port), backlog=16)
+        except OSError as e:
+            raise ConfigError(f"the standby coordinator cannot listen on {host}:{port}: {e} (another "
+                              "process holds the port; choose another: --port, cluster.coordinator_port)") from e
         self.sock.settimeout(0.2)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="ftlm-standby-listener", daemon=True)

@@ -106,6 +106,14 @@ _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
 """Student t's 97.5 % quantile for 1..30 degrees of freedom (two-sided 95 % intervals)."""
 
 
+def repo_relative(path: str) -> str:
+    """``path`` as a command in BENCHMARKS.md shows it: relative to the repository when inside it."""
+    try:
+        return Path(path).resolve().relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return path
+
+
 def t_interval(values: Sequence[float]) -> tuple[float, float]:
     """Mean of ``values`` (independent seeds or chains) and the half-width of its two-sided 95 %
     interval (Student t, n - 1 degrees of freedom); the half-width is nan for one value."""

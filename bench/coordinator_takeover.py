@@ -42,8 +42,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import (DEMO_SEQ_LEN, DEMO_VOCAB, REPO_ROOT, ensure_demo, publish, section_header,
-                          t_interval)
+from bench.common import (DEMO_SEQ_LEN, DEMO_VOCAB, REPO_ROOT, ensure_demo, publish, repo_relative,
+                          section_header, t_interval)
 
 FAULTS = ("node-lost", "crash", "drain")
 PORT = 29510
@@ -213,14 +213,6 @@ def _timing() -> str:
             "(node-lost: once its node was back); -9, SIGKILLed; 0, stopped after releasing.")
 
 
-def _shown(path: str) -> str:
-    """``path`` as the section shows it: relative to the repository when inside it."""
-    try:
-        return Path(path).resolve().relative_to(REPO_ROOT).as_posix()
-    except ValueError:
-        return path
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.coordinator_takeover", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -255,8 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     flags = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--no-write"]
     body = (section_header("Coordinator takeover: the Kubernetes standby on the network test bed",
                            "bench.coordinator_takeover", flags)
-            + "* Method: " + METHOD + f" {_timing()}" + (f" Each trial's figures: `{_shown(args.json)}`." if args.json else "") + "\n"
-            + f"* Took {time.time() - started:.0f} s.\n\n" + table(rows))
+            + "* Method: " + METHOD + f" {_timing()}"
+            + (f" Each trial's figures: `{repo_relative(args.json)}`." if args.json else "")
+            + f"\n* Took {time.time() - started:.0f} s.\n\n" + table(rows))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"rows": rows, "section": body}, indent=1) + "\n")

@@ -51,7 +51,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from bench.common import REPO_ROOT, publish
+from bench.common import REPO_ROOT, publish, repo_relative
 from bench.tts_report import THINKING, labelling, merge, section, training_runs
 from ftlm.infer import Engine, SamplingParams
 from ftlm.infer import strategies as st
@@ -280,17 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     figure = (REPO_ROOT / "bench" / "results" if not args.no_write else
               Path(tempfile.mkdtemp())) / "test_time_scaling.png"
     saved = args.from_json or ([args.json] if args.json else [])
-    alone = [flag for path in saved for flag in ("--from-json", _shown(path))]
-    alone += ["--note-file", _shown(args.note_file)] if args.note_file else []
+    alone = [flag for path in saved for flag in ("--from-json", repo_relative(path))]
+    alone += ["--note-file", repo_relative(args.note_file)] if args.note_file else []
     return publish(SECTION, section(data, args.note, figure, alone), write=not args.no_write)
-
-
-def _shown(path: str) -> str:
-    """``path`` as a command in BENCHMARKS.md shows it: relative to the repository when inside it."""
-    try:
-        return Path(path).resolve().relative_to(REPO_ROOT).as_posix()
-    except ValueError:
-        return path
 
 
 def _params(tok, args, seed: int, temperature: float | None = None) -> SamplingParams:

@@ -257,6 +257,9 @@ def test_a_standby_answers_503_naming_the_holder():
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=10)
         assert e.value.code == 503 and "coord-a" in e.value.read().decode()
+        # A scrape finds the target up, saying it is a standby (no failed-scrape alerts).
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert r.status == 200 and "ftlm_coordinator_standby 1" in r.read().decode()
     finally:
         listener.close()
 

@@ -24,7 +24,8 @@ The rules, as Kubernetes' own controllers elect their leaders (client-go's ``lea
   holder takes the label off every other pod that carries it, then labels its own (pods are API
   objects: this works also when the old holder's node is lost, where its readiness would keep it among the
   Service's endpoints for the node controller's grace period, 40-50 s). A standby listens on the
-  port and answers 503 ("a standby"), so that both pods are Ready and a drain may move either.
+  port and answers 503 ("a standby"; a scrape of /metrics gets ``ftlm_coordinator_standby 1``),
+  so that both pods are Ready and a drain may move either.
 * On SIGTERM the holder stops serving and releases the lease (empty holder): the standby takes
   over at its next try, within ``retry`` s.
 
@@ -71,6 +72,13 @@ WARN_EVERY = 30.0
 """Seconds between two warnings of a standby that cannot reach the API (it tries every retry)."""
 STANDBY_ANSWER = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                   b"Connection: close\r\nContent-Length: %d\r\n\r\n%s")
+METRICS_ANSWER = (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
+                  b"Connection: close\r\nContent-Length: %d\r\n\r\n%s")
+STANDBY_METRICS = (b"# HELP ftlm_coordinator_standby 1 while this coordinator process is a standby "
+                   b"(it waits for the lease and serves nothing else)\n"
+                   b"# TYPE ftlm_coordinator_standby gauge\nftlm_coordinator_standby 1\n")
+"""What a standby answers a scrape: its target is up (not a failed scrape, which alerts such as
+kube-prometheus' TargetDown count), and says what it is."""
 
 
 def boottime() -> float:
@@ -344,8 +352,8 @@ class PodLabels:
 
 
 class StandbyListener:
-    """The port while this process is a standby: every connection gets 503 and is closed, so
-    the pod is Ready (probes accept) but nothing is served from it."""
+    """The port while this process is a standby: a scrape of /metrics gets ``STANDBY_METRICS``,
+    every other request 503, so the pod is Ready (probes accept) but nothing is served from it."""
 
     def __init__(self, host: str, port: int, holder: Callable[[], str]) -> None:
         self.holder = holder
@@ -368,11 +376,15 @@ class StandbyListener:
             except OSError:
                 return
             with conn:
-                body = json.dumps({"error": "a standby coordinator; the leader "
-                                            f"({self.holder() or 'none yet'}) answers"}).encode()
                 try:
                     conn.settimeout(1.0)
-                    conn.sendall(STANDBY_ANSWER % (len(body), body))
+                    first = conn.recv(1024).split(b"\r\n", 1)[0]
+                    if first.startswith(b"GET /metrics"):  # a scrape: this target is up, a standby
+                        conn.sendall(METRICS_ANSWER % (len(STANDBY_METRICS), STANDBY_METRICS))
+                    else:
+                        body = json.dumps({"error": "a standby coordinator; the leader "
+                                                    f"({self.holder() or 'none yet'}) answers"}).encode()
+                        conn.sendall(STANDBY_ANSWER % (len(body), body))
                 except OSError:
                     pass
 

@@ -72,6 +72,9 @@ def test_ftlm_train_ranks_get_the_run_config_and_the_run_directory(tmp_path, mon
         def __init__(self, cmd, env, **_):
             started.append((cmd, env))
 
+        def wait(self, timeout=None):  # the launcher's exit watcher waits on each process
+            return 0
+
     monkeypatch.setattr(subprocess, "Popen", Recorded)
     launcher._spawn(launcher.groups[0], config_file, "http://127.0.0.1:9")
     assert [cmd[3:5] for cmd, _ in started] == [["train", str(config_file)]] * 2

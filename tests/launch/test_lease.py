@@ -273,9 +273,11 @@ def test_lease_without_a_cluster_names_the_fix(monkeypatch):
 
 # ---------------------------------------------------------------------- real processes, a group
 
-REAL = LeaseTiming(duration=3.0, deadline=1.8, retry=0.3)
-REAL_FT = dict(heartbeat_interval=0.05, heartbeat_timeout=1.0, allreduce_timeout=1.5,
-               quorum_timeout=4.0, give_up_seconds=120.0)
+# Shorter than the product's (10 / 6 / 1 s) to keep the test short, long enough that a loaded box
+# (a renewal delayed by seconds) does not fence a healthy holder.
+REAL = LeaseTiming(duration=6.0, deadline=4.0, retry=0.5)
+REAL_FT = dict(heartbeat_interval=0.1, heartbeat_timeout=3.0, allreduce_timeout=4.0,
+               quorum_timeout=10.0, give_up_seconds=300.0)
 
 
 def _free_port() -> int:

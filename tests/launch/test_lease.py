@@ -169,6 +169,16 @@ def test_a_forbidden_call_names_the_role_it_needs():
         elector(state, "a", clock).try_acquire_or_renew()
 
 
+def test_a_fractional_duration_is_stated_rounded_up():
+    """A taker waits what the holder states: rounding 2.4 s down to 2 would let it take the
+    lease while a holder with a 2.3 s deadline still answers."""
+    state, clock = KubeState(), Clock()
+    timing = LeaseTiming(duration=2.4, deadline=2.3, retry=0.5)
+    a = LeaseElector(state.in_process(), "default", "x", "a", timing, clock=clock)
+    assert a.try_acquire_or_renew()
+    assert state.lease("x")["spec"]["leaseDurationSeconds"] == 3
+
+
 def test_lease_timing_refuses_a_deadline_past_the_duration():
     with pytest.raises(ConfigError, match="retry < deadline < duration"):
         LeaseTiming(duration=5.0, deadline=6.0, retry=1.0)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -272,13 +273,15 @@ class LeaseElector:
     def _spec(self, old: dict[str, Any], taking: bool) -> dict[str, Any]:
         now = micro_time()
         transitions = int(old.get("leaseTransitions") or 0)
-        return {"holderIdentity": self.identity, "leaseDurationSeconds": max(1, round(self.timing.duration)),
+        # Rounded up: a taker waits this long, never less than this holder serves unrenewed.
+        return {"holderIdentity": self.identity, "leaseDurationSeconds": max(1, math.ceil(self.timing.duration)),
                 "acquireTime": now if taking else old.get("acquireTime", now), "renewTime": now,
                 "leaseTransitions": transitions + 1 if taking and old.get("holderIdentity") else transitions}
 
     def _duration_of(self, spec: dict[str, Any]) -> float:
-        """The holder's stated duration (a released lease says 1 s), never longer than ours is
-        assumed to be by the holder's fencing; an absent one is ours."""
+        """How long to see the record unchanged before taking it: the duration its holder states
+        (whole seconds, rounded up from the holder's own, which exceeds its deadline), ours when
+        it states none."""
         stated = spec.get("leaseDurationSeconds")
         return float(stated) if isinstance(stated, (int, float)) and stated > 0 else self.timing.duration
 

@@ -224,7 +224,9 @@ SHRINK: tuple[tuple[tuple[str, ...], str, tuple[str, ...]], ...] = (
     (("ftlm", "dpo"), "", ("--set", "train.steps=4")),
     (("ftlm", "grpo"), "", ("--set", "train.steps=2", "--set", "train.batch_size=2",
                             "--set", "post.group_size=2", "--set", "post.max_new_tokens=24")),
-    (("ftlm", "pairs"), "", ("--set", "post.train_tasks=4", "--set", "post.max_new_tokens=24")),
+    # A 4-step model samples no correct answer: the fallback keeps the shrunk run from ending empty.
+    (("ftlm", "pairs"), "", ("--set", "post.train_tasks=4", "--set", "post.max_new_tokens=24",
+                             "--solution-fallback")),
     (("ftlm", "eval"), "", ("--n", "4", "--max-new-tokens", "24")),
     (("ftlm", "generate"), "--tasks", ("--tasks", "2")),
     (("ftlm", "generate"), "", ("--max-new-tokens", "24")),

@@ -129,4 +129,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output .jsonl file")
     p.add_argument("--no-solution-fallback", action="store_true",
                    help="skip tasks with no correct sample instead of using the reference solution")
+    p.add_argument("--solution-fallback", dest="no_solution_fallback", action="store_false",
+                   help="use the reference solution as the chosen answer of a task with no correct "
+                        "sample (the default; the last of the two flags given wins)")
     p.set_defaults(fn=cmd_pairs)

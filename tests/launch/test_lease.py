@@ -220,6 +220,25 @@ def test_the_simulation_finds_a_holder_that_does_not_fence():
     assert found
 
 
+def test_the_simulation_finds_a_lapsed_holder_taking_a_free_lease_again():
+    """Seed 29, the bug the simulation found: a holder frozen past its lease resumed, found the
+    lease released, and took it again with its old state. With that rule back, seed 29 fails."""
+    import ftlm.launch.lease as lease
+    real = lease.LeaseElector.try_acquire_or_renew
+
+    def old_rule(self):
+        if self._valid_until != float("-inf") and self.clock() >= self._valid_until:
+            self._valid_until = float("-inf")  # lapsed, yet treated as a fresh candidate
+        return real(self)
+
+    lease.LeaseElector.try_acquire_or_renew = old_rule  # type: ignore[method-assign]
+    try:
+        assert Simulation(29, processes=3, horizon=200.0).run().violations
+    finally:
+        lease.LeaseElector.try_acquire_or_renew = real  # type: ignore[method-assign]
+    assert not Simulation(29, processes=3, horizon=200.0).run().violations
+
+
 def test_pod_labels_move_the_service_to_the_new_holder():
     state = KubeState()
     state.add_pod("a", "10.0.0.1", 29510, labels={"app": "c"})

@@ -163,10 +163,9 @@ def _json(raw: bytes) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def micro_time(at: float | None = None) -> str:
-    """A Kubernetes ``MicroTime`` (RFC 3339 with microseconds, UTC)."""
-    moment = datetime.fromtimestamp(time.time() if at is None else at, tz=timezone.utc)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+def micro_time() -> str:
+    """Now as a Kubernetes ``MicroTime`` (RFC 3339 with microseconds, UTC)."""
+    return datetime.now(tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class LeaseElector:
@@ -182,7 +181,7 @@ class LeaseElector:
         self.timing, self.clock = timing, clock
         self.on_lost = on_lost or _exit_lost
         self.path = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
-        self.previous_holder = ""  # who held it before us (its pod loses the leader label)
+        self.previous_holder = ""  # who held it when we took it (said in the log)
         self.holder = ""  # the holder last seen
         self._observed: tuple[Any, ...] | None = None  # the record last seen, and when (our clock)
         self._observed_at = 0.0

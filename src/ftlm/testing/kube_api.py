@@ -141,18 +141,15 @@ class KubeState:
 
 
 class InProcessApi:
-    """``KubeApi.call`` straight into a ``KubeState`` (no HTTP); ``before``/``after`` run around
-    each call (the simulation advances its clock there: a request takes time on both sides of
-    the moment the server applies it)."""
+    """``KubeApi.call`` straight into a ``KubeState`` (no HTTP); ``after`` runs after each call
+    (a test advances its clock there: an answer that comes back late)."""
 
     def __init__(self, state: KubeState) -> None:
         self.state = state
-        self.before: Callable[[], None] = lambda: None
         self.after: Callable[[], None] = lambda: None
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None,
              content_type: str = "application/json", timeout: float | None = None) -> tuple[int, dict[str, Any]]:
-        self.before()
         answer = self.state.handle(method, path, copy.deepcopy(body))
         self.after()
         return answer
@@ -222,7 +219,6 @@ class ServiceProxy:
         self.sock = socket.create_server((host, 0))
         self.sock.settimeout(0.2)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
-        self.routed: list[tuple[str, int]] = []  # where each connection went
         self._stop = threading.Event()
         self._open: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -265,7 +261,6 @@ class ServiceProxy:
         upstream.settimeout(None)
         client.settimeout(None)
         with self._lock:
-            self.routed.append(targets[0])
             self._open += [client, upstream]
         for a, b in ((client, upstream), (upstream, client)):
             threading.Thread(target=_pump, args=(a, b), daemon=True).start()

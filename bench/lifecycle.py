@@ -280,6 +280,16 @@ def _saved_settings_differ(run_dir: Path, config) -> list[str]:
             if key in saved.get(section, {}) and not same(key, saved[section][key], value)]
 
 
+def _unfinished(run_dir: Path, config) -> str:
+    """Why the run that left ``run_dir`` is not a finished run of ``config`` ("" when it is): a
+    run stopped early (SIGTERM, Ctrl-C) still writes its summary and weights, at the step it
+    reached, and taking those back would score a partly trained model."""
+    committed = json.loads((run_dir / "summary.json").read_text()).get("steps_committed", 0)
+    if committed < config.train.steps:
+        return f"it stopped at step {committed} of {config.train.steps}"
+    return ""
+
+
 def base_stage(stage: str) -> str:
     """The stage a row is of (``"DPO"`` for ``"DPO, chosen"``: ``--label`` names a variant)."""
     return stage.split(", ", 1)[0]
@@ -330,7 +340,11 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
         ``reuse`` take the model an earlier run with the same settings left in the same folder;
         whether it trained."""
         done = config.run.path / "summary.json"
-        if reuse and done.is_file() and (config.run.path / "model.safetensors").is_file():
+        stopped = (done.is_file() and (config.run.path / "model.safetensors").is_file()
+                   and _unfinished(config.run.path, config))
+        if stopped:
+            print(f"training {config.run.path} again: {stopped}", flush=True)
+        elif reuse and done.is_file() and (config.run.path / "model.safetensors").is_file():
             differ = _saved_settings_differ(config.run.path, config)
             if differ:
                 raise SystemExit(f"--reuse: {config.run.path} was trained with other settings ("

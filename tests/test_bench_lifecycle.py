@@ -17,7 +17,7 @@ if str(REPO_ROOT) not in sys.path:  # bench/ is a top-level package beside src/,
 import pytest
 
 from bench.lifecycle import (FIRST_TEST, FULL, STAGE_SIZES, TEST_DRAWS, _config,
-                             _post_sections, _saved_settings_differ, base_stage, earlier_draws,
+                             _post_sections, _saved_settings_differ, _unfinished, base_stage, earlier_draws,
                              evaluation_tasks, format_section, merge, training_problems, verdict,
                              CHAINS, RPO, chaos_lines, interval_over_chains)
 from ftlm.tasks import generate
@@ -187,6 +187,25 @@ def test_reuse_check_names_a_changed_setting_and_follows_linked_models(tmp_path:
     linked["post"]["beta"] = 0.5
     differ = _saved_settings_differ(saved.run.path, _config(saved.run.path, 0, **linked))
     assert differ == ["post.beta: 0.1 there, 0.5 now"]
+
+
+def test_a_run_stopped_early_is_trained_again_not_taken_back(tmp_path: Path, capsys) -> None:
+    """A SIGTERMed run writes its summary and weights at the step it reached: ``--reuse`` (and
+    ``make tts``) must not score that partly trained model as the finished one."""
+    from bench import tts_pipeline
+    config = tts_pipeline.sft_config(tmp_path / "policy", FULL, None)
+    config.run.path.mkdir()
+    (config.run.path / "config.toml").write_text(config.to_toml())
+    (config.run.path / "model.safetensors").write_bytes(b"weights")
+    summary = config.run.path / "summary.json"
+    summary.write_text(json.dumps({"steps_committed": 321}))
+    assert _unfinished(config.run.path, config) == "it stopped at step 321 of 800"
+    assert not tts_pipeline.built(config.run.path, config)
+    assert "training " + str(config.run.path) + " again: it stopped at step 321 of 800" in (
+        capsys.readouterr().out)
+    summary.write_text(json.dumps({"steps_committed": 800}))
+    assert _unfinished(config.run.path, config) == ""
+    assert tts_pipeline.built(config.run.path, config)
 
 
 def test_independent_chains_are_judged_by_their_interval_over_chains() -> None:

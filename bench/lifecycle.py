@@ -173,6 +173,10 @@ def _train(kind: str, config) -> dict:
     from ftlm.train.trainer import Trainer
     t0, c0 = time.perf_counter(), time.process_time()
     summary = Trainer.for_run(config).train() if kind == "pretrain" else post_run.run(kind, config)
+    stopped = summary["steps_committed"] < config.train.steps
+    if stopped:  # SIGTERM or Ctrl-C stops a trainer gracefully: stop here, not at the next stage
+        raise SystemExit(f"{kind} {config.run.path} stopped at step {summary['steps_committed']} "
+                         f"of {config.train.steps}; a rerun with --reuse trains it again")
     # CPU seconds of this process (every thread): what the stage cost, whatever else ran.
     out = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
            "tokens": summary["tokens_committed"],

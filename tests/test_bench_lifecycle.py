@@ -208,6 +208,18 @@ def test_a_run_stopped_early_is_trained_again_not_taken_back(tmp_path: Path, cap
     assert tts_pipeline.built(config.run.path, config)
 
 
+def test_a_stage_stopped_by_a_signal_ends_the_benchmark(tmp_path: Path, monkeypatch) -> None:
+    """A trainer stops gracefully on SIGTERM and returns; the next stage must not start from its
+    partly trained model."""
+    from bench import lifecycle
+    from ftlm.post import run as post_run
+    config = _config(tmp_path / "sft0", 0, **_post_sections(FULL, 3e-3, 800, tmp_path / "m"))
+    monkeypatch.setattr(post_run, "run", lambda kind, cfg: {
+        "steps_committed": 321, "tokens_committed": 1, "final_loss": 1.0})
+    with pytest.raises(SystemExit, match="stopped at step 321 of 800; a rerun with --reuse"):
+        lifecycle._train("sft", config)
+
+
 def test_independent_chains_are_judged_by_their_interval_over_chains() -> None:
     """Five chains, each DPO from its own SFT model: the statistic is the mean of the chains'
     differences with a Student-t interval over the chains, not an interval over tasks."""

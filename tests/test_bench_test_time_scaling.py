@@ -216,19 +216,29 @@ def test_quick_runs_every_strategy_on_random_models(capsys):
 
 def test_the_pipeline_trains_the_lifecycle_sft_recipe_and_a_four_times_larger_policy():
     from bench.lifecycle import FULL
-    policy = tts_pipeline.sft_config(Path("runs/x/policy"), FULL, Path("runs/x/pre/m.st"))
+    sizes = tts_pipeline.SIZES
+    assert sizes == {**FULL, "sft_steps": tts_pipeline.SFT_STEPS}  # only the steps differ
+    policy = tts_pipeline.sft_config(Path("runs/x/policy"), sizes, None)
     assert (policy.train.steps, policy.train.lr, policy.train.batch_size) == (
-        FULL["sft_steps"], FULL["sft_lr"], FULL["sft_batch"])
+        tts_pipeline.SFT_STEPS, FULL["sft_lr"], FULL["sft_batch"])
     assert policy.data.seq_len == FULL["sft_seq_len"]
     assert policy.post.families == FULL["sft_families"] and policy.post.task_seed == 0
-    assert policy.train.init_from == "runs/x/pre/m.st"
-    scratch = tts_pipeline.sft_config(Path("runs/x/v"), FULL, None, tts_pipeline.VERIFIER_SHAPE)
-    assert scratch.train.init_from == ""
+    assert policy.train.init_from == ""  # from scratch, as the larger policy and the verifier
+    started = tts_pipeline.sft_config(Path("runs/x/p"), sizes, Path("runs/x/pre/m.st"))
+    assert started.train.init_from == "runs/x/pre/m.st"
+    scratch = tts_pipeline.sft_config(Path("runs/x/v"), sizes, None, tts_pipeline.VERIFIER_SHAPE)
     small = param_count(policy.model)
-    large = tts_pipeline.sft_config(Path("runs/x/l"), FULL, None, tts_pipeline.LARGE_SHAPE)
+    large_sizes = tts_pipeline.LARGE_SIZES
+    assert {k for k in sizes if sizes[k] != large_sizes[k]} == {"sft_steps", "sft_lr"}
+    large = tts_pipeline.sft_config(Path("runs/x/l"), large_sizes, None, tts_pipeline.LARGE_SHAPE)
     assert 3.5 < param_count(large.model) / small < 4.5
+    assert large.post == policy.post and large.train.init_from == ""
+    assert (large.train.steps, large.train.lr) == (tts_pipeline.LARGE_SFT_STEPS,
+                                                   tts_pipeline.LARGE_SFT_LR)
     assert param_count(scratch.model) < small  # the verifier commands refuse a larger one
-    assert tts_pipeline.STUDY["tasks"] >= 400 and tts_pipeline.STUDY["families"] == "add"
+    # the policy's families hold the studied one: it is trained on it
+    assert tts_pipeline.STUDY["families"] in FULL["sft_families"].split(",")
+    assert tts_pipeline.STUDY["tasks"] >= 400
 
 
 @pytest.mark.slow
@@ -238,9 +248,9 @@ def test_the_pipeline_quick_builds_every_model_and_rebuilds_none_on_a_rerun(tmp_
     assert tts_pipeline.main(["--quick", "--workdir", str(tmp_path)]) == 0
     starts = lambda out, word: sum(line.startswith(word) for line in out.splitlines())
     first = capsys.readouterr().out
-    assert starts(first, "training ") == 5 and starts(first, "$ ftlm verifier train") == 1
+    assert starts(first, "training ") == 3 and starts(first, "$ ftlm verifier train") == 1
     assert (tmp_path / "study.json").is_file() and (tmp_path / "models.md").is_file()
     assert tts_pipeline.main(["--quick", "--workdir", str(tmp_path)]) == 0
     again = capsys.readouterr().out
-    assert starts(again, "reusing ") == 6 and starts(again, "training ") == 0
+    assert starts(again, "reusing ") == 4 and starts(again, "training ") == 0
     assert starts(again, "$ ftlm") == 0

@@ -94,9 +94,10 @@ bench: setup
 lifecycle: setup
 	$(BIN)/python -m bench.lifecycle --table --json runs/lifecycle/table.json
 
-# The test-time-scaling study from nothing: the lifecycle's SFT policy, a ~4x larger one, the
-# verifiers, then the study (400 held-out add tasks, 3 seeds; BENCHMARKS.md 'Test-time scaling').
-# Models under runs/tts, reused by a rerun; about an hour of CPU on a quiet 2-core box, hours at load.
+# The test-time-scaling study from nothing: the policy (the lifecycle's SFT recipe, 1000 steps from
+# scratch), a ~4x larger one, the verifiers, then the study (400 held-out add tasks, 3 seeds;
+# BENCHMARKS.md 'Test-time scaling'). Models under runs/tts, reused by a rerun; about an hour
+# of CPU on a quiet 2-core box (one process), hours at load.
 .PHONY: tts
 tts: setup
 	$(BIN)/python -m bench.tts_pipeline

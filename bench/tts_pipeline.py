@@ -1,10 +1,11 @@
 """``make tts``: build every model of the test-time-scaling study, run it, write its section.
 
 The models live under ``--workdir`` (default ``runs/tts``, from the repository root). Each is
-taken back when an earlier run left it there with the same settings (``summary.json`` and
-``model.safetensors``, the same ``[model]``, ``[train]`` and ``[post]``; training is
-deterministic, so a rerun continues where the last one stopped) and refused when its settings
-differ (remove it, or use another ``--workdir``):
+taken back when an earlier run left it there finished with the same settings (``summary.json``
+and ``model.safetensors``, the same ``[model]``, ``[train]`` and ``[post]``, every step
+committed; training is deterministic, so a rerun makes the same models), trained again when that
+run stopped early, and refused when its settings differ (remove it, or use another
+``--workdir``):
 
 1. ``policy``: the lifecycle's SFT recipe (``bench.lifecycle.FULL``: its tasks, learning rate,
    batch and sequence length, seed 0) at ``configs/tiny.toml``'s shape, trained from scratch for
@@ -211,7 +212,8 @@ def models_note(root: Path, sizes: dict, large_sizes: dict, study: dict) -> str:
             "pretraining (the earlier study's 200 steps on the demo corpus did not help the "
             "larger policy learn the tasks).\n"
             f"* Larger policy `{root}/policy-large`: the same for {large_sizes['sft_steps']} "
-            f"steps at lr {large_sizes['sft_lr']} and " + ", ".join(f"model.{k}={v}" for k, v in LARGE_SHAPE.items()) + ".\n"
+            f"steps at lr {large_sizes['sft_lr']} and "
+            + ", ".join(f"model.{k}={v}" for k, v in LARGE_SHAPE.items()) + ".\n"
             f"* Verifier `{root}/verifier`: the same at "
             + ", ".join(f"model.{k}={v}" for k, v in VERIFIER_SHAPE.items())
             + f"; its outcome head `{root}/head.json`: `ftlm verifier head` on "

@@ -17,9 +17,10 @@ if str(REPO_ROOT) not in sys.path:  # bench/ is a top-level package beside src/,
 import pytest
 
 from bench.lifecycle import (FIRST_TEST, FULL, STAGE_SIZES, TEST_DRAWS, _config,
-                             _post_sections, _saved_settings_differ, _unfinished, base_stage, earlier_draws,
-                             evaluation_tasks, format_section, merge, training_problems, verdict,
-                             CHAINS, RPO, chaos_lines, interval_over_chains)
+                             _post_sections, _saved_settings_differ, _unfinished, base_stage,
+                             earlier_draws, evaluation_tasks, format_section, merge,
+                             training_problems, verdict, CHAINS, RPO, chaos_lines,
+                             interval_over_chains)
 from ftlm.tasks import generate
 
 FRESH_SEED = 20261201  # the fresh draw of the 2026-12-01 confirmation (chosen before scoring it)

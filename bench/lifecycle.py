@@ -294,6 +294,21 @@ def _unfinished(run_dir: Path, config) -> str:
     return ""
 
 
+def reusable(run_dir: Path, config) -> bool:
+    """Whether ``run_dir`` holds a finished run of ``config``'s settings, to take back instead of
+    training (False: nothing there, or a run that stopped early, which is trained again); a run
+    of other settings is refused."""
+    if not ((run_dir / "summary.json").is_file() and (run_dir / "model.safetensors").is_file()):
+        return False
+    differ = _saved_settings_differ(run_dir, config)
+    if differ:
+        raise SystemExit(f"{run_dir} was trained with other settings (" + "; ".join(differ)
+                         + "); remove it or use another --workdir")
+    stopped = _unfinished(run_dir, config)
+    print(f"training {run_dir} again: {stopped}" if stopped else f"reusing {run_dir}", flush=True)
+    return not stopped
+
+
 def base_stage(stage: str) -> str:
     """The stage a row is of (``"DPO"`` for ``"DPO, chosen"``: ``--label`` names a variant)."""
     return stage.split(", ", 1)[0]
@@ -344,16 +359,7 @@ def run_lifecycle(root: Path, sizes: dict, seeds: int, split: str = "test",
         ``reuse`` take the model an earlier run with the same settings left in the same folder;
         whether it trained."""
         done = config.run.path / "summary.json"
-        stopped = (done.is_file() and (config.run.path / "model.safetensors").is_file()
-                   and _unfinished(config.run.path, config))
-        if stopped:
-            print(f"training {config.run.path} again: {stopped}", flush=True)
-        elif reuse and done.is_file() and (config.run.path / "model.safetensors").is_file():
-            differ = _saved_settings_differ(config.run.path, config)
-            if differ:
-                raise SystemExit(f"--reuse: {config.run.path} was trained with other settings ("
-                                 + "; ".join(differ) + "); use another --workdir")
-            print(f"reusing {config.run.path}", flush=True)
+        if reuse and reusable(config.run.path, config):
             kept = config.run.path / "lifecycle_compute.json"  # what the run that trained it cost
             if kept.is_file():
                 return json.loads(kept.read_text()), False

@@ -38,8 +38,7 @@ import time
 from pathlib import Path
 
 from bench.common import REPO_ROOT, ensure_demo
-from bench.lifecycle import (FULL, QUICK, _config, _post_sections, _saved_settings_differ, _train,
-                             _unfinished)
+from bench.lifecycle import FULL, QUICK, _config, _post_sections, _train, reusable
 
 SFT_STEPS = 1000
 """SFT steps of the policy and the verifier model, chosen on validation tasks (200 train-split
@@ -96,27 +95,10 @@ def sft_config(run_dir: Path, sizes: dict, init_from: Path | None, model: dict |
     return _config(run_dir, 0, model=model or {}, observe={"log_every": 50}, **sections)
 
 
-def built(run_dir: Path, config) -> bool:
-    """Whether ``run_dir`` holds a finished run of ``config``'s settings (refused when it holds
-    one of other settings)."""
-    if not ((run_dir / "summary.json").is_file() and (run_dir / "model.safetensors").is_file()):
-        return False
-    differ = _saved_settings_differ(run_dir, config)
-    if differ:
-        raise SystemExit(f"{run_dir} was trained with other settings (" + "; ".join(differ)
-                         + "); remove it or use another --workdir")
-    stopped = _unfinished(run_dir, config)
-    if stopped:
-        print(f"training {run_dir} again: {stopped}", flush=True)
-        return False
-    print(f"reusing {run_dir}", flush=True)
-    return True
-
-
 def train(kind: str, config) -> Path:
     """Train ``config`` (``sft``) unless its run is already there; its weights."""
     run_dir = config.run.path
-    if not built(run_dir, config):
+    if not reusable(run_dir, config):
         print(f"training {run_dir}: {kind}, {config.train.steps} steps", flush=True)
         done = _train(kind, config)
         print(f"{run_dir}: {done['steps']} steps in {done['seconds']:.0f} s, final loss "
@@ -155,7 +137,7 @@ def line_verifier(run_dir: Path, init_from: Path, policy: Path, study: dict) -> 
                  "observe.log_every=50"] + [f"model.{k}={v}" for k, v in VERIFIER_SHAPE.items()]
     tiny = REPO_ROOT / "configs" / "tiny.toml"
     config = load_config(tiny, overrides + [f"post.data={run_dir / 'verifier_data.jsonl'}"])
-    if built(run_dir, config):
+    if reusable(run_dir, config):
         return
     ftlm(["verifier", "train", str(tiny), "--policy", str(policy), "--families",
           study["families"], "--n", str(study["line_tasks"]), "--samples",

@@ -18,7 +18,7 @@ import pytest
 
 from bench.lifecycle import (FIRST_TEST, FULL, STAGE_SIZES, TEST_DRAWS, _config,
                              _post_sections, _saved_settings_differ, _unfinished, base_stage,
-                             earlier_draws, evaluation_tasks, format_section, merge,
+                             reusable, earlier_draws, evaluation_tasks, format_section, merge,
                              training_problems, verdict, CHAINS, RPO, chaos_lines,
                              interval_over_chains)
 from ftlm.tasks import generate
@@ -195,18 +195,22 @@ def test_a_run_stopped_early_is_trained_again_not_taken_back(tmp_path: Path, cap
     ``make tts``) must not score that partly trained model as the finished one."""
     from bench import tts_pipeline
     config = tts_pipeline.sft_config(tmp_path / "policy", FULL, None)
+    assert not reusable(config.run.path, config)  # nothing there
     config.run.path.mkdir()
     (config.run.path / "config.toml").write_text(config.to_toml())
     (config.run.path / "model.safetensors").write_bytes(b"weights")
     summary = config.run.path / "summary.json"
     summary.write_text(json.dumps({"steps_committed": 321}))
     assert _unfinished(config.run.path, config) == "it stopped at step 321 of 800"
-    assert not tts_pipeline.built(config.run.path, config)
+    assert not reusable(config.run.path, config)
     assert "training " + str(config.run.path) + " again: it stopped at step 321 of 800" in (
         capsys.readouterr().out)
     summary.write_text(json.dumps({"steps_committed": 800}))
     assert _unfinished(config.run.path, config) == ""
-    assert tts_pipeline.built(config.run.path, config)
+    assert reusable(config.run.path, config)
+    other = tts_pipeline.sft_config(tmp_path / "policy", {**FULL, "sft_lr": 1e-3}, None)
+    with pytest.raises(SystemExit, match="train.lr: 0.003 there, 0.001 now.*remove it"):
+        reusable(config.run.path, other)
 
 
 def test_a_stage_stopped_by_a_signal_ends_the_benchmark(tmp_path: Path, monkeypatch) -> None:
